@@ -1,0 +1,54 @@
+"""The ``dofla`` command line: parses arguments and calls the library.
+
+Each sub-command lives in ``dofla/commands/<name>.py`` with ``register(subparsers)`` that adds its
+parser and sets ``func``; this file only finds them, runs one and turns errors into one sentence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from dofla.errors import DoflaError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dofla",
+        description="Turn a softmax-attention language model into a linear-attention one by distillation.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    import dofla.commands as commands_package
+
+    for info in sorted(pkgutil.iter_modules(commands_package.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"dofla.commands.{info.name}")
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        result = args.func(args)
+    except DoflaError as error:
+        if args.debug:
+            raise
+        print(f"dofla: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("dofla: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
