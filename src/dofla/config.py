@@ -50,7 +50,9 @@ class LayerPlan:
                     f"{expected} {'key/value' if self.share_kv_heads else 'query'} heads there."
                 )
             if min(self.head_feature_dims) <= 0:
-                raise DoflaError(f"{where}: every head needs at least one feature, got {self.head_feature_dims}.")
+                raise DoflaError(
+                    f"{where}: every head needs at least one feature, got {self.head_feature_dims}."
+                )
             if max(self.head_feature_dims) != self.feature_dim:
                 raise DoflaError(
                     f"{where}: feature_dim {self.feature_dim} must equal the largest head dimension "
@@ -79,11 +81,15 @@ class ConversionPlan:
 
     def validate(self) -> None:
         if len(self.layers) != self.num_layers:
-            raise DoflaError(f"the plan lists {len(self.layers)} layers but says the model has {self.num_layers}.")
+            raise DoflaError(
+                f"the plan lists {len(self.layers)} layers but says the model has {self.num_layers}."
+            )
         for index, layer in enumerate(self.layers):
             layer.validate(index, self.num_heads, self.num_kv_heads)
 
-    def check_matches(self, model_type: str, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def check_matches(
+        self, model_type: str, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> None:
         """Refuse a plan made for a different architecture, naming the first difference."""
         ours = (self.model_type, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim)
         theirs = (model_type, num_layers, num_heads, num_kv_heads, head_dim)
@@ -111,7 +117,9 @@ class ConversionPlan:
         except (KeyError, TypeError) as error:
             raise DoflaError(f"this is not a dofla plan ({error}); make one with `dofla dof`.") from None
         if plan.version != PLAN_VERSION:
-            raise DoflaError(f"plan version {plan.version} is not supported (this dofla reads {PLAN_VERSION}).")
+            raise DoflaError(
+                f"plan version {plan.version} is not supported (this dofla reads {PLAN_VERSION})."
+            )
         plan.validate()
         return plan
 

@@ -24,7 +24,9 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
         os.replace(temporary, path)
     except OSError as error:
         temporary.unlink(missing_ok=True)
-        raise DoflaError(f"could not write {path}: {error.strerror or error}; the previous file was kept.") from error
+        raise DoflaError(
+            f"could not write {path}: {error.strerror or error}; the previous file was kept."
+        ) from error
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise

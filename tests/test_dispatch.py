@@ -1,0 +1,76 @@
+"""The attention dispatcher: teacher output unchanged, students take over, observers see every call."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dofla import dispatch
+
+
+def _tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+class _ZeroStudent(torch.nn.Module):
+    """Returns zeros: an obviously different attention, to see that the student is used."""
+
+    def forward(self, query, key, value, attention_mask=None, *, scaling):
+        return torch.zeros_like(query).transpose(1, 2)
+
+
+def test_install_keeps_teacher_logits_and_is_idempotent():
+    model = _tiny_llama()
+    tokens = torch.randint(0, 64, (2, 9))
+    before = model(tokens).logits
+    assert dispatch.install(model) == "dofla_sdpa"
+    assert dispatch.install(model) == "dofla_sdpa"
+    assert dispatch.is_installed(model)
+    torch.testing.assert_close(model(tokens).logits, before, rtol=0, atol=1e-6)
+
+
+def test_eager_teacher_stays_eager():
+    model = _tiny_llama()
+    model.set_attn_implementation("eager")
+    tokens = torch.randint(0, 64, (1, 7))
+    before = model(tokens).logits
+    assert dispatch.install(model) == "dofla_eager"
+    torch.testing.assert_close(model(tokens).logits, before, rtol=0, atol=1e-6)
+
+
+def test_observer_sees_every_layer_with_shapes():
+    model = _tiny_llama()
+    dispatch.install(model)
+    calls = []
+    with dispatch.observe(calls.append):
+        model(torch.randint(0, 64, (2, 5)))
+    assert [call.layer_index for call in calls] == [0, 1]
+    call = calls[0]
+    assert call.query.shape == (2, 4, 5, 8)
+    assert call.key.shape == call.value.shape == (2, 2, 5, 8)
+    assert call.output.shape == (2, 5, 4, 8)
+    assert abs(call.scaling - 8**-0.5) < 1e-12
+    # Observers are removed when the block ends.
+    model(torch.randint(0, 64, (2, 5)))
+    assert len(calls) == 2
+
+
+def test_student_replaces_teacher_except_when_teacher_forced():
+    model = _tiny_llama()
+    tokens = torch.randint(0, 64, (1, 6))
+    teacher_logits = model(tokens).logits
+    dispatch.install(model)
+    model.model.layers[1].self_attn.dofla_student = _ZeroStudent()
+    student_logits = model(tokens).logits
+    assert not torch.allclose(student_logits, teacher_logits, atol=1e-4)
+    with dispatch.teacher_forced():
+        forced = model(tokens).logits
+    torch.testing.assert_close(forced, teacher_logits, rtol=0, atol=1e-6)
