@@ -1,0 +1,82 @@
+"""Attention-error measurement and the pass-key retrieval prompt."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dofla import dispatch
+from dofla.errors import DoflaError
+from dofla.evaluation.attention_error import attention_errors
+from dofla.evaluation.passkey import build_prompt
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+class _ScaledTeacher(torch.nn.Module):
+    """Exact softmax attention times a factor: relative error is |factor - 1| by construction."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, query, key, value, attention_mask=None, *, scaling):
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling
+        )
+        return (self.factor * out).transpose(1, 2)
+
+
+def test_attention_error_is_measured_per_converted_layer():
+    model = _tiny_llama()
+    dispatch.install(model)
+    model.model.layers[0].self_attn.dofla_student = _ScaledTeacher(1.0)
+    model.model.layers[1].self_attn.dofla_student = _ScaledTeacher(1.5)
+    errors = attention_errors(model, [torch.randint(0, 64, (2, 12)) for _ in range(2)])
+    assert sorted(errors) == [0, 1]
+    assert errors[0]["relative_error"] == pytest.approx(0.0, abs=1e-5)
+    assert errors[1]["relative_error"] == pytest.approx(0.5, rel=1e-4)
+    assert errors[1]["cosine"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_attention_error_needs_a_converted_layer():
+    model = _tiny_llama()
+    dispatch.install(model)
+    with pytest.raises(DoflaError, match="no converted layers"):
+        attention_errors(model, [torch.randint(0, 64, (1, 8))])
+
+
+class _WordTokenizer:
+    """One id per distinct word, so a word can be found again in the ids."""
+
+    bos_token_id = None
+
+    def __init__(self):
+        self.vocabulary: dict[str, int] = {}
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [self.vocabulary.setdefault(word, len(self.vocabulary)) for word in text.split()]}
+
+
+def test_passkey_prompt_length_and_depth():
+    tokenizer = _WordTokenizer()
+    for depth in (0.0, 0.5, 1.0):
+        ids = build_prompt(tokenizer, "12345", 600, depth)[0].tolist()
+        assert 500 <= len(ids) <= 620
+        needle = ids.index(tokenizer.vocabulary["12345."])
+        assert abs(needle / len(ids) - depth) < 0.1
+    with pytest.raises(DoflaError, match="depth must be between 0 and 1"):
+        build_prompt(tokenizer, "12345", 600, 1.5)
