@@ -68,7 +68,9 @@ class _WordTokenizer:
         self.vocabulary: dict[str, int] = {}
 
     def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [self.vocabulary.setdefault(word, len(self.vocabulary)) for word in text.split()]}
+        return {
+            "input_ids": [self.vocabulary.setdefault(word, len(self.vocabulary)) for word in text.split()]
+        }
 
 
 def test_passkey_prompt_length_and_depth():
@@ -80,3 +82,14 @@ def test_passkey_prompt_length_and_depth():
         assert abs(needle / len(ids) - depth) < 0.1
     with pytest.raises(DoflaError, match="depth must be between 0 and 1"):
         build_prompt(tokenizer, "12345", 600, 1.5)
+
+
+def test_softmax_cache_grows_with_context():
+    from dofla.evaluation.speed import measure_generation
+
+    model = _tiny_llama()
+    rows = measure_generation(model, context_lengths=(16, 32), new_tokens=3)
+    # 2 layers x (keys + values) x 2 kv heads x 8 dims x 4 bytes per token.
+    per_token = 2 * 2 * 2 * 8 * 4
+    assert [row["cache_bytes_after_prefill"] for row in rows] == [16 * per_token, 32 * per_token]
+    assert rows[0]["cache_bytes_after_decode"] == 19 * per_token
