@@ -1,0 +1,68 @@
+"""Shape checks shared by the three forms, so all of them refuse the same inputs with the same sentence."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dofla.errors import DoflaError
+
+
+def check_linear_inputs(q_features: Tensor, k_features: Tensor, v: Tensor, k_log_scale: Tensor | None) -> int:
+    """Check (B, H, T, F), (B, Hk, T, F), (B, Hk, T, Dv), (B, Hk, T); return the group size H // Hk."""
+    if q_features.dim() != 4 or k_features.dim() != 4 or v.dim() != 4:
+        raise DoflaError(
+            f"linear attention expects 4-d (batch, heads, tokens, dim) inputs, got q_features "
+            f"{tuple(q_features.shape)}, k_features {tuple(k_features.shape)}, v {tuple(v.shape)}."
+        )
+    batch, num_heads, length, feature_dim = q_features.shape
+    if k_features.shape[0] != batch or k_features.shape[2] != length or k_features.shape[3] != feature_dim:
+        raise DoflaError(
+            f"k_features {tuple(k_features.shape)} does not match q_features {tuple(q_features.shape)} in "
+            "batch, tokens or feature dimension; build both with the same feature map."
+        )
+    if tuple(v.shape[:3]) != tuple(k_features.shape[:3]):
+        raise DoflaError(
+            f"v {tuple(v.shape)} must have the batch, heads and tokens of k_features {tuple(k_features.shape)}."
+        )
+    num_kv_heads = k_features.shape[1]
+    if num_heads % num_kv_heads != 0:
+        raise DoflaError(
+            f"{num_heads} query heads are not a multiple of {num_kv_heads} key/value heads; "
+            "pass key/value tensors with a divisor of the query heads."
+        )
+    if k_log_scale is not None and tuple(k_log_scale.shape) != tuple(k_features.shape[:3]):
+        raise DoflaError(
+            f"k_log_scale {tuple(k_log_scale.shape)} must be (batch, kv heads, tokens) = "
+            f"{tuple(k_features.shape[:3])}."
+        )
+    return num_heads // num_kv_heads
+
+
+def check_hybrid_inputs(
+    query: Tensor, key: Tensor, q_features: Tensor, window: int, window_factor: Tensor
+) -> None:
+    same_tokens = key.shape[0] == query.shape[0] and key.shape[2] == query.shape[2]
+    if (
+        tuple(query.shape[:3]) != tuple(q_features.shape[:3])
+        or not same_tokens
+        or key.shape[3] != query.shape[3]
+    ):
+        raise DoflaError(
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} must share batch, tokens and head size, "
+            f"and query must have the batch, heads and tokens of q_features {tuple(q_features.shape)}."
+        )
+    if int(window) <= 0:
+        raise DoflaError(f"the sliding window must be positive, got {window}.")
+    if not torch.is_tensor(window_factor) or tuple(window_factor.shape) != (query.shape[1],):
+        raise DoflaError(
+            f"window_factor must be a tensor of one factor per query head, shape ({query.shape[1]},), "
+            f"got {getattr(window_factor, 'shape', window_factor)}."
+        )
+
+
+def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 when any input is float64 (tests' ground truth), else float32 accumulation."""
+    return (
+        torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    )
