@@ -1,0 +1,117 @@
+"""Learned feature maps: Hedgehog (LoLCATs) and the cheap baselines T2R and elu+1.
+
+All compute in float32 and return features in the input's dtype with ``log_scale`` None.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dofla.errors import DoflaError
+from dofla.feature_maps.base import FeatureMap, register_feature_map
+
+
+def identity_like(num_heads: int, rows: int, columns: int, generator, extra_std: float) -> Tensor:
+    """(num_heads, rows, columns): the identity on the overlap; extra columns drawn N(0, extra_std^2)."""
+    weight = torch.eye(rows, columns).expand(num_heads, rows, columns).clone()
+    if columns > rows:
+        weight[..., rows:] = extra_std * torch.randn(num_heads, rows, columns - rows, generator=generator)
+    return weight
+
+
+@register_feature_map("hedgehog")
+class HedgehogFeatures(FeatureMap):
+    """phi(x) = [softmax(x W) ⊕ softmax(-x W)] per head, W (num_heads, D, F/2) trainable (LoLCATs).
+
+    Initialised identity-like (exactly the identity when F/2 == D). Features are interleaved
+    (positive, negative, positive, ...) so that a head with M_h < F features uses the first M_h:
+    each softmax then runs over that head's first M_h / 2 columns only.
+    """
+
+    def __init__(
+        self, *, num_heads, head_dim, feature_dim, scaling, head_feature_dims=None, seed: int = 0
+    ) -> None:
+        odd = [d for d in ([feature_dim] + list(head_feature_dims or [])) if int(d) % 2]
+        if odd:
+            raise DoflaError(
+                f"hedgehog features come in (softmax, softmax of the negation) pairs, so feature dimensions must "
+                f"be even; got {odd[0]}; use an even number."
+            )
+        super().__init__(
+            num_heads=num_heads,
+            head_dim=head_dim,
+            feature_dim=feature_dim,
+            scaling=scaling,
+            head_feature_dims=head_feature_dims,
+        )
+        generator = torch.Generator().manual_seed(int(seed))
+        self.weight = nn.Parameter(
+            identity_like(num_heads, head_dim, feature_dim // 2, generator, head_dim**-0.5)
+        )
+
+    def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
+        grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
+        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight)  # (B, Hm, G, T, F/2)
+        half_mask = self.feature_mask[:, 0::2][None, :, None, None, :]  # (1, Hm, 1, 1, F/2)
+        positive = torch.softmax(projection.masked_fill(~half_mask, float("-inf")), dim=-1)
+        negative = torch.softmax((-projection).masked_fill(~half_mask, float("-inf")), dim=-1)
+        features = torch.stack([positive, negative], dim=-1)  # (B, Hm, G, T, F/2, 2): interleaved
+        return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
+
+
+@register_feature_map("t2r")
+class ReluFeatures(FeatureMap):
+    """T2R: phi(x) = ReLU(x W + b), W (num_heads, D, F) ~ N(0, 1/D), b = 0, both trainable."""
+
+    def __init__(
+        self, *, num_heads, head_dim, feature_dim, scaling, head_feature_dims=None, seed: int = 0
+    ) -> None:
+        super().__init__(
+            num_heads=num_heads,
+            head_dim=head_dim,
+            feature_dim=feature_dim,
+            scaling=scaling,
+            head_feature_dims=head_feature_dims,
+        )
+        generator = torch.Generator().manual_seed(int(seed))
+        self.weight = nn.Parameter(
+            torch.randn(num_heads, head_dim, feature_dim, generator=generator) * head_dim**-0.5
+        )
+        self.bias = nn.Parameter(torch.zeros(num_heads, feature_dim))
+
+    def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
+        grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
+        projection = (
+            torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight) + self.bias[None, :, None, None, :]
+        )
+        features = self.masked(F.relu(projection))
+        return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
+
+
+@register_feature_map("elu1")
+class EluPlusOneFeatures(FeatureMap):
+    """phi(x) = elu(x W) + 1 with a trainable W (num_heads, D, F) initialised to the rectangular identity.
+
+    With F == D this starts as the classic elu(x) + 1 of Katharopoulos et al.; extra columns start at 0
+    (constant feature 1), missing ones drop coordinates.
+    """
+
+    def __init__(self, *, num_heads, head_dim, feature_dim, scaling, head_feature_dims=None) -> None:
+        super().__init__(
+            num_heads=num_heads,
+            head_dim=head_dim,
+            feature_dim=feature_dim,
+            scaling=scaling,
+            head_feature_dims=head_feature_dims,
+        )
+        self.weight = nn.Parameter(
+            torch.eye(head_dim, feature_dim).expand(num_heads, head_dim, feature_dim).clone()
+        )
+
+    def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
+        grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
+        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight)
+        features = self.masked(F.elu(projection) + 1)
+        return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
