@@ -1,0 +1,332 @@
+"""The chunked and recurrent forms against the quadratic reference, forward and gradients, and state handoff."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dofla.errors import DoflaError
+from dofla.feature_maps import build_feature_map
+from dofla.ops import (
+    LinearState,
+    chunked_hybrid_attention,
+    chunked_linear_attention,
+    hybrid_attention,
+    linear_attention,
+    recurrent_hybrid_attention,
+    recurrent_linear_attention,
+)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-2) -> float:
+    """|actual - expected| / |expected| (Frobenius); the floor keeps gradients that are ~0 by construction
+    (e.g. d out / d q with a single key, which only eps makes non-zero) from comparing float32 noise."""
+    difference = (actual.double() - expected.double()).norm()
+    return (difference / expected.double().norm().clamp_min(floor)).item()
+
+
+def make_inputs(
+    batch, heads, kv_heads, length, features, *, head_dim=4, value_dim=3, log_scale_std=None, seed=0
+):
+    """Leaf float64 tensors: q/k features >= 0, values, optional key log scales, raw query/key, gamma."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, positive=False):
+        tensor = (
+            torch.rand(*shape, generator=generator) if positive else torch.randn(*shape, generator=generator)
+        )
+        return tensor.double()
+
+    inputs = {
+        "q_features": draw(batch, heads, length, features, positive=True),
+        "k_features": draw(batch, kv_heads, length, features, positive=True),
+        "v": draw(batch, kv_heads, length, value_dim),
+        "k_log_scale": None if log_scale_std is None else log_scale_std * draw(batch, kv_heads, length),
+        "query": draw(batch, heads, length, head_dim),
+        "key": draw(batch, kv_heads, length, head_dim),
+        "window_factor": torch.sigmoid(draw(heads)),
+    }
+    return {name: None if tensor is None else tensor.requires_grad_() for name, tensor in inputs.items()}
+
+
+LINEAR_NAMES = ("q_features", "k_features", "v", "k_log_scale")
+HYBRID_NAMES = ("query", "key", "q_features", "k_features", "v", "k_log_scale", "window_factor")
+
+
+def cast(inputs, names, dtype):
+    """Fresh leaves in ``dtype`` (gradients of each call kept apart)."""
+    return {
+        name: None if inputs[name] is None else inputs[name].detach().to(dtype).requires_grad_()
+        for name in names
+    }
+
+
+def forward_and_gradients(function, inputs, output_weight, **kwargs):
+    out = function(**inputs, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    (out.double() * output_weight).sum().backward()
+    # No gradient at all (e.g. features when no key has left the window yet) means zeros.
+    gradients = {
+        name: torch.zeros_like(tensor) if tensor.grad is None else tensor.grad
+        for name, tensor in inputs.items()
+        if tensor is not None
+    }
+    return out.detach(), gradients
+
+
+def assert_matches_reference(fast, reference, inputs, names, dtype, tolerance, fast_kwargs=None, **kwargs):
+    fast_inputs, reference_inputs = cast(inputs, names, dtype), cast(inputs, names, torch.float64)
+    if dtype != torch.float64:  # the reference sees exactly the rounded values the fast form sees
+        reference_inputs = cast(fast_inputs, names, torch.float64)
+    probe = reference(
+        **{k: (None if t is None else t.detach()) for k, t in reference_inputs.items()}, **kwargs
+    )
+    output_weight = torch.randn(probe.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out, gradients = forward_and_gradients(fast, fast_inputs, output_weight, **kwargs, **(fast_kwargs or {}))
+    expected, expected_gradients = forward_and_gradients(reference, reference_inputs, output_weight, **kwargs)
+    assert out.dtype == dtype
+    assert relative_error(out, expected) < tolerance, "forward"
+    for name, gradient in gradients.items():
+        # Gradients sum ~numel(out) random-weighted terms: that sets the floor of their natural size.
+        error = relative_error(gradient, expected_gradients[name], floor=1e-2 * expected.numel() ** 0.5)
+        assert error < tolerance, f"gradient of {name}: relative error {error:.2e}"
+
+
+# (batch, heads, kv heads, tokens, features, chunk): T = 1, T < chunk, T not divisible by chunk, divisible;
+# GQA 6/2 and 4/1 and H == Hk; feature dims differ from call to call.
+LINEAR_CASES = [
+    (1, 2, 2, 1, 4, 8),
+    (1, 3, 3, 5, 3, 16),
+    (2, 6, 2, 37, 5, 8),
+    (2, 4, 1, 32, 7, 16),
+    (1, 6, 6, 19, 2, 4),
+]
+
+
+@pytest.mark.parametrize("case", LINEAR_CASES)
+@pytest.mark.parametrize("log_scale_std", [None, 30.0])
+def test_chunked_linear_matches_naive_forward_and_gradients(case, log_scale_std):
+    batch, heads, kv_heads, length, features, chunk = case
+    inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
+    assert_matches_reference(
+        chunked_linear_attention,
+        linear_attention,
+        inputs,
+        LINEAR_NAMES,
+        torch.float32,
+        1e-4,
+        {"chunk_size": chunk},
+    )
+
+
+@pytest.mark.parametrize("case", LINEAR_CASES[:4])
+@pytest.mark.parametrize("log_scale_std", [None, 30.0])
+def test_recurrent_linear_matches_naive_forward_and_gradients(case, log_scale_std):
+    batch, heads, kv_heads, length, features, _ = case
+    inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
+    assert_matches_reference(
+        recurrent_linear_attention, linear_attention, inputs, LINEAR_NAMES, torch.float32, 1e-4
+    )
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_linear_bfloat16_inputs_match_reference_within_rounding(form):
+    inputs = make_inputs(2, 6, 2, 29, 6, log_scale_std=5.0)
+    function = chunked_linear_attention if form == "chunked" else recurrent_linear_attention
+    kwargs = {"chunk_size": 8} if form == "chunked" else {}
+    assert_matches_reference(function, linear_attention, inputs, LINEAR_NAMES, torch.bfloat16, 2e-2, kwargs)
+
+
+def test_float64_inputs_stay_float64_and_agree_to_machine_precision():
+    inputs = make_inputs(1, 4, 2, 21, 5, log_scale_std=10.0)
+    assert_matches_reference(
+        chunked_linear_attention,
+        linear_attention,
+        inputs,
+        LINEAR_NAMES,
+        torch.float64,
+        1e-12,
+        {"chunk_size": 4},
+    )
+
+
+def split(inputs, names, start, stop):
+    return {name: None if inputs[name] is None else inputs[name].detach()[:, :, start:stop] for name in names}
+
+
+@pytest.mark.parametrize("log_scale_std", [None, 20.0])
+def test_prefill_chunked_then_decode_recurrent_then_chunked_again_equals_one_pass(log_scale_std):
+    inputs = make_inputs(2, 6, 2, 40, 5, log_scale_std=log_scale_std)
+    expected = linear_attention(**split(inputs, LINEAR_NAMES, 0, 40))
+    prefill, state = chunked_linear_attention(
+        **split(inputs, LINEAR_NAMES, 0, 19), chunk_size=8, return_state=True
+    )
+    pieces = [prefill]
+    for t in range(19, 25):  # one token at a time
+        out, state = recurrent_linear_attention(**split(inputs, LINEAR_NAMES, t, t + 1), state=state)
+        pieces.append(out)
+    assert state.num_tokens == 25
+    out, state = chunked_linear_attention(
+        **split(inputs, LINEAR_NAMES, 25, 40), chunk_size=8, initial_state=state, return_state=True
+    )
+    pieces.append(out)
+    assert state.num_tokens == 40
+    assert relative_error(torch.cat(pieces, dim=2), expected) < 1e-12
+    # The final states of both forms agree too.
+    _, recurrent_state = recurrent_linear_attention(**split(inputs, LINEAR_NAMES, 0, 40))
+    assert torch.allclose(state.kv, recurrent_state.kv, rtol=1e-10, atol=1e-12)
+    assert torch.equal(state.log_offset, recurrent_state.log_offset)
+
+
+def test_state_index_select_and_repeat_interleave_follow_batch_rows():
+    inputs = make_inputs(3, 4, 2, 12, 3, log_scale_std=3.0)
+    _, state = chunked_linear_attention(**split(inputs, LINEAR_NAMES, 0, 10), chunk_size=4, return_state=True)
+    order = torch.tensor([2, 0, 2])
+    reordered = {name: None if t is None else t.detach()[order] for name, t in inputs.items()}
+    expected = linear_attention(**split(reordered, LINEAR_NAMES, 0, 12))[:, :, 10:]
+    out, _ = recurrent_linear_attention(
+        **split(reordered, LINEAR_NAMES, 10, 12), state=state.index_select(order)
+    )
+    assert relative_error(out, expected) < 1e-12
+    repeated = state.repeat_interleave(2)
+    assert repeated.kv.shape[0] == 6 and torch.equal(repeated.kv[4], state.kv[2])
+
+
+def test_huge_log_scales_neither_overflow_nor_starve_early_queries():
+    inputs = make_inputs(1, 2, 1, 24, 4)
+    tensors = {name: t.detach() for name, t in split(inputs, LINEAR_NAMES[:3], 0, 24).items()}
+    # Log scales growing by 1000 per token: exp() of them overflows even float64.
+    log_scale = 1000.0 * torch.arange(24, dtype=torch.float64).view(1, 1, 24)
+    expected_first = tensors["v"][:, :, 0]  # query 0 sees only key 0
+    for function, kwargs in [(chunked_linear_attention, {"chunk_size": 8}), (recurrent_linear_attention, {})]:
+        out = function(**{k: t.float() for k, t in tensors.items()}, k_log_scale=log_scale.float(), **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        assert torch.isfinite(out).all()
+        assert torch.allclose(out[:, 0, 0].double(), expected_first[:, 0], atol=1e-5)
+        # Later queries are dominated by their own (largest-scaled) key.
+        assert torch.allclose(out[:, :, -1].double(), tensors["v"][:, :, -1].expand(1, 2, -1), atol=1e-4)
+    naive = linear_attention(**tensors, k_log_scale=log_scale)
+    assert torch.isfinite(naive).all()
+
+
+def test_bfloat16_prf_features_of_large_norm_at_long_length_stay_finite_and_convex():
+    torch.manual_seed(0)
+    length, heads, kv_heads, head_dim = 4096, 2, 1, 16
+    feature_map = build_feature_map(
+        "prf", num_heads=kv_heads, head_dim=head_dim, feature_dim=16, scaling=0.25
+    )
+    query = (40 * torch.randn(1, heads, length, head_dim)).bfloat16()
+    key = (40 * torch.randn(1, kv_heads, length, head_dim)).bfloat16()
+    v = torch.randn(1, kv_heads, length, 8).bfloat16()
+    q_features, _ = feature_map(query, is_query=True)
+    k_features, k_log_scale = feature_map(key, is_query=False)
+    assert torch.isfinite(k_log_scale).all() and k_log_scale.abs().max() > 1e3  # exp() of it would overflow
+    out, state = chunked_linear_attention(
+        q_features, k_features, v, k_log_scale=k_log_scale, chunk_size=64, return_state=True
+    )
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert torch.isfinite(state.kv).all() and torch.isfinite(state.normalizer).all()
+    # Every output is a convex combination of the values seen so far (up to bf16 rounding).
+    assert (out.float().abs().amax(-1) <= v.float().abs().amax() * 1.01).all()
+    decoded, _ = recurrent_linear_attention(
+        q_features[:, :, -3:],
+        k_features[:, :, -3:],
+        v[:, :, -3:],
+        k_log_scale=k_log_scale[:, :, -3:],
+        state=None,
+    )
+    assert torch.isfinite(decoded).all()
+
+
+# (batch, heads, kv heads, tokens, features, chunk, window): window 1, window not dividing chunk,
+# window > chunk, T < window, T < chunk.
+HYBRID_CASES = [
+    (1, 2, 2, 17, 4, 8, 1),
+    (2, 6, 2, 37, 5, 8, 3),
+    (1, 4, 1, 30, 3, 4, 9),
+    (1, 2, 1, 20, 6, 16, 64),
+    (2, 3, 3, 6, 4, 16, 4),
+]
+
+
+@pytest.mark.parametrize("case", HYBRID_CASES)
+@pytest.mark.parametrize("log_scale_std", [None, 30.0])
+def test_chunked_hybrid_matches_naive_forward_and_gradients(case, log_scale_std):
+    batch, heads, kv_heads, length, features, chunk, window = case
+    inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
+    kwargs = {"scaling": 0.7, "window": window}
+    assert_matches_reference(
+        chunked_hybrid_attention, hybrid_attention, inputs, HYBRID_NAMES, torch.float32, 1e-4,
+        {"chunk_size": chunk}, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", HYBRID_CASES[1:4])
+@pytest.mark.parametrize("log_scale_std", [None, 30.0])
+def test_recurrent_hybrid_matches_naive_forward_and_gradients(case, log_scale_std):
+    batch, heads, kv_heads, length, features, _, window = case
+    inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
+    kwargs = {"scaling": 0.7, "window": window}
+    assert_matches_reference(
+        recurrent_hybrid_attention, hybrid_attention, inputs, HYBRID_NAMES, torch.float32, 1e-4, **kwargs
+    )
+
+
+def test_hybrid_bfloat16_inputs_match_reference_within_rounding():
+    inputs = make_inputs(2, 6, 2, 29, 6, log_scale_std=5.0)
+    kwargs = {"scaling": 0.5, "window": 5}
+    assert_matches_reference(
+        chunked_hybrid_attention, hybrid_attention, inputs, HYBRID_NAMES, torch.bfloat16, 2e-2,
+        {"chunk_size": 8}, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("log_scale_std", [None, 20.0])
+@pytest.mark.parametrize("prefill", [2, 13])  # prefill shorter and longer than the window
+def test_hybrid_prefill_then_decode_then_chunked_equals_one_pass(log_scale_std, prefill):
+    inputs = make_inputs(2, 6, 2, 36, 5, log_scale_std=log_scale_std)
+    kwargs = {"scaling": 0.5, "window": 5, "window_factor": inputs["window_factor"].detach()}
+    expected = hybrid_attention(**split(inputs, HYBRID_NAMES[:-1], 0, 36), **kwargs)
+    out, state = chunked_hybrid_attention(
+        **split(inputs, HYBRID_NAMES[:-1], 0, prefill), chunk_size=8, return_state=True, **kwargs
+    )
+    pieces = [out]
+    for t in range(prefill, prefill + 7):
+        out, state = recurrent_hybrid_attention(
+            **split(inputs, HYBRID_NAMES[:-1], t, t + 1), state=state, **kwargs
+        )
+        pieces.append(out)
+    assert state.keys.shape[2] == 5 and state.num_tokens == prefill + 7
+    out, state = chunked_hybrid_attention(
+        **split(inputs, HYBRID_NAMES[:-1], prefill + 7, 36), chunk_size=8, initial_state=state, return_state=True,
+        **kwargs,
+    )  # fmt: skip
+    pieces.append(out)
+    assert state.num_tokens == 36 and state.linear.num_tokens == 31
+    assert relative_error(torch.cat(pieces, dim=2), expected) < 1e-12
+
+
+def test_errors_are_dofla_errors_with_the_offending_values():
+    inputs = {
+        name: t.detach() for name, t in split(make_inputs(1, 4, 3, 8, 2), LINEAR_NAMES[:3], 0, 8).items()
+    }
+    with pytest.raises(DoflaError, match="4 query heads are not a multiple of 3"):
+        chunked_linear_attention(**inputs)
+    good = {name: t.detach() for name, t in split(make_inputs(1, 4, 2, 8, 2), LINEAR_NAMES[:3], 0, 8).items()}
+    with pytest.raises(DoflaError, match="chunk_size"):
+        chunked_linear_attention(**good, chunk_size=0)
+    with pytest.raises(DoflaError, match="k_log_scale"):
+        recurrent_linear_attention(**good, k_log_scale=torch.zeros(1, 2, 7))
+    query, key = torch.randn(1, 4, 8, 4), torch.randn(1, 2, 8, 4)
+    with pytest.raises(DoflaError, match="window_factor"):
+        chunked_hybrid_attention(query, key, **good, scaling=0.5, window=4, window_factor=torch.ones(2))
+    with pytest.raises(DoflaError, match="window must be positive"):
+        hybrid_attention(query, key, **good, scaling=0.5, window=0, window_factor=torch.ones(4) / 2)
+
+
+def test_linear_state_empty_reads_as_nothing_seen():
+    state = LinearState.empty(2, 3, 4, 5)
+    assert state.kv.shape == (2, 3, 4, 5) and torch.isneginf(state.log_offset).all()
+    q, k, v = torch.rand(2, 3, 1, 4), torch.rand(2, 3, 1, 4), torch.randn(2, 3, 1, 5)
+    out, _ = recurrent_linear_attention(q, k, v, state=state)
+    assert torch.allclose(out, linear_attention(q, k, v))
