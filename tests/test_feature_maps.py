@@ -1,0 +1,224 @@
+"""Feature maps: formulas, unbiasedness of PRF, head-wise masking, stability, registry and errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dofla.errors import DoflaError
+from dofla.feature_maps import FEATURE_MAPS, FeatureMap, build_feature_map, register_feature_map
+from dofla.ops import chunked_linear_attention
+
+ALL_MAPS = ("prf", "learnable_prf", "hedgehog", "t2r", "elu1")
+
+
+def build(name, num_heads=2, head_dim=8, feature_dim=16, scaling=8**-0.5, **options):
+    return build_feature_map(
+        name, num_heads=num_heads, head_dim=head_dim, feature_dim=feature_dim, scaling=scaling, **options
+    )
+
+
+def true_features(feature_map, x):
+    """phi * exp(log_scale) in float64: the features the map stands for."""
+    features, log_scale = feature_map(x, is_query=False)
+    features = features.double()
+    return features if log_scale is None else features * log_scale.double().exp()[..., None]
+
+
+def test_registry_holds_every_map():
+    assert set(ALL_MAPS) <= set(FEATURE_MAPS)
+    for name in ALL_MAPS:
+        feature_map = build(name)
+        assert (
+            isinstance(feature_map, FeatureMap)
+            and feature_map.num_heads == 2
+            and feature_map.feature_dim == 16
+        )
+
+
+def test_prf_features_follow_the_formula_exactly():
+    feature_map = build("prf", num_heads=2, head_dim=8, feature_dim=12, scaling=0.3)
+    x = torch.randn(2, 4, 5, 8)  # 4 heads over 2 map heads: heads 0, 1 use set 0; heads 2, 3 use set 1
+    directions = feature_map.random_directions.double()  # (2, 8, 12)
+    expected = torch.stack(
+        [
+            torch.exp(
+                math.sqrt(0.3) * x[:, h].double() @ directions[h // 2]
+                - 0.15 * x[:, h].double().square().sum(-1, keepdim=True)
+            )
+            / math.sqrt(12)
+            for h in range(4)
+        ],
+        dim=1,
+    )
+    assert torch.allclose(true_features(feature_map, x), expected, rtol=1e-5)
+    queries, log_scale = feature_map(x, is_query=True)
+    assert log_scale is None
+    ratio = queries.double() / expected  # queries differ only by a per-token factor
+    assert torch.allclose(ratio, ratio[..., :1].expand_as(ratio), rtol=1e-5)
+    assert torch.allclose(queries.amax(-1), torch.ones(2, 4, 5))  # largest feature of each token is 1
+
+
+def test_prf_is_an_unbiased_estimate_of_the_softmax_kernel():
+    torch.manual_seed(0)
+    scaling, head_dim = 8**-0.5, 8
+    x, y = 0.5 * torch.randn(1, 1, 4, head_dim), 0.5 * torch.randn(1, 1, 4, head_dim)
+    exact = torch.exp(scaling * x.double() @ y.double().transpose(-1, -2))  # (1, 1, 4, 4)
+    estimates = []
+    for seed in range(4):
+        feature_map = build(
+            "prf", num_heads=1, head_dim=head_dim, feature_dim=8192, scaling=scaling, seed=seed
+        )
+        estimates.append(true_features(feature_map, x) @ true_features(feature_map, y).transpose(-1, -2))
+    mean = torch.stack(estimates).mean(0)
+    assert (mean / exact - 1).abs().max() < 0.03
+    # A single small draw is far off: the test above is not trivially satisfied.
+    small = build("prf", num_heads=1, head_dim=head_dim, feature_dim=2, scaling=scaling, seed=0)
+    assert (
+        true_features(small, x) @ true_features(small, y).transpose(-1, -2) / exact - 1
+    ).abs().max() > 0.03
+
+
+def test_prf_linear_attention_approaches_softmax_attention_with_many_features():
+    torch.manual_seed(1)
+    scaling, head_dim, length = 8**-0.5, 8, 12
+    query, key = 0.5 * torch.randn(1, 2, length, head_dim), 0.5 * torch.randn(1, 2, length, head_dim)
+    v = torch.randn(1, 2, length, 4)
+    softmax = torch.nn.functional.scaled_dot_product_attention(query, key, v, is_causal=True, scale=scaling)
+    feature_map = build("prf", num_heads=2, head_dim=head_dim, feature_dim=4096, scaling=scaling)
+    q_features, _ = feature_map(query, is_query=True)
+    k_features, k_log_scale = feature_map(key, is_query=False)
+    linear = chunked_linear_attention(q_features, k_features, v, k_log_scale=k_log_scale, chunk_size=4)
+    assert (linear - softmax).norm() / softmax.norm() < 0.05
+
+
+def test_prf_redraw_is_seeded_and_changes_the_directions():
+    feature_map = build("prf", seed=3)
+    first = feature_map.random_directions.clone()
+    feature_map.redraw(seed=4)
+    assert not torch.allclose(first, feature_map.random_directions)
+    feature_map.redraw(seed=3)
+    assert torch.equal(first, feature_map.random_directions)
+    assert not list(feature_map.parameters()) and feature_map.parameter_groups(0.1) == []
+
+
+def test_learnable_prf_equals_prf_at_initialisation_and_trains():
+    prf, learnable = build("prf", seed=5), build("learnable_prf", seed=5)
+    x = torch.randn(2, 4, 6, 8)
+    for is_query in (True, False):
+        (fixed, fixed_scale), (learned, learned_scale) = (
+            prf(x, is_query=is_query),
+            learnable(x, is_query=is_query),
+        )
+        assert torch.allclose(fixed, learned) and (fixed_scale is None) == (learned_scale is None)
+        if fixed_scale is not None:
+            assert torch.allclose(fixed_scale, learned_scale)
+    features, _ = learnable(x, is_query=True)
+    features.sum().backward()
+    assert learnable.z.grad.abs().sum() > 0 and learnable.log_alpha.grad.abs().sum() > 0
+
+
+def test_learnable_prf_parameter_groups_use_the_papers_rates_unless_overridden():
+    groups = build("learnable_prf").parameter_groups(base_lr=1e-3)
+    assert [group["lr"] for group in groups] == [0.02, 0.2]
+    feature_map = build("learnable_prf", z_lr=0.01, alpha_lr=0.5)
+    groups = feature_map.parameter_groups(base_lr=1e-3)
+    assert [group["lr"] for group in groups] == [0.01, 0.5]
+    assert groups[0]["params"][0] is feature_map.z and groups[1]["params"][0] is feature_map.log_alpha
+    torch.optim.AdamW(groups)  # accepted as is
+    hedgehog_groups = build("hedgehog").parameter_groups(base_lr=1e-2)
+    assert len(hedgehog_groups) == 1 and hedgehog_groups[0]["lr"] == 1e-2
+
+
+def test_hedgehog_is_a_pair_of_softmaxes_starting_from_the_identity():
+    feature_map = build("hedgehog", num_heads=1, head_dim=8, feature_dim=16)
+    assert torch.equal(feature_map.weight[0], torch.eye(8))
+    x = torch.randn(1, 3, 5, 8)
+    features, log_scale = feature_map(x, is_query=True)
+    assert log_scale is None
+    assert torch.allclose(features[..., 0::2], torch.softmax(x, -1), atol=1e-6)
+    assert torch.allclose(features[..., 1::2], torch.softmax(-x, -1), atol=1e-6)
+
+
+def test_elu1_starts_as_elu_plus_one_and_t2r_is_relu_of_an_affine_map():
+    x = torch.randn(1, 2, 5, 8)
+    features, _ = build("elu1", feature_dim=8)(x, is_query=True)
+    assert torch.allclose(features, torch.nn.functional.elu(x) + 1)
+    t2r = build("t2r", num_heads=2, feature_dim=6)
+    with torch.no_grad():
+        t2r.bias.fill_(0.1)
+    features, _ = t2r(x, is_query=False)
+    expected = torch.relu(torch.einsum("bhtd,hdf->bhtf", x, t2r.weight) + 0.1)
+    assert torch.allclose(features, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ALL_MAPS)
+def test_headwise_dims_give_exact_zeros_and_no_gradient_through_them(name):
+    feature_map = build(name, num_heads=2, feature_dim=16, head_feature_dims=[16, 6])
+    x = torch.randn(2, 4, 5, 8, requires_grad=True)
+    for is_query in (True, False):
+        features, _ = feature_map(x, is_query=is_query)
+        assert (features[:, 2:, :, 6:] == 0).all()  # heads 2, 3 read map head 1, which has 6 features
+        assert (features[:, :2, :, 6:] > 0).any()
+    # The extra features of head 1 have no effect: changing their parameters changes nothing.
+    features, _ = feature_map(x, is_query=False)
+    (features * torch.randn_like(features)).sum().backward()
+    for parameter_name, parameter in feature_map.named_parameters():
+        if parameter_name in ("weight", "z") and parameter.shape[-1] == 8:  # hedgehog: F/2 columns
+            assert (parameter.grad[1, :, 3:] == 0).all()
+        elif parameter_name in ("weight", "z", "log_alpha", "bias"):
+            assert (parameter.grad[1, ..., 6:] == 0).all(), parameter_name
+
+
+def test_headwise_prf_head_uses_its_own_feature_count_for_normalisation():
+    feature_map = build(
+        "prf", num_heads=2, head_dim=8, feature_dim=16, scaling=0.3, head_feature_dims=[16, 6]
+    )
+    x = torch.randn(1, 2, 3, 8).double()
+    directions = feature_map.random_directions.double()[1, :, :6]
+    expected = torch.exp(
+        math.sqrt(0.3) * x[:, 1] @ directions - 0.15 * x[:, 1].square().sum(-1, keepdim=True)
+    )
+    assert torch.allclose(
+        true_features(feature_map, x.float())[:, 1, :, :6], expected / math.sqrt(6), rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("name", ALL_MAPS)
+def test_bfloat16_inputs_of_huge_norm_give_finite_non_negative_features(name):
+    feature_map = build(name, num_heads=1, head_dim=16, feature_dim=16, scaling=0.25)
+    x = (1000 * torch.randn(1, 2, 64, 16)).bfloat16()
+    for is_query in (True, False):
+        features, log_scale = feature_map(x, is_query=is_query)
+        assert features.dtype == torch.bfloat16 and torch.isfinite(features).all() and (features >= 0).all()
+        if log_scale is not None:
+            assert torch.isfinite(log_scale).all() and log_scale.dtype == torch.float32
+
+
+def test_errors_name_the_value_and_what_to_do():
+    with pytest.raises(DoflaError, match="unknown feature map 'favor'.*hedgehog.*prf"):
+        build("favor")
+    with pytest.raises(DoflaError, match="feature_dim must be positive, got 0"):
+        build("prf", feature_dim=0)
+    with pytest.raises(DoflaError, match="even.*got 15"):
+        build("hedgehog", feature_dim=15)
+    with pytest.raises(DoflaError, match="even.*got 5"):
+        build("hedgehog", feature_dim=16, head_feature_dims=[16, 5])
+    with pytest.raises(DoflaError, match="3 entries for 2 map heads"):
+        build("prf", head_feature_dims=[4, 4, 4])
+    with pytest.raises(DoflaError, match=r"must lie in 1..feature_dim \(16\)"):
+        build("prf", head_feature_dims=[4, 17])
+    with pytest.raises(DoflaError, match="no option z_lr; its options are: seed"):
+        build("prf", z_lr=0.1)
+    with pytest.raises(DoflaError, match="got an input with 3 heads"):
+        build("prf")(torch.randn(1, 3, 4, 8), is_query=True)
+
+
+def test_register_feature_map_refuses_a_second_class_under_one_name():
+    with pytest.raises(ValueError, match="already registered"):
+
+        @register_feature_map("prf")
+        class Other(FeatureMap):
+            pass
