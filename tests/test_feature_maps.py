@@ -11,7 +11,7 @@ from dofla.errors import DoflaError
 from dofla.feature_maps import FEATURE_MAPS, FeatureMap, build_feature_map, register_feature_map
 from dofla.ops import chunked_linear_attention
 
-ALL_MAPS = ("prf", "learnable_prf", "hedgehog", "t2r", "elu1")
+ALL_MAPS = ("prf", "learnable_prf", "hedgehog", "t2r", "elu1", "dijiang")
 
 
 def build(name, num_heads=2, head_dim=8, feature_dim=16, scaling=8**-0.5, **options):
@@ -152,6 +152,28 @@ def test_elu1_starts_as_elu_plus_one_and_t2r_is_relu_of_an_affine_map():
     features, _ = t2r(x, is_query=False)
     expected = torch.relu(torch.einsum("bhtd,hdf->bhtf", x, t2r.weight) + 0.1)
     assert torch.allclose(features, expected, atol=1e-6)
+
+
+def test_dijiang_is_a_softmax_over_dct_coefficients_scaled_by_gaussian_points():
+    from scipy.fft import dct
+
+    feature_map = build("dijiang", num_heads=1, head_dim=8, feature_dim=16)
+    x = torch.randn(1, 2, 5, 8)
+    coefficients = torch.from_numpy(dct(x.double().numpy(), norm="ortho", axis=-1))  # (1, 2, 5, 8)
+    logits = torch.einsum("bhtd,df->bhtf", x.double(), feature_map.projection[0].double())  # (1, 2, 5, 16)
+    features, _ = feature_map(x, is_query=False)
+    assert torch.allclose(features.double(), torch.softmax(logits, -1), atol=1e-6)
+    # Feature f is DCT coefficient f mod 8 times a fixed point; the points are the Gaussian quantiles.
+    point_per_feature = logits / coefficients[..., torch.arange(16) % 8]
+    assert torch.allclose(
+        point_per_feature, point_per_feature[:1, :1, :1].expand_as(point_per_feature), atol=1e-5
+    )
+    quantiles = torch.distributions.Normal(0.0, 1.0).icdf((torch.arange(16, dtype=torch.float64) + 0.5) / 16)
+    assert torch.allclose(point_per_feature[0, 0, 0].sort().values, quantiles, atol=1e-5)
+    with torch.no_grad():
+        feature_map.log_weight.fill_(1.0)
+    weighted, _ = feature_map(x, is_query=False)
+    assert torch.allclose(weighted, features * torch.e, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ALL_MAPS)

@@ -1,11 +1,11 @@
 """Feature maps phi for linear attention, all built by name from one registry.
 
 ``prf`` / ``learnable_prf`` (positive random features, DoF paper), ``hedgehog`` (LoLCATs),
-``t2r`` and ``elu1`` (cheap baselines). See docs/feature_maps.md for the formulas.
+``t2r`` and ``elu1`` (cheap baselines), ``dijiang`` (DCT frequency-domain features). See docs/feature_maps.md for the formulas.
 """
 
 from dofla.feature_maps.base import FEATURE_MAPS, FeatureMap, build_feature_map, register_feature_map
-from dofla.feature_maps.learned import EluPlusOneFeatures, HedgehogFeatures, ReluFeatures
+from dofla.feature_maps.learned import DiJiangFeatures, EluPlusOneFeatures, HedgehogFeatures, ReluFeatures
 from dofla.feature_maps.random_features import (
     LearnablePositiveRandomFeatures,
     PositiveRandomFeatures,
@@ -14,6 +14,7 @@ from dofla.feature_maps.random_features import (
 
 __all__ = [
     "FEATURE_MAPS",
+    "DiJiangFeatures",
     "EluPlusOneFeatures",
     "FeatureMap",
     "HedgehogFeatures",

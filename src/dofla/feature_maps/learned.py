@@ -115,3 +115,52 @@ class EluPlusOneFeatures(FeatureMap):
         projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight)
         features = self.masked(F.elu(projection) + 1)
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
+
+
+def dct_matrix(size: int) -> Tensor:
+    """(size, size) orthonormal DCT-II matrix C: C @ x is the DCT of x, C @ C.T = I."""
+    frequency = torch.arange(size, dtype=torch.float64)[:, None]
+    position = torch.arange(size, dtype=torch.float64)[None, :]
+    matrix = torch.cos(torch.pi * (position + 0.5) * frequency / size) * (2.0 / size) ** 0.5
+    matrix[0] /= 2**0.5
+    return matrix
+
+
+@register_feature_map("dijiang")
+class DiJiangFeatures(FeatureMap):
+    """DiJiang (frequency domain): phi(x) = exp(log_weight) * softmax(t * DCT(x)) over F features.
+
+    Feature f reads DCT coefficient f mod D scaled by t_f = Phi^-1((f + 1/2) / F) (quasi-Monte Carlo
+    Gaussian points, permuted by ``seed``); the DCT and t are fixed, the per-feature weights
+    ``log_weight`` (0 at start) train. This follows the authors' code (softmax of x projected by
+    DCT times a diagonal of inverse-normal points), without its separate position decay.
+    """
+
+    def __init__(
+        self, *, num_heads, head_dim, feature_dim, scaling, head_feature_dims=None, seed: int = 0
+    ) -> None:
+        super().__init__(
+            num_heads=num_heads,
+            head_dim=head_dim,
+            feature_dim=feature_dim,
+            scaling=scaling,
+            head_feature_dims=head_feature_dims,
+        )
+        generator = torch.Generator().manual_seed(int(seed))
+        points = (torch.arange(feature_dim, dtype=torch.float64) + 0.5) / feature_dim
+        gaussian_points = torch.distributions.Normal(0.0, 1.0).icdf(points)  # (F,)
+        projections = []
+        for _ in range(num_heads):
+            scale = gaussian_points[torch.randperm(feature_dim, generator=generator)]
+            columns = torch.arange(feature_dim) % head_dim
+            projections.append(dct_matrix(head_dim).T[:, columns] * scale[None, :])  # (D, F)
+        self.register_buffer("projection", torch.stack(projections).float())  # (num_heads, D, F)
+        self.log_weight = nn.Parameter(torch.zeros(num_heads, feature_dim))
+
+    def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
+        grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
+        logits = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.projection)  # (B, Hm, G, T, F)
+        if self.has_headwise_dims:
+            logits = logits.masked_fill(~self.feature_mask[None, :, None, None, :], float("-inf"))
+        features = torch.softmax(logits, dim=-1) * self.log_weight.exp()[None, :, None, None, :]
+        return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
