@@ -330,3 +330,53 @@ def test_linear_state_empty_reads_as_nothing_seen():
     q, k, v = torch.rand(2, 3, 1, 4), torch.rand(2, 3, 1, 4), torch.randn(2, 3, 1, 5)
     out, _ = recurrent_linear_attention(q, k, v, state=state)
     assert torch.allclose(out, linear_attention(q, k, v))
+
+
+def random_key_mask(batch, length, seed=2):
+    mask = torch.rand(batch, length, generator=torch.Generator().manual_seed(seed)) > 0.3
+    mask[0, :5] = False  # a row that starts with absent keys: its first queries see nothing
+    return mask
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+@pytest.mark.parametrize("log_scale_std", [None, 10.0])
+def test_key_mask_matches_reference_forward_and_gradients_without_nans(form, log_scale_std):
+    inputs = make_inputs(2, 6, 2, 23, 5, log_scale_std=log_scale_std)
+    key_mask = random_key_mask(2, 23)
+    linear = chunked_linear_attention if form == "chunked" else recurrent_linear_attention
+    hybrid = chunked_hybrid_attention if form == "chunked" else recurrent_hybrid_attention
+    extra = {"chunk_size": 8} if form == "chunked" else {}
+    assert_matches_reference(
+        linear, linear_attention, inputs, LINEAR_NAMES, torch.float32, 1e-4, extra, key_mask=key_mask
+    )
+    assert_matches_reference(
+        hybrid, hybrid_attention, inputs, HYBRID_NAMES, torch.float32, 1e-4, extra,
+        key_mask=key_mask, scaling=0.5, window=4,
+    )  # fmt: skip
+    out = hybrid(**split(inputs, HYBRID_NAMES[:-1], 0, 23), key_mask=key_mask, scaling=0.5, window=4,
+                 window_factor=inputs["window_factor"].detach(), **extra)  # fmt: skip
+    out = out[0] if isinstance(out, tuple) else out
+    assert torch.isfinite(out).all() and (out[0, :, :5] == 0).all()  # nothing to attend to yet
+
+
+@pytest.mark.parametrize("kind", ["linear", "hybrid"])
+def test_left_padding_with_key_mask_equals_the_unpadded_sequence(kind):
+    inputs = make_inputs(1, 4, 2, 20, 5, log_scale_std=3.0)
+    pad = 7
+    padded = {
+        name: None
+        if t is None
+        else torch.cat([torch.randn_like(t.detach()[:, :, :pad]) * 1e3, t.detach()], dim=2)
+        for name, t in split(inputs, HYBRID_NAMES[:-1], 0, 20).items()
+    }
+    padded["k_features"] = padded["k_features"].abs()
+    padded["q_features"] = padded["q_features"].abs()
+    key_mask = torch.arange(20 + pad)[None, :] >= pad  # (1, T)
+    if kind == "linear":
+        names, function, reference, kwargs = LINEAR_NAMES, chunked_linear_attention, linear_attention, {}
+    else:
+        names, function, reference = HYBRID_NAMES[:-1], chunked_hybrid_attention, hybrid_attention
+        kwargs = {"scaling": 0.5, "window": 6, "window_factor": inputs["window_factor"].detach()}
+    expected = reference(**split(inputs, names, 0, 20), **kwargs)
+    out = function(**{name: padded[name] for name in names}, key_mask=key_mask, chunk_size=8, **kwargs)
+    assert relative_error(out[:, :, pad:], expected) < 1e-12

@@ -66,3 +66,28 @@ def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     return (
         torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
     )
+
+
+def mask_absent_keys(
+    k_features: Tensor, v: Tensor, k_log_scale: Tensor | None, key_mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Apply ``key_mask`` (B, T) bool, True = a real token: absent keys get zero features and values and
+    log scale -inf, which every form (linear part and sliding window alike) treats as "no such key".
+
+    Returns k_features (B, Hk, T, F), v (B, Hk, T, Dv), log scale (B, Hk, T) (None when both inputs were None).
+    """
+    if key_mask is None:
+        return k_features, v, k_log_scale
+    batch, _, length, _ = k_features.shape
+    if tuple(key_mask.shape) != (batch, length):
+        raise DoflaError(
+            f"key_mask must be (batch, tokens) = ({batch}, {length}) with True for real tokens, "
+            f"got {tuple(key_mask.shape)}."
+        )
+    present = key_mask.to(torch.bool)[:, None, :]  # (B, 1, T)
+    if k_log_scale is None:
+        k_log_scale = torch.zeros(k_features.shape[:3], dtype=torch.float32, device=k_features.device)
+    k_log_scale = k_log_scale.masked_fill(~present, float("-inf"))
+    k_features = k_features.masked_fill(~present[..., None], 0)
+    v = v.masked_fill(~present[..., None], 0)
+    return k_features, v, k_log_scale

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dofla.errors import DoflaError
-from dofla.ops._checks import check_hybrid_inputs, check_linear_inputs, compute_dtype
+from dofla.ops._checks import check_hybrid_inputs, check_linear_inputs, compute_dtype, mask_absent_keys
 from dofla.ops.state import HybridState, LinearState, exp_relative
 
 NEGATIVE_INFINITY = float("-inf")
@@ -135,6 +135,7 @@ def chunked_linear_attention(
     chunk_size: int = 64,
     initial_state: LinearState | None = None,
     return_state: bool = False,
+    key_mask: Tensor | None = None,
     eps: float = 1e-6,
 ):
     """Causal linear attention, chunked.
@@ -145,6 +146,7 @@ def chunked_linear_attention(
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
     size = _check_chunk_size(chunk_size)
+    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
     dtype = compute_dtype(q_features, k_features, v, k_log_scale)
     batch, num_heads, length, feature_dim = q_features.shape
     num_kv_heads = k_features.shape[1]
@@ -164,11 +166,19 @@ def chunked_linear_attention(
 
 
 def sliding_window_sums(
-    queries: Tensor, keys: Tensor, values: Tensor, *, scaling: float, window: int, chunk_size: int
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    log_scales: Tensor,
+    *,
+    scaling: float,
+    window: int,
+    chunk_size: int,
 ) -> tuple[Tensor, Tensor]:
     """Softmax over the last ``window`` keys (the query's own included), blocked by chunks.
 
-    queries (B, Hk, G, T, D), keys (B, Hk, T, D), values (B, Hk, T, Dv) in the compute dtype.
+    queries (B, Hk, G, T, D), keys (B, Hk, T, D), values (B, Hk, T, Dv) in the compute dtype;
+    log_scales (B, Hk, T): keys with log scale -inf are absent.
     Returns numerator (B, Hk, G, T, Dv) and denominator (B, Hk, G, T) of exp(score - window max).
     """
     batch, num_kv_heads, group, length, head_dim = queries.shape
@@ -188,10 +198,16 @@ def sliding_window_sums(
     chunk_start = (torch.arange(num_chunks, device=queries.device) * size)[:, None, None]
     visible = (
         (column >= row) & (column <= row + window - 1) & (chunk_start + column - (window - 1) >= 0)
-    )  # (N,C,S)
+    )  # (N, C, S)
+    absent = F.pad(torch.isneginf(log_scales), (window - 1, pad), value=True).unfold(
+        2, span, size
+    )  # (B,Hk,N,S)
+    visible = visible & ~absent[:, :, :, None, :]  # (B, Hk, N, C, S)
     scores = scaling * (queries @ key_blocks.unsqueeze(2).transpose(-1, -2))  # (B, Hk, G, N, C, S)
-    scores = scores.masked_fill(~visible, NEGATIVE_INFINITY)
-    weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # the query's own key is always visible
+    scores = scores.masked_fill(~visible.unsqueeze(2), NEGATIVE_INFINITY)
+    window_max = scores.amax(-1, keepdim=True)  # -inf only for a query whose whole window is absent
+    window_max = torch.where(torch.isfinite(window_max), window_max, torch.zeros_like(window_max))
+    weights = torch.exp(scores - window_max)
     numerator = weights @ value_blocks.unsqueeze(2)  # (B, Hk, G, N, C, Dv)
     denominator = weights.sum(-1)
     numerator = numerator.reshape(batch, num_kv_heads, group, num_chunks * size, value_dim)[..., :length, :]
@@ -213,6 +229,7 @@ def chunked_hybrid_attention(
     chunk_size: int = 64,
     initial_state: HybridState | None = None,
     return_state: bool = False,
+    key_mask: Tensor | None = None,
     eps: float = 1e-6,
 ):
     """Sliding-window softmax + linear attention (LoLCATs), chunked; semantics in ``dofla.ops.naive``.
@@ -225,6 +242,7 @@ def chunked_hybrid_attention(
     check_hybrid_inputs(query, key, q_features, window, window_factor)
     size = _check_chunk_size(chunk_size)
     window = int(window)
+    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
     batch, num_heads, length, feature_dim = q_features.shape
     num_kv_heads, head_dim, value_dim = key.shape[1], key.shape[-1], v.shape[-1]
@@ -271,7 +289,13 @@ def chunked_hybrid_attention(
         batch, num_kv_heads, group, buffered + length, head_dim
     )
     window_numerator, window_denominator = sliding_window_sums(
-        queries, all_keys.to(dtype), all_values.to(dtype), scaling=scaling, window=window, chunk_size=size
+        queries,
+        all_keys.to(dtype),
+        all_values.to(dtype),
+        all_scales.to(dtype),
+        scaling=scaling,
+        window=window,
+        chunk_size=size,
     )
     window_numerator, window_denominator = (
         window_numerator[..., buffered:, :],

@@ -16,6 +16,10 @@ Hybrid attention (LoLCATs). Keys j in (i - window, i] get ``gamma_h * exp(scalin
 running maximum over the keys that have left the window (which is the hybrid state's linear offset).
 ``out_i = sum_j a_ij v_j / (sum_j a_ij + eps)``. Both parts are thus normalised by their own maximum, as
 LoLCATs does: the relative scale of the two parts is what gamma and the feature maps learn.
+
+Absent keys (padding). ``key_mask`` (B, T), True for real tokens, gives absent keys log scale -inf (and
+zero features and values): they take part nowhere, neither in the linear sums nor in the window. A key
+whose given log scale is -inf is absent in the same way. A query with no present key returns 0.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dofla.ops._checks import check_hybrid_inputs, check_linear_inputs, compute_dtype
+from dofla.ops._checks import check_hybrid_inputs, check_linear_inputs, compute_dtype, mask_absent_keys
 from dofla.ops.state import exp_relative
 
 
@@ -33,7 +37,13 @@ def _expand_kv_heads(tensor: Tensor | None, group: int) -> Tensor | None:
 
 
 def linear_attention(
-    q_features: Tensor, k_features: Tensor, v: Tensor, *, k_log_scale: Tensor | None = None, eps: float = 1e-6
+    q_features: Tensor,
+    k_features: Tensor,
+    v: Tensor,
+    *,
+    k_log_scale: Tensor | None = None,
+    key_mask: Tensor | None = None,
+    eps: float = 1e-6,
 ) -> Tensor:
     """Causal linear attention, quadratic reference.
 
@@ -41,6 +51,7 @@ def linear_attention(
     Returns (B, H, T, Dv) in v's dtype; computed in float64 when any input is float64, else float32.
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
+    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
     dtype = compute_dtype(q_features, k_features, v, k_log_scale)
     length = q_features.shape[2]
     q = q_features.to(dtype)  # (B, H, T, F)
@@ -69,6 +80,7 @@ def hybrid_attention(
     window: int,
     window_factor: Tensor,
     k_log_scale: Tensor | None = None,
+    key_mask: Tensor | None = None,
     eps: float = 1e-6,
 ) -> Tensor:
     """Sliding-window softmax + linear attention (LoLCATs), quadratic reference.
@@ -78,6 +90,7 @@ def hybrid_attention(
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
     check_hybrid_inputs(query, key, q_features, window, window_factor)
+    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
     length = q_features.shape[2]
     num_heads = q_features.shape[1]
@@ -96,8 +109,11 @@ def hybrid_attention(
     left_window = key_index <= query_index - window  # (T, T)
 
     scores = scaling * (query.to(dtype) @ keys.transpose(-1, -2))  # (B, H, T, T)
-    scores = torch.where(in_window, scores, float("-inf"))
-    window_weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # 0 outside the window
+    present = ~torch.isneginf(log_scale)[:, :, None, :]  # (B, H, 1, T): absent keys have log scale -inf
+    scores = torch.where(in_window & present, scores, float("-inf"))
+    window_max = scores.amax(-1, keepdim=True)
+    window_max = torch.where(torch.isfinite(window_max), window_max, torch.zeros_like(window_max))
+    window_weights = torch.exp(scores - window_max)  # 0 outside the window
 
     old_log_weight = torch.where(left_window, log_scale[:, :, None, :], float("-inf"))  # (B, H, T, T)
     old_offset = old_log_weight.amax(-1, keepdim=True)  # (B, H, T, 1): -inf while no key has left

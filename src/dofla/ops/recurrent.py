@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from dofla.errors import DoflaError
-from dofla.ops._checks import check_hybrid_inputs, check_linear_inputs, compute_dtype
+from dofla.ops._checks import check_hybrid_inputs, check_linear_inputs, compute_dtype, mask_absent_keys
 from dofla.ops.state import HybridState, LinearState, exp_relative
 
 
@@ -44,15 +44,18 @@ def recurrent_linear_attention(
     *,
     k_log_scale: Tensor | None = None,
     state: LinearState | None = None,
+    key_mask: Tensor | None = None,
     eps: float = 1e-6,
 ) -> tuple[Tensor, LinearState]:
     """Causal linear attention token by token.
 
     q_features (B, H, T, F), k_features (B, Hk, T, F), v (B, Hk, T, Dv), k_log_scale (B, Hk, T) or None;
     state from an earlier call (recurrent or chunked with return_state=True) or None.
+    key_mask (B, T) bool, True for real tokens: absent keys take no part (see ``dofla.ops.naive``).
     Returns out (B, H, T, Dv) in v's dtype and the state after the T tokens (float32, or float64 inputs).
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
+    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
     dtype = compute_dtype(q_features, k_features, v, k_log_scale)
     batch, num_heads, length, feature_dim = q_features.shape
     num_kv_heads, value_dim = k_features.shape[1], v.shape[-1]
@@ -109,6 +112,7 @@ def recurrent_hybrid_attention(
     window_factor: Tensor,
     k_log_scale: Tensor | None = None,
     state: HybridState | None = None,
+    key_mask: Tensor | None = None,
     eps: float = 1e-6,
 ) -> tuple[Tensor, HybridState]:
     """Sliding-window softmax + linear attention token by token (semantics in ``dofla.ops.naive``).
@@ -119,6 +123,7 @@ def recurrent_hybrid_attention(
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
     check_hybrid_inputs(query, key, q_features, window, window_factor)
+    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
     batch, num_heads, length, feature_dim = q_features.shape
     num_kv_heads, head_dim, value_dim = key.shape[1], key.shape[-1], v.shape[-1]
@@ -158,7 +163,10 @@ def recurrent_hybrid_attention(
         scores = scaling * torch.einsum(
             "bhgd,bhld->bhgl", queries[:, :, :, t], keys.to(dtype)
         )  # (B, Hk, G, L)
-        window_weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+        scores = scores.masked_fill(torch.isneginf(scales)[:, :, None, :], float("-inf"))  # absent keys
+        window_max = scores.amax(-1, keepdim=True)
+        window_max = torch.where(torch.isfinite(window_max), window_max, torch.zeros_like(window_max))
+        window_weights = torch.exp(scores - window_max)
         window_numerator = torch.einsum("bhgl,bhld->bhgd", window_weights, values.to(dtype))
         numerator = gamma[..., None] * window_numerator + (1 - gamma[..., None]) * linear_numerator
         denominator = gamma * window_weights.sum(-1) + (1 - gamma) * linear_denominator  # (B, Hk, G)
