@@ -22,22 +22,30 @@ from dofla.feature_maps import build_feature_map
 from dofla.ops import chunked_linear_attention, linear_attention
 
 
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def median_seconds(repeats: int, function, *arguments) -> float:
+    device = str(arguments[0].device)
     function(*arguments)  # warm-up
     times = []
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         function(*arguments)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def make_layer_inputs(length, heads, kv_heads, head_dim, seed=0):
+def make_layer_inputs(length, heads, kv_heads, head_dim, device, seed=0):
     generator = torch.Generator().manual_seed(seed)
     query = torch.randn(1, heads, length, head_dim, generator=generator)
     key = torch.randn(1, kv_heads, length, head_dim, generator=generator)
     value = torch.randn(1, kv_heads, length, head_dim, generator=generator)
-    return query, key, value
+    return query.to(device), key.to(device), value.to(device)
 
 
 def main(argv=None) -> int:
@@ -50,6 +58,7 @@ def main(argv=None) -> int:
     parser.add_argument("--features", type=int, default=64)
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[32, 64, 128, 256])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     scaling = args.head_dim**-0.5
@@ -59,7 +68,7 @@ def main(argv=None) -> int:
         head_dim=args.head_dim,
         feature_dim=args.features,
         scaling=scaling,
-    )
+    ).to(args.device)
 
     def linear_layer(query, key, value, chunk_size):
         """Feature map on q and k, then chunked linear attention: what a converted layer computes."""
@@ -80,7 +89,7 @@ def main(argv=None) -> int:
         )
 
     def measure(length):
-        query, key, value = make_layer_inputs(length, args.heads, args.kv_heads, args.head_dim)
+        query, key, value = make_layer_inputs(length, args.heads, args.kv_heads, args.head_dim, args.device)
         chunk_times = {
             size: median_seconds(args.repeats, linear_layer, query, key, value, size)
             for size in args.chunk_sizes
@@ -97,6 +106,7 @@ def main(argv=None) -> int:
     print(f"command: {' '.join([sys.executable.rsplit('/', 1)[-1], *sys.argv])}")
     print(
         f"shape: B=1, H={args.heads}, Hk={args.kv_heads}, d={args.head_dim}, F={args.features}, float32, "
+        f"device={args.device}{' (' + torch.cuda.get_device_name() + ')' if args.device.startswith('cuda') else ''}, "
         f"CPU threads={torch.get_num_threads()}, torch {torch.__version__}; median of {args.repeats} runs; "
         "feature map (learnable_prf) time included in the linear rows"
     )
