@@ -244,3 +244,14 @@ def test_register_feature_map_refuses_a_second_class_under_one_name():
         @register_feature_map("prf")
         class Other(FeatureMap):
             pass
+
+
+@pytest.mark.parametrize("name", ALL_MAPS)
+def test_maps_cast_to_bfloat16_still_run_and_save_only_what_they_learn_or_drew(name):
+    feature_map = build(name, head_feature_dims=[16, 10])
+    state = feature_map.state_dict()
+    assert "feature_mask" not in state  # derived from the config
+    assert ("random_directions" in state) == (name == "prf")
+    feature_map = feature_map.to(torch.bfloat16)  # e.g. inside a bf16 model
+    features, _ = feature_map(torch.randn(1, 4, 3, 8).bfloat16(), is_query=False)
+    assert features.dtype == torch.bfloat16 and torch.isfinite(features).all()

@@ -52,9 +52,11 @@ class FeatureMap(nn.Module):
             else [int(d) for d in head_feature_dims]
         )
         self.head_feature_dims = dims
-        # (num_heads, F): True for the features a head really has
+        # (num_heads, F): True for the features a head really has; derived from the config, so not saved
         self.register_buffer(
-            "feature_mask", torch.arange(self.feature_dim)[None, :] < torch.tensor(dims)[:, None]
+            "feature_mask",
+            torch.arange(self.feature_dim)[None, :] < torch.tensor(dims)[:, None],
+            persistent=False,
         )
 
     @property

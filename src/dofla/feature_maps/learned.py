@@ -53,7 +53,7 @@ class HedgehogFeatures(FeatureMap):
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
         grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
-        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight)  # (B, Hm, G, T, F/2)
+        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.float())  # (B, Hm, G, T, F/2)
         half_mask = self.feature_mask[:, 0::2][None, :, None, None, :]  # (1, Hm, 1, 1, F/2)
         positive = torch.softmax(projection.masked_fill(~half_mask, float("-inf")), dim=-1)
         negative = torch.softmax((-projection).masked_fill(~half_mask, float("-inf")), dim=-1)
@@ -84,7 +84,8 @@ class ReluFeatures(FeatureMap):
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
         grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
         projection = (
-            torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight) + self.bias[None, :, None, None, :]
+            torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.float())
+            + self.bias.float()[None, :, None, None, :]
         )
         features = self.masked(F.relu(projection))
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
@@ -112,7 +113,7 @@ class EluPlusOneFeatures(FeatureMap):
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
         grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
-        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight)
+        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.float())
         features = self.masked(F.elu(projection) + 1)
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
 
@@ -159,8 +160,8 @@ class DiJiangFeatures(FeatureMap):
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
         grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
-        logits = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.projection)  # (B, Hm, G, T, F)
+        logits = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.projection.float())  # (B, Hm, G, T, F)
         if self.has_headwise_dims:
             logits = logits.masked_fill(~self.feature_mask[None, :, None, None, :], float("-inf"))
-        features = torch.softmax(logits, dim=-1) * self.log_weight.exp()[None, :, None, None, :]
+        features = torch.softmax(logits, dim=-1) * self.log_weight.float().exp()[None, :, None, None, :]
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None

@@ -47,7 +47,7 @@ class _PositiveRandomFeatures(FeatureMap):
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
         grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
-        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.directions())  # (B, Hm, G, T, F)
+        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.directions().float())  # (B, Hm, G, T, F)
         squared_norm = grouped.square().sum(-1, keepdim=True)  # (B, Hm, G, T, 1)
         features_per_head = torch.tensor(self.head_feature_dims, dtype=torch.float32, device=x.device)
         log_features = (
@@ -57,7 +57,7 @@ class _PositiveRandomFeatures(FeatureMap):
         )
         log_weights = self.log_feature_weights()
         if log_weights is not None:  # K_hat = sum_m alpha_m phi_m phi_m: sqrt(alpha_m) on each side
-            log_features = log_features + 0.5 * log_weights[None, :, None, None, :]
+            log_features = log_features + 0.5 * log_weights.float()[None, :, None, None, :]
         if self.has_headwise_dims:
             log_features = log_features.masked_fill(~self.feature_mask[None, :, None, None, :], float("-inf"))
         # A per-token constant; detached so that phi * exp(log_scale) has the exact gradient of exp(log_features).
