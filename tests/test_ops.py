@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dofla.errors import DoflaError
 from dofla.feature_maps import build_feature_map
@@ -380,3 +382,45 @@ def test_left_padding_with_key_mask_equals_the_unpadded_sequence(kind):
     expected = reference(**split(inputs, names, 0, 20), **kwargs)
     out = function(**{name: padded[name] for name in names}, key_mask=key_mask, chunk_size=8, **kwargs)
     assert relative_error(out[:, :, pad:], expected) < 1e-12
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 2),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 3),
+    length=st.integers(1, 40),
+    features=st.integers(1, 6),
+    chunk=st.integers(1, 17),
+    window=st.integers(1, 12),
+    with_log_scale=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_any_shape_chunked_and_recurrent_agree_with_reference(
+    batch, kv_heads, group, length, features, chunk, window, with_log_scale, seed
+):
+    inputs = make_inputs(
+        batch,
+        kv_heads * group,
+        kv_heads,
+        length,
+        features,
+        log_scale_std=8.0 if with_log_scale else None,
+        seed=seed,
+    )
+    tensors = {name: None if t is None else t.detach() for name, t in inputs.items()}
+    linear = {name: tensors[name] for name in LINEAR_NAMES}
+    expected = linear_attention(**linear)
+    assert relative_error(chunked_linear_attention(**linear, chunk_size=chunk), expected) < 1e-12
+    assert relative_error(recurrent_linear_attention(**linear)[0], expected) < 1e-12
+    hybrid = {name: tensors[name] for name in HYBRID_NAMES}
+    expected = hybrid_attention(**hybrid, scaling=0.6, window=window)
+    assert (
+        relative_error(
+            chunked_hybrid_attention(**hybrid, scaling=0.6, window=window, chunk_size=chunk), expected
+        )
+        < 1e-12
+    )
+    assert (
+        relative_error(recurrent_hybrid_attention(**hybrid, scaling=0.6, window=window)[0], expected) < 1e-12
+    )
