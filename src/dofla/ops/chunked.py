@@ -279,10 +279,8 @@ def chunked_hybrid_attention(
     linear_numerator, linear_denominator, new_linear = linear_attention_sums(
         q, old_features, old_values, old_scales, linear_state, size
     )
-    if initial_state is not None:
-        new_linear.num_tokens = initial_state.linear.num_tokens + max(0, length - delay)
-    else:
-        new_linear.num_tokens = max(0, length - window)
+    previous_linear_tokens = 0 if initial_state is None else initial_state.linear.num_tokens
+    new_linear.num_tokens = previous_linear_tokens + max(0, length - delay)  # delayed-in slots are not keys
 
     # Window part over the joined keys; the buffered positions get dummy queries that are dropped.
     queries = F.pad(query.to(dtype), (0, 0, buffered, 0)).view(
