@@ -9,7 +9,7 @@ import torch
 
 from dofla.errors import DoflaError
 from dofla.feature_maps import FEATURE_MAPS, FeatureMap, build_feature_map, register_feature_map
-from dofla.ops import chunked_linear_attention
+from dofla.ops import chunked_linear_attention, linear_attention
 
 ALL_MAPS = ("prf", "learnable_prf", "hedgehog", "t2r", "elu1", "dijiang")
 
@@ -255,3 +255,67 @@ def test_maps_cast_to_bfloat16_still_run_and_save_only_what_they_learn_or_drew(n
     feature_map = feature_map.to(torch.bfloat16)  # e.g. inside a bf16 model
     features, _ = feature_map(torch.randn(1, 4, 3, 8).bfloat16(), is_query=False)
     assert features.dtype == torch.bfloat16 and torch.isfinite(features).all()
+
+
+def test_stabilised_prf_through_the_ops_has_the_gradient_of_the_plain_formula():
+    """exp(log_features) straight into the reference vs max-subtracted features + log scales into the chunked
+    form: same outputs and same gradients for the inputs and the learned directions and weights."""
+    torch.manual_seed(3)
+    feature_map = build("learnable_prf", num_heads=2, head_dim=8, feature_dim=12, scaling=8**-0.5).double()
+    with torch.no_grad():
+        feature_map.log_alpha.normal_(0, 0.3)
+    query = (0.7 * torch.randn(1, 4, 10, 8)).double().requires_grad_()
+    key = (0.7 * torch.randn(1, 2, 10, 8)).double().requires_grad_()
+    v = torch.randn(1, 2, 10, 3).double()
+
+    def plain_features(x):  # the textbook formula, no stabilisation
+        grouped = x.view(1, 2, x.shape[1] // 2, 10, 8)
+        log_features = (
+            8**-0.25 * torch.einsum("bhgtd,hdf->bhgtf", grouped, feature_map.z)
+            - 0.5 * 8**-0.5 * grouped.square().sum(-1, keepdim=True)
+            - 0.5 * math.log(12)
+            + 0.5 * feature_map.log_alpha[None, :, None, None, :]
+        )
+        return log_features.exp().reshape(1, x.shape[1], 10, 12)
+
+    outputs, gradients = [], []
+    for stabilised in (False, True):
+        if stabilised:
+            q_features, _ = feature_map(query, is_query=True)
+            k_features, k_log_scale = feature_map(key, is_query=False)
+            out = chunked_linear_attention(
+                q_features, k_features, v, k_log_scale=k_log_scale, chunk_size=4, eps=0
+            )
+        else:
+            out = linear_attention(plain_features(query), plain_features(key), v, eps=0)
+        inputs = [query, key, feature_map.z, feature_map.log_alpha]
+        gradients.append(
+            torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), inputs)
+        )
+        outputs.append(out)
+    assert torch.allclose(outputs[0], outputs[1], rtol=1e-10)
+    for plain, stable in zip(*gradients, strict=True):
+        assert torch.allclose(plain, stable, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["prf", "hedgehog"])
+def test_feature_map_and_chunked_hybrid_pass_gradcheck(name):
+    """float64 end to end: the map, the window softmax and the linear part, against finite differences."""
+    from dofla.ops import chunked_hybrid_attention
+
+    torch.manual_seed(4)
+    feature_map = build(name, num_heads=1, head_dim=4, feature_dim=4, scaling=0.5).double()
+    value = torch.randn(1, 1, 7, 3, dtype=torch.float64)
+    gamma = torch.tensor([0.3, 0.6], dtype=torch.float64)
+
+    def layer(query, key):
+        q_features, _ = feature_map(query, is_query=True)
+        k_features, k_log_scale = feature_map(key, is_query=False)
+        return chunked_hybrid_attention(
+            query, key, q_features, k_features, value, scaling=0.5, window=3, window_factor=gamma,
+            k_log_scale=k_log_scale, chunk_size=4,
+        )  # fmt: skip
+
+    query = torch.randn(1, 2, 7, 4, dtype=torch.float64, requires_grad=True)
+    key = torch.randn(1, 1, 7, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (query, key))

@@ -64,7 +64,8 @@ class FeatureMap(nn.Module):
         return min(self.head_feature_dims) < self.feature_dim
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
-        """x (B, Hx, T, D) -> phi (B, Hx, T, F) >= 0 in x's dtype, log_scale (B, Hx, T) float32 or None.
+        """x (B, Hx, T, D) -> phi (B, Hx, T, F) >= 0 in x's dtype, log_scale (B, Hx, T) float32 (float64 for
+        float64 x) or None.
 
         The true features are phi * exp(log_scale)[..., None]; queries always return None (a per-query
         factor cancels in linear attention's normalisation).
@@ -80,6 +81,10 @@ class FeatureMap(nn.Module):
                 f"with {heads} heads of size {dim}; the heads must be a multiple of {self.num_heads}."
             )
         return x.view(batch, self.num_heads, heads // self.num_heads, length, dim)
+
+    def grouped_input(self, x: Tensor) -> Tensor:
+        """``group_view`` in the compute dtype: float64 for float64 inputs (tests, gradcheck), else float32."""
+        return self.group_view(x).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
 
     def masked(self, features: Tensor) -> Tensor:
         """Zero the features a head does not have; features (B, num_heads, G, T, F)."""

@@ -52,8 +52,10 @@ class HedgehogFeatures(FeatureMap):
         )
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
-        grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
-        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.float())  # (B, Hm, G, T, F/2)
+        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
+        projection = torch.einsum(
+            "bhgtd,hdf->bhgtf", grouped, self.weight.to(grouped.dtype)
+        )  # (B, Hm, G, T, F/2)
         half_mask = self.feature_mask[:, 0::2][None, :, None, None, :]  # (1, Hm, 1, 1, F/2)
         positive = torch.softmax(projection.masked_fill(~half_mask, float("-inf")), dim=-1)
         negative = torch.softmax((-projection).masked_fill(~half_mask, float("-inf")), dim=-1)
@@ -82,10 +84,10 @@ class ReluFeatures(FeatureMap):
         self.bias = nn.Parameter(torch.zeros(num_heads, feature_dim))
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
-        grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
+        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
         projection = (
-            torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.float())
-            + self.bias.float()[None, :, None, None, :]
+            torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.to(grouped.dtype))
+            + self.bias.to(grouped.dtype)[None, :, None, None, :]
         )
         features = self.masked(F.relu(projection))
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
@@ -112,8 +114,8 @@ class EluPlusOneFeatures(FeatureMap):
         )
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
-        grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
-        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.float())
+        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
+        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.to(grouped.dtype))
         features = self.masked(F.elu(projection) + 1)
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
 
@@ -159,9 +161,13 @@ class DiJiangFeatures(FeatureMap):
         self.log_weight = nn.Parameter(torch.zeros(num_heads, feature_dim))
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
-        grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
-        logits = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.projection.float())  # (B, Hm, G, T, F)
+        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
+        logits = torch.einsum(
+            "bhgtd,hdf->bhgtf", grouped, self.projection.to(grouped.dtype)
+        )  # (B, Hm, G, T, F)
         if self.has_headwise_dims:
             logits = logits.masked_fill(~self.feature_mask[None, :, None, None, :], float("-inf"))
-        features = torch.softmax(logits, dim=-1) * self.log_weight.float().exp()[None, :, None, None, :]
+        features = (
+            torch.softmax(logits, dim=-1) * self.log_weight.to(grouped.dtype).exp()[None, :, None, None, :]
+        )
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None

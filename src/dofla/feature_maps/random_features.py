@@ -46,10 +46,12 @@ class _PositiveRandomFeatures(FeatureMap):
         return None
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
-        grouped = self.group_view(x).float()  # (B, Hm, G, T, D)
-        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.directions().float())  # (B, Hm, G, T, F)
+        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
+        projection = torch.einsum(
+            "bhgtd,hdf->bhgtf", grouped, self.directions().to(grouped.dtype)
+        )  # (B, Hm, G, T, F)
         squared_norm = grouped.square().sum(-1, keepdim=True)  # (B, Hm, G, T, 1)
-        features_per_head = torch.tensor(self.head_feature_dims, dtype=torch.float32, device=x.device)
+        features_per_head = torch.tensor(self.head_feature_dims, dtype=grouped.dtype, device=x.device)
         log_features = (
             math.sqrt(self.scaling) * projection
             - 0.5 * self.scaling * squared_norm
@@ -57,11 +59,13 @@ class _PositiveRandomFeatures(FeatureMap):
         )
         log_weights = self.log_feature_weights()
         if log_weights is not None:  # K_hat = sum_m alpha_m phi_m phi_m: sqrt(alpha_m) on each side
-            log_features = log_features + 0.5 * log_weights.float()[None, :, None, None, :]
+            log_features = log_features + 0.5 * log_weights.to(grouped.dtype)[None, :, None, None, :]
         if self.has_headwise_dims:
             log_features = log_features.masked_fill(~self.feature_mask[None, :, None, None, :], float("-inf"))
-        # A per-token constant; detached so that phi * exp(log_scale) has the exact gradient of exp(log_features).
-        token_max = log_features.amax(-1, keepdim=True).detach()  # (B, Hm, G, T, 1)
+        # Per-token maximum, kept differentiable: phi * exp(log_scale) = exp(log_features) has its exact gradient
+        # (the two paths through token_max cancel), and where the normalisation does not cancel (the hybrid's
+        # linear part) the gradient is still that of the function computed.
+        token_max = log_features.amax(-1, keepdim=True)  # (B, Hm, G, T, 1)
         features = torch.exp(log_features - token_max).reshape(x.shape[:3] + (self.feature_dim,))
         if is_query:
             return features.to(x.dtype), None
