@@ -1,0 +1,458 @@
+"""Convert a transformers model in place from a ConversionPlan; save and reload converted models.
+
+Conversion attaches a :class:`dofla.attention.LinearAttention` as ``dofla_student`` to each selected
+attention module and routes attention through :mod:`dofla.dispatch`; the teacher's projections, rotary
+and norms are reused by reference, so the same code serves every family. A forward pre-hook on each
+converted attention module swaps a :class:`dofla.cache.RecurrentCacheLayer` into the cache it is given
+(``generate()`` works unchanged) and hands that layer to the student for the call.
+
+Saved folder (``save_converted``): ``config.json`` (the teacher's config), ``model.safetensors`` (all
+weights; tied weights stored once), ``dofla_plan.json`` (the plan, the teacher's fingerprint, the format),
+tokenizer files. ``student_only=True`` writes ``student.safetensors`` with only the dofla parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dofla import dispatch
+from dofla.attention import LinearAttention
+from dofla.cache import attach_cache_layer
+from dofla.config import ConversionPlan, LayerPlan
+from dofla.errors import DoflaError
+from dofla.io import save_safetensors_atomic, write_text_atomic
+
+PLAN_FILE = "dofla_plan.json"
+WEIGHTS_FILE = "model.safetensors"
+STUDENT_WEIGHTS_FILE = "student.safetensors"
+SAVE_FORMAT = 1
+STUDENT_PREFIX = dispatch.STUDENT_ATTRIBUTE  # every dofla parameter name contains ".dofla_student."
+_HOOKS_ATTRIBUTE = "_dofla_hook_handles"
+
+
+@dataclass
+class Architecture:
+    """What conversion needs to know about a model: shape facts and its attention modules by layer."""
+
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_modules: list[nn.Module]
+    scalings: list[float]
+
+
+def architecture(model: nn.Module) -> Architecture:
+    """Architecture facts, from ``dofla.models.get_adapter`` when available, else read generically."""
+    try:
+        from dofla.models import get_adapter
+    except ImportError:
+        get_adapter = None
+    if get_adapter is not None:
+        adapter = get_adapter(model)
+        modules = list(adapter.attention_modules(model))
+        return Architecture(
+            model_type=str(adapter.model_type),
+            num_layers=int(adapter.num_layers),
+            num_heads=int(adapter.num_heads),
+            num_kv_heads=int(adapter.num_kv_heads),
+            head_dim=int(adapter.head_dim),
+            attention_modules=modules,
+            scalings=[float(adapter.attention_scaling(index)) for index in range(len(modules))],
+        )
+    return _generic_architecture(model)
+
+
+def _generic_architecture(model: nn.Module) -> Architecture:
+    config = model.config.get_text_config(decoder=True)
+    num_heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    modules: dict[int, nn.Module] = {}
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention") and isinstance(
+            getattr(module, "layer_idx", None), int
+        ):
+            if getattr(module, "is_cross_attention", False):
+                continue
+            modules.setdefault(module.layer_idx, module)
+    ordered = [modules[index] for index in sorted(modules)]
+    return Architecture(
+        model_type=str(config.model_type),
+        num_layers=int(config.num_hidden_layers),
+        num_heads=num_heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
+        head_dim=int(head_dim),
+        attention_modules=ordered,
+        scalings=[float(getattr(module, "scaling", head_dim**-0.5)) for module in ordered],
+    )
+
+
+def plan_for(
+    model: nn.Module,
+    kind: str = "linear",
+    feature_map: str = "learnable_prf",
+    feature_dim: int = 64,
+    layers: list[int] | None = None,
+    window: int = 64,
+    share_kv_heads: bool = True,
+    options: dict[str, Any] | None = None,
+) -> ConversionPlan:
+    """A plan giving every layer in ``layers`` (default all) the same kind, map and dimension."""
+    facts = architecture(model)
+    selected = list(range(facts.num_layers)) if layers is None else [int(index) for index in layers]
+    outside = [index for index in selected if not 0 <= index < facts.num_layers]
+    if outside:
+        raise DoflaError(
+            f"layer {outside[0]} does not exist: the model has layers 0..{facts.num_layers - 1}."
+        )
+    converted = LayerPlan(
+        kind=kind,
+        feature_map=feature_map,
+        feature_dim=int(feature_dim),
+        share_kv_heads=share_kv_heads,
+        window=int(window),
+        options=dict(options or {}),
+    )
+    plan = ConversionPlan(
+        model_type=facts.model_type,
+        num_layers=facts.num_layers,
+        num_heads=facts.num_heads,
+        num_kv_heads=facts.num_kv_heads,
+        head_dim=facts.head_dim,
+        layers=[
+            LayerPlan(**vars(converted)) if index in selected else LayerPlan(kind="softmax")
+            for index in range(facts.num_layers)
+        ],
+        metadata={"made_by": "plan_for"},
+    )
+    plan.validate()
+    return plan
+
+
+def _attention_cache_argument(module: nn.Module, args: tuple, kwargs: dict):
+    if "past_key_values" in kwargs:
+        return kwargs["past_key_values"]
+    if args:  # passed by position (not done by the supported families, but cheap to allow)
+        parameters = list(inspect.signature(module.forward).parameters)
+        if "past_key_values" in parameters and parameters.index("past_key_values") < len(args):
+            return args[parameters.index("past_key_values")]
+    return None
+
+
+def _before_attention(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Give the student this call's cache layer, swapping a RecurrentCacheLayer into the cache if needed."""
+    student = getattr(module, STUDENT_PREFIX)
+    student.pending_cache_layer = None
+    if dispatch._STATE.teacher_forced:  # the teacher's softmax runs and needs its ordinary cache layer
+        return
+    cache = _attention_cache_argument(module, args, kwargs)
+    if cache is not None:
+        student.pending_cache_layer = attach_cache_layer(cache, student.layer_index)
+
+
+def _after_attention(module: nn.Module, args: tuple, output) -> None:
+    getattr(module, STUDENT_PREFIX).pending_cache_layer = None
+
+
+def is_converted(model: nn.Module) -> bool:
+    return getattr(model, "dofla_plan", None) is not None
+
+
+def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
+    """Convert ``model`` in place as ``plan`` says and return it.
+
+    Everything is checked before the model changes: the plan's own consistency, that it was made for this
+    architecture (type, layers, heads, head size), and that every student can be built.
+    """
+    if is_converted(model):
+        raise DoflaError("this model is already converted; call dofla.convert.unconvert(model) first.")
+    if not isinstance(plan, ConversionPlan):
+        raise DoflaError(
+            f"convert needs a ConversionPlan, got {type(plan).__name__}; load one with ConversionPlan.load."
+        )
+    plan.validate()
+    facts = architecture(model)
+    plan.check_matches(
+        facts.model_type, facts.num_layers, facts.num_heads, facts.num_kv_heads, facts.head_dim
+    )
+    if len(facts.attention_modules) != facts.num_layers:
+        raise DoflaError(
+            f"found {len(facts.attention_modules)} attention modules in a {facts.num_layers}-layer "
+            f"{facts.model_type} model; this architecture is not supported."
+        )
+    students: dict[int, LinearAttention] = {}
+    for index in plan.converted_layers:
+        module = facts.attention_modules[index]
+        parameter = next(module.parameters(), None)
+        student = LinearAttention(
+            plan.layers[index],
+            layer_index=index,
+            num_heads=facts.num_heads,
+            num_kv_heads=facts.num_kv_heads,
+            head_dim=facts.head_dim,
+            scaling=facts.scalings[index],
+        )
+        students[index] = student.to(parameter.device) if parameter is not None else student
+
+    dispatch.install(model)
+    for index, student in students.items():
+        module = facts.attention_modules[index]
+        setattr(module, STUDENT_PREFIX, student)
+        handles = [
+            module.register_forward_pre_hook(_before_attention, with_kwargs=True),
+            module.register_forward_hook(_after_attention),
+        ]
+        setattr(module, _HOOKS_ATTRIBUTE, handles)
+    model.dofla_plan = plan
+    return model
+
+
+def unconvert(model: nn.Module) -> nn.Module:
+    """Remove the students and hooks: the model is its teacher again (the dispatcher stays installed)."""
+    for module in model.modules():
+        for handle in getattr(module, _HOOKS_ATTRIBUTE, []):
+            handle.remove()
+        if hasattr(module, _HOOKS_ATTRIBUTE):
+            delattr(module, _HOOKS_ATTRIBUTE)
+        if isinstance(getattr(module, STUDENT_PREFIX, None), nn.Module):
+            delattr(module, STUDENT_PREFIX)
+    model.dofla_plan = None
+    return model
+
+
+def students(model: nn.Module) -> dict[int, LinearAttention]:
+    """The converted layers' students by layer index."""
+    return {module.layer_index: module for module in model.modules() if isinstance(module, LinearAttention)}
+
+
+# ---------------------------------------------------------------------------------------------------- saving
+
+
+def _is_student_key(name: str) -> bool:
+    return f".{STUDENT_PREFIX}." in f".{name}"
+
+
+def teacher_fingerprint(model: nn.Module) -> str:
+    """sha256 over the names, shapes and bfloat16-rounded values of the model's non-dofla tensors.
+
+    Values are rounded to bfloat16 before hashing, so the same teacher loaded in float32 or bfloat16 gives
+    the same fingerprint: it tells a different teacher apart, not a different precision.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        if _is_student_key(name):
+            continue
+        digest.update(f"{name}:{tuple(tensor.shape)};".encode())
+        values = tensor.detach().to("cpu", torch.bfloat16).contiguous().reshape(-1)
+        digest.update(values.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _deduplicated(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Drop tensors that share memory with an earlier one (tied embeddings); returns (tensors, aliases)."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, tensor in state.items():
+        identity = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+        )
+        if tensor.numel() and identity in seen:
+            aliases[name] = seen[identity]
+            continue
+        seen[identity] = name
+        kept[name] = tensor
+    return kept, aliases
+
+
+def save_converted(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    tokenizer=None,
+    extra_metadata: dict[str, Any] | None = None,
+    student_only: bool = False,
+) -> Path:
+    """Write a converted model to ``out_dir`` atomically (a temporary sibling folder renamed into place).
+
+    extra_metadata goes into the saved plan's ``metadata`` (e.g. ``{"teacher": "smollm2-135m"}``, which
+    ``load_converted`` uses to find the teacher of a student-only folder). An existing ``out_dir`` is
+    replaced only once the new folder is complete.
+    """
+    plan: ConversionPlan | None = getattr(model, "dofla_plan", None)
+    if plan is None:
+        raise DoflaError(
+            "this model is not converted; convert it with dofla.convert.convert(model, plan) first."
+        )
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DoflaError(f"{out_dir} exists and is not a folder; choose another --out.")
+    saved_plan = ConversionPlan.from_dict(plan.to_dict())
+    saved_plan.metadata = {**saved_plan.metadata, **(extra_metadata or {})}
+    state = model.state_dict()
+    tensors, aliases = _deduplicated(state)
+    if student_only:
+        tensors = {name: tensor for name, tensor in tensors.items() if _is_student_key(name)}
+        aliases = {}
+    record = {
+        "format": SAVE_FORMAT,
+        "student_only": bool(student_only),
+        "weights": STUDENT_WEIGHTS_FILE if student_only else WEIGHTS_FILE,
+        "teacher_fingerprint": teacher_fingerprint(model),
+        "teacher": saved_plan.metadata.get("teacher") or getattr(model.config, "_name_or_path", "") or None,
+        "tied_weights": aliases,
+        "plan": saved_plan.to_dict(),
+    }
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        model.config.save_pretrained(temporary)
+        save_safetensors_atomic(tensors, temporary / record["weights"], metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(temporary)
+        write_text_atomic(temporary / PLAN_FILE, json.dumps(record, indent=2) + "\n")
+        if out_dir.exists():  # replace: move the old folder aside first so one complete folder always exists
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
+            os.replace(out_dir, old / out_dir.name)
+            os.replace(temporary, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(temporary, out_dir)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_record(path: str | Path) -> dict[str, Any]:
+    """The ``dofla_plan.json`` record of a converted folder (plan, fingerprint, format)."""
+    path = Path(path)
+    record_file = path / PLAN_FILE
+    if not record_file.is_file():
+        raise DoflaError(
+            f"{path} is not a converted dofla model (no {PLAN_FILE}); make one with `dofla convert`."
+        )
+    try:
+        record = json.loads(record_file.read_text())
+    except json.JSONDecodeError as error:
+        raise DoflaError(f"{record_file} is not valid JSON ({error}); convert the model again.") from None
+    if not isinstance(record, dict) or "plan" not in record or record.get("format") != SAVE_FORMAT:
+        raise DoflaError(
+            f"{record_file} is not a dofla save of format {SAVE_FORMAT}; convert the model again with this dofla."
+        )
+    return record
+
+
+def _parse_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if str(dtype) not in names:
+        raise DoflaError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}.")
+    return names[str(dtype)]
+
+
+def _load_state_strictly(model: nn.Module, tensors: dict[str, torch.Tensor], expected: set[str], where: Path):
+    """Load ``tensors`` into ``model``; any key missing from ``expected`` or not expected is an error."""
+    missing = sorted(expected - set(tensors))
+    unexpected = sorted(set(tensors) - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} ({', '.join(missing[:5])})")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} ({', '.join(unexpected[:5])})")
+        raise DoflaError(
+            f"{where} does not match the model built from its plan: {'; '.join(parts)}; "
+            "the folder is damaged or from another model, convert and save it again."
+        )
+    result = model.load_state_dict(tensors, strict=False)
+    leftover = [key for key in list(result.missing_keys) + list(result.unexpected_keys) if key in expected]
+    if leftover:
+        raise DoflaError(f"{where}: could not load {', '.join(leftover[:5])}.")
+
+
+def _resolve_teacher(teacher, record: dict, dtype, device):
+    """A teacher model from a module, a spec string, or the folder's recorded teacher; plus its tokenizer."""
+    if isinstance(teacher, nn.Module):
+        return teacher, None
+    spec = teacher or record.get("teacher")
+    if not spec:
+        raise DoflaError("this student-only folder does not name its teacher; pass teacher=MODEL.")
+    from dofla.models import load_teacher
+
+    loaded = load_teacher(spec, dtype=dtype, device=device)
+    return loaded.model, loaded.tokenizer
+
+
+def load_converted(path: str | Path, *, teacher=None, dtype=None, device=None):
+    """Load a folder written by :func:`save_converted`. Returns (model, tokenizer or None, plan).
+
+    Full folders: the model is built from ``config.json`` (``from_config``, never remote code), converted
+    with the saved plan, and loaded with strict key checking. Student-only folders need the teacher
+    (a model, a spec for ``dofla.models.load_teacher``, or the recorded one), whose weights must have the
+    fingerprint recorded at saving time.
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    record = read_record(path)
+    plan = ConversionPlan.from_dict(record["plan"])
+    torch_dtype = _parse_dtype(dtype)
+    weights_file = path / record["weights"]
+    if not weights_file.is_file():
+        raise DoflaError(f"{weights_file} is missing; the folder is incomplete, save the model again.")
+    tokenizer = None
+    if record["student_only"]:
+        model, tokenizer = _resolve_teacher(teacher, record, dtype, device)
+        if is_converted(model):
+            raise DoflaError("the teacher given is already converted; pass the plain teacher model.")
+        if teacher_fingerprint(model) != record["teacher_fingerprint"]:
+            raise DoflaError(
+                f"the teacher's weights differ from those {path} was trained on (fingerprint mismatch); "
+                f"load the teacher it names ({record.get('teacher') or 'unknown'})."
+            )
+    else:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    convert(model, plan)
+    expected = {name for name in model.state_dict() if (_is_student_key(name) or not record["student_only"])}
+    tensors = load_file(str(weights_file))
+    for alias, original in record.get("tied_weights", {}).items():
+        if original in tensors and alias in expected:
+            tensors[alias] = tensors[original]
+    _load_state_strictly(model, tensors, expected, weights_file)
+    if not record["student_only"] and teacher_fingerprint(model) != record["teacher_fingerprint"]:
+        raise DoflaError(
+            f"the teacher weights in {weights_file} do not match their recorded fingerprint; save again."
+        )
+    if teacher is not None and not record["student_only"] and isinstance(teacher, nn.Module):
+        if teacher_fingerprint(teacher) != record["teacher_fingerprint"]:
+            raise DoflaError(
+                f"the teacher given is not the one {path} was converted from (fingerprint mismatch)."
+            )
+    if torch_dtype is not None or device is not None:
+        model.to(device=device, dtype=torch_dtype)
+    if tokenizer is None and any(
+        (path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    model.eval()
+    return model, tokenizer, plan
