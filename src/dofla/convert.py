@@ -141,13 +141,18 @@ def plan_for(
     return plan
 
 
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")  # GPT-NeoX says layer_past
+
+
 def _attention_cache_argument(module: nn.Module, args: tuple, kwargs: dict):
-    if "past_key_values" in kwargs:
-        return kwargs["past_key_values"]
+    for name in CACHE_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
     if args:  # passed by position (not done by the supported families, but cheap to allow)
         parameters = list(inspect.signature(module.forward).parameters)
-        if "past_key_values" in parameters and parameters.index("past_key_values") < len(args):
-            return args[parameters.index("past_key_values")]
+        for name in CACHE_ARGUMENTS:
+            if name in parameters and parameters.index(name) < len(args):
+                return args[parameters.index(name)]
     return None
 
 

@@ -1,0 +1,236 @@
+"""Decoding through the recurrent cache: prefill + token-by-token equals one full forward on every family,
+generate() (greedy, sampling, beams), padding, constant cache memory, and the `dofla generate` command."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from dofla.cache import RecurrentCacheLayer, recurrent_cache_bytes
+from dofla.config import LayerPlan
+from dofla.convert import convert, plan_for
+from dofla.errors import DoflaError
+
+VOCAB = 64
+_SHAPE = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB
+)
+# Tiny random models of every supported family (2 layers), built from configs; nothing is downloaded.
+LOCAL_FAMILIES = {
+    "llama": dict(_SHAPE, num_key_value_heads=2, head_dim=8),
+    "mistral": dict(_SHAPE, num_key_value_heads=2, head_dim=8),
+    "qwen2": dict(_SHAPE, num_key_value_heads=2),
+    "qwen3": dict(_SHAPE, num_key_value_heads=2, head_dim=8),
+    "gemma2": dict(_SHAPE, num_key_value_heads=2, head_dim=8, sliding_window=4, query_pre_attn_scalar=8),
+    "gemma3_text": dict(_SHAPE, num_key_value_heads=2, head_dim=8, sliding_window=4, query_pre_attn_scalar=8),
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0),
+    "gpt_neox": dict(_SHAPE),
+}
+FAMILIES = sorted(LOCAL_FAMILIES)
+
+
+def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(family, max_position_embeddings=128, **LOCAL_FAMILIES[family])
+    if family == "gpt2":
+        config.n_positions = 128
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def mixed_plan(model):
+    """Layer 0 linear, layer 1 left as softmax."""
+    plan = plan_for(model, kind="linear", feature_map="learnable_prf", feature_dim=8, layers=[0])
+    assert [layer.kind for layer in plan.layers] == ["linear", "softmax"]
+    return plan
+
+
+PLANS = {
+    "linear": lambda model: plan_for(model, kind="linear", feature_map="learnable_prf", feature_dim=8),
+    "hybrid": lambda model: plan_for(model, kind="hybrid", feature_map="hedgehog", feature_dim=8, window=4),
+    "mixed": mixed_plan,
+}
+
+
+def decode_logits(model, tokens: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of a prefill of ``prefill`` tokens then one token at a time through one cache: (B, T, V)."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        pieces = [model(tokens[:, :prefill], past_key_values=cache, use_cache=True).logits]
+        for position in range(prefill, tokens.shape[1]):
+            step = tokens[:, position : position + 1]
+            pieces.append(model(step, past_key_values=cache, use_cache=True).logits)
+    return torch.cat(pieces, dim=1)
+
+
+@pytest.mark.parametrize("plan_name", sorted(PLANS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_then_decode_equals_full_forward(family, plan_name):
+    model = tiny_model(family)
+    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        teacher = model(tokens).logits
+    convert(model, PLANS[plan_name](model))
+    with torch.no_grad():
+        full = model(tokens).logits
+    assert (full - teacher).abs().max() > 1e-3  # the students really run
+    torch.testing.assert_close(decode_logits(model, tokens, prefill=11), full, rtol=1e-4, atol=1e-4)
+
+
+def test_cache_memory_is_constant_for_linear_layers_and_bounded_for_hybrid():
+    model = tiny_model("llama")
+    plan = plan_for(model, kind="linear", feature_dim=8)
+    plan.layers[1] = LayerPlan(kind="hybrid", feature_map="learnable_prf", feature_dim=8, window=4)
+    convert(model, plan)
+    cache = DynamicCache(config=model.config)
+    sizes = []
+    with torch.no_grad():
+        logits = model(torch.randint(0, VOCAB, (1, 6)), past_key_values=cache, use_cache=True).logits
+        for _ in range(30):
+            next_token = logits[:, -1:].argmax(-1)
+            logits = model(next_token, past_key_values=cache, use_cache=True).logits
+            sizes.append(
+                (recurrent_cache_bytes(cache), cache.layers[0].state.nbytes(), cache.layers[1].state.nbytes())
+            )
+    assert all(isinstance(layer, RecurrentCacheLayer) for layer in cache.layers)
+    assert cache.get_seq_length() == 36
+    assert len({size[1] for size in sizes}) == 1  # linear layer: the same bytes after 1 or 30 new tokens
+    assert len({size[2] for size in sizes}) == 1  # hybrid layer: window already full after the prefill
+    assert all(layer.keys.numel() == 0 for layer in cache.layers)
+    linear_state = cache.layers[0].state
+    assert linear_state.kv.shape == (1, 2, 8, 8)  # (B, Hkv, F, Dv): per key/value head
+    assert cache.layers[1].state.keys.shape[2] == 4  # only the window's keys
+
+
+def test_mixed_plan_keeps_softmax_cache_for_softmax_layers():
+    model = tiny_model("llama")
+    convert(model, mixed_plan(model))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (1, 9)), past_key_values=cache, use_cache=True)
+    assert isinstance(cache.layers[0], RecurrentCacheLayer)
+    assert not isinstance(cache.layers[1], RecurrentCacheLayer) and cache.layers[1].keys.shape[2] == 9
+
+
+def test_generate_greedy_equals_argmax_of_full_forwards():
+    model = tiny_model("qwen3")
+    convert(model, PLANS["hybrid"](model))
+    prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        generated = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False
+        )
+        expected = prompt
+        for _ in range(8):
+            next_token = model(expected).logits[:, -1].argmax(-1, keepdim=True)
+            expected = torch.cat([expected, next_token], dim=1)
+    assert torch.equal(generated, expected)
+
+
+def test_generate_sampling_is_reproducible_and_in_vocabulary():
+    model = tiny_model("gpt2")
+    convert(model, PLANS["linear"](model))
+    prompt = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        with torch.no_grad():
+            runs.append(
+                model.generate(
+                    prompt,
+                    attention_mask=torch.ones_like(prompt),
+                    max_new_tokens=6,
+                    do_sample=True,
+                    top_p=0.9,
+                    temperature=1.5,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
+            )
+    assert runs[0].shape == (2, 11) and torch.equal(runs[0], runs[1])
+    assert int(runs[0].max()) < VOCAB
+
+
+def test_left_padded_batch_equals_unpadded_rows():
+    """Batched prefill with left padding and decoding: each row's logits match that row decoded alone."""
+    model = tiny_model("llama")
+    convert(model, PLANS["hybrid"](model))
+    generator = torch.Generator().manual_seed(4)
+    short, long_ = (
+        torch.randint(1, VOCAB, (1, 6), generator=generator),
+        torch.randint(1, VOCAB, (1, 9), generator=generator),
+    )
+    steps = torch.randint(1, VOCAB, (2, 3), generator=generator)
+    pad = long_.shape[1] - short.shape[1]
+    tokens = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), short], 1), long_])  # (2, 9)
+    mask = torch.ones_like(tokens)
+    mask[0, :pad] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        batched = [
+            model(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]
+        ]
+        for index in range(steps.shape[1]):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            positions = positions[:, -1:] + 1
+            batched.append(
+                model(
+                    steps[:, index : index + 1],
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                ).logits[:, -1]
+            )
+        for row, prompt in enumerate((short, long_)):
+            alone = decode_logits(
+                model, torch.cat([prompt, steps[row : row + 1]], 1), prefill=prompt.shape[1]
+            )
+            torch.testing.assert_close(
+                torch.stack([logits[row] for logits in batched]),
+                alone[0, prompt.shape[1] - 1 :],
+                rtol=1e-4,
+                atol=1e-4,
+            )
+
+
+def test_beam_reordering_moves_states_with_their_rows():
+    model = tiny_model("llama")
+    convert(model, PLANS["hybrid"](model))
+    tokens = torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(5))
+    order = torch.tensor([2, 0, 2])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(tokens[:, :9], past_key_values=cache)
+        cache.reorder_cache(order)
+        reordered = model(tokens[order, 9:], past_key_values=cache).logits
+    expected = decode_logits(model, tokens[order], prefill=9)[:, -1:]
+    torch.testing.assert_close(reordered, expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        beams = model.generate(
+            tokens[:1, :4],
+            attention_mask=torch.ones(1, 4, dtype=torch.long),
+            max_new_tokens=4,
+            num_beams=2,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    assert beams.shape == (1, 8)
+
+
+def test_cache_refuses_crop_and_prefilled_softmax_cache():
+    model = tiny_model("llama")
+    cache = DynamicCache(config=model.config)
+    tokens = torch.randint(0, VOCAB, (1, 5))
+    with torch.no_grad():
+        model(tokens, past_key_values=cache)  # softmax keys from before the conversion
+    convert(model, PLANS["linear"](model))
+    with pytest.raises(DoflaError, match="already holds 5 softmax keys"):
+        model(tokens[:, :1], past_key_values=cache)
+    fresh = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(tokens, past_key_values=fresh)
+    fresh.crop(0)  # nothing to remove is fine
+    with pytest.raises(DoflaError, match="cannot be cropped"):
+        fresh.crop(-1)
