@@ -1,0 +1,209 @@
+"""Saving and reloading converted models: identical logits on every family, strict keys, teacher fingerprint,
+student-only folders, atomic writes, and the `dofla convert` / `dofla generate` commands."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_generate import FAMILIES, PLANS, VOCAB, tiny_model
+
+from dofla.cli import main
+from dofla.convert import PLAN_FILE, convert, load_converted, plan_for, save_converted, teacher_fingerprint
+from dofla.errors import DoflaError
+
+
+def tokens(seed=0):
+    return torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(seed))
+
+
+def trained_a_little(model):
+    """Move the student parameters away from their initialisation so a reload that re-initialises fails."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "dofla_student" in name:
+                parameter.add_(0.05 * torch.randn_like(parameter))
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reload_gives_identical_logits(family, tmp_path):
+    model = tiny_model(family)
+    trained_a_little(convert(model, PLANS["hybrid"](model)))
+    expected = model(tokens()).logits
+    save_converted(model, tmp_path / "out", extra_metadata={"teacher": "tiny"})
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == [
+        "config.json",
+        PLAN_FILE,
+        "model.safetensors",
+    ]
+    assert [path.name for path in tmp_path.iterdir()] == ["out"]  # no temporary folder left behind
+    loaded, tokenizer, plan = load_converted(tmp_path / "out")
+    assert tokenizer is None and plan.to_dict()["layers"] == model.dofla_plan.to_dict()["layers"]
+    assert plan.metadata["teacher"] == "tiny"
+    torch.testing.assert_close(loaded(tokens()).logits, expected, rtol=0, atol=0)
+
+
+def test_tied_embeddings_are_stored_once_and_restored(tmp_path):
+    model = tiny_model("gpt2")  # ties lm_head to the token embeddings
+    convert(model, PLANS["linear"](model))
+    save_converted(model, tmp_path / "out")
+    stored = load_file(str(tmp_path / "out" / "model.safetensors"))
+    record = json.loads((tmp_path / "out" / PLAN_FILE).read_text())
+    assert (
+        record["tied_weights"] == {"lm_head.weight": "transformer.wte.weight"}
+        and "lm_head.weight" not in stored
+    )
+    loaded, _, _ = load_converted(tmp_path / "out")
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    torch.testing.assert_close(loaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)
+
+
+def test_missing_and_unexpected_keys_fail_loudly(tmp_path):
+    model = tiny_model("llama")
+    convert(model, PLANS["linear"](model))
+    save_converted(model, tmp_path / "out")
+    weights = tmp_path / "out" / "model.safetensors"
+    tensors = load_file(str(weights))
+    z_key = "model.layers.0.self_attn.dofla_student.feature_map.z"
+    missing = {name: tensor for name, tensor in tensors.items() if name != z_key}
+    save_file(missing, str(weights))
+    with pytest.raises(DoflaError, match=f"missing 1 \\({z_key}\\)"):
+        load_converted(tmp_path / "out")
+    save_file({**tensors, "model.extra.weight": torch.zeros(2)}, str(weights))
+    with pytest.raises(DoflaError, match="unexpected 1 \\(model.extra.weight\\)"):
+        load_converted(tmp_path / "out")
+
+
+def test_changed_teacher_weights_are_detected(tmp_path):
+    model = tiny_model("qwen2")
+    convert(model, PLANS["linear"](model))
+    save_converted(model, tmp_path / "out")
+    weights = tmp_path / "out" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
+    save_file(tensors, str(weights))
+    with pytest.raises(DoflaError, match="do not match their recorded fingerprint"):
+        load_converted(tmp_path / "out")
+
+
+def test_student_only_folder_needs_the_right_teacher(tmp_path):
+    model = tiny_model("llama", seed=0)
+    trained_a_little(convert(model, PLANS["mixed"](model)))
+    expected = model(tokens()).logits
+    save_converted(model, tmp_path / "student", student_only=True)
+    stored = load_file(str(tmp_path / "student" / "student.safetensors"))
+    assert stored and all("dofla_student" in name for name in stored)
+    loaded, _, _ = load_converted(tmp_path / "student", teacher=tiny_model("llama", seed=0))
+    torch.testing.assert_close(loaded(tokens()).logits, expected, rtol=0, atol=0)
+    with pytest.raises(DoflaError, match="fingerprint mismatch"):
+        load_converted(tmp_path / "student", teacher=tiny_model("llama", seed=1))
+    # the fingerprint ignores precision: the same teacher in bfloat16 is still recognised
+    teacher = tiny_model("llama", seed=0)
+    assert teacher_fingerprint(teacher) == teacher_fingerprint(tiny_model("llama", seed=0).to(torch.bfloat16))
+    assert teacher_fingerprint(teacher) != teacher_fingerprint(tiny_model("llama", seed=1))
+
+
+def test_saving_over_an_existing_folder_replaces_it_whole(tmp_path):
+    first = tiny_model("llama")
+    convert(first, PLANS["linear"](first))
+    save_converted(first, tmp_path / "out")
+    (tmp_path / "out" / "stale.txt").write_text("old")
+    second = tiny_model("llama", seed=3)
+    convert(second, PLANS["hybrid"](second))
+    save_converted(second, tmp_path / "out")
+    assert not (tmp_path / "out" / "stale.txt").exists()
+    assert [path.name for path in tmp_path.iterdir()] == ["out"]
+    loaded, _, plan = load_converted(tmp_path / "out")
+    assert plan.layers[0].kind == "hybrid"
+
+
+def test_bad_folders_and_unconverted_models_are_refused(tmp_path):
+    with pytest.raises(DoflaError, match="not a converted dofla model"):
+        load_converted(tmp_path)
+    (tmp_path / PLAN_FILE).write_text("{")
+    with pytest.raises(DoflaError, match="not valid JSON"):
+        load_converted(tmp_path)
+    with pytest.raises(DoflaError, match="not converted"):
+        save_converted(tiny_model("llama"), tmp_path / "out")
+
+
+def word_tokenizer():
+    """A whitespace word-level tokenizer over VOCAB words, built in memory (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = {"<unk>": 0, **{f"w{index}": index for index in range(1, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<unk>")
+
+
+def test_generate_command_streams_tokens(tmp_path, capsys):
+    model = tiny_model("llama")
+    convert(model, PLANS["hybrid"](model))
+    tokenizer = word_tokenizer()
+    save_converted(model, tmp_path / "out", tokenizer=tokenizer)
+    prompt = "w5 w6 w7"
+    assert main(["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "4"]) == 0
+    printed = capsys.readouterr().out.split()
+    with torch.no_grad():
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert printed == tokenizer.decode(expected[0]).split() and len(printed) == 7
+    assert (
+        main(["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "3", "--sample"])
+        == 0
+    )
+    sampled = capsys.readouterr().out.split()  # may stop early on the end token, which is not printed
+    assert sampled[:3] == prompt.split() and 3 <= len(sampled) <= 6
+    assert main(["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "0"]) == 1
+    assert "--max-new-tokens must be positive" in capsys.readouterr().err
+
+
+def test_convert_command_validates_before_loading(tmp_path, capsys):
+    assert main(["convert", "no-such-model", "--out", str(tmp_path / "x"), "--feature-dim", "0"]) == 1
+    assert "--feature-dim must be positive, got 0" in capsys.readouterr().err
+    assert (
+        main(["convert", "no-such-model", "--out", str(tmp_path / "x"), "--plan", str(tmp_path / "p.json")])
+        == 1
+    )
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["convert", "no-such-model", "--out", str(tmp_path / "x"), "--feature-map", "nope"]) == 1
+    assert "unknown feature map 'nope'" in capsys.readouterr().err
+    assert main(["convert", "no-such-model", "--out", str(tmp_path / "x"), "--layers", "a,b"]) == 1
+    assert "--layers must be comma-separated" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_convert_command_end_to_end(tmp_path, capsys):
+    import dofla.models
+
+    if not hasattr(dofla.models, "load_teacher"):
+        pytest.skip("dofla.models.load_teacher has not landed yet")
+    teacher = tiny_model("llama")
+    teacher.save_pretrained(tmp_path / "teacher")
+    word_tokenizer().save_pretrained(tmp_path / "teacher")
+    plan = plan_for(teacher, kind="linear", feature_dim=4, layers=[1])
+    plan.save(tmp_path / "plan.json")
+    out = tmp_path / "converted"
+    assert (
+        main(["convert", str(tmp_path / "teacher"), "--plan", str(tmp_path / "plan.json"), "--out", str(out)])
+        == 0
+    )
+    assert "converted 1 of 2 layers" in capsys.readouterr().out
+    loaded, tokenizer, loaded_plan = load_converted(out)
+    assert tokenizer is not None and [layer.kind for layer in loaded_plan.layers] == ["softmax", "linear"]
+    wrong = plan_for(tiny_model("gpt2"), feature_dim=4)
+    wrong.save(tmp_path / "wrong.json")
+    assert (
+        main(
+            ["convert", str(tmp_path / "teacher"), "--plan", str(tmp_path / "wrong.json"), "--out", str(out)]
+        )
+        == 1
+    )
+    assert "different model" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "teacher"), "--layers", "0,7", "--out", str(out)]) == 1
+    assert "layer 7 does not exist" in capsys.readouterr().err
