@@ -207,3 +207,18 @@ def test_convert_command_end_to_end(tmp_path, capsys):
     assert "different model" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "teacher"), "--layers", "0,7", "--out", str(out)]) == 1
     assert "layer 7 does not exist" in capsys.readouterr().err
+
+
+def test_stored_dtypes_are_kept_and_dtype_argument_casts(tmp_path):
+    model = tiny_model("gpt2").to(torch.bfloat16)  # bf16 teacher, float32 students (attached after the cast)
+    convert(model, PLANS["hybrid"](model))
+    save_converted(model, tmp_path / "out")
+    loaded, _, _ = load_converted(tmp_path / "out")
+    assert loaded.transformer.wte.weight.dtype == torch.bfloat16
+    assert loaded.transformer.h[0].attn.dofla_student.window_factor_logit.dtype == torch.float32
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    torch.testing.assert_close(loaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)
+    upcast, _, _ = load_converted(tmp_path / "out", dtype="float32")
+    assert all(parameter.dtype == torch.float32 for parameter in upcast.parameters())
+    with pytest.raises(DoflaError, match="unknown dtype 'float8'"):
+        load_converted(tmp_path / "out", dtype="float8")

@@ -374,7 +374,10 @@ def _parse_dtype(dtype) -> torch.dtype | None:
 
 
 def _load_state_strictly(model: nn.Module, tensors: dict[str, torch.Tensor], expected: set[str], where: Path):
-    """Load ``tensors`` into ``model``; any key missing from ``expected`` or not expected is an error."""
+    """Load ``tensors`` into ``model``; any key missing from ``expected`` or not expected is an error.
+
+    Each tensor keeps its stored dtype (a bf16 teacher with float32 students reloads as it was saved).
+    """
     missing = sorted(expected - set(tensors))
     unexpected = sorted(set(tensors) - expected)
     if missing or unexpected:
@@ -387,10 +390,21 @@ def _load_state_strictly(model: nn.Module, tensors: dict[str, torch.Tensor], exp
             f"{where} does not match the model built from its plan: {'; '.join(parts)}; "
             "the folder is damaged or from another model, convert and save it again."
         )
-    result = model.load_state_dict(tensors, strict=False)
-    leftover = [key for key in list(result.missing_keys) + list(result.unexpected_keys) if key in expected]
-    if leftover:
-        raise DoflaError(f"{where}: could not load {', '.join(leftover[:5])}.")
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    for name, tensor in tensors.items():
+        if name in targets:
+            target = targets[name]
+        elif name in buffers:
+            target = buffers[name]
+        else:
+            raise DoflaError(f"{where}: {name} is neither a parameter nor a buffer of the model.")
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise DoflaError(
+                f"{where}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}; "
+                "the folder is from another model."
+            )
+        target.data = tensor.to(target.device)
 
 
 def _resolve_teacher(teacher, record: dict, dtype, device):
