@@ -234,3 +234,11 @@ def test_cache_refuses_crop_and_prefilled_softmax_cache():
     fresh.crop(0)  # nothing to remove is fine
     with pytest.raises(DoflaError, match="cannot be cropped"):
         fresh.crop(-1)
+
+
+def test_static_cache_is_refused():
+    model = tiny_model("llama")
+    convert(model, PLANS["linear"](model))
+    prompt = torch.randint(1, VOCAB, (1, 4))
+    with pytest.raises(DoflaError, match="static caches are not supported"):
+        model.generate(prompt, max_new_tokens=2, cache_implementation="static", pad_token_id=0)

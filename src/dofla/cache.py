@@ -12,7 +12,7 @@ made (``DynamicCache``, or the self-attention half of an ``EncoderDecoderCache``
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, EncoderDecoderCache
+from transformers.cache_utils import CacheLayerMixin, EncoderDecoderCache, StaticLayer
 
 from dofla.errors import DoflaError
 from dofla.ops import HybridState, LinearState
@@ -122,6 +122,11 @@ def attach_cache_layer(cache, layer_index: int) -> RecurrentCacheLayer:
     layer = layers[layer_index]
     if isinstance(layer, RecurrentCacheLayer):
         return layer
+    if isinstance(layer, StaticLayer):
+        raise DoflaError(
+            "static caches are not supported for converted layers (their state does not grow anyway); "
+            "generate with the default dynamic cache."
+        )
     if layer.get_seq_length() > 0:
         raise DoflaError(
             f"the cache already holds {layer.get_seq_length()} softmax keys for converted layer {layer_index}; "
