@@ -1,0 +1,126 @@
+"""Prefill and decode speed and cache memory: softmax teacher vs its linear-attention conversion.
+
+Both models are measured in the same run at the same shapes; the script prints ratios.
+Speed and memory do not depend on the weights' values, so ``--shape`` builds a randomly initialised
+model of a known architecture (useful where the real weights cannot be loaded, e.g. on a remote GPU);
+the default loads the embedded teacher itself.
+
+    python bench/bench_generation.py                          # embedded SmolLM2-135M, CPU, float32
+    python bench/bench_generation.py --shape llama-1b --device cuda --contexts 4096,16384,65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dofla.convert import convert, plan_for
+from dofla.evaluation.speed import measure_generation
+
+SHAPES = {
+    # Architecture shapes only (no weights): sizes as published in the models' configs.
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_position_embeddings=131072,
+    ),
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+    ),
+}
+
+
+def build_teacher(args: argparse.Namespace) -> torch.nn.Module:
+    dtype = getattr(torch, args.dtype)
+    if args.shape:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape], tie_word_embeddings=True))
+        return model.to(device=args.device, dtype=dtype).eval()
+    from dofla.models import load_teacher
+
+    return load_teacher("smollm2-135m", dtype=args.dtype, device=args.device).model
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random weights of this shape")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--contexts", default="1024,4096", help="comma-separated prompt lengths")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--feature-map", default="learnable_prf")
+    parser.add_argument("--feature-dim", type=int, default=64)
+    parser.add_argument("--kind", default="linear", choices=("linear", "hybrid"))
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
+    contexts = [int(c) for c in args.contexts.split(",")]
+
+    model = build_teacher(args)
+    measure = dict(context_lengths=contexts, batch_size=args.batch_size, new_tokens=args.new_tokens)
+    measure_generation(
+        model, context_lengths=contexts[:1], batch_size=args.batch_size, new_tokens=2
+    )  # warm-up
+    teacher_rows = measure_generation(model, **measure)
+    plan = plan_for(model, kind=args.kind, feature_map=args.feature_map, feature_dim=args.feature_dim)
+    convert(model, plan)
+    model.to(device=args.device, dtype=getattr(torch, args.dtype))
+    measure_generation(
+        model, context_lengths=contexts[:1], batch_size=args.batch_size, new_tokens=2
+    )  # warm-up
+    student_rows = measure_generation(model, **measure)
+
+    print(f"command: {' '.join(sys.argv)}")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''}, device {args.device}, dtype {args.dtype}, "
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}"
+    )
+    print(
+        f"model: {args.shape or 'smollm2-135m (embedded weights)'}; student: {args.kind}, {args.feature_map}, "
+        f"F={args.feature_dim} in every layer; batch {args.batch_size}, {args.new_tokens} decoded tokens\n"
+    )
+    print(
+        "| context | prefill tok/s teacher | student | ratio | decode tok/s teacher | student | ratio "
+        "| cache MiB teacher | student |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for teacher, student in zip(teacher_rows, student_rows, strict=True):
+        mib = 2.0**20
+        print(
+            f"| {teacher['context']} | {teacher['prefill_tokens_per_second']:.0f} | "
+            f"{student['prefill_tokens_per_second']:.0f} | "
+            f"{student['prefill_tokens_per_second'] / teacher['prefill_tokens_per_second']:.2f}x | "
+            f"{teacher['decode_tokens_per_second']:.1f} | {student['decode_tokens_per_second']:.1f} | "
+            f"{student['decode_tokens_per_second'] / teacher['decode_tokens_per_second']:.2f}x | "
+            f"{teacher['cache_bytes_after_decode'] / mib:.1f} | {student['cache_bytes_after_decode'] / mib:.2f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as stream:
+            json.dump(
+                {"teacher": teacher_rows, "student": student_rows, "args": vars(args)}, stream, indent=2
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

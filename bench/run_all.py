@@ -1,0 +1,42 @@
+"""Run the CPU benchmarks and write their printed tables into bench/results/ (``make bench``).
+
+Each benchmark prints its own command, machine and a markdown table of ratios against the softmax
+teacher measured in the same run; this script only runs them and keeps what they printed.
+BENCHMARKS.md quotes these files.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BENCHMARKS = {
+    "ops": ["bench_ops.py"],
+    "decode_memory": ["bench_decode_memory.py"],
+    "generation": ["bench_generation.py", "--contexts", "1024,4096"],
+    "distill": ["bench_distill.py"],
+}
+
+
+def main() -> int:
+    results = HERE / "results"
+    results.mkdir(exist_ok=True)
+    selected = sys.argv[1:] or list(BENCHMARKS)
+    failures = 0
+    for name in selected:
+        command = [sys.executable, str(HERE / BENCHMARKS[name][0]), *BENCHMARKS[name][1:]]
+        print(f"== {name}: {' '.join(command)}", flush=True)
+        completed = subprocess.run(command, capture_output=True, text=True)
+        print(completed.stdout)
+        if completed.returncode != 0:
+            failures += 1
+            print(completed.stderr[-4000:], file=sys.stderr)
+            continue
+        (results / f"{name}.md").write_text(completed.stdout)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
