@@ -1,0 +1,238 @@
+"""Distillation losses: per layer (kernel L2, softmax cross-entropy, attention-output MSE) and whole-model.
+
+Which kernel is compared. For query i and causal keys j <= i the teacher's attention row is
+``P_ij = softmax_j(scaling * q_i.k_j)``. The student's row is its own attention weights normalised per
+row, ``A_ij = a_ij / sum_j a_ij``, with ``a_ij`` exactly the weights of :mod:`dofla.ops.naive`:
+``phi(q_i).phi(k_j) exp(s_j)`` for linear layers (s = the key log scale; the query's own factor cancels),
+and for hybrid layers the window softmax part weighted by gamma plus the linear part weighted by 1 - gamma.
+Both kernels are thus normalised per query row, so the L2 loss and the cross-entropy compare the same
+objects, and neither depends on the arbitrary per-token scale of the feature maps.
+
+* ``kernel_l2_loss``: ``sum_j (P_ij - A_ij)^2`` averaged over rows (B, H, i).
+* ``softmax_loss``: ``-sum_j P_ij log A_ij`` averaged over rows (the cross-entropy; its minimum over A
+  is the teacher's row entropy, so the value is not 0 at a perfect fit).
+* ``output_mse_loss``: mean squared error of the attention outputs before the output projection.
+* ``direct_loss``: next-token cross-entropy of the whole model, optionally + KL to the teacher's logits.
+
+The two kernel losses are computed in log space over chunks of queries, each chunk recomputed in the
+backward pass (activation checkpointing), so memory is O(chunk * T) per head instead of O(T^2) and
+T = 2048 fits. Padded keys (``key_mask`` False) take part nowhere; padded query rows are left out.
+Teacher rows are plain causal softmax over the given keys: sliding-window or soft-capped teachers
+(Gemma-2, Mistral windows) are compared as if they were full causal softmax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from dofla.errors import DoflaError
+
+LAYER_LOSSES = ("softmax", "l2", "output_mse")
+LOSSES = (*LAYER_LOSSES, "direct")
+DEFAULT_QUERY_CHUNK = 128
+_LOG_TINY = math.log(1e-30)  # floor for log(phi(q).phi(k)) where the features are orthogonal (ReLU maps)
+
+
+def _expand_heads(tensor: Tensor | None, num_heads: int) -> Tensor | None:
+    """(B, Hk, ...) -> (B, H, ...): query head h reads key/value head h // (H / Hk)."""
+    if tensor is None or tensor.shape[1] == num_heads:
+        return tensor
+    return tensor.repeat_interleave(num_heads // tensor.shape[1], dim=1)
+
+
+def _row_logs(
+    start: int,
+    query: Tensor,
+    key: Tensor,
+    q_features: Tensor,
+    k_features: Tensor,
+    log_scale: Tensor,
+    key_present: Tensor,
+    scaling: float,
+    window: int | None,
+    window_factor: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Teacher log P and student log A for the query rows ``start : start + C`` against all T keys.
+
+    query (B, H, C, D), key (B, H, T, D), q_features (B, H, C, F), k_features (B, H, T, F),
+    log_scale (B, H, T), key_present (B, T) bool. Returns teacher_log (B, H, C, T), student_log
+    (B, H, C, T) (both -inf outside the causal, present keys), allowed (B, 1, C, T) bool and the rows'
+    weights (B, 1, C): 1 for real query tokens, 0 for padding.
+    """
+    chunk, length = query.shape[2], key.shape[2]
+    query_index = torch.arange(start, start + chunk, device=query.device)[:, None]  # (C, 1)
+    key_index = torch.arange(length, device=query.device)[None, :]  # (1, T)
+    allowed = (key_index <= query_index)[None, None] & key_present[:, None, None, :]  # (B, 1, C, T)
+    # rows without any visible key (left padding) attend everywhere so no NaN appears; they get weight 0
+    row_visible = allowed.any(-1, keepdim=True)  # (B, 1, C, 1)
+    row_weight = (row_visible[..., 0] & key_present[:, None, start : start + chunk]).to(query.dtype)
+    allowed = allowed | ~row_visible
+    scores = scaling * (query @ key.transpose(-1, -2))  # (B, H, C, T)
+    teacher_log = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
+    dot = q_features @ k_features.transpose(-1, -2)  # (B, H, C, T)
+    linear_log = torch.log(dot.clamp_min(1e-30)) + log_scale[:, :, None, :]  # (B, H, C, T)
+    if window is None:
+        student_log = linear_log.masked_fill(~allowed, float("-inf"))
+    else:
+        in_window = allowed & (key_index > query_index - window)[None, None]
+        left_window = allowed & (key_index <= query_index - window)[None, None]
+        window_scores = scores.masked_fill(~in_window, float("-inf"))
+        window_max = window_scores.amax(-1, keepdim=True)  # (B, H, C, 1)
+        window_max = torch.where(torch.isfinite(window_max), window_max, torch.zeros_like(window_max))
+        old_scale = log_scale[:, :, None, :].masked_fill(~left_window, float("-inf"))
+        old_max = old_scale.amax(-1, keepdim=True)  # (B, H, C, 1): offset of the linear part
+        old_max = torch.where(torch.isfinite(old_max), old_max, torch.zeros_like(old_max))
+        gamma = window_factor.view(1, -1, 1, 1)
+        window_log = torch.log(gamma) + window_scores - window_max
+        old_log = (torch.log1p(-gamma) + linear_log - old_max).masked_fill(~left_window, float("-inf"))
+        student_log = torch.where(in_window, window_log, old_log)
+    student_log = student_log - torch.logsumexp(student_log, dim=-1, keepdim=True)
+    return teacher_log, student_log, allowed, row_weight
+
+
+def _chunk_loss(kind: str, start: int, *tensors_and_options) -> Tensor:
+    """Sum over the chunk's present rows of the row loss (a 0-dim tensor)."""
+    teacher_log, student_log, allowed, row_weight = _row_logs(start, *tensors_and_options)
+    teacher = teacher_log.exp()  # (B, H, C, T), 0 where not allowed
+    if kind == "softmax":
+        # P log A with 0 where P = 0 (A is -inf only where P is 0 too, or where features are orthogonal)
+        product = torch.where(allowed, teacher * student_log.clamp_min(_LOG_TINY), torch.zeros_like(teacher))
+        rows = -product.sum(-1)  # (B, H, C)
+    else:
+        difference = torch.where(allowed, teacher - student_log.exp(), torch.zeros_like(teacher))
+        rows = difference.pow(2).sum(-1)
+    return (rows * row_weight).sum()
+
+
+def kernel_loss(
+    kind: str,
+    query: Tensor,
+    key: Tensor,
+    q_features: Tensor,
+    k_features: Tensor,
+    k_log_scale: Tensor | None,
+    *,
+    scaling: float,
+    key_mask: Tensor | None = None,
+    window: int | None = None,
+    window_factor: Tensor | None = None,
+    query_chunk: int = DEFAULT_QUERY_CHUNK,
+) -> Tensor:
+    """Kernel loss ``kind`` ("softmax" or "l2") of one layer, averaged over present query rows and heads.
+
+    query (B, H, T, D) and key (B, Hkv, T, D) as the teacher saw them (after rotary); q_features
+    (B, H, T, F), k_features (B, Hs, T, F), k_log_scale (B, Hs, T) or None from ``student.features``;
+    key_mask (B, T) bool, True for real tokens. Hybrid layers pass their ``window`` and window_factor
+    gamma (H,). Computed in float32 (float64 for float64 inputs), ``query_chunk`` rows at a time.
+    """
+    if kind not in ("softmax", "l2"):
+        raise DoflaError(f"unknown kernel loss {kind!r}; use softmax or l2.")
+    if (window is None) != (window_factor is None):
+        raise DoflaError("hybrid kernel losses need both window and window_factor.")
+    batch, num_heads, length, _ = query.shape
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    keys = _expand_heads(key, num_heads).to(dtype)  # (B, H, T, D)
+    k_feats = _expand_heads(k_features, num_heads).to(dtype)  # (B, H, T, F)
+    if k_log_scale is None:
+        log_scale = torch.zeros(batch, num_heads, length, dtype=dtype, device=query.device)
+    else:
+        log_scale = _expand_heads(k_log_scale, num_heads).to(dtype)  # (B, H, T)
+    present = torch.ones(batch, length, dtype=torch.bool, device=query.device)
+    if key_mask is not None:
+        present = key_mask.to(torch.bool)
+    gamma = None if window_factor is None else window_factor.to(dtype)
+    total = query.new_zeros((), dtype=dtype)
+    use_checkpoint = torch.is_grad_enabled()
+    for start in range(0, length, query_chunk):
+        stop = min(start + query_chunk, length)
+        arguments = (
+            query[:, :, start:stop].to(dtype),
+            keys,
+            q_features[:, :, start:stop].to(dtype),
+            k_feats,
+            log_scale,
+            present,
+            float(scaling),
+            window,
+            gamma,
+        )
+        if use_checkpoint:
+            total = total + checkpoint(_chunk_loss, kind, start, *arguments, use_reentrant=False)
+        else:
+            total = total + _chunk_loss(kind, start, *arguments)
+    rows = present.sum() * num_heads
+    return total / rows.clamp_min(1)
+
+
+def output_mse_loss(student_output: Tensor, teacher_output: Tensor, key_mask: Tensor | None = None) -> Tensor:
+    """Mean squared error per element of the attention outputs (B, T, H, Dv), before the output projection.
+
+    Padded positions (key_mask (B, T) False) are left out. Computed in float32.
+    """
+    difference = (student_output.float() - teacher_output.float()).pow(2)  # (B, T, H, Dv)
+    if key_mask is None:
+        return difference.mean()
+    weights = key_mask.to(difference.dtype)[:, :, None, None]
+    count = weights.sum() * difference.shape[2] * difference.shape[3]
+    return (difference * weights).sum() / count.clamp_min(1)
+
+
+def direct_loss(
+    logits: Tensor,
+    labels: Tensor,
+    teacher_logits: Tensor | None = None,
+    *,
+    kl_weight: float = 0.0,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Next-token cross-entropy of logits (B, T, V) against labels (B, T) (position t predicts t + 1;
+    label -100 is ignored), plus ``kl_weight * T^2 * KL(teacher || student)`` on temperature-softened
+    distributions when teacher_logits (B, T, V) are given. Mean per predicted token, float32.
+    """
+    shifted = logits[:, :-1].float()  # (B, T-1, V)
+    targets = labels[:, 1:]
+    loss = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), ignore_index=-100)
+    if teacher_logits is not None and kl_weight > 0:
+        keep = (targets != -100).reshape(-1)
+        student_log = torch.log_softmax(shifted / temperature, dim=-1).reshape(-1, shifted.shape[-1])[keep]
+        teacher_log = torch.log_softmax(teacher_logits[:, :-1].float() / temperature, dim=-1)
+        teacher_log = teacher_log.reshape(-1, shifted.shape[-1])[keep]
+        kl = F.kl_div(student_log, teacher_log, log_target=True, reduction="batchmean")
+        loss = loss + kl_weight * temperature**2 * kl
+    return loss
+
+
+def layer_loss(kind: str, student, call, *, key_mask: Tensor | None = None, query_chunk: int = 128) -> Tensor:
+    """The loss ``kind`` of one converted layer on one teacher-forced attention call.
+
+    student: a :class:`dofla.attention.LinearAttention`; call: the :class:`dofla.dispatch.AttentionCall`
+    of its layer (the teacher's q, k, v and softmax output). Inputs are detached: gradients reach this
+    layer's student only.
+    """
+    query, key, value = call.query.detach(), call.key.detach(), call.value.detach()
+    if kind == "output_mse":
+        output = student(query, key, value, call.attention_mask, scaling=call.scaling)  # (B, T, H, Dv)
+        return output_mse_loss(output, call.output.detach(), key_mask)
+    if kind not in ("softmax", "l2"):
+        raise DoflaError(f"unknown layer loss {kind!r}; use one of {', '.join(LAYER_LOSSES)}.")
+    q_features, k_features, k_log_scale = student.features(query, key)
+    hybrid = student.kind == "hybrid"
+    return kernel_loss(
+        kind,
+        query,
+        key,
+        q_features,
+        k_features,
+        k_log_scale,
+        scaling=call.scaling,
+        key_mask=key_mask,
+        window=student.window if hybrid else None,
+        window_factor=student.window_factor() if hybrid else None,
+        query_chunk=query_chunk,
+    )

@@ -1,0 +1,182 @@
+"""Distillation losses: chunked log-space kernel losses against plain full-matrix references (value and
+gradients), their agreement with the attention the student really computes, and the simple losses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dofla.distill.losses import direct_loss, kernel_loss, output_mse_loss
+from dofla.errors import DoflaError
+from dofla.ops.naive import hybrid_attention, linear_attention
+
+B, H, HKV, T, D, F_DIM = 2, 4, 2, 11, 8, 6
+SCALING = D**-0.5
+
+
+def inputs(seed=0, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, positive=False):
+        tensor = torch.randn(*shape, generator=generator, dtype=dtype)
+        return (tensor.exp() if positive else tensor).requires_grad_(True)
+
+    return dict(
+        query=draw(B, H, T, D),
+        key=draw(B, HKV, T, D),
+        q_features=draw(B, H, T, F_DIM, positive=True),
+        k_features=draw(B, HKV, T, F_DIM, positive=True),
+        k_log_scale=draw(B, HKV, T),
+    )
+
+
+def student_weights(tensors, window=None, gamma=None):
+    """Row-normalised student weights A (B, H, T, T), written out pair by pair as in ops.naive."""
+    group = H // HKV
+    q = tensors["q_features"]
+    k = tensors["k_features"].repeat_interleave(group, 1)
+    scale = tensors["k_log_scale"].repeat_interleave(group, 1)
+    keys = tensors["key"].repeat_interleave(group, 1)
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    causal = j <= i
+    linear = (q @ k.transpose(-1, -2)) * torch.exp(scale)[:, :, None, :]  # (B, H, T, T)
+    if window is None:
+        weights = torch.where(causal, linear, 0.0)
+    else:
+        in_window = causal & (j > i - window)
+        left = j <= i - window
+        scores = SCALING * tensors["query"] @ keys.transpose(-1, -2)
+        window_max = scores.masked_fill(~in_window, float("-inf")).amax(-1, keepdim=True)
+        old_max = scale[:, :, None, :].masked_fill(~left, float("-inf")).amax(-1, keepdim=True)
+        old_max = torch.where(torch.isfinite(old_max), old_max, 0.0)
+        g = gamma.view(1, H, 1, 1)
+        weights = torch.where(in_window, g * torch.exp(scores - window_max), 0.0) + torch.where(
+            left, (1 - g) * linear * torch.exp(-old_max), 0.0
+        )
+    return weights / weights.sum(-1, keepdim=True)
+
+
+def teacher_probabilities(tensors):
+    keys = tensors["key"].repeat_interleave(H // HKV, 1)
+    scores = SCALING * tensors["query"] @ keys.transpose(-1, -2)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+
+
+def reference_loss(kind, tensors, window=None, gamma=None):
+    teacher = teacher_probabilities(tensors)
+    student = student_weights(tensors, window, gamma)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    if kind == "softmax":
+        rows = -(teacher * torch.where(causal, student.clamp_min(1e-300).log(), 0.0)).sum(-1)
+    else:
+        rows = ((teacher - student) ** 2).sum(-1)
+    return rows.mean()
+
+
+@pytest.mark.parametrize("kind", ["softmax", "l2"])
+@pytest.mark.parametrize("hybrid", [False, True])
+@pytest.mark.parametrize("query_chunk", [3, 64])
+def test_chunked_kernel_loss_matches_full_matrix_reference(kind, hybrid, query_chunk):
+    tensors = inputs()
+    gamma = torch.sigmoid(torch.randn(H, dtype=torch.float64)).requires_grad_(True)
+    window = 4 if hybrid else None
+    options = dict(window=window, window_factor=gamma if hybrid else None)
+    loss = kernel_loss(kind, **tensors, scaling=SCALING, query_chunk=query_chunk, **options)
+    expected = reference_loss(kind, tensors, window, gamma if hybrid else None)
+    torch.testing.assert_close(loss, expected, rtol=1e-9, atol=1e-12)
+    leaves = [*tensors.values(), gamma] if hybrid else list(tensors.values())
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    expected_grads = torch.autograd.grad(expected, leaves, allow_unused=True)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_compared_kernel_is_the_one_the_attention_uses(hybrid):
+    """A @ v of the loss's student weights equals the naive attention output (up to eps)."""
+    tensors = inputs(seed=1)
+    values = torch.randn(B, HKV, T, 5, dtype=torch.float64)
+    gamma = torch.full((H,), 0.3, dtype=torch.float64)
+    weights = student_weights(tensors, 4 if hybrid else None, gamma if hybrid else None)
+    features = dict(k_log_scale=tensors["k_log_scale"], eps=1e-12)
+    if hybrid:
+        out = hybrid_attention(
+            tensors["query"], tensors["key"], tensors["q_features"], tensors["k_features"], values,
+            scaling=SCALING, window=4, window_factor=gamma, **features,
+        )  # fmt: skip
+    else:
+        out = linear_attention(tensors["q_features"], tensors["k_features"], values, **features)
+    torch.testing.assert_close(
+        weights @ values.repeat_interleave(H // HKV, 1), out.detach(), rtol=1e-8, atol=1e-9
+    )
+
+
+def test_exact_student_gives_zero_l2_and_teacher_entropy():
+    """A hybrid whose window covers the whole sequence with gamma -> 1 is the teacher itself."""
+    tensors = inputs(seed=2)
+    gamma = torch.full((H,), 1 - 1e-12, dtype=torch.float64)
+    options = dict(scaling=SCALING, window=T, window_factor=gamma)
+    l2 = kernel_loss("l2", **tensors, **options)
+    cross_entropy = kernel_loss("softmax", **tensors, **options)
+    teacher = teacher_probabilities(tensors)
+    entropy = -(teacher * teacher.clamp_min(1e-300).log()).sum(-1).mean()
+    assert float(l2.detach()) < 1e-20
+    torch.testing.assert_close(cross_entropy, entropy, rtol=1e-9, atol=1e-9)
+    # and a worse student has a larger cross-entropy than the teacher's entropy
+    assert float(kernel_loss("softmax", **tensors, scaling=SCALING).detach()) > float(entropy.detach()) + 1e-3
+
+
+def test_padded_keys_and_rows_are_left_out():
+    """Left padding: the loss equals the loss of the unpadded sequences, with finite gradients."""
+    tensors = inputs(seed=3)
+    pad = 3
+    key_mask = torch.ones(B, T, dtype=torch.bool)
+    key_mask[1, :pad] = False
+    loss = kernel_loss("softmax", **tensors, scaling=SCALING, key_mask=key_mask, query_chunk=4)
+    grads = torch.autograd.grad(loss, list(tensors.values()))
+    assert all(torch.isfinite(grad).all() for grad in grads)
+    # reference: each sequence alone, rows averaged over all real rows
+    first = kernel_loss("softmax", **{n: t[:1] for n, t in tensors.items()}, scaling=SCALING)
+    second = kernel_loss("softmax", **{n: t[1:, :, pad:] for n, t in tensors.items()}, scaling=SCALING)
+    expected = (first * T + second * (T - pad)) / (2 * T - pad)
+    torch.testing.assert_close(loss, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_long_sequence_fits_in_chunks():
+    """T = 2048 in float32: the chunked loss runs forward and backward without a T x T x layers blow-up."""
+    length, heads = 2048, 1
+    query = torch.randn(1, heads, length, 16, requires_grad=True)
+    key = torch.randn(1, heads, length, 16)
+    q_features = torch.rand(1, heads, length, 8) + 0.1
+    k_features = torch.rand(1, heads, length, 8, requires_grad=True)
+    loss = kernel_loss("softmax", query, key, q_features, k_features, None, scaling=0.25, query_chunk=256)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(k_features.grad).all()
+
+
+def test_kernel_loss_rejects_unknown_kind():
+    with pytest.raises(DoflaError, match="unknown kernel loss 'kl'"):
+        kernel_loss("kl", **inputs(), scaling=SCALING)
+
+
+def test_output_mse_and_direct_losses():
+    student = torch.randn(2, 5, 3, 4)
+    teacher = torch.randn(2, 5, 3, 4)
+    torch.testing.assert_close(output_mse_loss(student, teacher), ((student - teacher) ** 2).mean())
+    mask = torch.tensor([[True] * 5, [False, False, True, True, True]])
+    masked = ((student - teacher) ** 2)[mask].mean()
+    torch.testing.assert_close(output_mse_loss(student, teacher, mask), masked)
+
+    logits = torch.randn(2, 6, 10)
+    labels = torch.randint(0, 10, (2, 6))
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 10), labels[:, 1:].reshape(-1))
+    torch.testing.assert_close(direct_loss(logits, labels), expected)
+    # KL to itself is 0; to another distribution it adds weight * KL
+    torch.testing.assert_close(direct_loss(logits, labels, logits, kl_weight=1.0), expected)
+    other = torch.randn(2, 6, 10)
+    p = torch.log_softmax(other[:, :-1], -1)
+    q = torch.log_softmax(logits[:, :-1], -1)
+    kl = (p.exp() * (p - q)).sum(-1).mean()
+    torch.testing.assert_close(direct_loss(logits, labels, other, kl_weight=0.5), expected + 0.5 * kl)
