@@ -195,3 +195,26 @@ def test_bad_inputs_are_refused():
         distill(model, token_data(), token_data(4), quick_config(loss="kl"))
     with pytest.raises(DoflaError, match="--resume: no checkpoint"):
         distill(model, token_data(), token_data(4), quick_config(), "/nonexistent/dofla-run", resume=True)
+
+
+def test_lora_trains_and_merged_logits_equal_peft_logits():
+    from dofla.distill.lora import LoraConfig, attention_projection_names, merge_lora, train_lora
+
+    model = tiny_converted()
+    assert attention_projection_names(model) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    data = token_data(8)
+    with torch.no_grad():
+        before = model(input_ids=data[:2]).logits
+    config = LoraConfig(tokens=4 * LENGTH * 10, lr=1e-2, progress=False, kl_weight=0.5)
+    peft_model, result = train_lora(model, data, config, merge=False)
+    losses = [record["loss"] for record in result.history]
+    assert result.steps == 10 and losses[-1] < losses[0]
+    with torch.no_grad():
+        adapted = peft_model(input_ids=data[:2]).logits
+    merged = merge_lora(peft_model)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    assert merged.dofla_plan is not None and len(students(merged)) == 2
+    with torch.no_grad():
+        after = merged(input_ids=data[:2]).logits
+    torch.testing.assert_close(after, adapted, rtol=1e-4, atol=1e-4)
+    assert (after - before).abs().max() > 1e-3

@@ -1,0 +1,142 @@
+"""Stage 2 (LoLCATs): LoRA on the attention projections with next-token loss, merged into the weights.
+
+After the attention transfer the whole converted model is fine-tuned end to end with low-rank adapters
+(``peft``; default rank 8, alpha 16, on the q/k/v/o projections of each family) on next-token
+cross-entropy, optionally plus KL to the teacher's logits (the teacher is the same model with its
+converted layers running softmax, under :func:`dofla.dispatch.teacher_forced`). The students stay frozen.
+The adapters are merged into the projection weights at the end, so the exported model has no peft parts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dofla import dispatch
+from dofla.distill.losses import direct_loss
+from dofla.distill.teacher_forcing import autocast_for
+from dofla.distill.trainer import batch_indices, learning_rate_factor
+from dofla.errors import DoflaError
+
+# Attention projection names per model type (the Linear modules inside each attention module).
+ATTENTION_PROJECTIONS = {
+    "gpt2": ["c_attn", "c_proj"],
+    "gpt_neox": ["query_key_value", "dense"],
+}
+DEFAULT_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """rank, alpha, targets (module name suffixes; None = the family's q/k/v/o projections), token budget,
+    learning rate (AdamW, warm-up + cosine as in the first stage), KL weight to the teacher's logits."""
+
+    rank: int = 8
+    alpha: int = 16
+    targets: list[str] | None = None
+    tokens: int = 200_000
+    batch_size: int = 4
+    lr: float = 1e-4
+    warmup_fraction: float = 0.05
+    min_lr_fraction: float = 0.1
+    grad_clip: float = 1.0
+    kl_weight: float = 0.0
+    temperature: float = 1.0
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass
+class LoraResult:
+    steps: int
+    tokens: int
+    history: list[dict] = field(default_factory=list)
+
+
+def attention_projection_names(model: nn.Module) -> list[str]:
+    """The q/k/v/o projection module names of this model's family (only those that exist in it)."""
+    model_type = model.config.get_text_config(decoder=True).model_type
+    names = ATTENTION_PROJECTIONS.get(model_type, DEFAULT_PROJECTIONS)
+    present = {
+        name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Module)
+    }
+    found = [name for name in names if name in present]
+    if not found:
+        raise DoflaError(
+            f"no attention projections named {names} in this {model_type} model; pass --lora-targets."
+        )
+    return found
+
+
+def train_lora(
+    model: nn.Module, train: torch.Tensor, config: LoraConfig, *, merge: bool = True
+) -> tuple[nn.Module, LoraResult]:
+    """Fine-tune ``model`` (converted) with LoRA on next-token loss over train (N, T); returns the model
+    with the adapters merged into its weights (same object, students attached) and the training record.
+    ``merge=False`` returns the peft model instead (merge later with :func:`merge_lora`).
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from tqdm import tqdm
+
+    if config.tokens <= 0:
+        raise DoflaError(f"the LoRA token budget must be positive, got {config.tokens}.")
+    targets = list(config.targets) if config.targets else attention_projection_names(model)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    plan = getattr(model, "dofla_plan", None)
+    peft_model = get_peft_model(
+        model,
+        PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=targets, lora_dropout=0.0),
+    )
+    trainable = [parameter for parameter in peft_model.parameters() if parameter.requires_grad]
+    if not trainable:
+        raise DoflaError(f"LoRA found no modules named {targets}; check --lora-targets.")
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    device = next(model.parameters()).device
+    total_steps = math.ceil(config.tokens / (config.batch_size * train.shape[1]))
+    schedule = _Schedule(config.warmup_fraction, config.min_lr_fraction)
+    torch.manual_seed(config.seed)
+    history = []
+    peft_model.eval()
+    for step in tqdm(range(total_steps), disable=not config.progress, unit="step", desc="lora"):
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * learning_rate_factor(step, total_steps, schedule)
+        batch = train[batch_indices(step, config.batch_size, len(train), config.seed)].to(device)
+        teacher_logits = None
+        if config.kl_weight > 0:
+            with torch.no_grad(), dispatch.teacher_forced(), peft_model.disable_adapter():
+                teacher_logits = peft_model(input_ids=batch, use_cache=False).logits
+        with autocast_for(device):
+            logits = peft_model(input_ids=batch, use_cache=False).logits
+            loss = direct_loss(
+                logits, batch, teacher_logits, kl_weight=config.kl_weight, temperature=config.temperature
+            )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
+        if torch.isfinite(loss) and torch.isfinite(grad_norm):
+            optimizer.step()
+        history.append(dict(stage="lora", step=step + 1, loss=float(loss.detach())))
+    tokens = total_steps * config.batch_size * train.shape[1]
+    result = LoraResult(steps=total_steps, tokens=tokens, history=history)
+    return (merge_lora(peft_model, plan) if merge else peft_model), result
+
+
+def merge_lora(peft_model: nn.Module, plan=None) -> nn.Module:
+    """Fold the adapters into the projection weights; returns the plain (converted) model, all frozen."""
+    plan = plan if plan is not None else getattr(peft_model.get_base_model(), "dofla_plan", None)
+    merged = peft_model.merge_and_unload()
+    merged.dofla_plan = plan
+    for parameter in merged.parameters():
+        parameter.requires_grad_(False)
+    return merged
+
+
+@dataclass
+class _Schedule:
+    warmup_fraction: float
+    min_lr_fraction: float
