@@ -1,0 +1,97 @@
+"""``dofla linearize``: the main job, from a softmax teacher to a saved, evaluated linear-attention model."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from dofla.commands._common import add_model_arguments
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "linearize",
+        help="DoF -> plan -> convert -> distill (-> LoRA) -> evaluate -> save, with a report",
+        description=(
+            "Convert a causal LM's softmax attention to linear (or linear + sliding window) attention, "
+            "distil it layer by layer from the teacher, evaluate held-out perplexity and write DIR/report.md."
+        ),
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--out", required=True, help="output folder (model/, report.md, checkpoints)")
+    parser.add_argument("--recipe", choices=["dof-paper", "lolcats"], default=None, help="preset recipe")
+    parser.add_argument(
+        "--budget", type=int, default=64, help="mean feature dimension per layer (default 64)"
+    )
+    parser.add_argument("--allocation", choices=["fix", "dof"], default="dof", help="dimension allocation")
+    parser.add_argument("--measure", default="dof", help="statistical measure for --allocation dof")
+    parser.add_argument("--feature-map", default="learnable_prf", help="learnable_prf | prf | hedgehog | ...")
+    parser.add_argument("--kind", choices=["linear", "hybrid"], default="linear", help="attention kind")
+    parser.add_argument("--window", type=int, default=64, help="sliding window of hybrid layers")
+    parser.add_argument(
+        "--loss",
+        choices=["softmax", "l2", "output_mse", "direct"],
+        default="softmax",
+        help="distillation loss",
+    )
+    parser.add_argument("--tokens", default="2M", help="distillation token budget, e.g. 2M, 500k")
+    parser.add_argument("--seq-len", type=int, default=512, help="training sequence length")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-2, help="base learning rate (maps may set their own)")
+    parser.add_argument(
+        "--data", default=None, help="txt, jsonl or a datasets folder (default: teacher samples)"
+    )
+    parser.add_argument("--lora", action="store_true", help="stage 2: LoRA on next-token loss, merged")
+    parser.add_argument("--lora-tokens", default="200k", help="LoRA token budget")
+    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--lora-alpha", type=int, default=16)
+    parser.add_argument("--lora-targets", default=None, help="comma-separated module names (default q/k/v/o)")
+    parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--patience", type=int, default=0, help="early-stopping patience (0 = off)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dofla.pipeline import LinearizeConfig, linearize, parse_tokens
+
+    config = LinearizeConfig(
+        out_dir=args.out,
+        model=args.model,
+        recipe=args.recipe,
+        budget=args.budget,
+        allocation=args.allocation,
+        measure=args.measure,
+        feature_map=args.feature_map,
+        kind=args.kind,
+        window=args.window,
+        loss=args.loss,
+        tokens=parse_tokens(args.tokens),
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        data=args.data,
+        lora=args.lora,
+        lora_tokens=parse_tokens(args.lora_tokens),
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets.split(",") if args.lora_targets else None,
+        eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every,
+        patience=args.patience,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        resume=args.resume,
+        progress=not args.no_progress,
+        command="dofla " + " ".join(shlex.quote(argument) for argument in sys.argv[1:]),
+    )
+    result = linearize(config)
+    print(f"held-out perplexity: teacher {result.teacher_ppl:.3f}, student {result.student_ppl:.3f}")
+    print(f"model:  {result.out_dir}")
+    print(f"report: {result.report_path}")
+    return 0

@@ -1,0 +1,525 @@
+"""The main job: teacher -> DoF -> plan -> convert -> distill (-> LoRA) -> evaluate -> save + report.
+
+``linearize(LinearizeConfig(...))`` runs every stage and writes into ``out_dir``:
+``model/`` (the converted model, :func:`dofla.convert.save_converted`), ``distill/`` (config, JSONL log,
+checkpoints for ``resume``), ``plan.json``, ``loss_curves.png``, ``result.json`` and ``report.md``.
+Held-out perplexity is measured on sequences split off before training and never trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dofla.errors import DoflaError
+from dofla.io import write_atomic, write_text_atomic
+
+RECIPES: dict[str, dict[str, Any]] = {
+    # the DoF paper: learnable PRF per layer, DoF-allocated dimensions, softmax-CE loss, no LoRA
+    "dof-paper": dict(
+        kind="linear", feature_map="learnable_prf", allocation="dof", loss="softmax", lora=False
+    ),
+    # LoLCATs: Hedgehog + sliding window 64, attention-output MSE, then LoRA on q/k/v/o
+    "lolcats": dict(
+        kind="hybrid", feature_map="hedgehog", allocation="fix", window=64, loss="output_mse", lora=True
+    ),
+}
+ALLOCATIONS = ("fix", "dof")
+
+
+@dataclass
+class LinearizeConfig:
+    """Every knob of ``dofla linearize`` (saved in result.json). ``recipe`` presets some of them.
+
+    budget: mean feature dimension per layer; allocation: "fix" (every layer ``budget``) or "dof"
+    (``dofla.dof`` allocates by a statistical measure, ``measure``); tokens: distillation budget;
+    data: a text/jsonl/datasets path, or None for the default (text sampled from the teacher, cached).
+    """
+
+    out_dir: str
+    model: str = "smollm2-135m"
+    recipe: str | None = None
+    budget: int = 64
+    allocation: str = "dof"
+    measure: str = "dof"
+    feature_map: str = "learnable_prf"
+    kind: str = "linear"
+    window: int = 64
+    layers: list[int] | None = None
+    loss: str = "softmax"
+    tokens: int = 2_000_000
+    seq_len: int = 512
+    batch_size: int = 4
+    lr: float = 1e-2
+    eval_every: int = 50
+    checkpoint_every: int = 50
+    patience: int = 0
+    data: str | None = None
+    heldout_fraction: float = 0.1
+    max_heldout_sequences: int = 32
+    dof_points: int = 1024
+    dof_batches: int = 2
+    sampled_texts: int = 64
+    sampled_tokens: int = 256
+    lora: bool = False
+    lora_tokens: int = 200_000
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_targets: list[str] | None = None
+    lora_lr: float = 1e-4
+    kl_weight: float = 0.0
+    seed: int = 0
+    dtype: str | None = None
+    device: str | None = None
+    resume: bool = False
+    progress: bool = True
+    command: str | None = None
+
+    def apply_recipe(self) -> None:
+        if self.recipe is None:
+            return
+        if self.recipe not in RECIPES:
+            raise DoflaError(f"unknown recipe {self.recipe!r}; use one of {', '.join(RECIPES)}.")
+        for name, value in RECIPES[self.recipe].items():
+            setattr(self, name, value)
+
+    def validate(self) -> None:
+        if self.allocation not in ALLOCATIONS:
+            raise DoflaError(f"unknown allocation {self.allocation!r}; use one of {', '.join(ALLOCATIONS)}.")
+        if self.budget <= 0:
+            raise DoflaError(f"the feature budget must be positive, got {self.budget}.")
+        if self.tokens <= 0:
+            raise DoflaError(f"the token budget must be positive, got {self.tokens}; pass e.g. --tokens 2M.")
+        if self.seq_len < 2:
+            raise DoflaError(f"--seq-len must be at least 2, got {self.seq_len}.")
+        if not 0 < self.heldout_fraction < 1:
+            raise DoflaError(f"the held-out fraction must lie in (0, 1), got {self.heldout_fraction}.")
+
+
+@dataclass
+class LinearizeResult:
+    out_dir: Path  # the saved converted model (load with dofla.convert.load_converted)
+    report_path: Path
+    teacher_ppl: float
+    student_ppl: float
+    run_dir: Path
+    plan_table: list[dict] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    data_source: str = ""
+    train_tokens: int = 0
+
+
+def demo_config(out_dir: str | Path) -> LinearizeConfig:
+    """The ``make demo`` run: the embedded SmolLM2-135M, all layers linear (learnable PRF, DoF-allocated
+    mean dimension 32), softmax loss on a small budget of 64-token sequences; sized for a 2-core CPU."""
+    return LinearizeConfig(
+        out_dir=str(out_dir),
+        model="smollm2-135m",
+        budget=32,
+        allocation="dof",
+        feature_map="learnable_prf",
+        loss="softmax",
+        tokens=40_000,
+        seq_len=128,
+        batch_size=4,
+        eval_every=20,
+        checkpoint_every=20,
+        dof_points=256,
+        dof_batches=1,
+        sampled_texts=48,
+        sampled_tokens=128,
+        max_heldout_sequences=16,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ stages
+
+
+def parse_tokens(text: str | int) -> int:
+    """'2M' -> 2_000_000, '500k' -> 500_000, '1e6' -> 1_000_000, 1234 -> 1234."""
+    if isinstance(text, int):
+        return text
+    value = str(text).strip().lower().replace("_", "")
+    multiplier = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000, "b": 1_000_000_000}.get(value[-1:], 1)
+    number = value[:-1] if multiplier != 1 else value
+    try:
+        tokens = int(float(number) * multiplier)
+    except ValueError as error:
+        raise DoflaError(f"cannot read the token count {text!r}; write e.g. 2M, 500k or 100000.") from error
+    return tokens
+
+
+def context_length(model) -> int | None:
+    config = model.config.get_text_config(decoder=True)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def split_sequences(sequences: torch.Tensor, heldout_fraction: float, seed: int):
+    """Seeded split of packed sequences (N, T) into (train, heldout); held-out ones are never trained on."""
+    count = len(sequences)
+    heldout = max(1, round(count * heldout_fraction))
+    if count - heldout < 1:
+        raise DoflaError(
+            f"the data gives only {count} sequence(s) of this length; give more text or a shorter --seq-len."
+        )
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    return sequences[order[heldout:]], sequences[order[:heldout]]
+
+
+def load_sequences(config: LinearizeConfig, model, tokenizer, cache_dir: Path) -> tuple[torch.Tensor, str]:
+    """Packed token sequences (N, seq_len) and a sentence saying where the text came from."""
+    from dofla import data
+
+    if config.data is not None:
+        texts = data.load_texts(config.data)
+        source = f"{config.data} ({len(texts)} texts)"
+    else:
+        texts = data.sample_teacher_texts(
+            model,
+            tokenizer,
+            num_texts=config.sampled_texts,
+            max_new_tokens=config.sampled_tokens,
+            seed=config.seed,
+            cache_dir=cache_dir,
+        )
+        source = (
+            f"{len(texts)} texts of up to {config.sampled_tokens} tokens sampled from the teacher itself "
+            f"(seed {config.seed}, cached in {cache_dir})"
+        )
+    if not texts:
+        raise DoflaError("the training data is empty; give --data with some text.")
+    sequences = torch.as_tensor(data.pack_token_sequences(tokenizer, texts, config.seq_len), dtype=torch.long)
+    if sequences.dim() != 2 or len(sequences) < 2:
+        raise DoflaError(
+            f"the data packs into only {len(sequences)} sequence(s) of {config.seq_len} tokens; at least 2 are "
+            "needed: give more text or a shorter --seq-len."
+        )
+    return sequences, source
+
+
+def perplexity(model, sequences: torch.Tensor, batch_size: int = 4) -> float:
+    """Held-out perplexity: exp of the mean next-token NLL over all predicted tokens of sequences (N, T)."""
+    try:  # the evaluation package's measure, where it is installed in this tree
+        from dofla.evaluation.perplexity import perplexity as measure
+    except ImportError:
+        measure = None
+    if measure is not None:
+        return float(measure(model, sequences, batch_size=batch_size)["perplexity"])
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(sequences), batch_size):
+            batch = sequences[start : start + batch_size].to(device)  # (B, T)
+            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
+            nll = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
+            )
+            total, count = total + float(nll), count + batch[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def make_plan(config: LinearizeConfig, model, train: torch.Tensor):
+    """The conversion plan: Fix (same dimension everywhere) or allocated by ``dofla.dof``."""
+    from dofla.convert import plan_for
+
+    if config.allocation == "fix":
+        plan = plan_for(
+            model,
+            kind=config.kind,
+            feature_map=config.feature_map,
+            feature_dim=config.budget,
+            layers=config.layers,
+            window=config.window,
+        )
+        plan.metadata.update(allocation="fix", budget=config.budget)
+        return plan
+    from dofla import dof
+
+    device = next(model.parameters()).device
+    batches = [
+        train[start : start + config.batch_size].to(device)
+        for start in range(0, min(len(train), config.dof_batches * config.batch_size), config.batch_size)
+    ]
+    estimate = dof.estimate(model, batches, num_points=config.dof_points, measure=config.measure)
+    plan = dof.make_plan(
+        model,
+        estimate,
+        budget=config.budget,
+        kind=config.kind,
+        feature_map=config.feature_map,
+        window=config.window,
+    )
+    plan.metadata.update(allocation="dof", measure=config.measure, budget=config.budget)
+    return plan
+
+
+def plan_table(plan) -> list[dict]:
+    return [
+        dict(
+            layer=index,
+            kind=layer.kind,
+            feature_map=layer.feature_map if layer.kind != "softmax" else "",
+            feature_dim=layer.feature_dim if layer.kind != "softmax" else 0,
+            head_feature_dims=layer.head_feature_dims,
+        )
+        for index, layer in enumerate(plan.layers)
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ the job
+
+
+def linearize(
+    config: LinearizeConfig, *, teacher=None, tokenizer=None, sequences: torch.Tensor | None = None
+) -> LinearizeResult:
+    """Run the whole pipeline as ``config`` says; returns where things are and the two perplexities.
+
+    teacher/tokenizer: an already loaded model (else ``dofla.models.load_teacher(config.model)``);
+    sequences (N, T): already packed token ids (else read from ``config.data`` or sampled from the teacher).
+    """
+    from dofla.convert import convert, save_converted, students
+    from dofla.distill.lora import LoraConfig, train_lora
+    from dofla.distill.trainer import DistillConfig, distill
+
+    config.apply_recipe()
+    config.validate()
+    out_dir = Path(config.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DoflaError(f"{out_dir} exists and is not a folder; choose another --out.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = round(now - clock, 2)
+        clock = now
+
+    torch.manual_seed(config.seed)
+    if teacher is None:
+        from dofla.models import load_teacher
+
+        loaded = load_teacher(config.model, dtype=config.dtype, device=config.device)
+        teacher, tokenizer = loaded.model, loaded.tokenizer
+    teacher.eval()
+    lap("load teacher")
+
+    limit = context_length(teacher)
+    if limit is not None and config.seq_len > limit:
+        raise DoflaError(
+            f"--seq-len {config.seq_len} is beyond the model's context of {limit} tokens; use at most {limit}."
+        )
+    if sequences is None:
+        sequences, data_source = load_sequences(config, teacher, tokenizer, out_dir / "data_cache")
+    else:
+        data_source = f"{len(sequences)} packed sequences given by the caller"
+        if sequences.shape[1] > (limit or sequences.shape[1]):
+            raise DoflaError(f"sequences of {sequences.shape[1]} tokens exceed the context of {limit}.")
+    train, heldout = split_sequences(sequences, config.heldout_fraction, config.seed)
+    heldout = heldout[: config.max_heldout_sequences]
+    lap("data")
+
+    teacher_ppl = perplexity(teacher, heldout, config.batch_size)
+    lap("teacher perplexity")
+
+    plan = make_plan(config, teacher, train)
+    lap("plan (DoF)" if config.allocation == "dof" else "plan")
+    model = convert(teacher, plan)
+
+    distill_config = DistillConfig(
+        loss=config.loss,
+        tokens=config.tokens,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        eval_every=config.eval_every,
+        checkpoint_every=config.checkpoint_every,
+        patience=config.patience,
+        kl_weight=config.kl_weight,
+        seed=config.seed,
+        progress=config.progress,
+    )
+    run_dir = out_dir / "distill"
+    distilled = distill(model, train, heldout, distill_config, run_dir, resume=config.resume)
+    lap("distill")
+    history = list(distilled.history)
+
+    if config.lora:
+        lora_config = LoraConfig(
+            rank=config.lora_rank,
+            alpha=config.lora_alpha,
+            targets=config.lora_targets,
+            tokens=config.lora_tokens,
+            batch_size=config.batch_size,
+            lr=config.lora_lr,
+            kl_weight=config.kl_weight,
+            seed=config.seed,
+            progress=config.progress,
+        )
+        model, lora_result = train_lora(model, train, lora_config)
+        history.extend(lora_result.history)
+        lap("lora")
+
+    student_ppl = perplexity(model, heldout, config.batch_size)
+    lap("student perplexity")
+
+    model_dir = save_converted(
+        model,
+        out_dir / "model",
+        tokenizer=tokenizer,
+        extra_metadata={"teacher": config.model, "recipe": config.recipe or "custom"},
+    )
+    lap("save")
+
+    table = plan_table(plan)
+    result = LinearizeResult(
+        out_dir=model_dir,
+        report_path=out_dir / "report.md",
+        teacher_ppl=teacher_ppl,
+        student_ppl=student_ppl,
+        run_dir=out_dir,
+        plan_table=table,
+        timings=timings,
+        data_source=data_source,
+        train_tokens=distilled.tokens,
+    )
+    summary = dict(
+        config=asdict(config),
+        teacher_ppl=teacher_ppl,
+        student_ppl=student_ppl,
+        train_sequences=len(train),
+        heldout_sequences=len(heldout),
+        distill_tokens=distilled.tokens,
+        distill_steps=distilled.steps,
+        skipped_steps=distilled.skipped_steps,
+        stopped_early=distilled.stopped_early,
+        best_val_loss=distilled.best_val_loss,
+        val_layer_losses={str(k): v for k, v in distilled.val_layer_losses.items()},
+        converted_layers=sorted(students(model)),
+        timings=timings,
+        data_source=data_source,
+    )
+    write_text_atomic(out_dir / "plan.json", json.dumps(plan.to_dict(), indent=2) + "\n")
+    write_text_atomic(out_dir / "result.json", json.dumps(summary, indent=2) + "\n")
+    plot_loss_curves(history, out_dir / "loss_curves.png")
+    write_report(result, summary, config)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def plot_loss_curves(history: list[dict], path: Path) -> Path:
+    """Training loss per step (and held-out loss at each evaluation; LoRA loss on its own axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    distill_steps = [r for r in history if "loss" in r and r.get("stage") != "lora"]
+    evaluations = [r for r in history if "val_loss" in r]
+    lora_steps = [r for r in history if r.get("stage") == "lora"]
+    columns = 2 if lora_steps else 1
+    figure, axes = plt.subplots(1, columns, figsize=(6 * columns, 4), squeeze=False)
+    axis = axes[0][0]
+    axis.plot([r["step"] for r in distill_steps], [r["loss"] for r in distill_steps], label="train", lw=1)
+    axis.plot([r["step"] for r in evaluations], [r["val_loss"] for r in evaluations], "o-", label="held-out")
+    axis.set_xlabel("step")
+    axis.set_ylabel("attention-transfer loss (mean over layers)")
+    axis.set_title("stage 1: attention transfer")
+    axis.legend()
+    if lora_steps:
+        axis = axes[0][1]
+        axis.plot([r["step"] for r in lora_steps], [r["loss"] for r in lora_steps], lw=1)
+        axis.set_xlabel("step")
+        axis.set_ylabel("next-token loss")
+        axis.set_title("stage 2: LoRA")
+    figure.tight_layout()
+    write_atomic(path, lambda temporary: figure.savefig(temporary, format="png", dpi=110))
+    plt.close(figure)
+    return path
+
+
+def write_report(result: LinearizeResult, summary: dict, config: LinearizeConfig) -> Path:
+    """DIR/report.md: command, data, plan table, perplexities, loss curves, timings."""
+    command = config.command or "dofla linearize " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    ratio = result.student_ppl / result.teacher_ppl if result.teacher_ppl else math.nan
+    lines = [
+        "# dofla linearize report",
+        "",
+        "Command:",
+        "",
+        f"    {command}",
+        "",
+        f"Teacher: `{config.model}`. Recipe: `{config.recipe or 'custom'}`. Saved model: `{result.out_dir}`.",
+        "",
+        "## Data",
+        "",
+        f"- Source: {result.data_source}.",
+        f"- Sequence length {config.seq_len}; {summary['train_sequences']} training sequences, "
+        f"{summary['heldout_sequences']} held-out sequences (split off before training, never trained on).",
+        f"- Distillation: {summary['distill_tokens']} tokens in {summary['distill_steps']} steps "
+        f"(loss `{config.loss}`, skipped non-finite steps: {summary['skipped_steps']}, "
+        f"stopped early: {summary['stopped_early']}).",
+        "",
+        "## Held-out perplexity",
+        "",
+        "| model | perplexity |",
+        "|---|---|",
+        f"| teacher (softmax) | {result.teacher_ppl:.3f} |",
+        f"| student (dofla) | {result.student_ppl:.3f} |",
+        f"| student / teacher | {ratio:.3f} |",
+        "",
+        "## Plan",
+        "",
+        f"Allocation `{config.allocation}`"
+        + (f" (measure `{config.measure}`)" if config.allocation == "dof" else "")
+        + f", mean feature budget {config.budget}.",
+        "",
+        "| layer | kind | feature map | feature dim | per-head dims | held-out layer loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    layer_losses = summary["val_layer_losses"]
+    for row in result.plan_table:
+        loss = layer_losses.get(str(row["layer"]))
+        lines.append(
+            f"| {row['layer']} | {row['kind']} | {row['feature_map']} | {row['feature_dim']} | "
+            f"{row['head_feature_dims'] or ''} | {'' if loss is None else f'{loss:.4f}'} |"
+        )
+    lines += [
+        "",
+        "## Loss curves",
+        "",
+        "![loss curves](loss_curves.png)",
+        "",
+        "## Timings (seconds, wall clock)",
+        "",
+        "| stage | seconds |",
+        "|---|---|",
+        *[f"| {name} | {seconds:.1f} |" for name, seconds in result.timings.items()],
+        f"| total | {sum(result.timings.values()):.1f} |",
+        "",
+        "All numbers above were written by the run itself (`result.json` holds them as data).",
+        "",
+    ]
+    return write_text_atomic(result.report_path, "\n".join(lines))
+
+
+def config_from_dict(data: dict[str, Any]) -> LinearizeConfig:
+    known = {item.name for item in fields(LinearizeConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise DoflaError(f"unknown linearize settings {unknown}.")
+    return LinearizeConfig(**data)

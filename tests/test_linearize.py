@@ -1,0 +1,118 @@
+"""The main job on a tiny model: plan -> convert -> distill (-> LoRA) -> evaluate -> save + report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from test_distill import VOCAB, tiny_converted
+
+from dofla.convert import load_converted, unconvert
+from dofla.errors import DoflaError
+from dofla.pipeline import LinearizeConfig, demo_config, linearize, parse_tokens, perplexity
+
+LENGTH = 32
+
+
+def tiny_teacher():
+    return unconvert(tiny_converted())
+
+
+def sequences(count=24, seed=0):
+    return torch.randint(0, VOCAB, (count, LENGTH), generator=torch.Generator().manual_seed(seed))
+
+
+def config(tmp_path, **changes):
+    settings = dict(
+        out_dir=str(tmp_path / "run"),
+        model="tiny-llama",
+        allocation="fix",
+        budget=8,
+        tokens=4 * LENGTH * 8,
+        seq_len=LENGTH,
+        eval_every=4,
+        checkpoint_every=4,
+        heldout_fraction=0.25,
+        progress=False,
+        command="dofla linearize tiny --test",
+    )
+    settings.update(changes)
+    return LinearizeConfig(**settings)
+
+
+def test_linearize_saves_evaluates_and_reports(tmp_path):
+    teacher = tiny_teacher()
+    data = sequences()
+    result = linearize(config(tmp_path), teacher=teacher, sequences=data)
+    run = tmp_path / "run"
+    assert result.report_path == run / "report.md" and result.out_dir == run / "model"
+    report = result.report_path.read_text()
+    assert (
+        "dofla linearize tiny --test" in report
+        and f"| teacher (softmax) | {result.teacher_ppl:.3f} |" in report
+    )
+    assert "![loss curves](loss_curves.png)" in report and (run / "loss_curves.png").stat().st_size > 1000
+    summary = json.loads((run / "result.json").read_text())
+    assert summary["train_sequences"] == 18 and summary["heldout_sequences"] == 6
+    assert summary["distill_tokens"] == 4 * LENGTH * 8 and summary["converted_layers"] == [0, 1]
+    # the saved model reloads with the same held-out perplexity as the one measured in the run
+    model, _, plan = load_converted(result.out_dir)
+    assert [layer.feature_dim for layer in plan.layers] == [8, 8]
+    heldout_order = torch.randperm(24, generator=torch.Generator().manual_seed(0))[:6]
+    assert perplexity(model, data[heldout_order]) == pytest.approx(result.student_ppl, rel=1e-5)
+    assert perplexity(tiny_teacher(), data[heldout_order]) == pytest.approx(result.teacher_ppl, rel=1e-5)
+
+
+def test_resume_after_a_finished_run_gives_the_same_students(tmp_path):
+    first = linearize(config(tmp_path), teacher=tiny_teacher(), sequences=sequences())
+    again = linearize(config(tmp_path, resume=True), teacher=tiny_teacher(), sequences=sequences())
+    assert again.student_ppl == pytest.approx(first.student_ppl, rel=1e-6)
+
+
+def test_lolcats_recipe_runs_hybrid_output_mse_then_lora(tmp_path):
+    cfg = config(tmp_path, recipe="lolcats", lora_tokens=4 * LENGTH * 4, lora_lr=1e-3, budget=8)
+    result = linearize(cfg, teacher=tiny_teacher(), sequences=sequences())
+    summary = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert summary["config"]["kind"] == "hybrid" and summary["config"]["loss"] == "output_mse"
+    assert summary["config"]["lora"] is True
+    _, _, plan = load_converted(result.out_dir)
+    assert {layer.kind for layer in plan.layers} == {"hybrid"} and plan.layers[0].feature_map == "hedgehog"
+
+
+@pytest.mark.parametrize(
+    "changes, data, message",
+    [
+        (dict(seq_len=512), sequences(), "--seq-len 512 is beyond the model's context of 128"),
+        (dict(tokens=0), sequences(), "token budget must be positive, got 0"),
+        (dict(), sequences(1), "only 1 sequence"),
+        (dict(allocation="random"), sequences(), "unknown allocation 'random'"),
+        (dict(recipe="nope"), sequences(), "unknown recipe 'nope'"),
+    ],
+)
+def test_bad_inputs_are_clear_errors(tmp_path, changes, data, message):
+    with pytest.raises(DoflaError, match=message):
+        linearize(config(tmp_path, **changes), teacher=tiny_teacher(), sequences=data)
+
+
+def test_parse_tokens_and_demo_config(tmp_path):
+    assert (
+        parse_tokens("2M") == 2_000_000 and parse_tokens("500k") == 500_000 and parse_tokens("1e5") == 100_000
+    )
+    assert parse_tokens(1234) == 1234
+    with pytest.raises(DoflaError, match="cannot read the token count 'lots'"):
+        parse_tokens("lots")
+    demo = demo_config(tmp_path)
+    assert demo.model == "smollm2-135m" and demo.tokens > 0 and demo.out_dir == str(tmp_path)
+
+
+def test_command_parses_arguments():
+    from dofla.commands import linearize as command
+
+    parser = argparse.ArgumentParser()
+    command.register(parser.add_subparsers())
+    args = parser.parse_args(
+        ["linearize", "smollm2-135m", "--budget", "32", "--tokens", "1M", "--out", "x", "--recipe", "lolcats"]
+    )
+    assert args.func is command.run and args.budget == 32 and args.tokens == "1M" and args.recipe == "lolcats"
