@@ -496,7 +496,7 @@ def write_report(result: LinearizeResult, summary: dict, config: LinearizeConfig
         loss = layer_losses.get(str(row["layer"]))
         lines.append(
             f"| {row['layer']} | {row['kind']} | {row['feature_map']} | {row['feature_dim']} | "
-            f"{row['head_feature_dims'] or ''} | {'' if loss is None else f'{loss:.4f}'} |"
+            f"{row['head_feature_dims'] or ''} | {'' if loss is None else f'{loss:.4g}'} |"
         )
     lines += [
         "",
