@@ -1,0 +1,154 @@
+"""Attention-transfer training speed against the teacher's own forward, in one run.
+
+Default: the SmolLM2-135M teacher (all 30 layers converted, learnable PRF, feature dim 64, softmax-CE
+loss), B = 4, T = 512. Prints training tokens/s (teacher-forced forward + every layer's loss, backward and
+AdamW step), the teacher's forward tokens/s at the same shape, their ratio (target >= 0.5) and peak memory.
+Speed does not depend on the weights' values, so ``--random-weights`` (or a tree without
+``dofla.models``) uses random weights of the same shape.
+
+    .venv/bin/python bench/bench_distill.py [--batch-size 4 --seq-len 512 --loss softmax --repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import sys
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dofla.convert import convert, plan_for
+from dofla.distill.teacher_forcing import autocast_for, freeze_teacher, teacher_forced_step
+
+SMOLLM2_135M = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+)
+
+
+def build_teacher(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
+    if not args.random_weights:
+        try:
+            from dofla.models import load_teacher
+        except ImportError:
+            load_teacher = None
+        if load_teacher is not None:
+            model = load_teacher("smollm2-135m", dtype="float32", device=args.device).model
+            return model.eval(), "smollm2-135m (embedded teacher)"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(args.device).eval()
+    return model, "random weights, SmolLM2-135M shape"
+
+
+def timed(function, repeats: int, device: torch.device) -> float:
+    """Median seconds of ``repeats`` calls after one warm-up call."""
+    function()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        function()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux -> MiB (whole process)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--feature-map", default="learnable_prf")
+    parser.add_argument("--feature-dim", type=int, default=64)
+    parser.add_argument("--loss", default="softmax", choices=("softmax", "l2", "output_mse"))
+    parser.add_argument("--query-chunk", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--random-weights", action="store_true")
+    parser.add_argument("--json", default=None, help="also write the row to this JSON file")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+
+    teacher, source = build_teacher(args)
+    vocab = teacher.config.vocab_size
+    tokens = torch.randint(
+        0, vocab, (args.batch_size, args.seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    tokens = tokens.to(device)
+    count = tokens.numel()
+
+    def teacher_forward():
+        with torch.no_grad(), autocast_for(device):
+            teacher(input_ids=tokens, use_cache=False)
+
+    teacher_seconds = timed(teacher_forward, args.repeats, device)
+
+    convert(teacher, plan_for(teacher, feature_map=args.feature_map, feature_dim=args.feature_dim))
+    students = freeze_teacher(teacher)
+    groups = [group for index in sorted(students) for group in students[index].parameter_groups(1e-2)]
+    optimizer = torch.optim.AdamW(groups, lr=1e-2)
+
+    def train_step():
+        optimizer.zero_grad(set_to_none=True)
+        teacher_forced_step(teacher, tokens, students, args.loss, backward=True, query_chunk=args.query_chunk)
+        torch.nn.utils.clip_grad_norm_([p for s in students.values() for p in s.parameters()], 1.0)
+        optimizer.step()
+
+    train_seconds = timed(train_step, args.repeats, device)
+    row = dict(
+        teacher=source,
+        device=str(device),
+        cpu=platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        layers=len(students),
+        feature_map=args.feature_map,
+        feature_dim=args.feature_dim,
+        loss=args.loss,
+        teacher_forward_tokens_per_s=round(count / teacher_seconds, 1),
+        train_tokens_per_s=round(count / train_seconds, 1),
+        ratio=round(teacher_seconds / train_seconds, 3),
+        peak_memory_mib=round(peak_memory_mib(device), 1),
+    )
+    print(
+        f"{source}, {device}, {torch.get_num_threads()} threads, B={args.batch_size} T={args.seq_len}, "
+        f"{len(students)} layers {args.feature_map} F={args.feature_dim}, loss {args.loss}"
+    )
+    print(f"teacher forward      {row['teacher_forward_tokens_per_s']:10.1f} tokens/s")
+    print(f"attention transfer   {row['train_tokens_per_s']:10.1f} tokens/s")
+    print(f"ratio (train/fwd)    {row['ratio']:10.3f}   (target >= 0.5)")
+    print(
+        f"peak memory          {row['peak_memory_mib']:10.1f} MiB ({'CUDA allocated' if device.type == 'cuda' else 'process RSS'})"
+    )
+    if args.json:
+        from dofla.io import write_text_atomic
+
+        write_text_atomic(args.json, json.dumps(row, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
