@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dofla.distill import losses
 from dofla.distill.losses import direct_loss, kernel_loss, output_mse_loss
 from dofla.errors import DoflaError
 from dofla.ops.naive import hybrid_attention, linear_attention
@@ -77,8 +78,10 @@ def reference_loss(kind, tensors, window=None, gamma=None):
 
 @pytest.mark.parametrize("kind", ["softmax", "l2"])
 @pytest.mark.parametrize("hybrid", [False, True])
-@pytest.mark.parametrize("query_chunk", [3, 64])
-def test_chunked_kernel_loss_matches_full_matrix_reference(kind, hybrid, query_chunk):
+@pytest.mark.parametrize("query_chunk, recompute", [(3, False), (3, True), (64, False)])
+def test_chunked_kernel_loss_matches_full_matrix_reference(kind, hybrid, query_chunk, recompute, monkeypatch):
+    if recompute:  # chunks recomputed in the backward pass (activation checkpointing), as for long T
+        monkeypatch.setattr(losses, "CHECKPOINT_ELEMENTS", 0)
     tensors = inputs()
     gamma = torch.sigmoid(torch.randn(H, dtype=torch.float64)).requires_grad_(True)
     window = 4 if hybrid else None
@@ -144,8 +147,9 @@ def test_padded_keys_and_rows_are_left_out():
     torch.testing.assert_close(loss, expected, rtol=1e-9, atol=1e-12)
 
 
-def test_long_sequence_fits_in_chunks():
-    """T = 2048 in float32: the chunked loss runs forward and backward without a T x T x layers blow-up."""
+def test_long_sequence_fits_in_chunks(monkeypatch):
+    """T = 2048 in float32: the chunked loss runs forward and backward, chunks recomputed in the backward."""
+    monkeypatch.setattr(losses, "CHECKPOINT_ELEMENTS", 0)
     length, heads = 2048, 1
     query = torch.randn(1, heads, length, 16, requires_grad=True)
     key = torch.randn(1, heads, length, 16)

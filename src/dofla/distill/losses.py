@@ -14,9 +14,9 @@ objects, and neither depends on the arbitrary per-token scale of the feature map
 * ``output_mse_loss``: mean squared error of the attention outputs before the output projection.
 * ``direct_loss``: next-token cross-entropy of the whole model, optionally + KL to the teacher's logits.
 
-The two kernel losses are computed in log space over chunks of queries, each chunk recomputed in the
-backward pass (activation checkpointing), so memory is O(chunk * T) per head instead of O(T^2) and
-T = 2048 fits. Padded keys (``key_mask`` False) take part nowhere; padded query rows are left out.
+The two kernel losses are computed in log space over chunks of queries (each chunk against the keys it
+can see only); for long sequences each chunk is recomputed in the backward pass (activation
+checkpointing), so memory is O(chunk * T) per head instead of O(T^2) and T = 2048 fits. Padded keys (``key_mask`` False) take part nowhere; padded query rows are left out.
 Teacher rows are plain causal softmax over the given keys: sliding-window or soft-capped teachers
 (Gemma-2, Mistral windows) are compared as if they were full causal softmax.
 """
@@ -35,6 +35,8 @@ from dofla.errors import DoflaError
 LAYER_LOSSES = ("softmax", "l2", "output_mse")
 LOSSES = (*LAYER_LOSSES, "direct")
 DEFAULT_QUERY_CHUNK = 128
+# Above this many (B * H * T * T) pairs the chunks are recomputed in the backward pass instead of stored.
+CHECKPOINT_ELEMENTS = 2**25
 _LOG_TINY = math.log(1e-30)  # floor for log(phi(q).phi(k)) where the features are orthogonal (ReLU maps)
 
 
@@ -148,16 +150,17 @@ def kernel_loss(
         present = key_mask.to(torch.bool)
     gamma = None if window_factor is None else window_factor.to(dtype)
     total = query.new_zeros((), dtype=dtype)
-    use_checkpoint = torch.is_grad_enabled()
+    # recompute chunks in the backward pass only when keeping them would cost real memory
+    use_checkpoint = torch.is_grad_enabled() and batch * num_heads * length * length > CHECKPOINT_ELEMENTS
     for start in range(0, length, query_chunk):
-        stop = min(start + query_chunk, length)
+        stop = min(start + query_chunk, length)  # causal: these queries see keys [0, stop) only
         arguments = (
             query[:, :, start:stop].to(dtype),
-            keys,
+            keys[:, :, :stop],
             q_features[:, :, start:stop].to(dtype),
-            k_feats,
-            log_scale,
-            present,
+            k_feats[:, :, :stop],
+            log_scale[:, :, :stop],
+            present[:, :stop],
             float(scaling),
             window,
             gamma,
