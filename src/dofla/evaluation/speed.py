@@ -7,6 +7,7 @@ Timing lives only in benchmarks (``bench/``), never in pass/fail tests; the cach
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from collections.abc import Sequence
 
@@ -61,6 +62,10 @@ def measure_generation(
     generator = torch.Generator().manual_seed(seed)
     rows = []
     model.eval()
+    # Only the last position's logits are needed: (B, T, vocab) logits would dominate prefill memory.
+    keep_last = (
+        {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    )
     for context in context_lengths:
         prompt = torch.randint(0, vocab, (batch_size, context), generator=generator).to(device)
         cache = DynamicCache(config=model.config)
@@ -68,7 +73,7 @@ def measure_generation(
             torch.cuda.reset_peak_memory_stats(device)
         _synchronize(device)
         start = time.perf_counter()
-        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, **keep_last).logits[:, -1]
         _synchronize(device)
         prefill_seconds = time.perf_counter() - start
         bytes_after_prefill = cache_bytes(cache)
