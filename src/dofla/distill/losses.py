@@ -23,8 +23,6 @@ Teacher rows are plain causal softmax over the given keys: sliding-window or sof
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,7 +35,6 @@ LOSSES = (*LAYER_LOSSES, "direct")
 DEFAULT_QUERY_CHUNK = 128
 # Above this many (B * H * T * T) pairs the chunks are recomputed in the backward pass instead of stored.
 CHECKPOINT_ELEMENTS = 2**25
-_LOG_TINY = math.log(1e-30)  # floor for log(phi(q).phi(k)) where the features are orthogonal (ReLU maps)
 
 
 def _expand_heads(tensor: Tensor | None, num_heads: int) -> Tensor | None:
@@ -59,12 +56,13 @@ def _row_logs(
     window: int | None,
     window_factor: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Teacher log P and student log A for the query rows ``start : start + C`` against all T keys.
+    """Teacher P and the student's log weights for the query rows ``start : start + C`` against T keys.
 
     query (B, H, C, D), key (B, H, T, D), q_features (B, H, C, F), k_features (B, H, T, F),
-    log_scale (B, H, T), key_present (B, T) bool. Returns teacher_log (B, H, C, T), student_log
-    (B, H, C, T) (both -inf outside the causal, present keys), allowed (B, 1, C, T) bool and the rows'
-    weights (B, 1, C): 1 for real query tokens, 0 for padding.
+    log_scale (B, H, T), key_present (B, T) bool. Returns teacher P (B, H, C, T) (0 outside the causal,
+    present keys), the student's unnormalised log weights log a (B, H, C, T) (finite; their value where
+    P is 0 does not matter), its row normaliser log sum_j a_ij (B, H, C, 1) over the allowed keys,
+    allowed (B, 1, C, T) bool and the rows' weights (B, 1, C): 1 for real query tokens, 0 for padding.
     """
     chunk, length = query.shape[2], key.shape[2]
     query_index = torch.arange(start, start + chunk, device=query.device)[:, None]  # (C, 1)
@@ -75,12 +73,13 @@ def _row_logs(
     row_weight = (row_visible[..., 0] & key_present[:, None, start : start + chunk]).to(query.dtype)
     allowed = allowed | ~row_visible
     scores = scaling * (query @ key.transpose(-1, -2))  # (B, H, C, T)
-    teacher_log = torch.log_softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    teacher = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # 0 where not allowed
 
     dot = q_features @ k_features.transpose(-1, -2)  # (B, H, C, T)
-    linear_log = torch.log(dot.clamp_min(1e-30)) + log_scale[:, :, None, :]  # (B, H, C, T)
+    linear_log = torch.log(dot.clamp_min(1e-30)) + log_scale[:, :, None, :]  # (B, H, C, T), finite
     if window is None:
-        student_log = linear_log.masked_fill(~allowed, float("-inf"))
+        student_log = linear_log  # finite everywhere; only allowed keys enter the normaliser
+        normaliser = torch.logsumexp(linear_log.masked_fill(~allowed, float("-inf")), dim=-1, keepdim=True)
     else:
         in_window = allowed & (key_index > query_index - window)[None, None]
         left_window = allowed & (key_index <= query_index - window)[None, None]
@@ -93,22 +92,21 @@ def _row_logs(
         gamma = window_factor.view(1, -1, 1, 1)
         window_log = torch.log(gamma) + window_scores - window_max
         old_log = (torch.log1p(-gamma) + linear_log - old_max).masked_fill(~left_window, float("-inf"))
-        student_log = torch.where(in_window, window_log, old_log)
-    student_log = student_log - torch.logsumexp(student_log, dim=-1, keepdim=True)
-    return teacher_log, student_log, allowed, row_weight
+        masked = torch.where(in_window, window_log, old_log)  # -inf outside the allowed keys
+        normaliser = torch.logsumexp(masked, dim=-1, keepdim=True)
+        student_log = torch.where(allowed, masked, torch.zeros_like(masked))  # finite, 0 where P is 0
+    return teacher, student_log, normaliser, allowed, row_weight
 
 
 def _chunk_loss(kind: str, start: int, *tensors_and_options) -> Tensor:
     """Sum over the chunk's present rows of the row loss (a 0-dim tensor)."""
-    teacher_log, student_log, allowed, row_weight = _row_logs(start, *tensors_and_options)
-    teacher = teacher_log.exp()  # (B, H, C, T), 0 where not allowed
+    teacher, student_log, normaliser, allowed, row_weight = _row_logs(start, *tensors_and_options)
     if kind == "softmax":
-        # P log A with 0 where P = 0 (A is -inf only where P is 0 too, or where features are orthogonal)
-        product = torch.where(allowed, teacher * student_log.clamp_min(_LOG_TINY), torch.zeros_like(teacher))
-        rows = -product.sum(-1)  # (B, H, C)
+        # -sum_j P_ij (log a_ij - log sum_j a_ij), with sum_j P_ij = 1 over the allowed keys
+        rows = normaliser[..., 0] - (teacher * student_log).sum(-1)  # (B, H, C)
     else:
-        difference = torch.where(allowed, teacher - student_log.exp(), torch.zeros_like(teacher))
-        rows = difference.pow(2).sum(-1)
+        student = torch.where(allowed, torch.exp(student_log - normaliser), torch.zeros_like(teacher))
+        rows = (teacher - student).pow(2).sum(-1)
     return (rows * row_weight).sum()
 
 
