@@ -49,11 +49,12 @@ def capture_attention(
         }
 
     try:
-        with torch.no_grad(), dispatch.teacher_forced(), dispatch.observe(observer):
-            for batch in batches:
-                captured = {}
+        for batch in batches:
+            captured = {}
+            # Contexts per batch, not around the yield: the caller's code between batches keeps its grad mode.
+            with torch.no_grad(), dispatch.teacher_forced(), dispatch.observe(observer):
                 model(input_ids=batch.to(model_device), use_cache=False)
-                yield captured
+            yield captured
     finally:
         if previous and not previous.startswith("dofla_"):
             model.set_attn_implementation(previous)

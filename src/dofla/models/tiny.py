@@ -34,8 +34,16 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "mistral": ("mistral", {"sliding_window": 8}),
-    "gemma2": ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 16}),
-    "gemma3": ("gemma3_text", {"sliding_window": 8, "query_pre_attn_scalar": 16}),
+    # query_pre_attn_scalar differs from head_dim so the scaling (32 ** -0.5, not 16 ** -0.5) is exercised.
+    "gemma2": ("gemma2", {"sliding_window": 8, "query_pre_attn_scalar": 32}),
+    "gemma3": (
+        "gemma3_text",
+        {
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
     "gpt2": ("gpt2", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512, "vocab_size": TINY_VOCAB}),
     "gpt_neox": ("gpt_neox", {"num_key_value_heads": None, "head_dim": None}),
 }
