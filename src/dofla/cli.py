@@ -31,12 +31,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """Keep library progress bars and warnings for --debug; dofla prints its own progress."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if not args.debug:
+        _quiet_libraries()
     try:
         result = args.func(args)
     except DoflaError as error:
