@@ -54,7 +54,7 @@ def test_eager_teacher_keeps_eager_dispatcher():
         (lambda plan: setattr(plan, "num_heads", 8), "heads is 8 in the plan but 4"),
         (lambda plan: setattr(plan, "num_kv_heads", 4), "key/value heads is 4 in the plan but 2"),
         (lambda plan: setattr(plan, "model_type", "qwen2"), "model type is qwen2"),
-        (lambda plan: setattr(plan, "head_dim", 16), "head size is 16"),
+        (lambda plan: setattr(plan, "head_dim", 32), "head size is 32"),
         (lambda plan: plan.layers.append(LayerPlan()), "lists 3 layers"),
         (lambda plan: setattr(plan.layers[1], "feature_dim", 0), "feature dimension must be positive"),
         (lambda plan: setattr(plan.layers[0], "head_feature_dims", [2, 3, 4]), "3 head feature dimensions"),

@@ -5,37 +5,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from dofla.cache import RecurrentCacheLayer, recurrent_cache_bytes
 from dofla.config import LayerPlan
 from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
+from dofla.models import TINY_FAMILIES, build_tiny_model
+from dofla.models.tiny import TINY_VOCAB
 
-VOCAB = 64
-_SHAPE = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB
-)
-# Tiny random models of every supported family (2 layers), built from configs; nothing is downloaded.
-LOCAL_FAMILIES = {
-    "llama": dict(_SHAPE, num_key_value_heads=2, head_dim=8),
-    "mistral": dict(_SHAPE, num_key_value_heads=2, head_dim=8),
-    "qwen2": dict(_SHAPE, num_key_value_heads=2),
-    "qwen3": dict(_SHAPE, num_key_value_heads=2, head_dim=8),
-    "gemma2": dict(_SHAPE, num_key_value_heads=2, head_dim=8, sliding_window=4, query_pre_attn_scalar=8),
-    "gemma3_text": dict(_SHAPE, num_key_value_heads=2, head_dim=8, sliding_window=4, query_pre_attn_scalar=8),
-    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0),
-    "gpt_neox": dict(_SHAPE),
-}
-FAMILIES = sorted(LOCAL_FAMILIES)
+VOCAB = TINY_VOCAB
+FAMILIES = list(TINY_FAMILIES)
 
 
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, max_position_embeddings=128, **LOCAL_FAMILIES[family])
-    if family == "gpt2":
-        config.n_positions = 128
-    return AutoModelForCausalLM.from_config(config).eval()
+    """A tiny random 2-layer model of ``family`` (4 heads, 2 key/value heads where the family has GQA)."""
+    return build_tiny_model(family, seed=seed)
 
 
 def mixed_plan(model):
@@ -98,7 +83,7 @@ def test_cache_memory_is_constant_for_linear_layers_and_bounded_for_hybrid():
     assert len({size[2] for size in sizes}) == 1  # hybrid layer: window already full after the prefill
     assert all(layer.keys.numel() == 0 for layer in cache.layers)
     linear_state = cache.layers[0].state
-    assert linear_state.kv.shape == (1, 2, 8, 8)  # (B, Hkv, F, Dv): per key/value head
+    assert linear_state.kv.shape == (1, 2, 8, 16)  # (B, Hkv, F, Dv): per key/value head
     assert cache.layers[1].state.keys.shape[2] == 4  # only the window's keys
 
 
@@ -118,7 +103,12 @@ def test_generate_greedy_equals_argmax_of_full_forwards():
     prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         generated = model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
         expected = prompt
         for _ in range(8):

@@ -13,6 +13,7 @@ from test_generate import FAMILIES, PLANS, VOCAB, tiny_model
 from dofla.cli import main
 from dofla.convert import PLAN_FILE, convert, load_converted, plan_for, save_converted, teacher_fingerprint
 from dofla.errors import DoflaError
+from dofla.models import build_tiny_tokenizer, save_tiny_model_folder
 
 
 def tokens(seed=0):
@@ -130,35 +131,24 @@ def test_bad_folders_and_unconverted_models_are_refused(tmp_path):
         save_converted(tiny_model("llama"), tmp_path / "out")
 
 
-def word_tokenizer():
-    """A whitespace word-level tokenizer over VOCAB words, built in memory (no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocabulary = {"<unk>": 0, **{f"w{index}": index for index in range(1, VOCAB)}}
-    backend = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<unk>")
-
-
 def test_generate_command_streams_tokens(tmp_path, capsys):
     model = tiny_model("llama")
     convert(model, PLANS["hybrid"](model))
-    tokenizer = word_tokenizer()
+    tokenizer = build_tiny_tokenizer()
     save_converted(model, tmp_path / "out", tokenizer=tokenizer)
-    prompt = "w5 w6 w7"
-    assert main(["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "4"]) == 0
-    printed = capsys.readouterr().out.split()
+    prompt = "The cat"
+    assert main(["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "6"]) == 0
+    printed = capsys.readouterr().out
     with torch.no_grad():
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
-    assert printed == tokenizer.decode(expected[0]).split() and len(printed) == 7
-    assert (
-        main(["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "3", "--sample"])
-        == 0
-    )
-    sampled = capsys.readouterr().out.split()  # may stop early on the end token, which is not printed
-    assert sampled[:3] == prompt.split() and 3 <= len(sampled) <= 6
+        expected = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+    assert expected.shape[1] > ids.shape[1]
+    assert printed == tokenizer.decode(expected[0], skip_special_tokens=True) + "\n"
+    arguments = ["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "3", "--sample"]
+    assert main(arguments) == 0
+    assert capsys.readouterr().out.startswith(prompt)
     assert main(["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "0"]) == 1
     assert "--max-new-tokens must be positive" in capsys.readouterr().err
 
@@ -179,34 +169,33 @@ def test_convert_command_validates_before_loading(tmp_path, capsys):
 
 
 def test_convert_command_end_to_end(tmp_path, capsys):
-    import dofla.models
-
-    if not hasattr(dofla.models, "load_teacher"):
-        pytest.skip("dofla.models.load_teacher has not landed yet")
+    teacher_folder = save_tiny_model_folder("llama", tmp_path / "teacher")
     teacher = tiny_model("llama")
-    teacher.save_pretrained(tmp_path / "teacher")
-    word_tokenizer().save_pretrained(tmp_path / "teacher")
     plan = plan_for(teacher, kind="linear", feature_dim=4, layers=[1])
     plan.save(tmp_path / "plan.json")
     out = tmp_path / "converted"
     assert (
-        main(["convert", str(tmp_path / "teacher"), "--plan", str(tmp_path / "plan.json"), "--out", str(out)])
-        == 0
+        main(["convert", str(teacher_folder), "--plan", str(tmp_path / "plan.json"), "--out", str(out)]) == 0
     )
     assert "converted 1 of 2 layers" in capsys.readouterr().out
     loaded, tokenizer, loaded_plan = load_converted(out)
     assert tokenizer is not None and [layer.kind for layer in loaded_plan.layers] == ["softmax", "linear"]
+    assert loaded_plan.metadata["teacher"]
+    convert(teacher, plan)
+    with torch.no_grad():  # the converted folder holds the teacher's weights and fresh students (seeded)
+        torch.testing.assert_close(loaded(tokens()).logits, teacher(tokens()).logits, rtol=1e-5, atol=1e-5)
     wrong = plan_for(tiny_model("gpt2"), feature_dim=4)
     wrong.save(tmp_path / "wrong.json")
     assert (
-        main(
-            ["convert", str(tmp_path / "teacher"), "--plan", str(tmp_path / "wrong.json"), "--out", str(out)]
-        )
-        == 1
+        main(["convert", str(teacher_folder), "--plan", str(tmp_path / "wrong.json"), "--out", str(out)]) == 1
     )
     assert "different model" in capsys.readouterr().err
-    assert main(["convert", str(tmp_path / "teacher"), "--layers", "0,7", "--out", str(out)]) == 1
+    assert main(["convert", str(teacher_folder), "--layers", "0,7", "--out", str(out)]) == 1
     assert "layer 7 does not exist" in capsys.readouterr().err
+    assert main(["convert", str(teacher_folder), "--out", str(tmp_path / "student"), "--student-only"]) == 0
+    capsys.readouterr()
+    student, _, _ = load_converted(tmp_path / "student", teacher=str(teacher_folder))
+    assert len(student.dofla_plan.converted_layers) == 2
 
 
 def test_stored_dtypes_are_kept_and_dtype_argument_casts(tmp_path):

@@ -70,7 +70,7 @@ def architecture(model: nn.Module) -> Architecture:
             num_kv_heads=int(adapter.num_kv_heads),
             head_dim=int(adapter.head_dim),
             attention_modules=modules,
-            scalings=[float(adapter.attention_scaling(index)) for index in range(len(modules))],
+            scalings=[float(adapter.attention_scaling(index, model)) for index in range(len(modules))],
         )
     return _generic_architecture(model)
 
