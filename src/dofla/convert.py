@@ -55,47 +55,19 @@ class Architecture:
 
 
 def architecture(model: nn.Module) -> Architecture:
-    """Architecture facts, from ``dofla.models.get_adapter`` when available, else read generically."""
-    try:
-        from dofla.models import get_adapter
-    except ImportError:
-        get_adapter = None
-    if get_adapter is not None:
-        adapter = get_adapter(model)
-        modules = list(adapter.attention_modules(model))
-        return Architecture(
-            model_type=str(adapter.model_type),
-            num_layers=int(adapter.num_layers),
-            num_heads=int(adapter.num_heads),
-            num_kv_heads=int(adapter.num_kv_heads),
-            head_dim=int(adapter.head_dim),
-            attention_modules=modules,
-            scalings=[float(adapter.attention_scaling(index, model)) for index in range(len(modules))],
-        )
-    return _generic_architecture(model)
+    """Architecture facts and attention modules, from ``dofla.models.get_adapter`` (one table for all)."""
+    from dofla.models import get_adapter
 
-
-def _generic_architecture(model: nn.Module) -> Architecture:
-    config = model.config.get_text_config(decoder=True)
-    num_heads = int(config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    modules: dict[int, nn.Module] = {}
-    for module in model.modules():
-        if type(module).__name__.endswith("Attention") and isinstance(
-            getattr(module, "layer_idx", None), int
-        ):
-            if getattr(module, "is_cross_attention", False):
-                continue
-            modules.setdefault(module.layer_idx, module)
-    ordered = [modules[index] for index in sorted(modules)]
+    adapter = get_adapter(model)
+    modules = list(adapter.attention_modules(model))
     return Architecture(
-        model_type=str(config.model_type),
-        num_layers=int(config.num_hidden_layers),
-        num_heads=num_heads,
-        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
-        head_dim=int(head_dim),
-        attention_modules=ordered,
-        scalings=[float(getattr(module, "scaling", head_dim**-0.5)) for module in ordered],
+        model_type=str(adapter.model_type),
+        num_layers=int(adapter.num_layers),
+        num_heads=int(adapter.num_heads),
+        num_kv_heads=int(adapter.num_kv_heads),
+        head_dim=int(adapter.head_dim),
+        attention_modules=modules,
+        scalings=[float(adapter.attention_scaling(index, model)) for index in range(len(modules))],
     )
 
 
