@@ -231,18 +231,53 @@ def load_teacher(
     return Teacher(model=model, tokenizer=tokenizer, adapter=adapter, source=source, spec=spec)
 
 
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection within ``timeout_s`` (and offline mode is off)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+        return False
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def _load_from_hub(repo_id: str, dtype: torch.dtype):
+    """A hub model, fetched when the hub is reachable, else from the local hub cache if it is there."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    # Without the hub, only the local cache is tried: no slow retries against an unreachable server.
+    local_only = not _hub_reachable()
     try:
-        config = AutoConfig.from_pretrained(repo_id, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(repo_id, trust_remote_code=False, local_files_only=local_only)
     except Exception as error:  # network and hub errors come in many types
+        reason = (
+            "the hub is not reachable from here and the model is not in the local hub cache"
+            if local_only
+            else (f"the hub answered {type(error).__name__}; check the id")
+        )
         raise DoflaError(
-            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(error).__name__}): the hub may be "
-            "unreachable from here or the id wrong; download the model to a folder and pass the folder."
+            f"could not load {repo_id!r} from the Hugging Face hub: {reason}; download the model to a folder "
+            "and pass the folder."
         ) from None
     get_adapter(config)
     model = _from_pretrained(
-        lambda **kw: AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, **kw), repo_id
+        lambda **kw: AutoModelForCausalLM.from_pretrained(
+            repo_id, dtype=dtype, local_files_only=local_only, **kw
+        ),
+        repo_id,
     )
-    return model, AutoTokenizer.from_pretrained(repo_id, trust_remote_code=False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            repo_id, trust_remote_code=False, local_files_only=local_only
+        )
+    except (OSError, ValueError, TypeError):
+        log.warning("no tokenizer loaded for %s", repo_id)
+        tokenizer = None
+    return model, tokenizer

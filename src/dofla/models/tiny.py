@@ -72,12 +72,17 @@ def build_tiny_model(family: str, *, seed: int = 0, **config_overrides) -> PreTr
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer with :data:`TINY_VOCAB` ids (bytes map to 3..127), built offline."""
+    """A character-level tokenizer with :data:`TINY_VOCAB` ids, built offline.
+
+    Ids: 0 <pad> (also unknown), 1 <s>, 2 </s>, then newline and the printable ASCII characters. The
+    byte-level spellings of space and newline ("Ġ", "Ċ") get ids too, because transformers swaps in a
+    byte-level pre-tokenizer when it loads a Qwen2 folder; text round-trips either way.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+    characters = ["\n", *(chr(code) for code in range(32, 127)), "\u0120", "\u010a"]
     vocabulary = {"<pad>": 0, "<s>": 1, "</s>": 2}
-    for byte in range(TINY_VOCAB - 3):
-        vocabulary[chr(0x100 + byte) if byte < 32 or byte > 126 else chr(byte)] = byte + 3
+    vocabulary.update({character: index + 3 for index, character in enumerate(characters)})
     tokenizer = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
