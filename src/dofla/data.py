@@ -31,8 +31,8 @@ _ALPACA_FIELDS = ("instruction", "input", "output")
 
 def _read_txt(path: Path) -> list[str]:
     text = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
-    lines = text.split("\n")
-    if any(not line.strip() for line in lines[:-1]) and len([line for line in lines if line.strip()]) > 1:
+    lines = text.strip().split("\n")
+    if any(not line.strip() for line in lines):  # a blank line between documents: blocks
         blocks, current = [], []
         for line in lines:
             if line.strip():
