@@ -4,6 +4,7 @@ student-only folders, atomic writes, and the `dofla convert` / `dofla generate` 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -41,6 +42,10 @@ def test_reload_gives_identical_logits(family, tmp_path):
         "model.safetensors",
     ]
     assert [path.name for path in tmp_path.iterdir()] == ["out"]  # no temporary folder left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask  # not the private temporary mode
+    assert (tmp_path / "out" / PLAN_FILE).stat().st_mode & 0o777 == 0o666 & ~umask
     loaded, tokenizer, plan = load_converted(tmp_path / "out")
     assert tokenizer is None and plan.to_dict()["layers"] == model.dofla_plan.to_dict()["layers"]
     assert plan.metadata["teacher"] == "tiny"

@@ -13,6 +13,7 @@ tokenizer files. ``student_only=True`` writes ``student.safetensors`` with only 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -298,12 +299,18 @@ def save_converted(
     }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         model.config.save_pretrained(temporary)
         save_safetensors_atomic(tensors, temporary / record["weights"], metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(temporary)
         write_text_atomic(temporary / PLAN_FILE, json.dumps(record, indent=2) + "\n")
+        # temporary files and folders are private; the saved model gets ordinary permissions
+        for item in temporary.iterdir():
+            item.chmod(0o666 & ~umask)
+        temporary.chmod(0o777 & ~umask)
         if out_dir.exists():  # replace: move the old folder aside first so one complete folder always exists
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
             os.replace(out_dir, old / out_dir.name)
@@ -386,6 +393,14 @@ def _load_state_strictly(model: nn.Module, tensors: dict[str, torch.Tensor], exp
         target.data = tensor.to(target.device)
 
 
+def _skipped_weight_initialisation():
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: initialise (slower, same result after loading)
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def _resolve_teacher(teacher, record: dict, dtype, device):
     """A teacher model from a module, a spec string, or the folder's recorded teacher; plus its tokenizer."""
     if isinstance(teacher, nn.Module):
@@ -429,7 +444,8 @@ def load_converted(path: str | Path, *, teacher=None, dtype=None, device=None):
             )
     else:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        with _skipped_weight_initialisation():  # every weight is loaded below, under strict key checks
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     convert(model, plan)
     expected = {name for name in model.state_dict() if (_is_student_key(name) or not record["student_only"])}
     tensors = load_file(str(weights_file))
