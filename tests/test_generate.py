@@ -232,3 +232,22 @@ def test_static_cache_is_refused():
     prompt = torch.randint(1, VOCAB, (1, 4))
     with pytest.raises(DoflaError, match="static caches are not supported"):
         model.generate(prompt, max_new_tokens=2, cache_implementation="static", pad_token_id=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_batched_left_padded_generate_equals_each_prompt_alone(family):
+    model = tiny_model(family)
+    convert(model, PLANS["hybrid"](model))
+    generator = torch.Generator().manual_seed(0)
+    short, long_ = (torch.randint(3, VOCAB, (1, length), generator=generator) for length in (5, 9))
+    batch = torch.cat([torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1), long_])  # left padding
+    mask = torch.ones_like(batch)
+    mask[0, :4] = 0
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        together = model.generate(batch, attention_mask=mask, **options)
+        alone = [
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
+            for prompt in (short, long_)
+        ]
+    assert torch.equal(together[0, 4:], alone[0][0]) and torch.equal(together[1], alone[1][0])
