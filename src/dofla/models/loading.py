@@ -158,11 +158,16 @@ def _check_gguf(path: Path) -> None:
         ) from None
 
 
-def _plain_copy_of_gguf(gguf_path: Path, name: str) -> Path:
-    """Load a .gguf once, drop its quantizer flags and save a plain safetensors folder (atomically)."""
+def _load_gguf_cached(gguf_path: Path, name: str, dtype: torch.dtype):
+    """(model, tokenizer, folder, fresh): a .gguf teacher through its plain safetensors copy in the cache.
+
+    The first time, the .gguf is de-quantised, its quantizer flags dropped and the copy written atomically
+    (staging folder, then rename); that freshly loaded model is returned (``fresh`` True). Later calls load
+    the cached folder, which takes well under a second.
+    """
     target = cache_root() / "teachers" / name
     if (target / "config.json").is_file():
-        return target
+        return (*_load_folder(target, dtype), target, False)
     _check_gguf(gguf_path)
     model, tokenizer = _load_folder(gguf_path.parent, torch.float32, gguf_file=gguf_path.name)
     # A gguf-loaded model is flagged as quantized and refuses save_pretrained; its weights are plain floats.
@@ -178,12 +183,14 @@ def _plain_copy_of_gguf(gguf_path: Path, name: str) -> Path:
             tokenizer.save_pretrained(staging)
         os.replace(staging, target)
     except OSError as error:
-        raise DoflaError(
-            f"could not cache the de-quantised teacher in {target}: {error.strerror or error}."
-        ) from None
+        if not (target / "config.json").is_file():  # else another process cached it first
+            raise DoflaError(
+                f"could not cache the de-quantised teacher in {target}: {error.strerror or error}; "
+                "free some disk space or point $DOFLA_CACHE elsewhere."
+            ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return model.to(dtype), tokenizer, target, True
 
 
 def _is_hub_id(spec: str) -> bool:
@@ -204,13 +211,14 @@ def load_teacher(
     spec = str(spec)
     path = Path(spec).expanduser()
     if spec in _EMBEDDED:
-        folder = _plain_copy_of_gguf(embedded_gguf_path(spec), spec)
-        model, tokenizer = _load_folder(folder, torch_dtype)
-        source = f"embedded {spec} ({_EMBEDDED[spec][1]}, cached as {folder})"
+        model, tokenizer, folder, fresh = _load_gguf_cached(embedded_gguf_path(spec), spec, torch_dtype)
+        how = "de-quantised now and cached" if fresh else "cached"
+        source = f"embedded {spec} ({_EMBEDDED[spec][1]}, {how} as {folder})"
     elif path.is_file() and path.suffix == ".gguf":
-        folder = _plain_copy_of_gguf(path, f"{path.stem}-{path.stat().st_size}")
-        model, tokenizer = _load_folder(folder, torch_dtype)
-        source = f"gguf file {path} (cached as {folder})"
+        name = f"{path.stem}-{path.stat().st_size}-{path.stat().st_mtime_ns}"  # a changed file is re-cached
+        model, tokenizer, folder, fresh = _load_gguf_cached(path, name, torch_dtype)
+        how = "de-quantised now and cached" if fresh else "cached"
+        source = f"gguf file {path} ({how} as {folder})"
     elif path.is_dir():
         _check_config(path)
         model, tokenizer = _load_folder(path, torch_dtype)
