@@ -47,6 +47,12 @@ def compress_kinds(kinds: list[str]) -> str:
     return f"{shown} x{repeats}" + (f"; then {_runs(remainder)}" if remainder else "")
 
 
+def _rotary_text(adapter) -> str:
+    if not adapter.uses_rotary:
+        return "no"
+    return "yes" if adapter.rotary_fraction == 1.0 else f"yes, on {adapter.rotary_fraction:.0%} of each head"
+
+
 def summary(teacher) -> dict:
     adapter = teacher.adapter
     return {
@@ -60,7 +66,7 @@ def summary(teacher) -> dict:
         "hidden size": adapter.hidden_size,
         "parameters": adapter.parameter_count(teacher.model),
         "context length": adapter.context_length,
-        "rotary": f"yes ({adapter.rotary_fraction:g} of each head)" if adapter.uses_rotary else "no",
+        "rotary": _rotary_text(adapter),
         "attention scaling": adapter.attention_scaling(0, teacher.model),
         "sliding window": adapter.sliding_window or "none",
         "attention per layer": compress_kinds(adapter.layer_kinds),
@@ -75,9 +81,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(facts, indent=2))
         return 0
-    width = max(len(name) for name in facts)
-    print(f"| {'':<{width}} | value |\n|{'-' * (width + 2)}|---|")
-    for name, value in facts.items():
-        shown = f"{value:,}" if name == "parameters" else value
-        print(f"| {name:<{width}} | {shown} |")
+    shown = {name: f"{value:,}" if name == "parameters" else str(value) for name, value in facts.items()}
+    width = max(len(name) for name in shown)
+    value_width = max(len(value) for value in shown.values())
+    print(f"| {'':<{width}} | {'value':<{value_width}} |")
+    print(f"|{'-' * (width + 2)}|{'-' * (value_width + 2)}|")
+    for name, value in shown.items():
+        print(f"| {name:<{width}} | {value:<{value_width}} |")
     return 0
