@@ -137,7 +137,9 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict) -> None:
         return
     cache = _attention_cache_argument(module, args, kwargs)
     if cache is not None:
-        student.pending_cache_layer = attach_cache_layer(cache, student.layer_index)
+        # the slot the module itself updates (its layer_idx), which is the plan's layer index
+        slot = int(getattr(module, "layer_idx", student.layer_index))
+        student.pending_cache_layer = attach_cache_layer(cache, slot)
 
 
 def _after_attention(module: nn.Module, args: tuple, output) -> None:
@@ -170,7 +172,7 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
             f"found {len(facts.attention_modules)} attention modules in a {facts.num_layers}-layer "
             f"{facts.model_type} model; this architecture is not supported."
         )
-    students: dict[int, LinearAttention] = {}
+    built: dict[int, LinearAttention] = {}
     for index in plan.converted_layers:
         module = facts.attention_modules[index]
         parameter = next(module.parameters(), None)
@@ -182,10 +184,10 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
             head_dim=facts.head_dim,
             scaling=facts.scalings[index],
         )
-        students[index] = student.to(parameter.device) if parameter is not None else student
+        built[index] = student.to(parameter.device) if parameter is not None else student
 
     dispatch.install(model)
-    for index, student in students.items():
+    for index, student in built.items():
         module = facts.attention_modules[index]
         setattr(module, STUDENT_PREFIX, student)
         handles = [
