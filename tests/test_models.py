@@ -191,3 +191,11 @@ def test_compress_kinds():
     assert compress_kinds((["sliding"] * 5 + ["full"]) * 4 + ["sliding"] * 2) == (
         "(sliding x5,full) x4; then sliding x2"
     )
+
+
+def test_attention_implementation_and_device_options(tiny_folder):
+    teacher = load_teacher(str(tiny_folder), device="cpu", attn_implementation="eager")
+    assert teacher.model.config._attn_implementation == "eager"
+    if not torch.cuda.is_available():
+        with pytest.raises(DoflaError, match="CUDA is not available here; use --device cpu"):
+            load_teacher(str(tiny_folder), device="cuda")
