@@ -72,3 +72,12 @@ def test_failed_write_keeps_the_previous_file(tmp_path):
         write_atomic(target, full_disk)
     assert target.read_text() == "good"
     assert [p.name for p in tmp_path.iterdir()] == ["state.txt"]
+
+
+def test_atomic_files_get_ordinary_permissions(tmp_path):
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    path = write_text_atomic(tmp_path / "plan.json", "{}")
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask

@@ -133,7 +133,7 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Give the student this call's cache layer, swapping a RecurrentCacheLayer into the cache if needed."""
     student = getattr(module, STUDENT_PREFIX)
     student.pending_cache_layer = None
-    if dispatch._STATE.teacher_forced:  # the teacher's softmax runs and needs its ordinary cache layer
+    if dispatch.is_teacher_forced():  # the teacher's softmax runs and needs its ordinary cache layer
         return
     cache = _attention_cache_argument(module, args, kwargs)
     if cache is not None:

@@ -147,6 +147,11 @@ def observe(observer: Observer) -> Iterator[None]:
         _STATE.observers.remove(observer)
 
 
+def is_teacher_forced() -> bool:
+    """True inside :func:`teacher_forced`: converted layers run the teacher's softmax."""
+    return _STATE.teacher_forced > 0
+
+
 @contextmanager
 def teacher_forced() -> Iterator[None]:
     """Within this block converted layers still run the teacher's softmax attention.

@@ -10,6 +10,15 @@ from pathlib import Path
 from dofla.errors import DoflaError
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
 def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp_path)`` then rename the temporary file onto ``path`` in one step."""
     path = Path(path)
@@ -17,6 +26,7 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(handle)
     temporary = Path(temporary)
+    os.chmod(temporary, 0o666 & ~_UMASK)  # mkstemp makes 0600; saved files get ordinary permissions
     try:
         write(temporary)
         with open(temporary, "rb") as stream:
