@@ -2,7 +2,7 @@
 
 Default: the SmolLM2-135M teacher (all 30 layers converted, learnable PRF, feature dim 64, softmax-CE
 loss), B = 4, T = 512. Prints training tokens/s (teacher-forced forward + every layer's loss, backward and
-AdamW step), the teacher's forward tokens/s at the same shape, their ratio (target >= 0.5) and peak memory.
+AdamW step), the teacher's forward tokens/s at the same shape (the two timed alternately), their ratio (target >= 0.5) and peak memory.
 Speed does not depend on the weights' values, so ``--random-weights`` (or a tree without
 ``dofla.models``) uses random weights of the same shape.
 
@@ -21,6 +21,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dofla import dispatch
 from dofla.convert import convert, plan_for
 from dofla.distill.teacher_forcing import autocast_for, freeze_teacher, teacher_forced_step
 
@@ -53,19 +54,22 @@ def build_teacher(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
     return model, "random weights, SmolLM2-135M shape"
 
 
-def timed(function, repeats: int, device: torch.device) -> float:
-    """Median seconds of ``repeats`` calls after one warm-up call."""
-    function()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+def interleaved_seconds(functions: dict, repeats: int, device: torch.device) -> dict[str, float]:
+    """Median seconds per call of each function, timed alternately (one warm-up call each first), so a
+    change of machine load during the run affects all of them alike."""
+    for function in functions.values():
         function()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, function in functions.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            function()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -99,11 +103,9 @@ def main() -> int:
     tokens = tokens.to(device)
     count = tokens.numel()
 
-    def teacher_forward():
-        with torch.no_grad(), autocast_for(device):
+    def teacher_forward():  # converted layers run the teacher's softmax here: the teacher's own forward
+        with torch.no_grad(), dispatch.teacher_forced(), autocast_for(device):
             teacher(input_ids=tokens, use_cache=False)
-
-    teacher_seconds = timed(teacher_forward, args.repeats, device)
 
     convert(teacher, plan_for(teacher, feature_map=args.feature_map, feature_dim=args.feature_dim))
     students = freeze_teacher(teacher)
@@ -116,7 +118,8 @@ def main() -> int:
         torch.nn.utils.clip_grad_norm_([p for s in students.values() for p in s.parameters()], 1.0)
         optimizer.step()
 
-    train_seconds = timed(train_step, args.repeats, device)
+    seconds = interleaved_seconds({"teacher": teacher_forward, "train": train_step}, args.repeats, device)
+    teacher_seconds, train_seconds = seconds["teacher"], seconds["train"]
     row = dict(
         teacher=source,
         device=str(device),

@@ -72,14 +72,18 @@ def _row_logs(
     row_visible = allowed.any(-1, keepdim=True)  # (B, 1, C, 1)
     row_weight = (row_visible[..., 0] & key_present[:, None, start : start + chunk]).to(query.dtype)
     allowed = allowed | ~row_visible
+    # 0 where a key may be seen, -inf elsewhere: one addition instead of a masked copy per (B, H, C, T) block
+    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
     scores = scaling * (query @ key.transpose(-1, -2))  # (B, H, C, T)
-    teacher = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # 0 where not allowed
+    teacher = torch.softmax(scores + bias, dim=-1)  # 0 where not allowed
 
     dot = q_features @ k_features.transpose(-1, -2)  # (B, H, C, T)
     linear_log = torch.log(dot.clamp_min(1e-30)) + log_scale[:, :, None, :]  # (B, H, C, T), finite
     if window is None:
         student_log = linear_log  # finite everywhere; only allowed keys enter the normaliser
-        normaliser = torch.logsumexp(linear_log.masked_fill(~allowed, float("-inf")), dim=-1, keepdim=True)
+        normaliser = torch.logsumexp(linear_log + bias, dim=-1, keepdim=True)
     else:
         in_window = allowed & (key_index > query_index - window)[None, None]
         left_window = allowed & (key_index <= query_index - window)[None, None]
