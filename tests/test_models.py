@@ -8,8 +8,16 @@ from transformers import AutoConfig
 
 from dofla.cli import main
 from dofla.errors import DoflaError
-from dofla.models import TINY_FAMILIES, build_tiny_model, get_adapter, load_teacher, save_tiny_model_folder
+from dofla.models import (
+    TINY_FAMILIES,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    get_adapter,
+    load_teacher,
+    save_tiny_model_folder,
+)
 from dofla.models.loading import resolve_dtype
+from dofla.models.tiny import save_tiny_gguf
 
 EXPECTED = {
     # family: (model_type, kv heads, layer kinds, sliding window, scaling, rotary)
@@ -199,3 +207,27 @@ def test_attention_implementation_and_device_options(tiny_folder):
     if not torch.cuda.is_available():
         with pytest.raises(DoflaError, match="CUDA is not available here; use --device cpu"):
             load_teacher(str(tiny_folder), device="cuda")
+
+
+def test_gguf_file_is_dequantised_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DOFLA_CACHE", str(tmp_path / "cache"))
+    path = save_tiny_gguf(tmp_path / "tiny-llama.gguf")
+    ids = torch.randint(3, 128, (1, 9))
+    expected = build_tiny_model("llama")(input_ids=ids).logits
+    first = load_teacher(str(path), device="cpu")
+    second = load_teacher(str(path), device="cpu")
+    assert "de-quantised now" in first.source and "de-quantised now" not in second.source
+    assert not getattr(second.model, "is_quantized", False)
+    assert "quantization_config" not in second.model.config.to_dict()
+    text = "Hello, world!\nA line."
+    tiny_ids = build_tiny_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    for teacher in (first, second):
+        torch.testing.assert_close(teacher.model(input_ids=ids).logits, expected, rtol=0, atol=0)
+        assert teacher.tokenizer(text, add_special_tokens=False)["input_ids"] == tiny_ids
+    (cached,) = (tmp_path / "cache" / "teachers").iterdir()
+    assert (cached / "model.safetensors").is_file()
+    assert not [item for item in cached.parent.iterdir() if item.name.startswith(".")]  # no staging left
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(path.read_bytes()[:2000])
+    with pytest.raises(DoflaError, match="corrupt or truncated GGUF"):
+        load_teacher(str(damaged))

@@ -114,9 +114,12 @@ def _load_folder(folder: Path, dtype: torch.dtype, gguf_file: str | None = None)
     )
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False, **extra)
-    except (OSError, ValueError, TypeError) as error:
+    except Exception as error:  # the tokenizer is optional; its loaders fail in many ways on odd files
         log.warning(
-            "no tokenizer loaded from %s (%s)", folder, str(error).splitlines()[0] if str(error) else error
+            "no tokenizer loaded from %s (%s: %s)",
+            folder,
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
         )
         tokenizer = None
     return model, tokenizer

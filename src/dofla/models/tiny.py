@@ -97,3 +97,83 @@ def save_tiny_model_folder(family: str, path: str | Path, *, seed: int = 0) -> P
     build_tiny_model(family, seed=seed).save_pretrained(path)
     build_tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def _rotary_permute(weight, num_heads: int):
+    """llama.cpp's layout of q/k projection rows (interleaved rotary halves); transformers undoes it on load."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def save_tiny_gguf(path: str | Path, *, seed: int = 0) -> Path:
+    """Write the tiny Llama of :func:`build_tiny_model` as an unquantised (float32) .gguf file.
+
+    Loading it with transformers gives exactly the weights of ``build_tiny_model("llama", seed=seed)``.
+    Its byte-level token list gives the ids of :func:`build_tiny_tokenizer` to ordinary text.
+    """
+    import gguf
+
+    model = build_tiny_model("llama", seed=seed)
+    config = model.config
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_vocab_size(config.vocab_size)
+    # The tiny tokenizer's characters in byte-level spelling (space "Ġ", newline "Ċ"), same ids.
+    characters = ["\u010a", "\u0120", *(chr(code) for code in range(33, 127))]
+    tokens = ["<pad>", "<s>", "</s>", *characters]
+    tokens += ["~~", *(f"<unused{index}>" for index in range(config.vocab_size - len(tokens) - 1))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3, *[1] * (len(tokens) - 3)])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges(["~ ~"])  # one merge (of a rare pair), so the file's merge list is not empty
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    parts = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    for layer in range(config.num_hidden_layers):
+        names.update(
+            {
+                f"model.layers.{layer}.{ours}.weight": f"blk.{layer}.{theirs}.weight"
+                for ours, theirs in parts.items()
+            }
+        )
+    for name, tensor in model.state_dict().items():
+        array = tensor.numpy()
+        if name.endswith("q_proj.weight"):
+            array = _rotary_permute(array, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            array = _rotary_permute(array, config.num_key_value_heads)
+        writer.add_tensor(names[name], array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
