@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from dofla.convert import convert, unconvert
+from dofla.data import split_train_heldout
 from dofla.distill.trainer import DistillConfig, distill
 from dofla.evaluation.attention_error import attention_errors
 from dofla.io import write_text_atomic
@@ -33,7 +34,6 @@ from dofla.pipeline import (
     make_plan,
     parse_tokens,
     perplexity,
-    split_sequences,
 )
 
 
@@ -81,7 +81,7 @@ def main() -> int:
     loaded = load_teacher(args.model)
     teacher, tokenizer = loaded.model.eval(), loaded.tokenizer
     sequences, source = load_sequences(base, teacher, tokenizer, out / "data_cache")
-    train, heldout = split_sequences(sequences, 0.1, args.seed)
+    train, heldout = split_train_heldout(sequences, 0.1, args.seed)
     heldout = heldout[: args.heldout]
     teacher_ppl = perplexity(teacher, heldout, args.batch_size)
     heldout_batches = [heldout[i : i + args.batch_size] for i in range(0, len(heldout), args.batch_size)]

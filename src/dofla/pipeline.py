@@ -166,18 +166,6 @@ def context_length(model) -> int | None:
     return None
 
 
-def split_sequences(sequences: torch.Tensor, heldout_fraction: float, seed: int):
-    """Seeded split of packed sequences (N, T) into (train, heldout); held-out ones are never trained on."""
-    count = len(sequences)
-    heldout = max(1, round(count * heldout_fraction))
-    if count - heldout < 1:
-        raise DoflaError(
-            f"the data gives only {count} sequence(s) of this length; give more text or a shorter --seq-len."
-        )
-    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
-    return sequences[order[heldout:]], sequences[order[:heldout]]
-
-
 def load_sequences(config: LinearizeConfig, model, tokenizer, cache_dir: Path) -> tuple[torch.Tensor, str]:
     """Packed token sequences (N, seq_len) and a sentence saying where the text came from."""
     from dofla import data
@@ -210,24 +198,10 @@ def load_sequences(config: LinearizeConfig, model, tokenizer, cache_dir: Path) -
 
 
 def perplexity(model, sequences: torch.Tensor, batch_size: int = 4) -> float:
-    """Held-out perplexity: exp of the mean next-token NLL over all predicted tokens of sequences (N, T)."""
-    try:  # the evaluation package's measure, where it is installed in this tree
-        from dofla.evaluation.perplexity import perplexity as measure
-    except ImportError:
-        measure = None
-    if measure is not None:
-        return float(measure(model, sequences, batch_size=batch_size)["perplexity"])
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(sequences), batch_size):
-            batch = sequences[start : start + batch_size].to(device)  # (B, T)
-            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
-            nll = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum"
-            )
-            total, count = total + float(nll), count + batch[:, 1:].numel()
-    return math.exp(total / count)
+    """Held-out perplexity of sequences (N, T), by ``dofla.evaluation.perplexity``."""
+    from dofla.evaluation.perplexity import perplexity as measure
+
+    return float(measure(model, sequences, batch_size=batch_size)["perplexity"])
 
 
 def make_plan(config: LinearizeConfig, model, train: torch.Tensor):
@@ -328,7 +302,9 @@ def linearize(
         data_source = f"{len(sequences)} packed sequences given by the caller"
         if sequences.shape[1] > (limit or sequences.shape[1]):
             raise DoflaError(f"sequences of {sequences.shape[1]} tokens exceed the context of {limit}.")
-    train, heldout = split_sequences(sequences, config.heldout_fraction, config.seed)
+    from dofla.data import split_train_heldout
+
+    train, heldout = split_train_heldout(sequences, config.heldout_fraction, config.seed)
     heldout = heldout[: config.max_heldout_sequences]
     lap("data")
 
