@@ -35,6 +35,8 @@ LOSSES = (*LAYER_LOSSES, "direct")
 DEFAULT_QUERY_CHUNK = 128
 # Above this many (B * H * T * T) pairs the chunks are recomputed in the backward pass instead of stored.
 CHECKPOINT_ELEMENTS = 2**25
+# On GPUs kernel launches, not caches, set the pace: chunks grow to about this many (B * H * C * T) pairs.
+CUDA_CHUNK_ELEMENTS = 2**26
 
 
 def _expand_heads(tensor: Tensor | None, num_heads: int) -> Tensor | None:
@@ -140,6 +142,8 @@ def kernel_loss(
     if (window is None) != (window_factor is None):
         raise DoflaError("hybrid kernel losses need both window and window_factor.")
     batch, num_heads, length, _ = query.shape
+    if query.is_cuda:
+        query_chunk = max(query_chunk, CUDA_CHUNK_ELEMENTS // (batch * num_heads * length))
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     keys = _expand_heads(key, num_heads).to(dtype)  # (B, H, T, D)
     k_feats = _expand_heads(k_features, num_heads).to(dtype)  # (B, H, T, F)
