@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
@@ -59,3 +60,33 @@ def test_two_process_data_parallel_equals_single_process(tmp_path):
         for key, tensor in model.state_dict().items()
         if "dofla_student" in key
     )
+
+
+def test_layer_sharded_training_equals_all_layers_at_once():
+    """Each 'rank' trains its own layers; merged, they equal training all layers at once (layers are
+    independent under teacher forcing; clipping off, since a global norm would couple them)."""
+    from test_distill import quick_config, tiny_converted, token_data
+
+    from dofla.convert import students
+    from dofla.distill.trainer import distill
+    from dofla.errors import DoflaError
+
+    config = quick_config(grad_clip=1e9)
+    together = tiny_converted()
+    distill(together, token_data(), token_data(8, seed=1), config)
+    shards = {}
+    for owned in ([0], [1]):
+        model = tiny_converted()
+        distill(model, token_data(), token_data(8, seed=1), config, layers=owned)
+        shards[owned[0]] = students(model)[owned[0]]
+        other = 1 - owned[0]  # the layer this shard does not own stays at its initial values
+        torch.testing.assert_close(
+            students(model)[other].state_dict(),
+            students(tiny_converted())[other].state_dict(),
+            rtol=0,
+            atol=0,
+        )
+    for index, student in students(together).items():
+        torch.testing.assert_close(shards[index].state_dict(), student.state_dict(), rtol=1e-6, atol=1e-7)
+    with pytest.raises(DoflaError, match=r"layers \[5\] are not converted layers"):
+        distill(tiny_converted(), token_data(), token_data(8, seed=1), config, layers=[5])

@@ -24,11 +24,19 @@ class _AllLayersSeen(Exception):
     """Raised by the observer after the last converted layer: the rest of the teacher's forward is unused."""
 
 
-def freeze_teacher(model: nn.Module) -> dict[int, nn.Module]:
-    """Make only the students' parameters trainable. Returns the students by layer index."""
+def freeze_teacher(model: nn.Module, layers: list[int] | None = None) -> dict[int, nn.Module]:
+    """Make only the students' parameters (of ``layers``, default all converted) trainable.
+    Returns those students by layer index."""
     students = converted_students(model)
     if not students:
         raise DoflaError("the model has no converted layers; convert it with dofla.convert.convert first.")
+    if layers is not None:
+        unknown = sorted(set(layers) - set(students))
+        if unknown or not layers:
+            raise DoflaError(
+                f"layers {unknown or layers} are not converted layers; choose among {sorted(students)}."
+            )
+        students = {index: students[index] for index in sorted(set(layers))}
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     for student in students.values():

@@ -125,13 +125,13 @@ def batch_indices(step: int, batch_size: int, num_sequences: int, seed: int) -> 
     return indices
 
 
-def run_fingerprint(config: DistillConfig, model: nn.Module, train: torch.Tensor) -> str:
-    """A hash of what determines the result: settings, plan and training data."""
+def run_fingerprint(config: DistillConfig, model: nn.Module, train: torch.Tensor, layers: list[int]) -> str:
+    """A hash of what determines the result: settings, plan, trained layers and training data."""
     settings = {name: value for name, value in asdict(config).items() if name not in _NOT_IN_FINGERPRINT}
     plan = getattr(model, "dofla_plan", None)
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     digest.update(json.dumps(plan.to_dict() if plan is not None else None, sort_keys=True).encode())
-    digest.update(str(tuple(train.shape)).encode())
+    digest.update(f"{tuple(train.shape)} {layers}".encode())
     digest.update(train.to(torch.int64).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
@@ -204,13 +204,16 @@ def distill(
     *,
     resume: bool = False,
     on_step=None,
+    layers: list[int] | None = None,
 ) -> DistillResult:
     """Train the students of converted ``model`` on train (N, T) token ids; evaluate on heldout (M, T).
 
     run_dir receives distill_config.json, log.jsonl and checkpoints/ (None: nothing is written and no
     resumption is possible). ``resume`` continues from the newest checkpoint of the same run (same
     settings, plan and data) and ends with the same students as an uninterrupted run. ``on_step(step,
-    record)`` is called after every step (progress hooks, tests). Only the students' parameters train; the
+    record)`` is called after every step (progress hooks, tests). ``layers``: train only these converted
+    layers (layer sharding: separate processes, each with its own layers and run_dir; the teacher forward
+    stops after the last of them, and layers are independent given the teacher's inputs). Only the students' parameters train; the
     teacher's are frozen (``requires_grad`` False) and unchanged. Returns a :class:`DistillResult`.
     """
     config.validate()
@@ -220,7 +223,7 @@ def distill(
     if config.batch_size % world_size:
         raise DoflaError(f"batch size {config.batch_size} must be divisible by the {world_size} processes.")
     device = next(model.parameters()).device
-    students = freeze_teacher(model)
+    students = freeze_teacher(model, layers)
     model.eval()  # no dropout: the students learn the teacher's deterministic attention
     trainable = _trainable(model)
     groups = [group for index in sorted(students) for group in students[index].parameter_groups(config.lr)]
@@ -229,7 +232,7 @@ def distill(
     optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
     sequence_length = train.shape[1]
     total_steps = math.ceil(config.tokens / (config.batch_size * sequence_length))
-    fingerprint = run_fingerprint(config, model, train)
+    fingerprint = run_fingerprint(config, model, train, sorted(students))
 
     run_dir = Path(run_dir) if run_dir is not None else None
     checkpoints = run_dir / CHECKPOINT_FOLDER if run_dir is not None else None
