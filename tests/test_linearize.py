@@ -117,3 +117,13 @@ def test_command_parses_arguments():
         ["linearize", "smollm2-135m", "--budget", "32", "--tokens", "1M", "--out", "x", "--recipe", "lolcats"]
     )
     assert args.func is command.run and args.budget == 32 and args.tokens == "1M" and args.recipe == "lolcats"
+
+
+def test_dof_allocation_gives_a_plan_with_the_mean_budget(tmp_path):
+    cfg = config(tmp_path, allocation="dof", budget=8, dof_points=32, tokens=4 * LENGTH * 2, eval_every=0)
+    result = linearize(cfg, teacher=tiny_teacher(), sequences=sequences())
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    dims = [layer["feature_dim"] for layer in plan["layers"]]
+    assert sum(dims) / len(dims) == pytest.approx(8, abs=0.5)
+    assert plan["metadata"]["allocation"] == "dof" and plan["metadata"]["measure"] == "dof"
+    assert "Allocation `dof` (measure `dof`)" in result.report_path.read_text()

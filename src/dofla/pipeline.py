@@ -32,15 +32,15 @@ RECIPES: dict[str, dict[str, Any]] = {
         kind="hybrid", feature_map="hedgehog", allocation="fix", window=64, loss="output_mse", lora=True
     ),
 }
-ALLOCATIONS = ("fix", "dof")
+ALLOCATIONS = ("fix", "dof", "dof_clip", "headwise")  # the last three by dofla.dof
 
 
 @dataclass
 class LinearizeConfig:
     """Every knob of ``dofla linearize`` (saved in result.json). ``recipe`` presets some of them.
 
-    budget: mean feature dimension per layer; allocation: "fix" (every layer ``budget``) or "dof"
-    (``dofla.dof`` allocates by a statistical measure, ``measure``); tokens: distillation budget;
+    budget: mean feature dimension per layer; allocation: "fix" (every layer ``budget``) or a
+    ``dofla.dof`` variant ("dof", "dof_clip", "headwise") allocating by the statistical ``measure``; tokens: distillation budget;
     data: a text/jsonl/datasets path, or None for the default (text sampled from the teacher, cached).
     """
 
@@ -231,11 +231,12 @@ def make_plan(config: LinearizeConfig, model, train: torch.Tensor):
         model,
         estimate,
         budget=config.budget,
+        variant=config.allocation,
         kind=config.kind,
         feature_map=config.feature_map,
         window=config.window,
     )
-    plan.metadata.update(allocation="dof", measure=config.measure, budget=config.budget)
+    plan.metadata.update(allocation=config.allocation, measure=config.measure, budget=config.budget)
     return plan
 
 
@@ -312,7 +313,7 @@ def linearize(
     lap("teacher perplexity")
 
     plan = make_plan(config, teacher, train)
-    lap("plan (DoF)" if config.allocation == "dof" else "plan")
+    lap("plan" if config.allocation == "fix" else "plan (DoF estimate)")
     model = convert(teacher, plan)
 
     distill_config = DistillConfig(
@@ -461,7 +462,7 @@ def write_report(result: LinearizeResult, summary: dict, config: LinearizeConfig
         "## Plan",
         "",
         f"Allocation `{config.allocation}`"
-        + (f" (measure `{config.measure}`)" if config.allocation == "dof" else "")
+        + (f" (measure `{config.measure}`)" if config.allocation != "fix" else "")
         + f", mean feature budget {config.budget}.",
         "",
         "| layer | kind | feature map | feature dim | per-head dims | held-out layer loss |",

@@ -24,7 +24,12 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--budget", type=int, default=64, help="mean feature dimension per layer (default 64)"
     )
-    parser.add_argument("--allocation", choices=["fix", "dof"], default="dof", help="dimension allocation")
+    parser.add_argument(
+        "--allocation",
+        choices=["fix", "dof", "dof_clip", "headwise"],
+        default="dof",
+        help="dimension allocation",
+    )
     parser.add_argument("--measure", default="dof", help="statistical measure for --allocation dof")
     parser.add_argument("--feature-map", default="learnable_prf", help="learnable_prf | prf | hedgehog | ...")
     parser.add_argument("--kind", choices=["linear", "hybrid"], default="linear", help="attention kind")
