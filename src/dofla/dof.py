@@ -1,0 +1,615 @@
+"""Degrees of freedom of each layer's (and head's) attention kernel, and feature dimensions allocated by them.
+
+For one head, sample J points x_i from the union of its queries and keys (after rotary) and let
+``G_ij = K(x_i, x_j) = exp(s x_iᵀx_j)`` (s = the attention's scaling). The paper's measure is
+
+    DoF(λ) = tr Σ̃ (Σ̃ + λI)⁻¹,  Σ̃ = G / J.
+
+Numerics. ``G`` has a huge diagonal (``exp(s‖x‖²)`` reaches e^40 and more on real models), so a plain
+float64 eigendecomposition has absolute eigenvalue errors near ``J·ε·max G_ii`` — far above λ — and
+miscounts. We factor ``G = D^½ C D^½`` with ``D = diag(exp(s‖x_i‖²))`` and the Gaussian kernel
+``C_ij = exp(−s‖x_i − x_j‖²/2)`` (entries in [0, 1]), merge exactly repeated points into weights
+``w`` (they add nothing but weight), and use
+
+    DoF(λ) = n − λ Σ_i d_i⁻¹ [(C/J + λ diag(d)⁻¹)⁻¹]_ii,   d_i = w_i exp(s‖x_i‖²),
+
+with one Cholesky factorisation per λ (``n`` = distinct points). Every quantity stays in range:
+``d⁻¹`` underflows gracefully to 0 for dominant points, which then count as one full degree.
+
+Measures (``measure=``):
+- ``dof``: the paper's, as above. On models whose ``s‖x‖²`` is large it saturates (DoF ≈ J for every
+  head): the diagonal dominates and every point is its own direction. The report says so.
+- ``dof_trace``: the same trace with λ relative to the largest eigenvalue scale, ``λ·max_i G_ii / J``:
+  scale-free, it counts how many points carry kernel mass comparable to the largest — how many
+  features a head needs before its dominant keys are represented.
+- ``attention_rank``: the DoF of the teacher's own attention-probability matrix P (T × T, causal,
+  row-stochastic) with λ relative to its top singular value squared: ``Σ σ_k² / (σ_k² + λσ_1²)``.
+  A linear attention with M features produces an unnormalised kernel matrix of rank ≤ M, so by
+  Eckart–Young a head whose attention has many significant singular values cannot be matched by few
+  features (the error is at least the energy past the M-th singular value); this measure counts them.
+
+Allocation under a budget C (mean features per layer): ``M_s ∝ measure_s`` with largest-remainder
+rounding so that the total is exactly C × (converted layers), a per-layer minimum, and variants
+``dof`` (layer = max over heads), ``dof_clip`` (clamped to the head size; the clipped excess is
+redistributed over the unclipped layers), ``fix`` (C everywhere) and ``headwise`` (per-head dims
+with mean C per head; a layer's tensor width is its largest head). ``keep_softmax=N`` leaves the N
+layers with the highest measure as softmax attention.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from dofla.config import ConversionPlan, LayerPlan
+from dofla.errors import DoflaError
+
+MEASURES = ("dof", "dof_trace", "attention_rank")
+VARIANTS = ("dof", "dof_clip", "fix", "headwise")
+SATURATION_LEVEL = 0.9  # DoF/J above this counts as saturated
+_EPS64 = torch.finfo(torch.float64).eps
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The stable degrees-of-freedom computation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def merge_duplicates(
+    points: torch.Tensor, weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exactly repeated rows become one row whose weight is the sum of theirs. points (N, D) -> (n, D), (n,)."""
+    weights = (
+        torch.ones(points.shape[0], dtype=torch.float64, device=points.device) if weights is None else weights
+    )
+    unique, inverse = torch.unique(points, dim=0, return_inverse=True)
+    merged = torch.zeros(unique.shape[0], dtype=torch.float64, device=points.device).index_add_(
+        0, inverse, weights.to(torch.float64)
+    )
+    return unique, merged
+
+
+def degrees_of_freedom(
+    points: torch.Tensor,
+    *,
+    scaling: float,
+    lambdas: Sequence[float],
+    weights: torch.Tensor | None = None,
+    relative_to_diagonal: bool = False,
+) -> torch.Tensor:
+    """DoF(λ) = tr Σ̃(Σ̃ + λI)⁻¹ of Σ̃ = G/J, G_ij = exp(scaling x_iᵀx_j), for each λ; float64, shape (len(lambdas),).
+
+    points (N, D); J = N (or the total weight). ``relative_to_diagonal`` multiplies each λ by
+    ``max_i G_ii / J`` (the ``dof_trace`` measure). Stable for any norms and for repeated points.
+    """
+    if any(lam <= 0 for lam in lambdas):
+        raise DoflaError(f"every lambda must be positive, got {list(lambdas)}.")
+    x, w = merge_duplicates(points.to(torch.float64), weights)
+    total = float(w.sum())  # J
+    log_diag = scaling * (x * x).sum(-1)  # (n,): log of exp(s‖x‖²)
+    squared = torch.cdist(x, x).square()
+    gaussian = torch.exp(-0.5 * scaling * squared)  # (n, n) in [0, 1]
+    log_d = log_diag + torch.log(w)  # d_i = w_i exp(s‖x_i‖²)
+    scale = 1.0
+    if relative_to_diagonal:
+        scale = math.exp(float(log_diag.max())) / total  # λ·max G_ii / J, kept in log space below
+    results = []
+    for lam in lambdas:
+        log_lam = math.log(lam) + math.log(scale) if relative_to_diagonal else math.log(lam)
+        inverse_d_lam = torch.exp(log_lam - log_d)  # λ d_i⁻¹, (n,)
+        system = gaussian / total + torch.diag(inverse_d_lam)
+        inverse_diagonal = _inverse_diagonal(system)
+        dof = x.shape[0] - float((inverse_d_lam * inverse_diagonal).sum())
+        results.append(min(max(dof, 0.0), float(x.shape[0])))
+    return torch.tensor(results, dtype=torch.float64)
+
+
+def _inverse_diagonal(matrix: torch.Tensor) -> torch.Tensor:
+    """diag(A⁻¹) of a symmetric positive-definite A by Cholesky; eigendecomposition if A is numerically singular."""
+    factor, info = torch.linalg.cholesky_ex(matrix)
+    if int(info) == 0:
+        identity = torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
+        inverse_factor = torch.linalg.solve_triangular(factor, identity, upper=False)  # L⁻¹
+        return inverse_factor.square().sum(0)
+    values, vectors = torch.linalg.eigh(matrix)
+    values = values.clamp_min(_EPS64 * float(values.abs().max()))
+    return (vectors.square() / values).sum(-1)
+
+
+def plain_eigen_noise_floor(points: torch.Tensor, scaling: float) -> float:
+    """Absolute error scale of a plain float64 eigendecomposition of G/J: about J·ε·max_i G_ii / J·J."""
+    log_max = float(scaling * (points.to(torch.float64) ** 2).sum(-1).max())
+    return points.shape[0] * _EPS64 * math.exp(min(log_max, 700.0))
+
+
+def attention_rank(probabilities: torch.Tensor, lambdas: Sequence[float]) -> torch.Tensor:
+    """DoF of attention-probability matrices with λ relative to σ₁²: (..., T, T) -> (..., len(lambdas)) float64."""
+    singular = torch.linalg.svdvals(probabilities.to(torch.float64))  # (..., T)
+    energy = singular.square()
+    top = energy[..., :1]
+    return torch.stack([(energy / (energy + lam * top)).sum(-1) for lam in lambdas], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Estimation on a model
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HeadResult:
+    layer: int
+    head: int
+    measure: dict[str, float]  # "λ" as a string -> value
+    dof_over_j: float
+    log_kernel_min: float
+    log_kernel_max: float
+    noise_floor: float
+    plain_eig_unreliable: bool
+
+
+@dataclass
+class DofEstimate:
+    """Per layer and head: the chosen measure at each λ, with diagnostics. ``layer_measure`` is max over heads."""
+
+    measure: str
+    lambdas: list[float]
+    num_points: int
+    heads: list[HeadResult]
+    num_layers: int
+    num_heads: int
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    def head_measure(self, lam: float | None = None) -> list[list[float]]:
+        key = _lambda_key(self.lambdas[0] if lam is None else lam)
+        table = [[0.0] * self.num_heads for _ in range(self.num_layers)]
+        for head in self.heads:
+            table[head.layer][head.head] = head.measure[key]
+        return table
+
+    def layer_measure(self, lam: float | None = None) -> list[float]:
+        return [max(row) for row in self.head_measure(lam)]
+
+    def saturated_fraction(self) -> float:
+        return sum(head.dof_over_j > SATURATION_LEVEL for head in self.heads) / max(1, len(self.heads))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _lambda_key(lam: float) -> str:
+    exponent = math.log2(lam)
+    return f"2^{exponent:g}" if abs(exponent - round(exponent)) < 1e-12 else f"{lam:g}"
+
+
+def parse_lambda(text: str) -> float:
+    """'2^-4', '0.0625' or '1e-2' -> float; non-positive values are refused."""
+    try:
+        value = 2.0 ** float(text.split("^", 1)[1]) if "^" in text else float(text)
+    except (ValueError, IndexError):
+        raise DoflaError(f"cannot read lambda {text!r}; write it like 2^-4 or 0.0625.") from None
+    if value <= 0:
+        raise DoflaError(f"lambda must be positive, got {text}.")
+    return value
+
+
+def estimate(
+    model: torch.nn.Module,
+    batches: Iterable[torch.Tensor],
+    *,
+    num_points: int = 1024,
+    lambdas: Sequence[float] = (2**-4,),
+    measure: str = "dof",
+    seed: int = 0,
+    rank_sequences: int = 2,
+    progress: bool = False,
+) -> DofEstimate:
+    """Measure every layer's and head's DoF on calibration batches of token ids (B, T).
+
+    For the kernel measures each query head is paired with its key/value head, and ``num_points``
+    points are drawn uniformly (without replacement, seeded) from the union of that head's queries
+    and keys; only the drawn points are kept while the teacher runs, so memory is bounded.
+    """
+    import time
+
+    from dofla.models import capture_attention, get_adapter
+
+    if measure not in MEASURES:
+        raise DoflaError(f"unknown measure {measure!r}; use one of {', '.join(MEASURES)}.")
+    if num_points < 2:
+        raise DoflaError(f"the number of points J must be at least 2, got {num_points}.")
+    if any(lam <= 0 for lam in lambdas):
+        raise DoflaError(f"every lambda must be positive, got {list(lambdas)}.")
+    batches = list(batches)
+    if not batches:
+        raise DoflaError("no calibration data: give at least one batch of token ids.")
+    adapter = get_adapter(model)
+    tokens = sum(batch.shape[0] * batch.shape[1] for batch in batches)
+    if measure != "attention_rank" and 2 * tokens < num_points:
+        raise DoflaError(
+            f"J = {num_points} points were asked for but the calibration data gives only {2 * tokens} "
+            f"query and key vectors per head ({tokens} tokens); give more data or a smaller J."
+        )
+    start = time.perf_counter()
+    heads, groups = adapter.num_heads, adapter.num_heads // adapter.num_kv_heads
+    scalings = [adapter.attention_scaling(layer, model) for layer in range(adapter.num_layers)]
+    generator = torch.Generator().manual_seed(seed)
+    # Chosen indices into the union [queries of all tokens | keys of all tokens], per head.
+    chosen = torch.stack([torch.randperm(2 * tokens, generator=generator)[:num_points] for _ in range(heads)])
+    samples: dict[int, list[list[torch.Tensor]]] = {
+        layer: [[] for _ in range(heads)] for layer in range(adapter.num_layers)
+    }
+    ranks: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(adapter.num_layers)}
+    offset, sequences_seen = 0, 0
+    iterator = capture_attention(model, batches, fields=("query", "key"), dtype=torch.float32)
+    if progress:
+        from tqdm import tqdm
+
+        iterator = tqdm(iterator, total=len(batches), desc="capturing q/k", unit="batch")
+    for batch, captured in zip(batches, iterator, strict=True):
+        batch_tokens = batch.shape[0] * batch.shape[1]
+        for layer, tensors in captured.items():
+            query = tensors["query"].transpose(1, 2).reshape(-1, heads, adapter.head_dim)  # (B·T, H, D)
+            key = tensors["key"].transpose(1, 2).reshape(-1, adapter.num_kv_heads, adapter.head_dim)
+            for head in range(heads):
+                indices = chosen[head]
+                in_queries = indices[(indices >= offset) & (indices < offset + batch_tokens)] - offset
+                in_keys = indices[(indices >= tokens + offset) & (indices < tokens + offset + batch_tokens)]
+                in_keys = in_keys - tokens - offset
+                samples[layer][head].append(query[in_queries, head])
+                samples[layer][head].append(key[in_keys, head // groups])
+            if measure == "attention_rank" and sequences_seen < rank_sequences:
+                probabilities = _attention_probabilities(
+                    tensors["query"][0], tensors["key"][0], scalings[layer], groups
+                )
+                ranks[layer].append(attention_rank(probabilities, lambdas))  # (H, len(lambdas))
+        offset += batch_tokens
+        sequences_seen += batch.shape[0]
+
+    results = []
+    for layer in range(adapter.num_layers):
+        for head in range(heads):
+            points = torch.cat(samples[layer][head])  # (J, D)
+            dof = degrees_of_freedom(points, scaling=scalings[layer], lambdas=lambdas)
+            if measure == "dof":
+                values = dof
+            elif measure == "dof_trace":
+                values = degrees_of_freedom(
+                    points, scaling=scalings[layer], lambdas=lambdas, relative_to_diagonal=True
+                )
+            else:
+                values = torch.stack(ranks[layer]).mean(0)[head]
+            log_diag = scalings[layer] * points.double().square().sum(-1)
+            noise = plain_eigen_noise_floor(points, scalings[layer])
+            results.append(
+                HeadResult(
+                    layer=layer,
+                    head=head,
+                    measure={
+                        _lambda_key(lam): float(value) for lam, value in zip(lambdas, values, strict=True)
+                    },
+                    dof_over_j=float(dof[0]) / points.shape[0],
+                    log_kernel_min=float(log_diag.min()),
+                    log_kernel_max=float(log_diag.max()),
+                    noise_floor=noise,
+                    plain_eig_unreliable=noise > min(lambdas),
+                )
+            )
+    result = DofEstimate(
+        measure=measure,
+        lambdas=list(lambdas),
+        num_points=num_points,
+        heads=results,
+        num_layers=adapter.num_layers,
+        num_heads=heads,
+        seconds=time.perf_counter() - start,
+    )
+    saturated = result.saturated_fraction()
+    if saturated > 0.5:
+        message = (
+            f"DoF is saturated on this model: {saturated:.0%} of heads have DoF/J > {SATURATION_LEVEL} (the kernel's "
+            "diagonal exp(s·|x|²) dominates), so the paper's measure does not discriminate between layers and a "
+            "DoF allocation is nearly Fix; consider --measure dof_trace or attention_rank."
+        )
+        result.warnings.append(message)
+        if measure == "dof":
+            warnings.warn(message, stacklevel=2)
+    unreliable = sum(head.plain_eig_unreliable for head in results)
+    if unreliable:
+        result.warnings.append(
+            f"a plain float64 eigendecomposition of G/J would be unreliable for {unreliable} of {len(results)} heads "
+            "(its error exceeds lambda); the stable factorised form was used."
+        )
+    return result
+
+
+def _attention_probabilities(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, groups: int
+) -> torch.Tensor:
+    """Causal softmax attention probabilities of one sequence: query (H, T, D), key (Hk, T, D) -> (H, T, T)."""
+    key = key.repeat_interleave(groups, 0)
+    scores = (query.double() @ key.double().transpose(-1, -2)) * scaling
+    length = scores.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return scores.masked_fill(~causal, float("-inf")).softmax(-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Allocation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _largest_remainder(shares: Sequence[float], total: int, minimum: int, maximum: int | None) -> list[int]:
+    """Integers proportional to ``shares`` summing exactly to ``total``, each within [minimum, maximum].
+
+    Water-filling: x_i = clip(t·share_i, minimum, maximum) with t chosen so that Σx = total (what a
+    bound cuts from one layer goes to the others in proportion); then largest-remainder rounding.
+    If even t → ∞ leaves budget over (zero shares pinned at the minimum), the rest is spread evenly
+    over the layers still below the maximum.
+    """
+    count = len(shares)
+    upper = float(maximum) if maximum is not None else math.inf
+    if minimum * count > total:
+        raise DoflaError(
+            f"a minimum of {minimum} features for {count} layers needs {minimum * count}, more than the budget {total}."
+        )
+    if upper * count < total:
+        raise DoflaError(
+            f"the budget of {total} features cannot be placed in {count} layers of at most {maximum} each; "
+            f"lower the budget to at most {maximum} per layer."
+        )
+    shares = [max(float(value), 0.0) for value in shares]
+
+    def filled(scale: float) -> list[float]:
+        return [min(max(scale * share, minimum), upper) for share in shares]
+
+    low, high = 0.0, 1.0
+    while sum(filled(high)) < total and high < 1e300:
+        high *= 2.0
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if sum(filled(middle)) < total else (low, middle)
+    ideal = filled(high)
+    short = total - sum(ideal)
+    if short > 1e-9:  # only layers with zero share can still take features
+        open_layers = [i for i in range(count) if ideal[i] < upper]
+        for i in open_layers:
+            ideal[i] = min(upper, ideal[i] + short / len(open_layers))
+    scale_back = total / sum(ideal)
+    ideal = [min(max(value * scale_back, minimum), upper) for value in ideal]
+    result = [min(max(math.floor(value), minimum), int(min(upper, total))) for value in ideal]
+    leftover = total - sum(result)
+    order = sorted(range(count), key=lambda i: (ideal[i] - result[i], -i), reverse=True)
+    step = 1 if leftover > 0 else -1
+    while leftover != 0:
+        moved = False
+        for i in order if step > 0 else reversed(order):
+            if leftover == 0:
+                break
+            candidate = result[i] + step
+            if minimum <= candidate <= upper:
+                result[i] = candidate
+                leftover -= step
+                moved = True
+        if not moved:
+            raise DoflaError(f"cannot place {total} features within the per-layer bounds.")
+    return result
+
+
+@dataclass
+class Allocation:
+    variant: str
+    budget: int
+    layer_dims: list[int]  # 0 for layers kept as softmax
+    head_dims: list[list[int]] | None = None  # headwise only: per map head
+    softmax_layers: list[int] = field(default_factory=list)
+
+
+def allocate_feature_dims(
+    layer_measure: Sequence[float],
+    *,
+    budget: int,
+    variant: str = "dof",
+    head_size: int | None = None,
+    minimum: int = 1,
+    keep_softmax: int = 0,
+    head_measure: Sequence[Sequence[float]] | None = None,
+) -> Allocation:
+    """Feature dimensions per layer (and per head for ``headwise``) with mean ``budget`` over converted layers."""
+    layers = len(layer_measure)
+    if variant not in VARIANTS:
+        raise DoflaError(f"unknown allocation {variant!r}; use one of {', '.join(VARIANTS)}.")
+    if budget <= 0:
+        raise DoflaError(f"the budget must be a positive number of features per layer, got {budget}.")
+    if minimum < 1:
+        raise DoflaError(f"the minimum per layer must be at least 1, got {minimum}.")
+    if not 0 <= keep_softmax < layers:
+        raise DoflaError(
+            f"keep_softmax must be between 0 and {layers - 1} for {layers} layers, got {keep_softmax}."
+        )
+    if any(not math.isfinite(value) or value < 0 for value in layer_measure):
+        raise DoflaError("the layer measures must be finite and non-negative.")
+    ranked = sorted(range(layers), key=lambda i: layer_measure[i], reverse=True)
+    softmax_layers = sorted(ranked[:keep_softmax])
+    converted = [i for i in range(layers) if i not in softmax_layers]
+    dims = [0] * layers
+    head_dims = None
+    if variant == "fix":
+        if budget < minimum:
+            raise DoflaError(f"the budget {budget} is below the minimum {minimum}.")
+        for i in converted:
+            dims[i] = budget
+    elif variant in ("dof", "dof_clip"):
+        if variant == "dof_clip" and head_size is None:
+            raise DoflaError("dof_clip needs the head size.")
+        values = _largest_remainder(
+            [layer_measure[i] for i in converted],
+            budget * len(converted),
+            minimum,
+            head_size if variant == "dof_clip" else None,
+        )
+        for i, value in zip(converted, values, strict=True):
+            dims[i] = value
+    else:  # headwise
+        if head_measure is None:
+            raise DoflaError("headwise allocation needs the per-head measures.")
+        per_layer_heads = len(head_measure[0])
+        flat = [head_measure[i][h] for i in converted for h in range(per_layer_heads)]
+        values = _largest_remainder(flat, budget * len(flat), minimum, None)
+        head_dims = [[0] * per_layer_heads for _ in range(layers)]
+        for position, i in enumerate(converted):
+            head_dims[i] = values[position * per_layer_heads : (position + 1) * per_layer_heads]
+            dims[i] = max(head_dims[i])
+    return Allocation(
+        variant=variant, budget=budget, layer_dims=dims, head_dims=head_dims, softmax_layers=softmax_layers
+    )
+
+
+def map_head_measure(
+    head_measure: Sequence[Sequence[float]], num_kv_heads: int, share_kv_heads: bool
+) -> list[list[float]]:
+    """Per-query-head measures -> per map head: with shared maps, the max over the query heads of a group."""
+    if not share_kv_heads:
+        return [list(row) for row in head_measure]
+    groups = len(head_measure[0]) // num_kv_heads
+    return [[max(row[g * groups : (g + 1) * groups]) for g in range(num_kv_heads)] for row in head_measure]
+
+
+def make_plan(
+    model: torch.nn.Module,
+    estimate_or_allocation: DofEstimate | Allocation,
+    *,
+    budget: int = 64,
+    variant: str = "dof",
+    kind: str = "linear",
+    feature_map: str = "learnable_prf",
+    window: int = 64,
+    minimum: int = 1,
+    keep_softmax: int = 0,
+    share_kv_heads: bool = True,
+    lam: float | None = None,
+) -> ConversionPlan:
+    """A conversion plan from a DoF estimate (allocated here) or from a ready allocation."""
+    from dofla.models import get_adapter
+
+    adapter = get_adapter(model)
+    if isinstance(estimate_or_allocation, DofEstimate):
+        estimate_result = estimate_or_allocation
+        head_measure = map_head_measure(
+            estimate_result.head_measure(lam), adapter.num_kv_heads, share_kv_heads
+        )
+        allocation = allocate_feature_dims(
+            estimate_result.layer_measure(lam),
+            budget=budget,
+            variant=variant,
+            head_size=adapter.head_dim,
+            minimum=minimum,
+            keep_softmax=keep_softmax,
+            head_measure=head_measure,
+        )
+        metadata = {
+            "allocation": variant,
+            "measure": estimate_result.measure,
+            "lambda": _lambda_key(lam if lam is not None else estimate_result.lambdas[0]),
+            "num_points": estimate_result.num_points,
+            "budget": budget,
+            "saturated_fraction": estimate_result.saturated_fraction(),
+        }
+    else:
+        allocation = estimate_or_allocation
+        metadata = {"allocation": allocation.variant, "budget": allocation.budget}
+    layers = []
+    for index in range(adapter.num_layers):
+        if allocation.layer_dims[index] == 0:
+            layers.append(LayerPlan(kind="softmax"))
+            continue
+        head_dims = allocation.head_dims[index] if allocation.head_dims is not None else None
+        layers.append(
+            LayerPlan(
+                kind=kind,
+                feature_map=feature_map,
+                feature_dim=allocation.layer_dims[index],
+                head_feature_dims=head_dims,
+                share_kv_heads=share_kv_heads,
+                window=window,
+            )
+        )
+    plan = ConversionPlan(
+        model_type=adapter.model_type,
+        num_layers=adapter.num_layers,
+        num_heads=adapter.num_heads,
+        num_kv_heads=adapter.num_kv_heads,
+        head_dim=adapter.head_dim,
+        layers=layers,
+        metadata=metadata,
+    )
+    plan.validate()
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reports
+# ---------------------------------------------------------------------------------------------------------
+
+
+def markdown_table(
+    estimate_result: DofEstimate, allocations: dict[str, Allocation], lam: float | None = None
+) -> str:
+    """Layer, per-head measure, layer measure (max), and dimensions under each allocation variant."""
+    heads = estimate_result.head_measure(lam)
+    layer_values = estimate_result.layer_measure(lam)
+    names = list(allocations)
+    lines = [
+        f"| layer | per-head {estimate_result.measure} | layer | " + " | ".join(names) + " |",
+        "|---:|---|---:|" + "---:|" * len(names),
+    ]
+    for layer, row in enumerate(heads):
+        dims = []
+        for name in names:
+            allocation = allocations[name]
+            if allocation.head_dims is not None and allocation.layer_dims[layer]:
+                dims.append("/".join(str(d) for d in allocation.head_dims[layer]))
+            else:
+                dims.append(str(allocation.layer_dims[layer] or "softmax"))
+        lines.append(
+            f"| {layer} | {' '.join(f'{value:.1f}' for value in row)} | {layer_values[layer]:.1f} | "
+            + " | ".join(dims)
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(
+    estimate_result: DofEstimate, allocations: dict[str, Allocation], out_dir: Path
+) -> list[Path]:
+    """PNG plots: dimensions per layer for each variant; the measure against λ per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for name, allocation in allocations.items():
+        axis.plot(range(len(allocation.layer_dims)), allocation.layer_dims, marker="o", label=name)
+    axis.set(xlabel="layer", ylabel="feature dimension", title=f"allocation by {estimate_result.measure}")
+    axis.legend()
+    figure.tight_layout()
+    paths.append(out_dir / "dims_per_layer.png")
+    figure.savefig(paths[-1], dpi=100)
+    plt.close(figure)
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for lam in estimate_result.lambdas:
+        axis.plot(estimate_result.layer_measure(lam), marker=".", label=f"λ = {_lambda_key(lam)}")
+    axis.set(xlabel="layer", ylabel=f"{estimate_result.measure} (max over heads)", title="measure against λ")
+    axis.legend()
+    figure.tight_layout()
+    paths.append(out_dir / "measure_vs_lambda.png")
+    figure.savefig(paths[-1], dpi=100)
+    plt.close(figure)
+    return paths
