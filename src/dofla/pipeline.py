@@ -119,7 +119,8 @@ class LinearizeResult:
 
 def demo_config(out_dir: str | Path) -> LinearizeConfig:
     """The ``make demo`` run: the embedded SmolLM2-135M, all layers linear (learnable PRF, DoF-allocated
-    mean dimension 32), softmax loss on a small budget of 64-token sequences; sized for a 2-core CPU."""
+    mean dimension 32), softmax loss, 20k tokens of 128-token sequences sampled from the teacher itself
+    (32 texts, cached); sized for a 2-core CPU."""
     return LinearizeConfig(
         out_dir=str(out_dir),
         model="smollm2-135m",
@@ -127,16 +128,17 @@ def demo_config(out_dir: str | Path) -> LinearizeConfig:
         allocation="dof",
         feature_map="learnable_prf",
         loss="softmax",
-        tokens=40_000,
+        tokens=20_000,
         seq_len=128,
         batch_size=4,
-        eval_every=20,
-        checkpoint_every=20,
+        eval_every=10,
+        checkpoint_every=10,
         dof_points=256,
         dof_batches=1,
-        sampled_texts=48,
+        sampled_texts=32,
         sampled_tokens=128,
-        max_heldout_sequences=16,
+        heldout_fraction=0.15,
+        max_heldout_sequences=8,
     )
 
 
@@ -181,6 +183,7 @@ def load_sequences(config: LinearizeConfig, model, tokenizer, cache_dir: Path) -
             max_new_tokens=config.sampled_tokens,
             seed=config.seed,
             cache_dir=cache_dir,
+            batch_size=min(32, config.sampled_texts),  # one generate call for small samples
         )
         source = (
             f"{len(texts)} texts of up to {config.sampled_tokens} tokens sampled from the teacher itself "
