@@ -58,6 +58,9 @@ def main() -> int:
     parser.add_argument("--dof-points", type=int, default=512)
     parser.add_argument("--heldout", type=int, default=16, help="held-out sequences")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sampled-texts", type=int, default=32, help="teacher samples when no --data")
+    parser.add_argument("--sampled-tokens", type=int, default=128)
+    parser.add_argument("--cache-dir", default=None, help="teacher-sample cache (default: OUT/data_cache)")
     parser.add_argument("--out", default="docs/results/distill")
     args = parser.parse_args()
 
@@ -75,13 +78,16 @@ def main() -> int:
         batch_size=args.batch_size,
         data=args.data,
         dof_points=args.dof_points,
+        sampled_texts=args.sampled_texts,
+        sampled_tokens=args.sampled_tokens,
         seed=args.seed,
         progress=False,
     )
     loaded = load_teacher(args.model)
     teacher, tokenizer = loaded.model.eval(), loaded.tokenizer
-    sequences, source = load_sequences(base, teacher, tokenizer, out / "data_cache")
-    train, heldout = split_train_heldout(sequences, 0.1, args.seed)
+    cache_dir = Path(args.cache_dir) if args.cache_dir else out / "data_cache"
+    sequences, source = load_sequences(base, teacher, tokenizer, cache_dir)
+    train, heldout = split_train_heldout(sequences, 0.15, args.seed)
     heldout = heldout[: args.heldout]
     teacher_ppl = perplexity(teacher, heldout, args.batch_size)
     heldout_batches = [heldout[i : i + args.batch_size] for i in range(0, len(heldout), args.batch_size)]
