@@ -493,8 +493,12 @@ def make_plan(
     keep_softmax: int = 0,
     share_kv_heads: bool = True,
     lam: float | None = None,
+    metadata: dict | None = None,
 ) -> ConversionPlan:
-    """A conversion plan from a DoF estimate (allocated here) or from a ready allocation."""
+    """A conversion plan from a DoF estimate (allocated here) or from a ready allocation.
+
+    ``metadata`` (e.g. from :func:`plan_metadata`) is merged into the plan's metadata.
+    """
     from dofla.models import get_adapter
 
     adapter = get_adapter(model)
@@ -512,7 +516,7 @@ def make_plan(
             keep_softmax=keep_softmax,
             head_measure=head_measure,
         )
-        metadata = {
+        recorded = {
             "allocation": variant,
             "measure": estimate_result.measure,
             "lambda": _lambda_key(lam if lam is not None else estimate_result.lambdas[0]),
@@ -522,7 +526,8 @@ def make_plan(
         }
     else:
         allocation = estimate_or_allocation
-        metadata = {"allocation": allocation.variant, "budget": allocation.budget}
+        recorded = {"allocation": allocation.variant, "budget": allocation.budget}
+    recorded.update(metadata or {})
     layers = []
     for index in range(adapter.num_layers):
         if allocation.layer_dims[index] == 0:
@@ -546,7 +551,7 @@ def make_plan(
         num_kv_heads=adapter.num_kv_heads,
         head_dim=adapter.head_dim,
         layers=layers,
-        metadata=metadata,
+        metadata=recorded,
     )
     plan.validate()
     return plan
@@ -555,6 +560,83 @@ def make_plan(
 # ---------------------------------------------------------------------------------------------------------
 # Reports
 # ---------------------------------------------------------------------------------------------------------
+
+
+def allocate_all(
+    estimate_result: DofEstimate,
+    adapter,
+    *,
+    budget: int,
+    minimum: int = 1,
+    keep_softmax: int = 0,
+    lam: float | None = None,
+    share_kv_heads: bool = True,
+) -> dict[str, Allocation]:
+    """Every allocation variant for one estimate: {"fix", "dof", "dof_clip" (if budget <= head size), "headwise"}."""
+    layer_values = estimate_result.layer_measure(lam)
+    head_values = map_head_measure(estimate_result.head_measure(lam), adapter.num_kv_heads, share_kv_heads)
+    allocations = {}
+    for variant in VARIANTS:
+        if variant == "dof_clip" and budget > adapter.head_dim:
+            continue
+        allocations[variant] = allocate_feature_dims(
+            layer_values,
+            budget=budget,
+            variant=variant,
+            head_size=adapter.head_dim,
+            minimum=minimum,
+            keep_softmax=keep_softmax,
+            head_measure=head_values,
+        )
+    return allocations
+
+
+def plan_metadata(estimate_result: DofEstimate, allocation: Allocation, *, data: str, seed: int) -> dict:
+    """What a plan records about how it was allocated."""
+    return {
+        "allocation": allocation.variant,
+        "budget": allocation.budget,
+        "measure": estimate_result.measure,
+        "lambda": _lambda_key(estimate_result.lambdas[0]),
+        "lambdas": [_lambda_key(lam) for lam in estimate_result.lambdas],
+        "num_points": estimate_result.num_points,
+        "seed": seed,
+        "calibration": data,
+        "softmax_layers": allocation.softmax_layers,
+        "saturated_fraction": estimate_result.saturated_fraction(),
+    }
+
+
+def markdown_report(
+    estimate_result: DofEstimate, adapter, *, budget: int, minimum: int = 1, keep_softmax: int = 0
+) -> str:
+    """Summary, warnings, diagnostic ranges, and per λ the per-layer table with dims of every variant at ``budget``."""
+    heads = estimate_result.heads
+    unreliable = sum(head.plain_eig_unreliable for head in heads)
+    lines = [
+        f"# Degrees of freedom: measure `{estimate_result.measure}`, J = {estimate_result.num_points}",
+        "",
+        f"- heads: {len(heads)} ({estimate_result.num_layers} layers x {estimate_result.num_heads}); "
+        f"time {estimate_result.seconds:.1f} s (capture and solve)",
+        f"- heads with DoF/J > {SATURATION_LEVEL} (paper's DoF at the first λ): "
+        f"{sum(head.dof_over_j > SATURATION_LEVEL for head in heads)} of {len(heads)}",
+        f"- log-kernel diagonal s·|x|²: {min(h.log_kernel_min for h in heads):.1f} .. "
+        f"{max(h.log_kernel_max for h in heads):.1f}",
+        f"- heads where a plain float64 eigendecomposition's error (noise floor) exceeds λ: {unreliable}",
+        "",
+    ]
+    lines += [f"> **Warning:** {message}" for message in estimate_result.warnings]
+    for lam in estimate_result.lambdas:
+        allocations = allocate_all(
+            estimate_result, adapter, budget=budget, minimum=minimum, keep_softmax=keep_softmax, lam=lam
+        )
+        lines += [
+            "",
+            f"## λ = {_lambda_key(lam)}, C = {budget}",
+            "",
+            markdown_table(estimate_result, allocations, lam),
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def markdown_table(

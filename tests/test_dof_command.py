@@ -1,0 +1,85 @@
+"""The whole ``dofla dof`` command on a tiny model folder: plan JSON, markdown, PNG plots; bad input."""
+
+import json
+
+import pytest
+
+from dofla.cli import main
+from dofla.config import ConversionPlan
+from dofla.errors import DoflaError
+from dofla.models.tiny import save_tiny_model_folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dof") / "tiny-llama"
+    save_tiny_model_folder("llama", folder)
+    text = tmp_path_factory.getbasetemp() / "calibration.txt"
+    text.write_text(
+        "\n".join(f"The {i}th line of calibration text talks about rivers and hills." for i in range(60))
+    )
+    return folder, text
+
+
+def test_dof_command_writes_plan_table_and_plots(tiny_folder, tmp_path):
+    folder, text = tiny_folder
+    out = tmp_path / "dof"
+    args = [str(folder), "--data", str(text), "--out", str(out), "--budget", "8", "--lambda", "2^-4"]
+    args += ["--lambda", "2^-6", "--num-points", "64", "--seq-len", "32", "--sequences", "4"]
+    assert main(["--debug", "dof", *args, "--allocation", "headwise"]) == 0
+    plan = ConversionPlan.load(out / "plan.json")
+    assert plan.metadata["allocation"] == "headwise" and plan.metadata["num_points"] == 64
+    assert plan.metadata["lambda"] == "2^-4" and plan.metadata["budget"] == 8
+    assert all(len(layer.head_feature_dims) == plan.num_kv_heads for layer in plan.layers)
+    assert all(layer.feature_dim == max(layer.head_feature_dims) for layer in plan.layers)
+    report = (out / "dof.md").read_text()
+    assert "| layer |" in report and "headwise" in report and "dof_clip" in report
+    assert sum(line.startswith("| ") and line[2].isdigit() for line in report.splitlines()) == plan.num_layers
+    estimate = json.loads((out / "dof.json").read_text())
+    assert len(estimate["heads"]) == plan.num_layers * plan.num_heads
+    assert all(0 < head["dof_over_j"] <= 1 for head in estimate["heads"])
+    assert sorted(estimate["lambdas"]) == [2**-6, 2**-4]
+    for name in ("dims_per_layer.png", "measure_vs_lambda.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    # The dof allocation sums exactly to C x layers.
+    assert main(["--debug", "dof", *args, "--out", str(tmp_path / "dof2"), "--allocation", "dof"]) == 0
+    dof_plan = ConversionPlan.load(tmp_path / "dof2" / "plan.json")
+    assert sum(layer.feature_dim for layer in dof_plan.layers) == 8 * dof_plan.num_layers
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--budget", "0"], "budget must be a positive"),
+        (["--lambda", "0"], "lambda must be positive"),
+        (["--lambda", "two"], "cannot read lambda"),
+        (["--num-points", "100000"], "J = 100000 points"),
+        (["--allocation", "dof_clip", "--budget", "100"], "lower --budget"),
+        (["--seq-len", "100000"], "one sequence needs 100000"),
+        (["--sequences", "1000"], "1000 are needed"),
+        (["--measure", "entropy"], "unknown measure"),
+    ],
+)
+def test_dof_command_refuses_bad_input(tiny_folder, tmp_path, extra, message):
+    folder, text = tiny_folder
+    args = [
+        "--debug",
+        "dof",
+        str(folder),
+        "--data",
+        str(text),
+        "--out",
+        str(tmp_path / "o"),
+        "--seq-len",
+        "32",
+    ]
+    with pytest.raises(DoflaError, match=message):
+        main([*args, "--sequences", "2", "--num-points", "64", *extra])
+
+
+def test_empty_data_is_refused(tiny_folder, tmp_path):
+    folder, _ = tiny_folder
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DoflaError):
+        main(["--debug", "dof", str(folder), "--data", str(empty), "--out", str(tmp_path / "o")])
