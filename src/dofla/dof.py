@@ -91,16 +91,17 @@ def degrees_of_freedom(
         raise DoflaError(f"every lambda must be positive, got {list(lambdas)}.")
     x, w = merge_duplicates(points.to(torch.float64), weights)
     total = float(w.sum())  # J
-    log_diag = scaling * (x * x).sum(-1)  # (n,): log of exp(s‖x‖²)
-    squared = torch.cdist(x, x).square()
+    norms = (x * x).sum(-1)  # (n,)
+    log_diag = scaling * norms  # (n,): log of exp(s‖x‖²)
+    squared = (norms[:, None] + norms[None, :] - 2.0 * (x @ x.T)).clamp_min_(0.0)  # ‖x_i − x_j‖², (n, n)
     gaussian = torch.exp(-0.5 * scaling * squared)  # (n, n) in [0, 1]
+    gaussian.diagonal().fill_(1.0)
     log_d = log_diag + torch.log(w)  # d_i = w_i exp(s‖x_i‖²)
-    scale = 1.0
-    if relative_to_diagonal:
-        scale = math.exp(float(log_diag.max())) / total  # λ·max G_ii / J, kept in log space below
+    # dof_trace: λ·max_i G_ii / J, kept in log space (max G_ii may exceed the float64 range).
+    log_scale = float(log_diag.max()) - math.log(total) if relative_to_diagonal else 0.0
     results = []
     for lam in lambdas:
-        log_lam = math.log(lam) + math.log(scale) if relative_to_diagonal else math.log(lam)
+        log_lam = math.log(lam) + log_scale
         inverse_d_lam = torch.exp(log_lam - log_d)  # λ d_i⁻¹, (n,)
         system = gaussian / total + torch.diag(inverse_d_lam)
         inverse_diagonal = _inverse_diagonal(system)
@@ -198,39 +199,50 @@ def parse_lambda(text: str) -> float:
     return value
 
 
-def estimate(
+@dataclass
+class CapturedPoints:
+    """Points sampled per (layer, query head) from the union of its queries and keys, captured once.
+
+    points[layer][head]: (J, D) float32; spectra[layer]: squared singular values (S, H, T) of the
+    teacher's attention-probability matrices of the first S sequences (only if asked for).
+    """
+
+    points: list[list[torch.Tensor]]
+    scalings: list[float]
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    spectra: dict[int, torch.Tensor] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def capture_points(
     model: torch.nn.Module,
-    batches: Iterable[torch.Tensor],
+    batches: Sequence[torch.Tensor],
     *,
     num_points: int = 1024,
-    lambdas: Sequence[float] = (2**-4,),
-    measure: str = "dof",
     seed: int = 0,
-    rank_sequences: int = 2,
+    spectra_sequences: int = 0,
     progress: bool = False,
-) -> DofEstimate:
-    """Measure every layer's and head's DoF on calibration batches of token ids (B, T).
+) -> CapturedPoints:
+    """Run the teacher on ``batches`` (B, T) once and keep J = ``num_points`` uniformly drawn points per head.
 
-    For the kernel measures each query head is paired with its key/value head, and ``num_points``
-    points are drawn uniformly (without replacement, seeded) from the union of that head's queries
-    and keys; only the drawn points are kept while the teacher runs, so memory is bounded.
+    Each query head h is paired with key/value head h // (H / Hkv); its J points are drawn without
+    replacement (seeded) from the 2·tokens vectors [its queries | its keys]. Only the drawn points are
+    kept, so memory is O(layers · heads · J · D). The model's attention implementation is restored.
     """
     import time
 
     from dofla.models import capture_attention, get_adapter
 
-    if measure not in MEASURES:
-        raise DoflaError(f"unknown measure {measure!r}; use one of {', '.join(MEASURES)}.")
     if num_points < 2:
         raise DoflaError(f"the number of points J must be at least 2, got {num_points}.")
-    if any(lam <= 0 for lam in lambdas):
-        raise DoflaError(f"every lambda must be positive, got {list(lambdas)}.")
     batches = list(batches)
     if not batches:
         raise DoflaError("no calibration data: give at least one batch of token ids.")
     adapter = get_adapter(model)
     tokens = sum(batch.shape[0] * batch.shape[1] for batch in batches)
-    if measure != "attention_rank" and 2 * tokens < num_points:
+    if 2 * tokens < num_points:
         raise DoflaError(
             f"J = {num_points} points were asked for but the calibration data gives only {2 * tokens} "
             f"query and key vectors per head ({tokens} tokens); give more data or a smaller J."
@@ -244,7 +256,7 @@ def estimate(
     samples: dict[int, list[list[torch.Tensor]]] = {
         layer: [[] for _ in range(heads)] for layer in range(adapter.num_layers)
     }
-    ranks: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(adapter.num_layers)}
+    spectra: dict[int, list[torch.Tensor]] = {layer: [] for layer in range(adapter.num_layers)}
     offset, sequences_seen = 0, 0
     iterator = capture_attention(model, batches, fields=("query", "key"), dtype=torch.float32)
     if progress:
@@ -253,39 +265,80 @@ def estimate(
         iterator = tqdm(iterator, total=len(batches), desc="capturing q/k", unit="batch")
     for batch, captured in zip(batches, iterator, strict=True):
         batch_tokens = batch.shape[0] * batch.shape[1]
+        in_batch = (chosen >= offset) & (chosen < offset + batch_tokens)  # (H, J) queries of this batch
+        in_batch_keys = (chosen >= tokens + offset) & (chosen < tokens + offset + batch_tokens)
         for layer, tensors in captured.items():
             query = tensors["query"].transpose(1, 2).reshape(-1, heads, adapter.head_dim)  # (B·T, H, D)
             key = tensors["key"].transpose(1, 2).reshape(-1, adapter.num_kv_heads, adapter.head_dim)
             for head in range(heads):
-                indices = chosen[head]
-                in_queries = indices[(indices >= offset) & (indices < offset + batch_tokens)] - offset
-                in_keys = indices[(indices >= tokens + offset) & (indices < tokens + offset + batch_tokens)]
-                in_keys = in_keys - tokens - offset
-                samples[layer][head].append(query[in_queries, head])
-                samples[layer][head].append(key[in_keys, head // groups])
-            if measure == "attention_rank" and sequences_seen < rank_sequences:
-                probabilities = _attention_probabilities(
-                    tensors["query"][0], tensors["key"][0], scalings[layer], groups
+                samples[layer][head].append(query[chosen[head][in_batch[head]] - offset, head])
+                samples[layer][head].append(
+                    key[chosen[head][in_batch_keys[head]] - tokens - offset, head // groups]
                 )
-                ranks[layer].append(attention_rank(probabilities, lambdas))  # (H, len(lambdas))
+            for sequence in range(max(0, min(batch.shape[0], spectra_sequences - sequences_seen))):
+                probabilities = _attention_probabilities(
+                    tensors["query"][sequence], tensors["key"][sequence], scalings[layer], groups
+                )
+                spectra[layer].append(torch.linalg.svdvals(probabilities).square())  # (H, T)
         offset += batch_tokens
         sequences_seen += batch.shape[0]
+    points = [
+        [torch.cat(samples[layer][head]) for head in range(heads)] for layer in range(adapter.num_layers)
+    ]
+    return CapturedPoints(
+        points=points,
+        scalings=scalings,
+        num_layers=adapter.num_layers,
+        num_heads=heads,
+        num_kv_heads=adapter.num_kv_heads,
+        spectra={layer: torch.stack(values) for layer, values in spectra.items() if values},
+        seconds=time.perf_counter() - start,
+    )
 
+
+def measure_points(
+    captured: CapturedPoints,
+    *,
+    lambdas: Sequence[float] = (2**-4,),
+    measure: str = "dof",
+    num_points: int | None = None,
+    seed: int = 0,
+) -> DofEstimate:
+    """The chosen measure per layer and head from captured points (optionally a seeded J-subset of them)."""
+    import time
+
+    if measure not in MEASURES:
+        raise DoflaError(f"unknown measure {measure!r}; use one of {', '.join(MEASURES)}.")
+    if any(lam <= 0 for lam in lambdas):
+        raise DoflaError(f"every lambda must be positive, got {list(lambdas)}.")
+    if measure == "attention_rank" and not captured.spectra:
+        raise DoflaError("attention_rank needs attention spectra; capture with spectra_sequences >= 1.")
+    available = captured.points[0][0].shape[0]
+    if num_points is not None and num_points > available:
+        raise DoflaError(f"J = {num_points} is more than the {available} captured points; capture more.")
+    start = time.perf_counter()
+    generator = torch.Generator().manual_seed(seed)
     results = []
-    for layer in range(adapter.num_layers):
-        for head in range(heads):
-            points = torch.cat(samples[layer][head])  # (J, D)
-            dof = degrees_of_freedom(points, scaling=scalings[layer], lambdas=lambdas)
+    for layer in range(captured.num_layers):
+        scaling = captured.scalings[layer]
+        for head in range(captured.num_heads):
+            points = captured.points[layer][head]  # (J, D)
+            if num_points is not None and num_points < available:
+                points = points[torch.randperm(available, generator=generator)[:num_points]]
+            dof = degrees_of_freedom(points, scaling=scaling, lambdas=lambdas)
             if measure == "dof":
                 values = dof
             elif measure == "dof_trace":
                 values = degrees_of_freedom(
-                    points, scaling=scalings[layer], lambdas=lambdas, relative_to_diagonal=True
+                    points, scaling=scaling, lambdas=lambdas, relative_to_diagonal=True
                 )
             else:
-                values = torch.stack(ranks[layer]).mean(0)[head]
-            log_diag = scalings[layer] * points.double().square().sum(-1)
-            noise = plain_eigen_noise_floor(points, scalings[layer])
+                energy = captured.spectra[layer][:, head]  # (S, T)
+                values = torch.stack(
+                    [(energy / (energy + lam * energy[:, :1])).sum(-1).mean() for lam in lambdas]
+                )
+            log_diag = scaling * points.double().square().sum(-1)
+            noise = plain_eigen_noise_floor(points, scaling)
             results.append(
                 HeadResult(
                     layer=layer,
@@ -303,28 +356,59 @@ def estimate(
     result = DofEstimate(
         measure=measure,
         lambdas=list(lambdas),
-        num_points=num_points,
+        num_points=num_points or available,
         heads=results,
-        num_layers=adapter.num_layers,
-        num_heads=heads,
-        seconds=time.perf_counter() - start,
+        num_layers=captured.num_layers,
+        num_heads=captured.num_heads,
+        seconds=captured.seconds + time.perf_counter() - start,
     )
     saturated = result.saturated_fraction()
     if saturated > 0.5:
-        message = (
+        result.warnings.append(
             f"DoF is saturated on this model: {saturated:.0%} of heads have DoF/J > {SATURATION_LEVEL} (the kernel's "
             "diagonal exp(s·|x|²) dominates), so the paper's measure does not discriminate between layers and a "
             "DoF allocation is nearly Fix; consider --measure dof_trace or attention_rank."
         )
-        result.warnings.append(message)
-        if measure == "dof":
-            warnings.warn(message, stacklevel=2)
     unreliable = sum(head.plain_eig_unreliable for head in results)
     if unreliable:
         result.warnings.append(
             f"a plain float64 eigendecomposition of G/J would be unreliable for {unreliable} of {len(results)} heads "
             "(its error exceeds lambda); the stable factorised form was used."
         )
+    return result
+
+
+def estimate(
+    model: torch.nn.Module,
+    batches: Iterable[torch.Tensor],
+    *,
+    num_points: int = 1024,
+    lambdas: Sequence[float] = (2**-4,),
+    measure: str = "dof",
+    seed: int = 0,
+    rank_sequences: int = 2,
+    progress: bool = False,
+) -> DofEstimate:
+    """Measure every layer's and head's DoF (or ``measure``) on calibration batches of token ids (B, T).
+
+    :func:`capture_points` then :func:`measure_points`; ``rank_sequences`` sequences give the attention
+    spectra of ``attention_rank``. Warns when the paper's DoF is saturated (DoF/J > 0.9 for most heads).
+    """
+    if measure not in MEASURES:
+        raise DoflaError(f"unknown measure {measure!r}; use one of {', '.join(MEASURES)}.")
+    if any(lam <= 0 for lam in lambdas):
+        raise DoflaError(f"every lambda must be positive, got {list(lambdas)}.")
+    captured = capture_points(
+        model,
+        list(batches),
+        num_points=num_points,
+        seed=seed,
+        spectra_sequences=rank_sequences if measure == "attention_rank" else 0,
+        progress=progress,
+    )
+    result = measure_points(captured, lambdas=lambdas, measure=measure)
+    if measure == "dof" and result.saturated_fraction() > 0.5:
+        warnings.warn(result.warnings[0], stacklevel=2)
     return result
 
 
