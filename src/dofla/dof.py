@@ -22,11 +22,13 @@ Measures (``measure=``):
 - ``dof_trace``: the same trace with λ relative to the largest eigenvalue scale, ``λ·max_i G_ii / J``:
   scale-free, it counts how many points carry kernel mass comparable to the largest — how many
   features a head needs before its dominant keys are represented.
-- ``attention_rank``: the DoF of the teacher's own attention-probability matrix P (T × T, causal,
-  row-stochastic) with λ relative to its top singular value squared: ``Σ σ_k² / (σ_k² + λσ_1²)``.
-  A linear attention with M features produces an unnormalised kernel matrix of rank ≤ M, so by
-  Eckart–Young a head whose attention has many significant singular values cannot be matched by few
-  features (the error is at least the energy past the M-th singular value); this measure counts them.
+- ``attention_rank``: the DoF of the teacher's own attention-probability matrices P (T × T, causal,
+  row-stochastic) with λ relative to the top singular value squared: ``Σ σ_k² / (σ_k² + λσ_1²)``,
+  averaged over a few sequences. Without the causal mask, a linear attention with M features gives
+  ``P̂ = diag(r)⁻¹ Φ_q Φ_kᵀ`` of rank ≤ M, so by Eckart–Young ``‖P − P̂‖_F² ≥ Σ_{k>M} σ_k²``: heads
+  whose attention has many significant singular values need many features. With the causal mask the
+  rank bound does not hold (the mask of a rank-one matrix can be full rank), so there it is a
+  predictor, not a bound; docs/dof.md says how well it predicts.
 
 Allocation under a budget C (mean features per layer): ``M_s ∝ measure_s`` with largest-remainder
 rounding so that the total is exactly C × (converted layers), a per-layer minimum, and variants
@@ -123,9 +125,15 @@ def _inverse_diagonal(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def plain_eigen_noise_floor(points: torch.Tensor, scaling: float) -> float:
-    """Absolute error scale of a plain float64 eigendecomposition of G/J: about J·ε·max_i G_ii / J·J."""
-    log_max = float(scaling * (points.to(torch.float64) ** 2).sum(-1).max())
-    return points.shape[0] * _EPS64 * math.exp(min(log_max, 700.0))
+    """Absolute eigenvalue error of a plain float64 eigendecomposition of G/J: about J·ε·μ_max.
+
+    μ_max is bounded by the largest row sum of G/J (computed in log space, so it never overflows to
+    inf before the final exp; values beyond float64 are reported as inf). points (N, D).
+    """
+    x = points.to(torch.float64)
+    log_row_sums = torch.logsumexp(scaling * (x @ x.T), dim=-1)  # (N,): log Σ_j G_ij
+    log_mu_max = float(log_row_sums.max()) - math.log(x.shape[0])
+    return x.shape[0] * _EPS64 * math.exp(min(log_mu_max, 709.0))
 
 
 def attention_rank(probabilities: torch.Tensor, lambdas: Sequence[float]) -> torch.Tensor:
