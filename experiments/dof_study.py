@@ -6,12 +6,15 @@ the command line is recorded with it.
     .venv/bin/python experiments/dof_study.py --out docs/results/dof \
         --data /work/shared/data/wiki_demo/wiki_demo.txt
 
-Parts (``--parts``, comma-separated):
-- ``timing``: the default estimation (16 x 512 tokens, J = 1024, λ = 2^-4, measure dof), load included.
-- ``lambdas``: measure ``dof`` at four λ for each (J, seed) in ``--points`` x ``--seeds``; dims at C = ``--budget``.
-- ``measures``: the alternative measures (``dof_trace``, ``attention_rank``) at the same λ, their allocations.
-- ``error``: each layer's relative attention-output error of a fixed-dimension random-feature (``prf``)
-  linear attention under teacher forcing, and the Spearman correlation of every measure with it.
+What it measures, from ONE capture of the teacher (J = ``--capture-points`` points per head, seed 0;
+every smaller J is a seeded uniform subset of it, so "seed 1" is a second subset, not a second capture):
+- the default estimation (J = 1024, λ = 2^-4, measure dof): time with load and capture, saturation,
+  heads where a plain eigendecomposition would be wrong, log-kernel ranges;
+- the paper's DoF at four λ (subset seed 0) and at λ = 2^-4 (subset seed 1), dims at C = ``--budget``;
+- DoF/J at J = 1024 and at the full capture for ``--big-j-layers``;
+- the alternative measures (``dof_trace``, ``attention_rank``) and their allocations;
+- each layer's relative attention-output error of a fixed-dimension random-feature (``prf``) linear
+  attention under teacher forcing, and the Spearman correlation of every measure with it.
 """
 
 from __future__ import annotations
@@ -71,6 +74,19 @@ def fmt(values, digits: int = 1) -> str:
     return " ".join(f"{value:.{digits}f}" for value in values)
 
 
+def save(out: Path, results: dict, md: list[str]) -> None:
+    write_text_atomic(out / "dof_study.json", json.dumps(results, indent=1) + "\n")
+    write_text_atomic(out / "dof_study.md", "\n".join(md) + "\n")
+
+
+def dims_line(row: dict) -> str:
+    return " ".join(map(str, row["dims"]["dof"]))
+
+
+def headwise_line(row: dict) -> str:
+    return " ".join(f"{min(h)}-{max(h)}" for h in row["head_dims"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -81,19 +97,21 @@ def main() -> int:
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--budget", type=int, default=64)
-    parser.add_argument("--points", default="1024,2048", help="J values for the λ sweep")
-    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--points", type=int, default=1024, help="J of the default estimate and the sweep")
+    parser.add_argument("--capture-points", type=int, default=2048, help="J captured once (seed 0)")
     parser.add_argument("--sweep-lambdas", default="2^-2,2^-4,2^-6,2^-8")
+    parser.add_argument("--second-seed-lambdas", default="2^-4", help="λ for the seed-1 J-subset")
+    parser.add_argument("--big-j-layers", default="0,15,29", help="layers measured at the captured J")
+    parser.add_argument("--trace-lambdas", default="2^-4,2^-8", help="λ for dof_trace")
     parser.add_argument("--error-feature-dims", default="16,64", help="prf feature dims for the error")
     parser.add_argument("--error-sequences", type=int, default=4)
-    parser.add_argument("--parts", default="timing,lambdas,measures,error")
     args = parser.parse_args()
-    parts = set(args.parts.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"command": shlex.join([sys.executable.split("/")[-1], *sys.argv]), "torch_threads": None}
-    results["torch_threads"] = torch.get_num_threads()
-    lambdas = [dof.parse_lambda(text) for text in args.sweep_lambdas.split(",")]
+    parse = lambda text: [dof.parse_lambda(item) for item in text.split(",")]  # noqa: E731
+    lambdas, default_lambda = parse(args.sweep_lambdas), [2**-4]
+    results: dict = {"command": shlex.join(["python", *sys.argv]), "torch_threads": torch.get_num_threads()}
+    md = [f"Command: `{results['command']}`", ""]
 
     start = time.perf_counter()
     from dofla.data import load_texts, pack_token_sequences
@@ -104,149 +122,152 @@ def main() -> int:
     batches = list(sequences.split(4))
     load_seconds = time.perf_counter() - start
     adapter = teacher.adapter
-    md = [f"Command: `{results['command']}`", ""]
     md += [
         f"Teacher {args.model}; calibration {sequences.shape[0]} x {args.seq_len} tokens of `{args.data}`.",
         "",
     ]
-
     with torch.no_grad():
-        if "timing" in parts:
-            result = dof.estimate(teacher.model, batches, num_points=1024, lambdas=[2**-4], seed=0)
-            total = time.perf_counter() - start
-            results["timing"] = {
-                "load_seconds": load_seconds,
-                "estimate_seconds": result.seconds,
-                "total": total,
-            }
-            results["timing"].update(summary(result))
-            results["timing"]["layer0_heads"] = result.head_measure()[0]
-            md += [
-                "## Default estimation (J = 1024, λ = 2^-4, measure dof)",
-                "",
-                f"- time: load + data {load_seconds:.1f} s, capture + stable solve {result.seconds:.1f} s, "
-                f"total {total:.1f} s ({results['torch_threads']} torch threads, shared machine)",
-                f"- saturated heads (DoF/J > {dof.SATURATION_LEVEL}): {result.saturated_fraction():.1%}",
-                f"- heads where plain float64 eigvalsh error exceeds λ: {results['timing']['plain_eig_unreliable_heads']}"
-                f" of {len(result.heads)}",
-                f"- max s·|x|²: {results['timing']['log_kernel_max']:.1f}; per-layer median of the per-head max: "
-                + fmt(results["timing"]["log_kernel_median_per_layer"]),
-                f"- layer 0 per-head DoF: {fmt(result.head_measure()[0])}",
-                *[f"- warning: {message}" for message in result.warnings],
-                "",
-            ]
-        if "lambdas" in parts or "measures" in parts:
-            sweep = {}
-            point_counts = [int(p) for p in args.points.split(",")]
-            captures = {}
-            for seed in [int(s) for s in args.seeds.split(",")]:
-                # One capture per seed with the largest J; smaller J are seeded uniform subsets of it.
-                captures[seed] = dof.capture_points(
-                    teacher.model,
-                    batches,
-                    num_points=max(point_counts),
-                    seed=seed,
-                    spectra_sequences=2 if seed == 0 and "measures" in parts else 0,
-                )
-                print("captured seed", seed, f"{captures[seed].seconds:.1f}s", flush=True)
-                for points in point_counts if "lambdas" in parts else []:
-                    result = dof.measure_points(captures[seed], lambdas=lambdas, num_points=points, seed=seed)
-                    key = f"J={points},seed={seed}"
-                    sweep[key] = {
-                        "summary": summary(result),
-                        "rows": layer_rows(result, adapter, args.budget),
-                    }
-                    print(key, f"{result.seconds:.1f}s", flush=True)
-        if "lambdas" in parts:
-            results["lambdas"] = sweep
-            md += [f"## Paper's DoF: per-layer DoF (max over heads) and dof dims at C = {args.budget}", ""]
-            for lam in lambdas:
-                name = dof._lambda_key(lam)
-                md += [
-                    f"### λ = {name}",
-                    "",
-                    "| run | time s | saturated | layer DoF | dof dims | headwise range |",
-                ]
-                md += ["|---|---:|---:|---|---|---|"]
-                for key, entry in sweep.items():
-                    row = entry["rows"][name]
-                    spread = [f"{min(h)}-{max(h)}" for h in row["head_dims"]]
-                    md.append(
-                        f"| {key} | {entry['summary']['seconds']:.0f} | {entry['summary']['saturated_fraction']:.2f} "
-                        f"| {fmt(row['layer_measure'], 0)} | {' '.join(map(str, row['dims']['dof']))} "
-                        f"| {' '.join(spread)} |"
-                    )
-                runs = [entry["rows"][name]["dims"]["dof"] for entry in sweep.values()]
-                moved = max(abs(a - b) for run in runs for a, b in zip(runs[0], run, strict=True))
-                md += ["", f"Largest change of a layer's dof dims between runs: {moved} features.", ""]
-        measure_values: dict[str, list[float]] = {}
-        if "lambdas" in parts:
-            first = next(iter(results["lambdas"].values()))["rows"]
-            for name, row in first.items():
-                measure_values[f"dof λ={name}"] = row["layer_measure"]
-        if "measures" in parts:
-            alternatives = {}
-            for measure in ("dof_trace", "attention_rank"):
-                result = dof.estimate(
-                    teacher.model, batches, num_points=1024, lambdas=lambdas, measure=measure
-                )
-                alternatives[measure] = {
-                    "seconds": result.seconds,
-                    "rows": layer_rows(result, adapter, args.budget),
-                }
-                for name, row in alternatives[measure]["rows"].items():
-                    measure_values[f"{measure} λ={name}"] = row["layer_measure"]
-                print(measure, f"{result.seconds:.1f}s", flush=True)
-            results["measures"] = alternatives
-            md += [f"## Alternative measures: layer measure and dof dims at C = {args.budget}", ""]
-            for measure, entry in alternatives.items():
-                md += [
-                    f"### {measure} ({entry['seconds']:.0f} s)",
-                    "",
-                    "| λ | layer measure | dof dims | headwise |",
-                ]
-                md += ["|---|---|---|---|"]
-                for name, row in entry["rows"].items():
-                    spread = [f"{min(h)}-{max(h)}" for h in row["head_dims"]]
-                    md.append(
-                        f"| {name} | {fmt(row['layer_measure'])} | {' '.join(map(str, row['dims']['dof']))} "
-                        f"| {' '.join(spread)} |"
-                    )
-                md.append("")
-        if "error" in parts:
-            from dofla.convert import convert, plan_for, unconvert
-            from dofla.evaluation.attention_error import attention_errors
+        # One capture (the teacher's forward dominates); every J below is a seeded uniform subset of it.
+        captured = dof.capture_points(
+            teacher.model, batches, num_points=args.capture_points, seed=0, spectra_sequences=2
+        )
+        default = dof.measure_points(captured, lambdas=default_lambda, num_points=args.points, seed=0)
+        total = time.perf_counter() - start
+        timing = {"load_seconds": load_seconds, "capture_seconds": captured.seconds, "total_seconds": total}
+        timing.update(summary(default))
+        results["default"] = timing
+        print("default", f"{total:.1f}s", flush=True)
+        save(out, results, md + ["(in progress)"])
+        md += [
+            f"## Default estimation (J = {args.points}, λ = 2^-4, measure dof)",
+            "",
+            f"- time: load + data {load_seconds:.1f} s, capture {captured.seconds:.1f} s (sampling "
+            f"{args.capture_points} points per head, 2 attention spectra), stable solve "
+            f"{default.seconds - captured.seconds:.1f} s; total {total:.1f} s "
+            f"({results['torch_threads']} torch threads; machine shared, load average "
+            f"{__import__('os').getloadavg()[0]:.1f})",
+            f"- heads with DoF/J > {dof.SATURATION_LEVEL}: {default.saturated_fraction():.1%}",
+            f"- heads where a plain float64 eigvalsh error (J·ε·μ_max) exceeds λ: "
+            f"{timing['plain_eig_unreliable_heads']} of {len(default.heads)}",
+            f"- max s·|x|²: {timing['log_kernel_max']:.1f}; per layer, median over heads of max s·|x|²: "
+            + fmt(timing["log_kernel_median_per_layer"]),
+            f"- layer 0 per-head DoF: {fmt(default.head_measure()[0])}",
+            *[f"- warning: {message}" for message in default.warnings],
+            "",
+        ]
 
-            error_batches = list(sequences[: args.error_sequences].split(2))
-            errors = {}
-            for feature_dim in [int(f) for f in args.error_feature_dims.split(",")]:
-                torch.manual_seed(0)
-                convert(teacher.model, plan_for(teacher.model, feature_map="prf", feature_dim=feature_dim))
-                try:
-                    measured = attention_errors(teacher.model, error_batches)
-                finally:
-                    unconvert(teacher.model)
-                errors[feature_dim] = [
-                    measured[layer]["relative_error"] for layer in range(adapter.num_layers)
-                ]
-                print("error", feature_dim, flush=True)
-            correlations = {
-                name: {str(dim): spearman(values, error) for dim, error in errors.items()}
-                for name, values in measure_values.items()
-            }
-            results["error"] = {"relative_error": errors, "spearman": correlations}
-            md += ["## Per-layer relative attention error of a fixed-dimension prf linear attention", ""]
-            md += [f"- F = {dim}: {fmt(error, 3)}" for dim, error in errors.items()]
-            md += ["", "Spearman correlation over layers of each layer measure with that error:", ""]
-            md += ["| measure | " + " | ".join(f"F = {dim}" for dim in errors) + " |"]
-            md += ["|---|" + "---:|" * len(errors)]
-            md += [
-                f"| {name} | " + " | ".join(f"{value:.2f}" for value in row.values()) + " |"
-                for name, row in correlations.items()
-            ]
-            md.append("")
-    write_text_atomic(out / "dof_study.json", json.dumps(results, indent=1) + "\n")
-    write_text_atomic(out / "dof_study.md", "\n".join(md) + "\n")
+        sweep = {}
+        for seed, seed_lambdas in ((0, lambdas), (1, parse(args.second_seed_lambdas))):
+            result = dof.measure_points(captured, lambdas=seed_lambdas, num_points=args.points, seed=seed)
+            sweep[f"J={args.points},subset seed {seed}"] = layer_rows(result, adapter, args.budget)
+            print("sweep", seed, flush=True)
+        results["sweep"] = sweep
+        md += [f"## Paper's DoF per layer (max over heads) and dof dims at C = {args.budget}", ""]
+        md += [
+            "| run | λ | layer DoF | dof dims | headwise dims min-max per layer |",
+            "|---|---|---|---|---|",
+        ]
+        for key, rows in sweep.items():
+            for name, row in rows.items():
+                md.append(
+                    f"| {key} | {name} | {fmt(row['layer_measure'], 0)} | {dims_line(row)} | {headwise_line(row)} |"
+                )
+        first, second = sweep.values()
+        moved = max(
+            abs(a - b)
+            for a, b in zip(first["2^-4"]["dims"]["dof"], second["2^-4"]["dims"]["dof"], strict=True)
+        )
+        md += [
+            "",
+            f"Largest change of a layer's dof dims between the two subset seeds (λ = 2^-4): {moved}.",
+            "",
+        ]
+
+        big = {}
+        for layer in [int(value) for value in args.big_j_layers.split(",")]:
+            single = dof.CapturedPoints(
+                points=[captured.points[layer]],
+                scalings=[captured.scalings[layer]],
+                num_layers=1,
+                num_heads=captured.num_heads,
+                num_kv_heads=captured.num_kv_heads,
+            )
+            for points in (args.points, args.capture_points):
+                result = dof.measure_points(single, lambdas=default_lambda, num_points=points, seed=0)
+                big[f"layer {layer}, J={points}"] = [h.measure["2^-4"] / points for h in result.heads]
+        results["big_j"] = big
+        print("big J", flush=True)
+        md += ["## DoF/J per head at J = 1024 and the full capture (λ = 2^-4)", ""]
+        md += [f"- {key}: {fmt(values, 3)}" for key, values in big.items()]
+        md.append("")
+
+        measure_values = {f"dof λ={name}": row["layer_measure"] for name, row in first.items()}
+        alternatives = {}
+        for measure, measure_lambdas in (
+            ("dof_trace", parse(args.trace_lambdas)),
+            ("attention_rank", lambdas),
+        ):
+            result = dof.measure_points(
+                captured, lambdas=measure_lambdas, measure=measure, num_points=args.points, seed=0
+            )
+            alternatives[measure] = {"seconds": result.seconds - captured.seconds}
+            alternatives[measure]["rows"] = layer_rows(result, adapter, args.budget)
+            for name, row in alternatives[measure]["rows"].items():
+                measure_values[f"{measure} λ={name}"] = row["layer_measure"]
+            print(measure, flush=True)
+            save(out, results, md)
+        results["measures"] = alternatives
+        md += [
+            f"## Alternative measures: layer measure (max over heads) and dof dims at C = {args.budget}",
+            "",
+        ]
+        md += [
+            "| measure | λ | layer measure | dof dims | headwise dims min-max per layer |",
+            "|---|---|---|---|---|",
+        ]
+        for measure, entry in alternatives.items():
+            for name, row in entry["rows"].items():
+                md.append(
+                    f"| {measure} | {name} | {fmt(row['layer_measure'])} | {dims_line(row)} | {headwise_line(row)} |"
+                )
+        md.append("")
+
+        from dofla.convert import convert, plan_for, unconvert
+        from dofla.evaluation.attention_error import attention_errors
+
+        error_batches = list(sequences[: args.error_sequences].split(2))
+        errors = {}
+        for feature_dim in [int(f) for f in args.error_feature_dims.split(",")]:
+            torch.manual_seed(0)
+            convert(teacher.model, plan_for(teacher.model, feature_map="prf", feature_dim=feature_dim))
+            try:
+                measured = attention_errors(teacher.model, error_batches)
+            finally:
+                unconvert(teacher.model)
+            errors[feature_dim] = [measured[layer]["relative_error"] for layer in range(adapter.num_layers)]
+            print("error", feature_dim, flush=True)
+        correlations = {
+            name: {str(dim): spearman(values, error) for dim, error in errors.items()}
+            for name, values in measure_values.items()
+        }
+        results["error"] = {"relative_error": errors, "spearman": correlations}
+        md += [
+            f"## Per-layer relative attention error of a fixed-dimension prf linear attention "
+            f"({args.error_sequences} sequences, teacher-forced)",
+            "",
+        ]
+        md += [f"- F = {dim}: {fmt(error, 3)}" for dim, error in errors.items()]
+        md += ["", "Spearman correlation over the 30 layers of each layer measure with that error:", ""]
+        md += [
+            "| measure | " + " | ".join(f"F = {dim}" for dim in errors) + " |",
+            "|---|" + "---:|" * len(errors),
+        ]
+        md += [
+            f"| {name} | " + " | ".join(f"{value:.2f}" for value in row.values()) + " |"
+            for name, row in correlations.items()
+        ]
+        md.append("")
+    save(out, results, md)
     print("\n".join(md))
     return 0
 

@@ -333,7 +333,9 @@ def measure_points(
             points = captured.points[layer][head]  # (J, D)
             if num_points is not None and num_points < available:
                 points = points[torch.randperm(available, generator=generator)[:num_points]]
-            dof = degrees_of_freedom(points, scaling=scaling, lambdas=lambdas)
+            dof = degrees_of_freedom(
+                points, scaling=scaling, lambdas=lambdas if measure == "dof" else lambdas[:1]
+            )
             if measure == "dof":
                 values = dof
             elif measure == "dof_trace":
