@@ -1,0 +1,76 @@
+"""Assemble BENCHMARKS.md from the benchmark outputs kept in the repo (no number is typed by hand).
+
+    python bench/write_benchmarks_md.py > BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = [
+    (
+        "Linear-attention layer prefill: chunked vs quadratic reference vs softmax SDPA (CPU)",
+        "bench/results/ops.md",
+        "Target: chunked ≥ 4× faster than the naive form and ≥ 2× faster than SDPA at T = 8192 "
+        "(B=1, 9 heads, d=64, m=64, fp32, CPU).",
+    ),
+    (
+        "Decode-step memory is constant in context length (CPU)",
+        "bench/results/decode_memory.md",
+        "Recurrent state vs a softmax KV cache at 1k, 4k and 16k tokens of context.",
+    ),
+    (
+        "Whole-model generation: teacher vs converted student, same run (CPU, embedded SmolLM2-135M)",
+        "bench/results/generation.md",
+        "Prefill and decode tokens/s and cache size; untrained students (speed does not depend on the weights).",
+    ),
+    (
+        "Whole-model generation on one H100, Llama-1B shape (random weights, bf16)",
+        "bench/results/gpu_generation_llama1b.md",
+        "Pure-PyTorch chunked/recurrent forms (no custom kernels).",
+    ),
+    (
+        "Whole-model generation on one H100, SmolLM2-135M shape (random weights, bf16)",
+        "bench/results/gpu_generation_smollm2.md",
+        "",
+    ),
+    (
+        "Attention-transfer training throughput vs the teacher's forward (CPU)",
+        "docs/results/distill/bench_distill_cpu.txt",
+        "`python bench/bench_distill.py`. Target: training tokens/s ≥ 0.5× the teacher's forward tokens/s at "
+        "B=4, T=512, all 30 layers.",
+    ),
+    (
+        "Attention-transfer training throughput on one H100",
+        "docs/results/distill/bench_distill_h100.txt",
+        "`python bench/bench_distill.py --device cuda` (launch-bound; see docs/distillation.md).",
+    ),
+]
+
+
+def main() -> None:
+    print("# Benchmarks\n")
+    print(
+        "Every table below is the verbatim output of a benchmark script in `bench/`, kept in the file named "
+        "under its heading; each output starts with the command and machine that produced it. Ratios are "
+        "always against the softmax teacher (or softmax op) measured in the same run. CPU figures come from "
+        "the 2-core development machine, often shared with other jobs while they ran (absolute numbers "
+        "vary; ratios less). Regenerate with `make bench` (CPU) and this script.\n"
+    )
+    for title, relative, note in SECTIONS:
+        path = ROOT / relative
+        print(f"## {title}\n")
+        if note:
+            print(f"{note}\n")
+        if not path.is_file():
+            print(f"_Not measured yet: `{relative}` is missing._\n")
+            continue
+        print(f"Source: `{relative}`\n")
+        lines = path.read_text().strip().splitlines()
+        # Keep the scripts' line structure: plain lines get a markdown line break, tables stay tables.
+        print("\n".join(line if line.startswith("|") or not line.strip() else line + "  " for line in lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
