@@ -176,7 +176,7 @@ def test_non_finite_loss_skips_the_step_then_stops(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="step 1: loss nan"):
         result = distill(model, token_data(), token_data(8, seed=1), quick_config(), tmp_path)
     assert result.skipped_steps == 1 and result.steps == 12
-    lrs = [record["lr"] for record in result.history if "lr" in record]
+    lrs = [record["lr_factor"] for record in result.history if "lr_factor" in record]
     assert lrs[2] == pytest.approx(learning_rate_factor(2, 12, quick_config()) * 0.5)
 
     monkeypatch.setattr(teacher_forcing, "layer_loss", lambda *a, **k: original(*a, **k) * float("inf"))

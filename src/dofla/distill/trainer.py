@@ -340,7 +340,7 @@ def distill(
                 )
         step += 1
         seconds = time.perf_counter() - step_started
-        record = dict(step=step, tokens=step * tokens_per_step, loss=loss, lr=factor, seconds=seconds)
+        record = dict(step=step, tokens=step * tokens_per_step, loss=loss, lr_factor=factor, seconds=seconds)
         record["grad_norm"] = float(grad_norm)
         log(record)
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / max(seconds, 1e-9):.0f}")
