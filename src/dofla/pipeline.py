@@ -139,6 +139,7 @@ def demo_config(out_dir: str | Path) -> LinearizeConfig:
         sampled_tokens=128,
         heldout_fraction=0.15,
         max_heldout_sequences=8,
+        command="dofla demo  (dofla.pipeline.linearize(dofla.pipeline.demo_config(out)))",
     )
 
 
