@@ -87,7 +87,31 @@ def headwise_line(row: dict) -> str:
     return " ".join(f"{min(h)}-{max(h)}" for h in row["head_dims"])
 
 
+def render_default(path: str) -> str:
+    """Markdown of the default-estimation part of a (possibly unfinished) dof_study.json."""
+    results = json.loads(Path(path).read_text())
+    default = results["default"]
+    lines = [f"Command: `{results['command']}` (default part)", "", "| quantity | value |", "|---|---|"]
+    lines += [
+        f"| load + data (s) | {default['load_seconds']:.1f} |",
+        f"| capture (s) | {default['capture_seconds']:.1f} |",
+        f"| stable solve, all heads, J = 1024, λ = 2^-4 (s) | {default['seconds'] - default['capture_seconds']:.1f} |",
+        f"| total (s) | {default['total_seconds']:.1f} |",
+        f"| heads with DoF/J > 0.9 | {default['saturated_fraction']:.1%} |",
+        f"| heads where plain eigvalsh error > λ | {default['plain_eig_unreliable_heads']} |",
+        f"| max s·‖x‖² | {default['log_kernel_max']:.1f} |",
+        "| per layer, median over heads of max s·‖x‖² | "
+        + " ".join(f"{value:.0f}" for value in default["log_kernel_median_per_layer"])
+        + " |",
+        "",
+    ]
+    return "\n".join(lines + [f"> {message}\n" for message in default["warnings"]])
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--render-default":
+        print(render_default(sys.argv[2]))
+        return 0
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -137,7 +161,6 @@ def main() -> int:
         timing.update(summary(default))
         results["default"] = timing
         print("default", f"{total:.1f}s", flush=True)
-        save(out, results, md + ["(in progress)"])
         md += [
             f"## Default estimation (J = {args.points}, λ = 2^-4, measure dof)",
             "",
@@ -155,6 +178,7 @@ def main() -> int:
             *[f"- warning: {message}" for message in default.warnings],
             "",
         ]
+        save(out, results, md + ["(in progress)"])
 
         sweep = {}
         for seed, seed_lambdas in ((0, lambdas), (1, parse(args.second_seed_lambdas))):
