@@ -127,3 +127,23 @@ def test_dof_allocation_gives_a_plan_with_the_mean_budget(tmp_path):
     assert sum(dims) / len(dims) == pytest.approx(8, abs=0.5)
     assert plan["metadata"]["allocation"] == "dof" and plan["metadata"]["measure"] == "dof"
     assert "Allocation `dof` (measure `dof`)" in result.report_path.read_text()
+
+
+def test_explicit_options_win_over_the_recipe():
+    from dofla.cli import build_parser
+    from dofla.pipeline import LinearizeConfig
+
+    config = LinearizeConfig(
+        out_dir="x", recipe="dof-paper", allocation="fix", lora=True, overrides=["allocation", "lora"]
+    )
+    config.apply_recipe()
+    assert (config.allocation, config.lora, config.loss, config.feature_map) == (
+        "fix",
+        True,
+        "softmax",
+        "learnable_prf",
+    )
+    args = build_parser().parse_args(
+        ["linearize", "--out", "x", "--recipe", "lolcats", "--allocation", "dof"]
+    )
+    assert args.allocation == "dof" and args.kind is None and args.lora is None

@@ -82,6 +82,7 @@ class LinearizeConfig:
     resume: bool = False
     progress: bool = True
     command: str | None = None
+    overrides: list[str] = field(default_factory=list)  # fields set explicitly: a recipe never changes them
 
     def apply_recipe(self) -> None:
         if self.recipe is None:
@@ -89,7 +90,8 @@ class LinearizeConfig:
         if self.recipe not in RECIPES:
             raise DoflaError(f"unknown recipe {self.recipe!r}; use one of {', '.join(RECIPES)}.")
         for name, value in RECIPES[self.recipe].items():
-            setattr(self, name, value)
+            if name not in self.overrides:
+                setattr(self, name, value)
 
     def validate(self) -> None:
         if self.allocation not in ALLOCATIONS:

@@ -35,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     config = demo_config(Path(args.out))
     if args.resume:
         config.resume = True
+    if args.data:
+        config.data = args.data
     result = linearize(config)
     print(f"\nreport: {result.report_path}")
     print(f"held-out perplexity: teacher {result.teacher_ppl:.2f}, student {result.student_ppl:.2f}")

@@ -27,18 +27,22 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--allocation",
         choices=["fix", "dof", "dof_clip", "headwise"],
-        default="dof",
-        help="dimension allocation",
+        default=None,
+        help="dimension allocation (default dof)",
     )
     parser.add_argument("--measure", default="dof", help="statistical measure for --allocation dof")
-    parser.add_argument("--feature-map", default="learnable_prf", help="learnable_prf | prf | hedgehog | ...")
-    parser.add_argument("--kind", choices=["linear", "hybrid"], default="linear", help="attention kind")
-    parser.add_argument("--window", type=int, default=64, help="sliding window of hybrid layers")
+    parser.add_argument("--feature-map", default=None, help="learnable_prf (default) | prf | hedgehog | ...")
+    parser.add_argument(
+        "--kind", choices=["linear", "hybrid"], default=None, help="attention kind (default linear)"
+    )
+    parser.add_argument(
+        "--window", type=int, default=None, help="sliding window of hybrid layers (default 64)"
+    )
     parser.add_argument(
         "--loss",
         choices=["softmax", "l2", "output_mse", "direct"],
-        default="softmax",
-        help="distillation loss",
+        default=None,
+        help="distillation loss (default softmax)",
     )
     parser.add_argument("--tokens", default="2M", help="distillation token budget, e.g. 2M, 500k")
     parser.add_argument("--seq-len", type=int, default=512, help="training sequence length")
@@ -47,7 +51,9 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--data", default=None, help="txt, jsonl or a datasets folder (default: teacher samples)"
     )
-    parser.add_argument("--lora", action="store_true", help="stage 2: LoRA on next-token loss, merged")
+    parser.add_argument(
+        "--lora", action="store_true", default=None, help="stage 2: LoRA on next-token loss, merged"
+    )
     parser.add_argument("--lora-tokens", default="200k", help="LoRA token budget")
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--lora-alpha", type=int, default=16)
@@ -64,23 +70,20 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from dofla.pipeline import LinearizeConfig, linearize, parse_tokens
 
+    # Options a recipe presets: only those the user gave explicitly override the recipe.
+    recipe_options = ("allocation", "feature_map", "kind", "window", "loss", "lora")
+    explicit = {name: getattr(args, name) for name in recipe_options if getattr(args, name) is not None}
     config = LinearizeConfig(
         out_dir=args.out,
         model=args.model,
         recipe=args.recipe,
         budget=args.budget,
-        allocation=args.allocation,
         measure=args.measure,
-        feature_map=args.feature_map,
-        kind=args.kind,
-        window=args.window,
-        loss=args.loss,
         tokens=parse_tokens(args.tokens),
         seq_len=args.seq_len,
         batch_size=args.batch_size,
         lr=args.lr,
         data=args.data,
-        lora=args.lora,
         lora_tokens=parse_tokens(args.lora_tokens),
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,
@@ -94,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         progress=not args.no_progress,
         command="dofla " + " ".join(shlex.quote(argument) for argument in sys.argv[1:]),
+        overrides=sorted(explicit),
+        **explicit,
     )
     result = linearize(config)
     print(f"held-out perplexity: teacher {result.teacher_ppl:.3f}, student {result.student_ppl:.3f}")
