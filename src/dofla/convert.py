@@ -346,19 +346,10 @@ def read_record(path: str | Path) -> dict[str, Any]:
 
 
 def _parse_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    names = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if str(dtype) not in names:
-        raise DoflaError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}.")
-    return names[str(dtype)]
+    """None keeps each stored tensor's dtype; anything else is read as ``load_teacher`` reads it."""
+    from dofla.models.loading import resolve_dtype
+
+    return None if dtype is None else resolve_dtype(dtype, torch.device("cpu"))
 
 
 def _load_state_strictly(model: nn.Module, tensors: dict[str, torch.Tensor], expected: set[str], where: Path):
