@@ -147,3 +147,10 @@ def test_explicit_options_win_over_the_recipe():
         ["linearize", "--out", "x", "--recipe", "lolcats", "--allocation", "dof"]
     )
     assert args.allocation == "dof" and args.kind is None and args.lora is None
+
+
+def test_the_demo_command_line_of_the_makefile_parses():
+    from dofla.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--data", "text.txt", "--out", "o"])
+    assert (args.data, args.out, args.resume) == ("text.txt", "o", False)

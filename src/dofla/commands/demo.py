@@ -21,6 +21,11 @@ def register(subparsers) -> None:
         "--resume", action="store_true", help="continue an interrupted demo from its checkpoint"
     )
     parser.add_argument(
+        "--data",
+        default=None,
+        help="distillation text (default: text sampled from the teacher itself, cached)",
+    )
+    parser.add_argument(
         "--prompt", default="The history of the city begins", help="prompt for the final sample"
     )
     parser.set_defaults(func=run)
