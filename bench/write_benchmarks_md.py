@@ -1,6 +1,6 @@
 """Assemble BENCHMARKS.md from the benchmark outputs kept in the repo (no number is typed by hand).
 
-    python bench/write_benchmarks_md.py > BENCHMARKS.md
+python bench/write_benchmarks_md.py > BENCHMARKS.md
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ def main() -> None:
         print(f"Source: `{relative}`\n")
         lines = path.read_text().strip().splitlines()
         # Keep the scripts' line structure: plain lines get a markdown line break, tables stay tables.
-        print("\n".join(line if line.startswith("|") or not line.strip() else line + "  " for line in lines) + "\n")
+        print(
+            "\n".join(line if line.startswith("|") or not line.strip() else line + "  " for line in lines)
+            + "\n"
+        )
 
 
 if __name__ == "__main__":
