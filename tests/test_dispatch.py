@@ -1,23 +1,22 @@
 """The attention dispatcher: teacher output unchanged, students take over, observers see every call."""
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from dofla import dispatch
+from dofla.models import build_tiny_model
 
 
-def _tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+def _tiny_llama(seed: int = 0):
+    """A 2-layer Llama with 4 query / 2 key-value heads of size 8 (the shapes these tests assert)."""
+    return build_tiny_model(
+        "llama",
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        head_dim=8,
+        max_position_embeddings=4096,
+        seed=seed,
     )
-    return LlamaForCausalLM(config).eval()
 
 
 class _ZeroStudent(torch.nn.Module):

@@ -2,26 +2,25 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from dofla import dispatch
 from dofla.errors import DoflaError
 from dofla.evaluation.attention_error import attention_errors
 from dofla.evaluation.passkey import build_prompt
+from dofla.models import build_tiny_model
 
 
-def _tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(
+def _tiny_llama(seed: int = 0):
+    """A 2-layer Llama with 4 query / 2 key-value heads of size 8 (the shapes these tests assert)."""
+    return build_tiny_model(
+        "llama",
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        head_dim=8,
         max_position_embeddings=4096,
+        seed=seed,
     )
-    return LlamaForCausalLM(config).eval()
 
 
 class _ScaledTeacher(torch.nn.Module):

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from dofla.errors import DoflaError
 from dofla.evaluation import zero_shot
+from dofla.models import build_tiny_model
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -23,18 +23,17 @@ class CharTokenizer:
         return {"input_ids": [2 + (b % 60) for b in text.encode("utf-8")]}
 
 
-def _tiny_model():
-    torch.manual_seed(0)
-    config = LlamaConfig(
+def _tiny_model(seed: int = 0):
+    """A 2-layer Llama with 4 query / 2 key-value heads of size 8 (the shapes these tests assert)."""
+    return build_tiny_model(
+        "llama",
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        head_dim=8,
+        max_position_embeddings=4096,
+        seed=seed,
     )
-    return LlamaForCausalLM(config).eval()
 
 
 def test_batched_scores_equal_one_sequence_at_a_time():
