@@ -1,22 +1,9 @@
 """The attention dispatcher: teacher output unchanged, students take over, observers see every call."""
 
 import torch
+from helpers import small_llama
 
 from dofla import dispatch
-from dofla.models import build_tiny_model
-
-
-def _tiny_llama(seed: int = 0):
-    """A 2-layer Llama with 4 query / 2 key-value heads of size 8 (the shapes these tests assert)."""
-    return build_tiny_model(
-        "llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        head_dim=8,
-        max_position_embeddings=4096,
-        seed=seed,
-    )
 
 
 class _ZeroStudent(torch.nn.Module):
@@ -27,7 +14,7 @@ class _ZeroStudent(torch.nn.Module):
 
 
 def test_install_keeps_teacher_logits_and_is_idempotent():
-    model = _tiny_llama()
+    model = small_llama()
     tokens = torch.randint(0, 64, (2, 9))
     before = model(tokens).logits
     assert dispatch.install(model) == "dofla_sdpa"
@@ -37,7 +24,7 @@ def test_install_keeps_teacher_logits_and_is_idempotent():
 
 
 def test_eager_teacher_stays_eager():
-    model = _tiny_llama()
+    model = small_llama()
     model.set_attn_implementation("eager")
     tokens = torch.randint(0, 64, (1, 7))
     before = model(tokens).logits
@@ -46,7 +33,7 @@ def test_eager_teacher_stays_eager():
 
 
 def test_observer_sees_every_layer_with_shapes():
-    model = _tiny_llama()
+    model = small_llama()
     dispatch.install(model)
     calls = []
     with dispatch.observe(calls.append):
@@ -63,7 +50,7 @@ def test_observer_sees_every_layer_with_shapes():
 
 
 def test_student_replaces_teacher_except_when_teacher_forced():
-    model = _tiny_llama()
+    model = small_llama()
     tokens = torch.randint(0, 64, (1, 6))
     teacher_logits = model(tokens).logits
     dispatch.install(model)

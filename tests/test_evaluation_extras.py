@@ -2,25 +2,12 @@
 
 import pytest
 import torch
+from helpers import small_llama
 
 from dofla import dispatch
 from dofla.errors import DoflaError
 from dofla.evaluation.attention_error import attention_errors
 from dofla.evaluation.passkey import build_prompt
-from dofla.models import build_tiny_model
-
-
-def _tiny_llama(seed: int = 0):
-    """A 2-layer Llama with 4 query / 2 key-value heads of size 8 (the shapes these tests assert)."""
-    return build_tiny_model(
-        "llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        head_dim=8,
-        max_position_embeddings=4096,
-        seed=seed,
-    )
 
 
 class _ScaledTeacher(torch.nn.Module):
@@ -40,7 +27,7 @@ class _ScaledTeacher(torch.nn.Module):
 
 
 def test_attention_error_is_measured_per_converted_layer():
-    model = _tiny_llama()
+    model = small_llama()
     dispatch.install(model)
     model.model.layers[0].self_attn.dofla_student = _ScaledTeacher(1.0)
     model.model.layers[1].self_attn.dofla_student = _ScaledTeacher(1.5)
@@ -52,7 +39,7 @@ def test_attention_error_is_measured_per_converted_layer():
 
 
 def test_attention_error_needs_a_converted_layer():
-    model = _tiny_llama()
+    model = small_llama()
     dispatch.install(model)
     with pytest.raises(DoflaError, match="no converted layers"):
         attention_errors(model, [torch.randint(0, 64, (1, 8))])
@@ -86,7 +73,7 @@ def test_passkey_prompt_length_and_depth():
 def test_softmax_cache_grows_with_context():
     from dofla.evaluation.speed import measure_generation
 
-    model = _tiny_llama()
+    model = small_llama()
     rows = measure_generation(model, context_lengths=(16, 32), new_tokens=3)
     # 2 layers x (keys + values) x 2 kv heads x 8 dims x 4 bytes per token.
     per_token = 2 * 2 * 2 * 8 * 4

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import small_llama
 
 from dofla.errors import DoflaError
 from dofla.evaluation import zero_shot
-from dofla.models import build_tiny_model
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -23,21 +23,8 @@ class CharTokenizer:
         return {"input_ids": [2 + (b % 60) for b in text.encode("utf-8")]}
 
 
-def _tiny_model(seed: int = 0):
-    """A 2-layer Llama with 4 query / 2 key-value heads of size 8 (the shapes these tests assert)."""
-    return build_tiny_model(
-        "llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        head_dim=8,
-        max_position_embeddings=4096,
-        seed=seed,
-    )
-
-
 def test_batched_scores_equal_one_sequence_at_a_time():
-    model, tokenizer = _tiny_model(), CharTokenizer()
+    model, tokenizer = small_llama(), CharTokenizer()
     pairs = [("The cat sat on", " the mat"), ("Short", " x"), ("A much longer context here", " ends")]
     batched = zero_shot.continuation_log_likelihoods(model, tokenizer, pairs, batch_size=3)
     for (context, continuation), score in zip(pairs, batched, strict=True):
@@ -50,7 +37,7 @@ def test_batched_scores_equal_one_sequence_at_a_time():
 
 
 def test_accuracy_follows_the_scores():
-    model, tokenizer = _tiny_model(), CharTokenizer()
+    model, tokenizer = small_llama(), CharTokenizer()
     items = [zero_shot.Item(choices=(("Q:", " aa"), ("Q:", " bbbb")), label=i % 2) for i in range(4)]
     scores = zero_shot.continuation_log_likelihoods(model, tokenizer, [p for it in items for p in it.choices])
     best = 0 if scores[0] > scores[1] else 1
