@@ -7,6 +7,7 @@ BENCHMARKS.md quotes these files.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ def main() -> int:
     failures = 0
     for name in selected:
         command = [sys.executable, str(HERE / BENCHMARKS[name][0]), *BENCHMARKS[name][1:]]
+        load = "load average before the run (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
         print(f"== {name}: {' '.join(command)}", flush=True)
         completed = subprocess.run(command, capture_output=True, text=True)
         print(completed.stdout)
@@ -34,7 +36,7 @@ def main() -> int:
             failures += 1
             print(completed.stderr[-4000:], file=sys.stderr)
             continue
-        (results / f"{name}.md").write_text(completed.stdout)
+        (results / f"{name}.md").write_text(load + "\n" + completed.stdout)
     return 1 if failures else 0
 
 

@@ -55,8 +55,8 @@ def main() -> None:
         "Every table below is the verbatim output of a benchmark script in `bench/`, kept in the file named "
         "under its heading; each output starts with the command and machine that produced it. Ratios are "
         "always against the softmax teacher (or softmax op) measured in the same run. CPU figures come from "
-        "the 2-core development machine, often shared with other jobs while they ran (absolute numbers "
-        "vary; ratios less). Regenerate with `make bench` (CPU) and this script.\n"
+        "the 2-core development machine; the files say whether it was shared with other jobs at the time "
+        "(absolute numbers then vary a lot; ratios less). Regenerate with `make bench` (CPU) and this script.\n"
     )
     for title, relative, note in SECTIONS:
         path = ROOT / relative
