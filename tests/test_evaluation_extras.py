@@ -79,3 +79,18 @@ def test_softmax_cache_grows_with_context():
     per_token = 2 * 2 * 2 * 8 * 4
     assert [row["cache_bytes_after_prefill"] for row in rows] == [16 * per_token, 32 * per_token]
     assert rows[0]["cache_bytes_after_decode"] == 19 * per_token
+
+
+def test_converted_cache_size_is_constant_and_counts_only_states():
+    from dofla.convert import convert, plan_for
+    from dofla.evaluation.speed import measure_generation
+
+    model = small_llama()
+    convert(model, plan_for(model, kind="linear", feature_map="elu1", feature_dim=8))
+    rows = measure_generation(model, context_lengths=(16, 48), new_tokens=3)
+    # Per layer: kv state (2 kv heads x 8 features x 8 dims) + normaliser (2 x 8) + offset (2), float32.
+    per_layer = (2 * 8 * 8 + 2 * 8 + 2) * 4
+    assert {row["cache_bytes_after_prefill"] for row in rows} == {
+        row["cache_bytes_after_decode"] for row in rows
+    }
+    assert rows[0]["cache_bytes_after_decode"] == rows[1]["cache_bytes_after_decode"] == 2 * per_layer

@@ -6,7 +6,6 @@ Timing lives only in benchmarks (``bench/``), never in pass/fail tests; the cach
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import time
 from collections.abc import Sequence
@@ -15,26 +14,16 @@ import torch
 from transformers import DynamicCache
 
 
-def _tensor_bytes(value, seen: set[int]) -> int:
-    if isinstance(value, torch.Tensor):
-        if id(value) in seen:
-            return 0
-        seen.add(id(value))
-        return value.numel() * value.element_size()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return sum(_tensor_bytes(getattr(value, f.name), seen) for f in dataclasses.fields(value))
-    if isinstance(value, list | tuple):
-        return sum(_tensor_bytes(item, seen) for item in value)
-    return 0
-
-
 def cache_bytes(cache) -> int:
     """Bytes held by a transformers cache: keys/values of softmax layers and states of linear layers."""
-    seen: set[int] = set()
+    from dofla.cache import RecurrentCacheLayer, self_attention_cache
+
     total = 0
-    for layer in getattr(cache, "layers", []):
-        for value in vars(layer).values():
-            total += _tensor_bytes(value, seen)
+    for layer in self_attention_cache(cache).layers:
+        if isinstance(layer, RecurrentCacheLayer):
+            total += layer.nbytes()
+        else:
+            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
     return total
 
 
