@@ -6,6 +6,8 @@ held-out validation every ``eval_every`` steps with early stopping (the best stu
 logs, atomic checkpoints every ``checkpoint_every`` steps and exact resumption. Layer-wise losses
 (softmax, l2, output_mse) train every converted layer at once from one teacher-forced forward per batch;
 the ``direct`` loss trains the students end to end on next-token cross-entropy (+ KL to the teacher).
+Layer-sharded runs can start each forward from teacher hidden states stored on disk
+(:mod:`dofla.distill.hidden_store`) instead of running the teacher's earlier layers.
 
 Under ``torch.distributed`` (e.g. ``torchrun``, gloo on CPUs) every rank takes its slice of each batch and
 gradients are averaged, so the result equals a single-process run up to float rounding.
@@ -28,6 +30,7 @@ from torch import nn
 from dofla import dispatch
 from dofla.distill import distributed
 from dofla.distill.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dofla.distill.hidden_store import TeacherStates, open_teacher_states, teacher_forced_step_from_states
 from dofla.distill.losses import LOSSES, direct_loss
 from dofla.distill.teacher_forcing import autocast_for, freeze_teacher, teacher_forced_step
 from dofla.errors import DoflaError
@@ -148,18 +151,38 @@ def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: parameter for name, parameter in model.named_parameters() if parameter.requires_grad}
 
 
-def _step_loss(model, students, input_ids, config, *, backward: bool, loss_weight: float = 1.0):
-    """Mean loss over layers (layer-wise) or the direct loss for one batch; (mean, {layer: loss})."""
+@dataclass
+class _StoredStart:
+    """Where a layer-wise forward starts from stored teacher states: the store and its start layer."""
+
+    states: TeacherStates
+    layer: int
+
+
+def _step_loss(
+    model,
+    students,
+    input_ids,
+    config,
+    *,
+    backward: bool,
+    loss_weight: float = 1.0,
+    start_states: torch.Tensor | None = None,
+    start_layer: int = 0,
+):
+    """Mean loss over layers (layer-wise) or the direct loss for one batch; (mean, {layer: loss}).
+
+    start_states: the teacher's stored hidden states (B, T, hidden) entering ``start_layer``; the layer-wise
+    forward then starts there instead of at the embeddings.
+    """
     if config.loss != "direct":
-        layer_losses = teacher_forced_step(
-            model,
-            input_ids,
-            students,
-            config.loss,
-            backward=backward,
-            query_chunk=config.query_chunk,
-            loss_weight=loss_weight,
-        )
+        options = dict(backward=backward, query_chunk=config.query_chunk, loss_weight=loss_weight)
+        if start_states is None:
+            layer_losses = teacher_forced_step(model, input_ids, students, config.loss, **options)
+        else:
+            layer_losses = teacher_forced_step_from_states(
+                model, input_ids, start_layer, start_states, students, config.loss, **options
+            )
         return sum(layer_losses.values()) / len(layer_losses), layer_losses
     teacher_logits = None
     if config.kl_weight > 0:
@@ -179,15 +202,42 @@ def _step_loss(model, students, input_ids, config, *, backward: bool, loss_weigh
     return float(loss.detach()), {}
 
 
-def evaluate(model, students, heldout: torch.Tensor, config: DistillConfig) -> tuple[float, dict[int, float]]:
-    """Mean held-out loss over the first ``eval_batches`` batches, and per layer (layer-wise losses)."""
+def _stored_start(store, model, sequences: torch.Tensor, students, config: DistillConfig, name: str):
+    """Open and check a teacher-state store for ``sequences``; None where no store is given."""
+    if store is None:
+        return None
+    if config.loss == "direct":
+        raise DoflaError(
+            f"{name}: stored teacher states serve the layer-wise losses (softmax, l2, output_mse); the direct "
+            "loss runs the whole model end to end. Drop the stored states or choose a layer-wise loss."
+        )
+    states = open_teacher_states(store)
+    return _StoredStart(states, states.check(model, sequences, min(students)))
+
+
+def _start_options(stored: _StoredStart | None, indices, device: torch.device) -> dict:
+    """The :func:`_step_loss` arguments that start a batch's forward from its stored teacher states."""
+    if stored is None:
+        return {}
+    start_states = stored.states.read(list(indices), stored.layer).to(device)  # (B, T, hidden)
+    return dict(start_states=start_states, start_layer=stored.layer)
+
+
+def evaluate(
+    model, students, heldout: torch.Tensor, config: DistillConfig, stored: _StoredStart | None = None
+) -> tuple[float, dict[int, float]]:
+    """Mean held-out loss over the first ``eval_batches`` batches, and per layer (layer-wise losses).
+
+    stored: the held-out sequences' teacher states (from ``heldout_teacher_states`` of :func:`distill`).
+    """
     device = next(model.parameters()).device
     totals: dict[int, float] = {}
     means = []
     for start in range(0, min(len(heldout), config.eval_batches * config.batch_size), config.batch_size):
         batch = heldout[start : start + config.batch_size].to(device)
+        options = _start_options(stored, range(start, start + len(batch)), device)
         with torch.no_grad():
-            mean, layer_losses = _step_loss(model, students, batch, config, backward=False)
+            mean, layer_losses = _step_loss(model, students, batch, config, backward=False, **options)
         means.append(mean)
         for layer, value in layer_losses.items():
             totals[layer] = totals.get(layer, 0.0) + value
@@ -205,6 +255,8 @@ def distill(
     resume: bool = False,
     on_step=None,
     layers: list[int] | None = None,
+    teacher_states: TeacherStates | str | Path | None = None,
+    heldout_teacher_states: TeacherStates | str | Path | None = None,
 ) -> DistillResult:
     """Train the students of converted ``model`` on train (N, T) token ids; evaluate on heldout (M, T).
 
@@ -213,8 +265,14 @@ def distill(
     settings, plan and data) and ends with the same students as an uninterrupted run. ``on_step(step,
     record)`` is called after every step (progress hooks, tests). ``layers``: train only these converted
     layers (layer sharding: separate processes, each with its own layers and run_dir; the teacher forward
-    stops after the last of them, and layers are independent given the teacher's inputs). Only the students' parameters train; the
-    teacher's are frozen (``requires_grad`` False) and unchanged. Returns a :class:`DistillResult`.
+    stops after the last of them, and layers are independent given the teacher's inputs). Only the
+    students' parameters train; the teacher's are frozen (``requires_grad`` False) and unchanged.
+
+    ``teacher_states``: a :class:`~dofla.distill.hidden_store.TeacherStates` (or its folder) written for
+    ``train`` by :func:`~dofla.distill.hidden_store.write_teacher_states` with a boundary at or below the
+    first trained layer; each layer-wise forward then starts from the stored hidden states and the layers
+    below are not run. ``heldout_teacher_states`` does the same for validation. The students end as
+    without the stores (up to float rounding). Returns a :class:`DistillResult`.
     """
     config.validate()
     _check_sequences("training", train, 1)
@@ -233,6 +291,10 @@ def distill(
     sequence_length = train.shape[1]
     total_steps = math.ceil(config.tokens / (config.batch_size * sequence_length))
     fingerprint = run_fingerprint(config, model, train, sorted(students))
+    train_stored = _stored_start(teacher_states, model, train, students, config, "teacher_states")
+    heldout_stored = _stored_start(
+        heldout_teacher_states, model, heldout, students, config, "heldout_teacher_states"
+    )
 
     run_dir = Path(run_dir) if run_dir is not None else None
     checkpoints = run_dir / CHECKPOINT_FOLDER if run_dir is not None else None
@@ -316,9 +378,11 @@ def distill(
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
         indices = batch_indices(step, config.batch_size, len(train), config.seed)
-        batch = train[indices[rank * local : (rank + 1) * local]].to(device)  # (B / world, T)
+        mine = indices[rank * local : (rank + 1) * local]
+        batch = train[mine].to(device)  # (B / world, T)
+        options = _start_options(train_stored, mine, device)
         optimizer.zero_grad(set_to_none=True)
-        loss, _ = _step_loss(model, students, batch, config, backward=True)
+        loss, _ = _step_loss(model, students, batch, config, backward=True, **options)
         loss = distributed.mean_across_ranks(loss)
         distributed.average_gradients(trainable.values())
         grad_norm = torch.nn.utils.clip_grad_norm_(list(trainable.values()), config.grad_clip)
@@ -348,7 +412,7 @@ def distill(
 
         # ---- held-out validation and early stopping
         if (config.eval_every and step % config.eval_every == 0) or step == total_steps:
-            val_loss, val_layers = evaluate(model, students, heldout, config)
+            val_loss, val_layers = evaluate(model, students, heldout, config, heldout_stored)
             val_loss = distributed.mean_across_ranks(val_loss)
             if val_loss < best_val:
                 best_val, evals_since_best = val_loss, 0
@@ -370,7 +434,7 @@ def distill(
         with torch.no_grad():
             for name, parameter in trainable.items():
                 parameter.copy_(best_state[name])
-    final_val, final_layers = evaluate(model, students, heldout, config)
+    final_val, final_layers = evaluate(model, students, heldout, config, heldout_stored)
     return DistillResult(
         steps=step,
         tokens=step * tokens_per_step,
