@@ -9,4 +9,4 @@ dofla=${DOFLA:-dofla}
 run() { name=$1; shift; $dofla linearize smollm2-135m --data "$data" --tokens "$tokens" --out "$out/$name" --no-progress "$@"; }
 run dof-paper --recipe dof-paper "$@"
 run fix --recipe dof-paper --allocation fix "$@"
-run lolcats --recipe lolcats "$@"
+run lolcats --recipe lolcats --lora-tokens "$tokens" "$@"

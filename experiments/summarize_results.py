@@ -17,9 +17,9 @@ def main() -> int:
     )
     print(
         "| run | kind | feature map | allocation (measure) | loss | LoRA tokens | distill tokens | teacher ppl "
-        "| student ppl | student / teacher | distill s |"
+        "| student ppl | student / teacher | LoRA lr | LoRA KL | mean attention error | distill s |"
     )
-    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for path in sorted(folder.glob("*-result.json")):
         result = json.loads(path.read_text())
         config = result["config"]
@@ -27,13 +27,42 @@ def main() -> int:
             f" ({config['measure']})" if config["allocation"] != "fix" else ""
         )
         lora = config["lora_tokens"] if config["lora"] else 0
+        lora_lr = f"{config['lora_lr']:g}" if config["lora"] else ""
+        lora_kl = f"{config.get('lora_kl_weight', config.get('kl_weight', 0.0)):g}" if config["lora"] else ""
+        error = result.get("mean_attention_error")  # runs before it was measured have none
+        error = "" if error is None else f"{error:.4f}"
         print(
             f"| {path.name.removesuffix('-result.json')} | {config['kind']} | {config['feature_map']} | {allocation} "
             f"| {config['loss']} | {lora} | {result['distill_tokens']} | {result['teacher_ppl']:.2f} "
             f"| {result['student_ppl']:.2f} | {result['student_ppl'] / result['teacher_ppl']:.3f} "
-            f"| {result['timings'].get('distill', float('nan')):.0f} |"
+            f"| {lora_lr} | {lora_kl} | {error} | {result['timings'].get('distill', float('nan')):.0f} |"
         )
+    print_layer_errors(folder)
     return 0
+
+
+def print_layer_errors(folder: Path) -> None:
+    """Per-layer attention error (teacher-forced, relative) of every run that measured it, side by side."""
+    runs = {}
+    for path in sorted(folder.glob("*-result.json")):
+        result = json.loads(path.read_text())
+        if result.get("attention_errors"):
+            runs[path.name.removesuffix("-result.json")] = result
+    if not runs:
+        return
+    layers = sorted({int(layer) for result in runs.values() for layer in result["attention_errors"]})
+    print(
+        "\nPer-layer relative attention error ||y_student - y_teacher|| / ||y_teacher|| (held-out, teacher-forced;"
+    )
+    print("each run's feature dimensions per layer are in its report):\n")
+    print("| layer | " + " | ".join(runs) + " |")
+    print("|---:|" + "---:|" * len(runs))
+    for layer in layers:
+        cells = []
+        for result in runs.values():
+            error = result["attention_errors"].get(str(layer), {}).get("relative_error")
+            cells.append("" if error is None else f"{error:.3f}")
+        print(f"| {layer} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

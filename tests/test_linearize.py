@@ -64,6 +64,16 @@ def test_linearize_saves_evaluates_and_reports(tmp_path):
     _, heldout = split_train_heldout(data, 0.25, seed=0)
     assert perplexity(model, heldout) == pytest.approx(result.student_ppl, rel=1e-5)
     assert perplexity(tiny_teacher(), heldout) == pytest.approx(result.teacher_ppl, rel=1e-5)
+    # the per-layer attention errors in result.json are those of the saved model on the held-out data
+    from dofla.evaluation.attention_error import attention_errors
+
+    measured = attention_errors(model, [heldout[:4], heldout[4:8]])
+    assert sorted(summary["attention_errors"]) == ["0", "1"]
+    for layer, errors in measured.items():
+        assert summary["attention_errors"][str(layer)]["relative_error"] == pytest.approx(
+            errors["relative_error"], rel=1e-4
+        )
+    assert "| attention error |" in report
 
 
 def test_resume_after_a_finished_run_gives_the_same_students(tmp_path):
@@ -78,6 +88,7 @@ def test_lolcats_recipe_runs_hybrid_output_mse_then_lora(tmp_path):
     summary = json.loads((tmp_path / "run" / "result.json").read_text())
     assert summary["config"]["kind"] == "hybrid" and summary["config"]["loss"] == "output_mse"
     assert summary["config"]["lora"] is True
+    assert (summary["config"]["lora_lr"], summary["config"]["lora_kl_weight"]) == (3e-3, 1.0)
     _, _, plan = load_converted(result.out_dir)
     assert {layer.kind for layer in plan.layers} == {"hybrid"} and plan.layers[0].feature_map == "hedgehog"
 
@@ -147,6 +158,17 @@ def test_explicit_options_win_over_the_recipe():
         ["linearize", "--out", "x", "--recipe", "lolcats", "--allocation", "dof"]
     )
     assert args.allocation == "dof" and args.kind is None and args.lora is None
+    from dofla.commands.linearize import config_from_args
+
+    recipe = config_from_args(args)
+    recipe.apply_recipe()
+    assert (recipe.allocation, recipe.lora_lr, recipe.lora_kl_weight) == ("dof", 3e-3, 1.0)
+    args = build_parser().parse_args(
+        ["linearize", "--out", "x", "--recipe", "lolcats", "--lora-lr", "1e-4", "--lora-kl", "0"]
+    )
+    explicit = config_from_args(args)
+    explicit.apply_recipe()
+    assert (explicit.lora_lr, explicit.lora_kl_weight, explicit.kind) == (1e-4, 0.0, "hybrid")
 
 
 def test_the_demo_command_line_of_the_makefile_parses():

@@ -27,9 +27,17 @@ RECIPES: dict[str, dict[str, Any]] = {
     "dof-paper": dict(
         kind="linear", feature_map="learnable_prf", allocation="dof", loss="softmax", lora=False
     ),
-    # LoLCATs: Hedgehog + sliding window 64, attention-output MSE, then LoRA on q/k/v/o
+    # LoLCATs: Hedgehog + sliding window 64, attention-output MSE, then LoRA on q/k/v/o. The LoRA
+    # learning rate and KL weight come from experiments/lora_sweep.py (docs/results/recipes/lora_sweep/).
     "lolcats": dict(
-        kind="hybrid", feature_map="hedgehog", allocation="fix", window=64, loss="output_mse", lora=True
+        kind="hybrid",
+        feature_map="hedgehog",
+        allocation="fix",
+        window=64,
+        loss="output_mse",
+        lora=True,
+        lora_lr=3e-3,
+        lora_kl_weight=1.0,
     ),
 }
 ALLOCATIONS = ("fix", "dof", "dof_clip", "headwise")  # the last three by dofla.dof
@@ -74,8 +82,10 @@ class LinearizeConfig:
     lora_rank: int = 8
     lora_alpha: int = 16
     lora_targets: list[str] | None = None
-    lora_lr: float = 1e-4
+    lora_lr: float = 1e-3
+    lora_kl_weight: float = 0.0
     kl_weight: float = 0.0
+    error_sequences: int = 8
     seed: int = 0
     dtype: str | None = None
     device: str | None = None
@@ -208,6 +218,18 @@ def perplexity(model, sequences: torch.Tensor, batch_size: int = 4) -> float:
     from dofla.evaluation.perplexity import perplexity as measure
 
     return float(measure(model, sequences, batch_size=batch_size)["perplexity"])
+
+
+def held_out_attention_errors(model, sequences: torch.Tensor, batch_size: int = 4) -> dict[int, dict]:
+    """Each converted layer's relative attention-output error against the teacher on ``sequences``
+    (teacher-forced, so errors do not compound; see ``dofla.evaluation.attention_error``)."""
+    from dofla.evaluation.attention_error import attention_errors
+
+    if len(sequences) == 0:
+        return {}
+    return attention_errors(
+        model, (sequences[i : i + batch_size] for i in range(0, len(sequences), batch_size))
+    )
 
 
 def make_plan(config: LinearizeConfig, model, train: torch.Tensor):
@@ -347,7 +369,7 @@ def linearize(
             tokens=config.lora_tokens,
             batch_size=config.batch_size,
             lr=config.lora_lr,
-            kl_weight=config.kl_weight,
+            kl_weight=config.lora_kl_weight,
             seed=config.seed,
             progress=config.progress,
         )
@@ -357,6 +379,8 @@ def linearize(
 
     student_ppl = perplexity(model, heldout, config.batch_size)
     lap("student perplexity")
+    layer_errors = held_out_attention_errors(model, heldout[: config.error_sequences], config.batch_size)
+    lap("attention error")
 
     model_dir = save_converted(
         model,
@@ -365,8 +389,8 @@ def linearize(
         extra_metadata={"teacher": config.model, "recipe": config.recipe or "custom"},
     )
     lap("save")
-
     table = plan_table(plan)
+
     result = LinearizeResult(
         out_dir=model_dir,
         report_path=out_dir / "report.md",
@@ -390,7 +414,14 @@ def linearize(
         stopped_early=distilled.stopped_early,
         best_val_loss=distilled.best_val_loss,
         val_layer_losses={str(k): v for k, v in distilled.val_layer_losses.items()},
+        attention_errors={str(k): v for k, v in layer_errors.items()},
+        mean_attention_error=(
+            sum(e["relative_error"] for e in layer_errors.values()) / len(layer_errors)
+            if layer_errors
+            else None
+        ),
         converted_layers=sorted(students(model)),
+        feature_dims=[row["feature_dim"] for row in table],
         timings=timings,
         data_source=data_source,
     )
@@ -471,15 +502,28 @@ def write_report(result: LinearizeResult, summary: dict, config: LinearizeConfig
         + (f" (measure `{config.measure}`)" if config.allocation != "fix" else "")
         + f", mean feature budget {config.budget}.",
         "",
-        "| layer | kind | feature map | feature dim | per-head dims | held-out layer loss |",
-        "|---|---|---|---|---|---|",
+        "Held-out layer loss: the distillation loss on held-out data. Attention error: "
+        "||y_student - y_teacher|| / ||y_teacher|| of the layer's attention output before the output "
+        f"projection, teacher-forced, on {min(config.error_sequences, summary['heldout_sequences'])} held-out "
+        "sequences after all training stages"
+        + (
+            f" (mean over layers {summary['mean_attention_error']:.4f})."
+            if summary.get("mean_attention_error")
+            else "."
+        ),
+        "",
+        "| layer | kind | feature map | feature dim | per-head dims | held-out layer loss | attention error |",
+        "|---|---|---|---|---|---|---|",
     ]
     layer_losses = summary["val_layer_losses"]
+    errors = summary.get("attention_errors", {})
     for row in result.plan_table:
         loss = layer_losses.get(str(row["layer"]))
+        error = errors.get(str(row["layer"]), {}).get("relative_error")
         lines.append(
             f"| {row['layer']} | {row['kind']} | {row['feature_map']} | {row['feature_dim']} | "
-            f"{row['head_feature_dims'] or ''} | {'' if loss is None else f'{loss:.4g}'} |"
+            f"{row['head_feature_dims'] or ''} | {'' if loss is None else f'{loss:.4g}'} | "
+            f"{'' if error is None else f'{error:.4f}'} |"
         )
     lines += [
         "",

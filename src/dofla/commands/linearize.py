@@ -58,6 +58,18 @@ def register(subparsers) -> None:
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--lora-alpha", type=int, default=16)
     parser.add_argument("--lora-targets", default=None, help="comma-separated module names (default q/k/v/o)")
+    parser.add_argument(
+        "--lora-lr", type=float, default=None, help="LoRA learning rate (default 1e-3; lolcats 3e-3)"
+    )
+    parser.add_argument(
+        "--lora-kl",
+        type=float,
+        default=None,
+        help="LoRA stage: weight of KL to the teacher's logits added to next-token loss (default 0; lolcats 1)",
+    )
+    parser.add_argument(
+        "--kl-weight", type=float, default=None, help="--loss direct: weight of KL to the teacher's logits"
+    )
     parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--patience", type=int, default=0, help="early-stopping patience (0 = off)")
@@ -67,13 +79,16 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from dofla.pipeline import LinearizeConfig, linearize, parse_tokens
+def config_from_args(args: argparse.Namespace):
+    """The :class:`dofla.pipeline.LinearizeConfig` of a parsed command line."""
+    from dofla.pipeline import LinearizeConfig, parse_tokens
 
     # Options a recipe presets: only those the user gave explicitly override the recipe.
-    recipe_options = ("allocation", "feature_map", "kind", "window", "loss", "lora")
+    recipe_options = ("allocation", "feature_map", "kind", "window", "loss", "lora", "lora_lr", "kl_weight")
     explicit = {name: getattr(args, name) for name in recipe_options if getattr(args, name) is not None}
-    config = LinearizeConfig(
+    if args.lora_kl is not None:
+        explicit["lora_kl_weight"] = args.lora_kl
+    return LinearizeConfig(
         out_dir=args.out,
         model=args.model,
         recipe=args.recipe,
@@ -100,7 +115,12 @@ def run(args: argparse.Namespace) -> int:
         overrides=sorted(explicit),
         **explicit,
     )
-    result = linearize(config)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dofla.pipeline import linearize
+
+    result = linearize(config_from_args(args))
     print(f"held-out perplexity: teacher {result.teacher_ppl:.3f}, student {result.student_ppl:.3f}")
     print(f"model:  {result.out_dir}")
     print(f"report: {result.report_path}")

@@ -39,7 +39,7 @@ class LoraConfig:
     targets: list[str] | None = None
     tokens: int = 200_000
     batch_size: int = 4
-    lr: float = 1e-4
+    lr: float = 1e-3
     warmup_fraction: float = 0.05
     min_lr_fraction: float = 0.1
     grad_clip: float = 1.0

@@ -1,0 +1,191 @@
+"""LoRA-stage settings for the LoLCATs recipe: learning rate, KL to the teacher's logits, target modules.
+
+Usage:
+    python experiments/lora_sweep.py --data DATA --out OUT [--tokens 1M] [--lora-tokens 1M]
+        [--batch-size 16] [--model smollm2-135m]
+
+One attention transfer (stage 1 of ``--recipe lolcats``), then every LoRA variant starts from the same
+students and weights, with the same token budget. The held-out sequences are split in two: the first
+32 are the ones ``dofla linearize`` reports on (the *report* split), the next 32 are a *validation*
+split. Stage 1's best-state selection and the choice of LoRA settings use the validation split only, so
+a separate ``dofla linearize`` run with the chosen settings measures them on data the choice never saw.
+``--teacher-variants`` also trains the same LoRA settings on the unconverted teacher: the LoRA stage
+adapts to the training text's domain, so an equally adapted teacher is the fair reference for it.
+Writes OUT/lora_sweep.json and OUT/lora_sweep.md after every variant (a cut-off run keeps what it did).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dofla.convert import convert
+from dofla.data import split_train_heldout
+from dofla.distill.lora import LoraConfig, train_lora
+from dofla.distill.trainer import DistillConfig, distill
+from dofla.io import write_text_atomic
+from dofla.models import load_teacher
+from dofla.pipeline import LinearizeConfig, load_sequences, make_plan, parse_tokens, perplexity
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL_LINEAR = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
+# name: (learning rate, KL weight, targets)
+VARIANTS = {
+    "lr1e-4": (1e-4, 0.0, ATTENTION),
+    "lr1e-3": (1e-3, 0.0, ATTENTION),
+    "lr1e-3-kl1": (1e-3, 1.0, ATTENTION),
+    "lr3e-3-kl1": (3e-3, 1.0, ATTENTION),
+    "lr1e-3-kl1-mlp": (1e-3, 1.0, ALL_LINEAR),
+}
+
+
+def write_results(out: Path, header: dict, rows: list[dict]) -> None:
+    write_text_atomic(out / "lora_sweep.json", json.dumps(dict(header, variants=rows), indent=2) + "\n")
+    lines = [
+        "# LoRA-stage sweep for the lolcats recipe",
+        "",
+        f"Command: `{header['command']}`",
+        "",
+        f"Teacher perplexity: report split {header['teacher_report_ppl']:.3f}, validation split "
+        f"{header['teacher_validation_ppl']:.3f}. Stage 1 (attention transfer, shared by every variant): "
+        f"{header['distill_tokens']} tokens; after it, before LoRA: report {header['stage1_report_ppl']:.3f}, "
+        f"validation {header['stage1_validation_ppl']:.3f}. Each variant: {header['lora_tokens']} LoRA tokens.",
+        "",
+        "| variant | LoRA lr | KL weight | targets | validation ppl | report ppl | report / teacher | seconds |",
+        "|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['name']} | {row['lr']:g} | {row['kl_weight']:g} | {','.join(row['targets'])} | "
+            f"{row['validation_ppl']:.3f} | {row['report_ppl']:.3f} | "
+            f"{row['report_ppl'] / header['teacher_report_ppl']:.3f} | {row['seconds']:.0f} |"
+        )
+    students = [row for row in rows if not row["name"].startswith("teacher+")]
+    if students:
+        best = min(students, key=lambda row: row["validation_ppl"])
+        lines += ["", f"Best student on the validation split: `{best['name']}`."]
+    if len(students) < len(rows):
+        lines += [
+            "",
+            "`teacher+` rows: the same LoRA stage trained on the unconverted teacher (no attention change).",
+        ]
+    write_text_atomic(out / "lora_sweep.md", "\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", default="1M", help="stage-1 (attention transfer) tokens")
+    parser.add_argument("--lora-tokens", default="1M")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names ('' = none)")
+    parser.add_argument("--teacher-variants", default="", help="variants also run on the plain teacher")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = LinearizeConfig(
+        out_dir=str(out),
+        model=args.model,
+        recipe="lolcats",
+        data=args.data,
+        tokens=parse_tokens(args.tokens),
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        progress=False,
+    )
+    config.apply_recipe()
+    config.validate()
+    torch.manual_seed(config.seed)
+    loaded = load_teacher(config.model)
+    teacher, tokenizer = loaded.model, loaded.tokenizer
+    teacher.eval()
+    sequences, _ = load_sequences(config, teacher, tokenizer, out / "data_cache")
+    train, heldout = split_train_heldout(sequences, config.heldout_fraction, config.seed)
+    report, validation = heldout[:32], heldout[32:64]
+    if len(validation) == 0:
+        raise SystemExit("not enough held-out data for a validation split; give more text.")
+    header = dict(
+        command="python experiments/lora_sweep.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        teacher_report_ppl=perplexity(teacher, report, args.batch_size),
+        teacher_validation_ppl=perplexity(teacher, validation, args.batch_size),
+        report_sequences=len(report),
+        validation_sequences=len(validation),
+        train_sequences=len(train),
+    )
+    rows: list[dict] = []
+    header.update(distill_tokens=0, lora_tokens=parse_tokens(args.lora_tokens))
+    header.update(stage1_report_ppl=float("nan"), stage1_validation_ppl=float("nan"))
+    if args.teacher_variants:
+        teacher_snapshot = {name: tensor.detach().clone() for name, tensor in teacher.state_dict().items()}
+        for name in args.teacher_variants.split(","):
+            teacher.load_state_dict(teacher_snapshot)
+            teacher = run_variant(teacher, name, train, report, validation, config, header, rows, "teacher+")
+            write_results(out, header, rows)
+        teacher.load_state_dict(teacher_snapshot)
+    if not args.variants:
+        return
+    model = convert(teacher, make_plan(config, teacher, train))
+    stage1 = DistillConfig(
+        loss=config.loss,
+        tokens=config.tokens,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        eval_every=config.eval_every,
+        checkpoint_every=0,
+        seed=config.seed,
+        progress=False,
+    )
+    distilled = distill(model, train, validation, stage1, None)
+    header.update(
+        distill_tokens=distilled.tokens,
+        stage1_report_ppl=perplexity(model, report, args.batch_size),
+        stage1_validation_ppl=perplexity(model, validation, args.batch_size),
+    )
+    snapshot = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    write_results(out, header, rows)
+    for name in args.variants.split(","):
+        model.load_state_dict(snapshot)
+        model = run_variant(model, name, train, report, validation, config, header, rows)
+        write_results(out, header, rows)
+
+
+def run_variant(model, name, train, report, validation, config, header, rows, prefix=""):
+    """Train LoRA variant ``name`` on ``model``; append its row; return the merged model."""
+    lr, kl_weight, targets = VARIANTS[name]
+    started = time.perf_counter()
+    lora = LoraConfig(
+        tokens=header["lora_tokens"],
+        batch_size=config.batch_size,
+        lr=lr,
+        kl_weight=kl_weight,
+        targets=targets,
+        seed=config.seed,
+        progress=False,
+    )
+    model, _ = train_lora(model, train, lora)
+    seconds = time.perf_counter() - started
+    rows.append(
+        dict(
+            name=prefix + name,
+            lr=lr,
+            kl_weight=kl_weight,
+            targets=targets,
+            validation_ppl=perplexity(model, validation, config.batch_size),
+            report_ppl=perplexity(model, report, config.batch_size),
+            seconds=seconds,
+        )
+    )
+    print(json.dumps(rows[-1]), flush=True)
+    return model
+
+
+if __name__ == "__main__":
+    main()
