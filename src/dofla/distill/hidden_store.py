@@ -408,13 +408,11 @@ def teacher_forced_step_from_states(
     start_states: torch.Tensor,
     students: dict[int, nn.Module],
     loss_kind: str,
-    *,
-    backward: bool,
-    query_chunk: int = 128,
-    loss_weight: float = 1.0,
+    **options,
 ) -> dict[int, float]:
     """:func:`dofla.distill.teacher_forcing.teacher_forced_step` starting from the teacher's stored hidden
-    states (B, T, hidden) entering ``start_layer``; layers below it are not run. Returns {layer: loss}."""
+    states (B, T, hidden) entering ``start_layer``; layers below it are not run. ``options``: that
+    function's keyword arguments (backward, query_chunk, loss_weight). Returns {layer: loss}."""
     below = sorted(index for index in students if index < start_layer)
     if below:
         raise DoflaError(
@@ -422,12 +420,4 @@ def teacher_forced_step_from_states(
             f"boundary at or below {below[0]}."
         )
     with starting_at_layer(model, start_layer, start_states):
-        return teacher_forced_step(
-            model,
-            input_ids,
-            students,
-            loss_kind,
-            backward=backward,
-            query_chunk=query_chunk,
-            loss_weight=loss_weight,
-        )
+        return teacher_forced_step(model, input_ids, students, loss_kind, **options)
