@@ -89,6 +89,7 @@ def test_lolcats_recipe_runs_hybrid_output_mse_then_lora(tmp_path):
     assert summary["config"]["kind"] == "hybrid" and summary["config"]["loss"] == "output_mse"
     assert summary["config"]["lora"] is True
     assert (summary["config"]["lora_lr"], summary["config"]["lora_kl_weight"]) == (3e-3, 1.0)
+    assert "- LoRA stage: 512 tokens, rank 8, alpha 16, lr 0.003, KL weight" in result.report_path.read_text()
     _, _, plan = load_converted(result.out_dir)
     assert {layer.kind for layer in plan.layers} == {"hybrid"} and plan.layers[0].feature_map == "hedgehog"
 
