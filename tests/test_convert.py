@@ -139,3 +139,26 @@ def test_attention_error_observer_sees_converted_layers():
     convert(model, plan_for(model, feature_dim=8, layers=[1]))
     errors = attention_errors(model, [tokens()])
     assert list(errors) == [1] and 0 < errors[1]["relative_error"] < 10
+
+
+def test_gemma2_soft_capping_reaches_the_hybrid_students_window():
+    # A hybrid layer whose window covers the whole sequence has no linear part: it is the teacher's own
+    # (soft-capped) softmax. With a small cap the capping changes the attention a lot, so leaving it out
+    # of the student would show.
+    model = tiny_model("gemma2")
+    model.set_attn_implementation("eager")  # Gemma-2's soft-capping needs it
+    model.config.sliding_window = 16  # longer than the sequence: the teacher's sliding layers see it all
+    ids = tokens(length=12)
+    with torch.no_grad():
+        for layer in model.model.layers:  # logits of order 1, where the cap bends them
+            layer.self_attn.q_proj.weight.mul_(30.0)
+            layer.self_attn.attn_logit_softcapping = 0.3
+        teacher = model(ids).logits
+    convert(model, plan_for(model, kind="hybrid", feature_dim=4, window=12))
+    assert {student.softcap for student in students(model).values()} == {0.3}
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, teacher, atol=1e-4, rtol=1e-4)
+        for student in students(model).values():
+            student.softcap = None
+        uncapped = model(ids).logits
+    assert (uncapped - teacher).abs().max() > 1e-2

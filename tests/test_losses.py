@@ -31,7 +31,11 @@ def inputs(seed=0, dtype=torch.float64):
     )
 
 
-def student_weights(tensors, window=None, gamma=None):
+def capped(scores, softcap):
+    return scores if softcap is None else softcap * torch.tanh(scores / softcap)
+
+
+def student_weights(tensors, window=None, gamma=None, softcap=None):
     """Row-normalised student weights A (B, H, T, T), written out pair by pair as in ops.naive."""
     group = H // HKV
     q = tensors["q_features"]
@@ -47,7 +51,7 @@ def student_weights(tensors, window=None, gamma=None):
     else:
         in_window = causal & (j > i - window)
         left = j <= i - window
-        scores = SCALING * tensors["query"] @ keys.transpose(-1, -2)
+        scores = capped(SCALING * tensors["query"] @ keys.transpose(-1, -2), softcap)
         window_max = scores.masked_fill(~in_window, float("-inf")).amax(-1, keepdim=True)
         old_max = scale[:, :, None, :].masked_fill(~left, float("-inf")).amax(-1, keepdim=True)
         old_max = torch.where(torch.isfinite(old_max), old_max, 0.0)
@@ -58,16 +62,16 @@ def student_weights(tensors, window=None, gamma=None):
     return weights / weights.sum(-1, keepdim=True)
 
 
-def teacher_probabilities(tensors):
+def teacher_probabilities(tensors, softcap=None):
     keys = tensors["key"].repeat_interleave(H // HKV, 1)
-    scores = SCALING * tensors["query"] @ keys.transpose(-1, -2)
+    scores = capped(SCALING * tensors["query"] @ keys.transpose(-1, -2), softcap)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     return torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
 
 
-def reference_loss(kind, tensors, window=None, gamma=None):
-    teacher = teacher_probabilities(tensors)
-    student = student_weights(tensors, window, gamma)
+def reference_loss(kind, tensors, window=None, gamma=None, softcap=None):
+    teacher = teacher_probabilities(tensors, softcap)
+    student = student_weights(tensors, window, gamma, softcap)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     if kind == "softmax":
         rows = -(teacher * torch.where(causal, student.clamp_min(1e-300).log(), 0.0)).sum(-1)
@@ -78,16 +82,22 @@ def reference_loss(kind, tensors, window=None, gamma=None):
 
 @pytest.mark.parametrize("kind", ["softmax", "l2"])
 @pytest.mark.parametrize("hybrid", [False, True])
-@pytest.mark.parametrize("query_chunk, recompute", [(3, False), (3, True), (64, False)])
-def test_chunked_kernel_loss_matches_full_matrix_reference(kind, hybrid, query_chunk, recompute, monkeypatch):
+@pytest.mark.parametrize(
+    "query_chunk, recompute, softcap", [(3, False, None), (3, True, None), (64, False, None), (3, False, 0.8)]
+)
+def test_chunked_kernel_loss_matches_full_matrix_reference(
+    kind, hybrid, query_chunk, recompute, softcap, monkeypatch
+):
     if recompute:  # chunks recomputed in the backward pass (activation checkpointing), as for long T
         monkeypatch.setattr(losses, "CHECKPOINT_ELEMENTS", 0)
     tensors = inputs()
     gamma = torch.sigmoid(torch.randn(H, dtype=torch.float64)).requires_grad_(True)
     window = 4 if hybrid else None
-    options = dict(window=window, window_factor=gamma if hybrid else None)
+    options = dict(window=window, window_factor=gamma if hybrid else None, softcap=softcap)
     loss = kernel_loss(kind, **tensors, scaling=SCALING, query_chunk=query_chunk, **options)
-    expected = reference_loss(kind, tensors, window, gamma if hybrid else None)
+    expected = reference_loss(kind, tensors, window, gamma if hybrid else None, softcap)
+    if softcap is not None:  # the cap changes the loss: the test would notice it being ignored
+        assert (loss - reference_loss(kind, tensors, window, gamma if hybrid else None)).abs() > 1e-3
     torch.testing.assert_close(loss, expected, rtol=1e-9, atol=1e-12)
     leaves = [*tensors.values(), gamma] if hybrid else list(tensors.values())
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)

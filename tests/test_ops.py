@@ -260,10 +260,11 @@ HYBRID_CASES = [
 
 @pytest.mark.parametrize("case", HYBRID_CASES)
 @pytest.mark.parametrize("log_scale_std", [None, 30.0])
-def test_chunked_hybrid_matches_naive_forward_and_gradients(case, log_scale_std):
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_chunked_hybrid_matches_naive_forward_and_gradients(case, log_scale_std, softcap):
     batch, heads, kv_heads, length, features, chunk, window = case
     inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
-    kwargs = {"scaling": 0.7, "window": window}
+    kwargs = {"scaling": 0.7, "window": window, "softcap": softcap}
     assert_matches_reference(
         chunked_hybrid_attention, hybrid_attention, inputs, HYBRID_NAMES, torch.float32, 1e-4,
         {"chunk_size": chunk}, **kwargs,
@@ -272,10 +273,11 @@ def test_chunked_hybrid_matches_naive_forward_and_gradients(case, log_scale_std)
 
 @pytest.mark.parametrize("case", HYBRID_CASES[1:4])
 @pytest.mark.parametrize("log_scale_std", [None, 30.0])
-def test_recurrent_hybrid_matches_naive_forward_and_gradients(case, log_scale_std):
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_recurrent_hybrid_matches_naive_forward_and_gradients(case, log_scale_std, softcap):
     batch, heads, kv_heads, length, features, _, window = case
     inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
-    kwargs = {"scaling": 0.7, "window": window}
+    kwargs = {"scaling": 0.7, "window": window, "softcap": softcap}
     assert_matches_reference(
         recurrent_hybrid_attention, hybrid_attention, inputs, HYBRID_NAMES, torch.float32, 1e-4, **kwargs
     )

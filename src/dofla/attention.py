@@ -59,7 +59,9 @@ class LinearAttention(nn.Module):
     """Causal linear (or sliding-window hybrid) attention with the teacher's q, k, v.
 
     plan: the layer's LayerPlan (kind "linear" or "hybrid", feature map, dimension(s), sharing, window).
-    num_heads H, num_kv_heads Hkv, head_dim D, scaling: the teacher layer's attention shape and logit scale.
+    num_heads H, num_kv_heads Hkv, head_dim D, scaling: the teacher layer's attention shape and logit scale;
+    softcap: the teacher's logit soft-capping (Gemma-2's ``attn_logit_softcapping``), applied to the window
+    softmax of hybrid layers (a linear kernel cannot apply it; the distillation learns around it).
     With ``plan.share_kv_heads`` the feature map has one parameter set per key/value head and the state is
     per key/value head (H / Hkv times smaller); otherwise one per query head, keys and values repeated.
     Module options in ``plan.options`` (the rest goes to the feature map): ``window_factor`` (initial
@@ -77,6 +79,7 @@ class LinearAttention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         scaling: float,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         if plan.kind not in ("linear", "hybrid"):
@@ -88,6 +91,7 @@ class LinearAttention(nn.Module):
         self.kind = plan.kind
         self.num_heads, self.num_kv_heads, self.head_dim = int(num_heads), int(num_kv_heads), int(head_dim)
         self.scaling = float(scaling)
+        self.softcap = float(softcap) if softcap else None
         self.share_kv_heads = bool(plan.share_kv_heads)
         self.window = int(plan.window)
         options = dict(plan.options)
@@ -217,7 +221,13 @@ class LinearAttention(nn.Module):
                 **common,
             )
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
-        hybrid = dict(scaling=scaling, window=self.window, window_factor=self.window_factor(), **common)
+        hybrid = dict(
+            scaling=scaling,
+            window=self.window,
+            window_factor=self.window_factor(),
+            softcap=self.softcap,
+            **common,
+        )
         if form == "naive":
             return hybrid_attention(query, keys, q_features, k_features, values, **hybrid), None
         if form == "recurrent":

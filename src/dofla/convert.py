@@ -183,6 +183,7 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
             num_kv_heads=facts.num_kv_heads,
             head_dim=facts.head_dim,
             scaling=facts.scalings[index],
+            softcap=getattr(module, "attn_logit_softcapping", None),  # Gemma-2 keeps it on the module
         )
         built[index] = student.to(parameter.device) if parameter is not None else student
 

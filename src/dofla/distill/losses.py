@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from dofla.errors import DoflaError
+from dofla.ops._checks import soft_cap
 
 LAYER_LOSSES = ("softmax", "l2", "output_mse")
 LOSSES = (*LAYER_LOSSES, "direct")
@@ -57,6 +58,7 @@ def _row_logs(
     scaling: float,
     window: int | None,
     window_factor: Tensor | None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Teacher P and the student's log weights for the query rows ``start : start + C`` against T keys.
 
@@ -78,7 +80,7 @@ def _row_logs(
     bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(
         ~allowed, float("-inf")
     )
-    scores = scaling * (query @ key.transpose(-1, -2))  # (B, H, C, T)
+    scores = soft_cap(scaling * (query @ key.transpose(-1, -2)), softcap)  # (B, H, C, T)
     teacher = torch.softmax(scores + bias, dim=-1)  # 0 where not allowed
 
     dot = q_features @ k_features.transpose(-1, -2)  # (B, H, C, T)
@@ -129,13 +131,15 @@ def kernel_loss(
     window: int | None = None,
     window_factor: Tensor | None = None,
     query_chunk: int = DEFAULT_QUERY_CHUNK,
+    softcap: float | None = None,
 ) -> Tensor:
     """Kernel loss ``kind`` ("softmax" or "l2") of one layer, averaged over present query rows and heads.
 
     query (B, H, T, D) and key (B, Hkv, T, D) as the teacher saw them (after rotary); q_features
     (B, H, T, F), k_features (B, Hs, T, F), k_log_scale (B, Hs, T) or None from ``student.features``;
     key_mask (B, T) bool, True for real tokens. Hybrid layers pass their ``window`` and window_factor
-    gamma (H,). Computed in float32 (float64 for float64 inputs), ``query_chunk`` rows at a time.
+    gamma (H,). ``softcap``: the teacher's logit soft-capping (Gemma-2), on the teacher's rows and the
+    student's window scores. Computed in float32 (float64 for float64 inputs), ``query_chunk`` rows at a time.
     """
     if kind not in ("softmax", "l2"):
         raise DoflaError(f"unknown kernel loss {kind!r}; use softmax or l2.")
@@ -170,6 +174,7 @@ def kernel_loss(
             float(scaling),
             window,
             gamma,
+            softcap,
         )
         if use_checkpoint:
             total = total + checkpoint(_chunk_loss, kind, start, *arguments, use_reentrant=False)
@@ -244,4 +249,5 @@ def layer_loss(kind: str, student, call, *, key_mask: Tensor | None = None, quer
         window=student.window if hybrid else None,
         window_factor=student.window_factor() if hybrid else None,
         query_chunk=query_chunk,
+        softcap=student.softcap,
     )

@@ -61,6 +61,13 @@ def check_hybrid_inputs(
         )
 
 
+def soft_cap(scores: Tensor, softcap: float | None) -> Tensor:
+    """Gemma-2 style logit soft-capping ``c * tanh(s / c)``; the scores unchanged when ``softcap`` is None/0."""
+    if not softcap:
+        return scores
+    return softcap * torch.tanh(scores / softcap)
+
+
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     """float64 when any input is float64 (tests' ground truth), else float32 accumulation."""
     return (

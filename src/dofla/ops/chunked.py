@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dofla.errors import DoflaError
-from dofla.ops._checks import check_hybrid_inputs, check_linear_inputs, compute_dtype, mask_absent_keys
+from dofla.ops._checks import (
+    check_hybrid_inputs,
+    check_linear_inputs,
+    compute_dtype,
+    mask_absent_keys,
+    soft_cap,
+)
 from dofla.ops.state import HybridState, LinearState, exp_relative
 
 NEGATIVE_INFINITY = float("-inf")
@@ -174,6 +180,7 @@ def sliding_window_sums(
     scaling: float,
     window: int,
     chunk_size: int,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax over the last ``window`` keys (the query's own included), blocked by chunks.
 
@@ -203,7 +210,9 @@ def sliding_window_sums(
         2, span, size
     )  # (B,Hk,N,S)
     visible = visible & ~absent[:, :, :, None, :]  # (B, Hk, N, C, S)
-    scores = scaling * (queries @ key_blocks.unsqueeze(2).transpose(-1, -2))  # (B, Hk, G, N, C, S)
+    scores = soft_cap(
+        scaling * (queries @ key_blocks.unsqueeze(2).transpose(-1, -2)), softcap
+    )  # (B,Hk,G,N,C,S)
     scores = scores.masked_fill(~visible.unsqueeze(2), NEGATIVE_INFINITY)
     window_max = scores.amax(-1, keepdim=True)  # -inf only for a query whose whole window is absent
     window_max = torch.where(torch.isfinite(window_max), window_max, torch.zeros_like(window_max))
@@ -230,6 +239,7 @@ def chunked_hybrid_attention(
     initial_state: HybridState | None = None,
     return_state: bool = False,
     key_mask: Tensor | None = None,
+    softcap: float | None = None,
     eps: float = 1e-6,
 ):
     """Sliding-window softmax + linear attention (LoLCATs), chunked; semantics in ``dofla.ops.naive``.
@@ -294,6 +304,7 @@ def chunked_hybrid_attention(
         scaling=scaling,
         window=window,
         chunk_size=size,
+        softcap=softcap,
     )
     window_numerator, window_denominator = (
         window_numerator[..., buffered:, :],

@@ -27,7 +27,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dofla.ops._checks import check_hybrid_inputs, check_linear_inputs, compute_dtype, mask_absent_keys
+from dofla.ops._checks import (
+    check_hybrid_inputs,
+    check_linear_inputs,
+    compute_dtype,
+    mask_absent_keys,
+    soft_cap,
+)
 from dofla.ops.state import exp_relative
 
 
@@ -81,12 +87,14 @@ def hybrid_attention(
     window_factor: Tensor,
     k_log_scale: Tensor | None = None,
     key_mask: Tensor | None = None,
+    softcap: float | None = None,
     eps: float = 1e-6,
 ) -> Tensor:
     """Sliding-window softmax + linear attention (LoLCATs), quadratic reference.
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary; features as in ``linear_attention``;
-    window_factor (H,) = gamma in (0, 1). Returns (B, H, T, Dv) in v's dtype.
+    window_factor (H,) = gamma in (0, 1); softcap: the teacher's logit soft-capping (Gemma-2), applied to
+    the window's softmax scores. Returns (B, H, T, Dv) in v's dtype.
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
     check_hybrid_inputs(query, key, q_features, window, window_factor)
@@ -108,7 +116,7 @@ def hybrid_attention(
     in_window = (key_index <= query_index) & (key_index > query_index - window)  # (T, T)
     left_window = key_index <= query_index - window  # (T, T)
 
-    scores = scaling * (query.to(dtype) @ keys.transpose(-1, -2))  # (B, H, T, T)
+    scores = soft_cap(scaling * (query.to(dtype) @ keys.transpose(-1, -2)), softcap)  # (B, H, T, T)
     present = ~torch.isneginf(log_scale)[:, :, None, :]  # (B, H, 1, T): absent keys have log scale -inf
     scores = torch.where(in_window & present, scores, float("-inf"))
     window_max = scores.amax(-1, keepdim=True)

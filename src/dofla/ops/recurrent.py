@@ -10,7 +10,13 @@ import torch
 from torch import Tensor
 
 from dofla.errors import DoflaError
-from dofla.ops._checks import check_hybrid_inputs, check_linear_inputs, compute_dtype, mask_absent_keys
+from dofla.ops._checks import (
+    check_hybrid_inputs,
+    check_linear_inputs,
+    compute_dtype,
+    mask_absent_keys,
+    soft_cap,
+)
 from dofla.ops.state import HybridState, LinearState, exp_relative
 
 
@@ -113,6 +119,7 @@ def recurrent_hybrid_attention(
     k_log_scale: Tensor | None = None,
     state: HybridState | None = None,
     key_mask: Tensor | None = None,
+    softcap: float | None = None,
     eps: float = 1e-6,
 ) -> tuple[Tensor, HybridState]:
     """Sliding-window softmax + linear attention token by token (semantics in ``dofla.ops.naive``).
@@ -160,8 +167,8 @@ def recurrent_hybrid_attention(
         linear_numerator, linear_denominator = _read_linear_state(
             linear, q[:, :, :, t]
         )  # (B,Hk,G,Dv), (B,Hk,G)
-        scores = scaling * torch.einsum(
-            "bhgd,bhld->bhgl", queries[:, :, :, t], keys.to(dtype)
+        scores = soft_cap(
+            scaling * torch.einsum("bhgd,bhld->bhgl", queries[:, :, :, t], keys.to(dtype)), softcap
         )  # (B, Hk, G, L)
         scores = scores.masked_fill(torch.isneginf(scales)[:, :, None, :], float("-inf"))  # absent keys
         window_max = scores.amax(-1, keepdim=True)
