@@ -92,6 +92,21 @@ def test_lolcats_recipe_runs_hybrid_output_mse_then_lora(tmp_path):
     assert "- LoRA stage: 512 tokens, rank 8, alpha 16, lr 0.003, KL weight" in result.report_path.read_text()
     _, _, plan = load_converted(result.out_dir)
     assert {layer.kind for layer in plan.layers} == {"hybrid"} and plan.layers[0].feature_map == "hedgehog"
+    assert summary["lora_teacher_ppl"] is None
+
+
+def test_lora_baseline_is_reported_and_leaves_the_student_unchanged(tmp_path):
+    changes = dict(recipe="lolcats", lora_tokens=4 * LENGTH * 4, budget=8)
+    plain = linearize(config(tmp_path / "a", **changes), teacher=tiny_teacher(), sequences=sequences())
+    result = linearize(
+        config(tmp_path / "b", lora_baseline=True, **changes), teacher=tiny_teacher(), sequences=sequences()
+    )
+    summary = json.loads((tmp_path / "b" / "run" / "result.json").read_text())
+    # the baseline trains on a restored copy: the student comes out exactly as without it
+    assert result.student_ppl == pytest.approx(plain.student_ppl, rel=1e-6)
+    baseline = summary["lora_teacher_ppl"]
+    assert baseline is not None and baseline != pytest.approx(result.teacher_ppl, rel=1e-4)
+    assert f"| teacher + the same LoRA stage | {baseline:.3f} |" in result.report_path.read_text()
 
 
 @pytest.mark.parametrize(

@@ -84,6 +84,7 @@ class LinearizeConfig:
     lora_targets: list[str] | None = None
     lora_lr: float = 1e-3
     lora_kl_weight: float = 0.0
+    lora_baseline: bool = False  # also train the same LoRA stage on the unconverted teacher and report it
     kl_weight: float = 0.0
     error_sequences: int = 8
     seed: int = 0
@@ -228,6 +229,44 @@ def perplexity(model, sequences: torch.Tensor, batch_size: int = 4) -> float:
     return float(measure(model, sequences, batch_size=batch_size)["perplexity"])
 
 
+def lora_config_for(config: LinearizeConfig):
+    """The LoRA stage's settings of a linearize run."""
+    from dofla.distill.lora import LoraConfig
+
+    return LoraConfig(
+        rank=config.lora_rank,
+        alpha=config.lora_alpha,
+        targets=config.lora_targets,
+        tokens=config.lora_tokens,
+        batch_size=config.batch_size,
+        lr=config.lora_lr,
+        kl_weight=config.lora_kl_weight,
+        seed=config.seed,
+        progress=config.progress,
+    )
+
+
+def lora_adapted_teacher_perplexity(
+    teacher, train: torch.Tensor, heldout: torch.Tensor, lora_config
+) -> float:
+    """Held-out perplexity of the unconverted teacher after the same LoRA stage as the student's.
+
+    The LoRA stage also fits the training text's domain; this is the reference that separates that
+    from recovering what the attention change lost. The teacher's weights are restored afterwards.
+    """
+    from dofla.distill.lora import train_lora
+
+    saved = {name: tensor.detach().clone() for name, tensor in teacher.state_dict().items()}
+    flags = {name: parameter.requires_grad for name, parameter in teacher.named_parameters()}
+    try:
+        adapted, _ = train_lora(teacher, train, lora_config)
+        return perplexity(adapted, heldout, lora_config.batch_size)
+    finally:
+        teacher.load_state_dict(saved)
+        for name, parameter in teacher.named_parameters():
+            parameter.requires_grad_(flags[name])
+
+
 def held_out_attention_errors(model, sequences: torch.Tensor, batch_size: int = 4) -> dict[int, dict]:
     """Each converted layer's relative attention-output error against the teacher on ``sequences``
     (teacher-forced, so errors do not compound; see ``dofla.evaluation.attention_error``)."""
@@ -301,7 +340,7 @@ def linearize(
     sequences (N, T): already packed token ids (else read from ``config.data`` or sampled from the teacher).
     """
     from dofla.convert import convert, save_converted, students
-    from dofla.distill.lora import LoraConfig, train_lora
+    from dofla.distill.lora import train_lora
     from dofla.distill.trainer import DistillConfig, distill
 
     config.apply_recipe()
@@ -347,6 +386,10 @@ def linearize(
 
     teacher_ppl = perplexity(teacher, heldout, config.batch_size)
     lap("teacher perplexity")
+    baseline_ppl = None
+    if config.lora and config.lora_baseline:
+        baseline_ppl = lora_adapted_teacher_perplexity(teacher, train, heldout, lora_config_for(config))
+        lap("LoRA baseline (teacher)")
 
     plan = make_plan(config, teacher, train)
     lap("plan" if config.allocation == "fix" else "plan (DoF estimate)")
@@ -370,18 +413,7 @@ def linearize(
     history = list(distilled.history)
 
     if config.lora:
-        lora_config = LoraConfig(
-            rank=config.lora_rank,
-            alpha=config.lora_alpha,
-            targets=config.lora_targets,
-            tokens=config.lora_tokens,
-            batch_size=config.batch_size,
-            lr=config.lora_lr,
-            kl_weight=config.lora_kl_weight,
-            seed=config.seed,
-            progress=config.progress,
-        )
-        model, lora_result = train_lora(model, train, lora_config)
+        model, lora_result = train_lora(model, train, lora_config_for(config))
         history.extend(lora_result.history)
         lap("lora")
 
@@ -414,6 +446,7 @@ def linearize(
         config=asdict(config),
         teacher_ppl=teacher_ppl,
         student_ppl=student_ppl,
+        lora_teacher_ppl=baseline_ppl,
         train_sequences=len(train),
         heldout_sequences=len(heldout),
         distill_tokens=distilled.tokens,
@@ -511,6 +544,14 @@ def write_report(result: LinearizeResult, summary: dict, config: LinearizeConfig
         f"| teacher (softmax) | {result.teacher_ppl:.3f} |",
         f"| student (dofla) | {result.student_ppl:.3f} |",
         f"| student / teacher | {ratio:.3f} |",
+        *(
+            [
+                f"| teacher + the same LoRA stage | {summary['lora_teacher_ppl']:.3f} |",
+                f"| student / (teacher + LoRA) | {result.student_ppl / summary['lora_teacher_ppl']:.3f} |",
+            ]
+            if summary.get("lora_teacher_ppl")
+            else []
+        ),
         "",
         "## Plan",
         "",

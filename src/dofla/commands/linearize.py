@@ -68,6 +68,12 @@ def register(subparsers) -> None:
         help="LoRA stage: weight of KL to the teacher's logits added to next-token loss (default 0; lolcats 1)",
     )
     parser.add_argument(
+        "--lora-baseline",
+        action="store_true",
+        help="also train the same LoRA stage on the unconverted teacher and report its perplexity "
+        "(the LoRA stage adapts to the training text too; this separates the two effects)",
+    )
+    parser.add_argument(
         "--kl-weight", type=float, default=None, help="--loss direct: weight of KL to the teacher's logits"
     )
     parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
@@ -103,6 +109,7 @@ def config_from_args(args: argparse.Namespace):
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,
         lora_targets=args.lora_targets.split(",") if args.lora_targets else None,
+        lora_baseline=args.lora_baseline,
         eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every,
         patience=args.patience,
