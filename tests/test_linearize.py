@@ -105,7 +105,11 @@ def test_lora_baseline_is_reported_and_leaves_the_student_unchanged(tmp_path):
     # the baseline trains on a restored copy: the student comes out exactly as without it
     assert result.student_ppl == pytest.approx(plain.student_ppl, rel=1e-6)
     baseline = summary["lora_teacher_ppl"]
-    assert baseline is not None and baseline != pytest.approx(result.teacher_ppl, rel=1e-4)
+    assert (
+        baseline is not None
+        and result.lora_teacher_ppl == baseline
+        and baseline != pytest.approx(result.teacher_ppl, rel=1e-4)
+    )
     assert f"| teacher + the same LoRA stage | {baseline:.3f} |" in result.report_path.read_text()
 
 

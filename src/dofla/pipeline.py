@@ -128,13 +128,14 @@ class LinearizeResult:
     timings: dict[str, float] = field(default_factory=dict)
     data_source: str = ""
     train_tokens: int = 0
+    lora_teacher_ppl: float | None = None  # the teacher after the same LoRA stage (``lora_baseline``)
 
 
 def demo_config(out_dir: str | Path) -> LinearizeConfig:
     """The ``make demo`` run, sized for a 2-core CPU: the embedded SmolLM2-135M with every layer converted
     to linear + sliding-window (64) attention with Hedgehog features, DoF-allocated mean dimension 32;
     attention-output MSE on 20k tokens of 128-token sequences, then LoRA (lr 3e-3, KL 1 to the teacher)
-    on 10k tokens. Data: text sampled from the teacher itself (32 texts, cached) unless ``data`` is set.
+    on 10k tokens, and the same LoRA stage on the unconverted teacher for reference. Data: text sampled from the teacher itself (32 texts, cached) unless ``data`` is set.
     At 128 tokens the window covers half of each sequence; the linear part carries the rest."""
     return LinearizeConfig(
         out_dir=str(out_dir),
@@ -160,6 +161,7 @@ def demo_config(out_dir: str | Path) -> LinearizeConfig:
         lora_tokens=10_000,
         lora_lr=3e-3,
         lora_kl_weight=1.0,
+        lora_baseline=True,
         command="dofla demo  (dofla.pipeline.linearize(dofla.pipeline.demo_config(out)))",
     )
 
@@ -441,6 +443,7 @@ def linearize(
         timings=timings,
         data_source=data_source,
         train_tokens=distilled.tokens,
+        lora_teacher_ppl=baseline_ppl,
     )
     summary = dict(
         config=asdict(config),

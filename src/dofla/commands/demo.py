@@ -45,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
     result = linearize(config)
     print(f"\nreport: {result.report_path}")
     print(f"held-out perplexity: teacher {result.teacher_ppl:.2f}, student {result.student_ppl:.2f}")
+    if result.lora_teacher_ppl is not None:
+        print(
+            f"teacher after the same LoRA stage: {result.lora_teacher_ppl:.2f} (the LoRA stage also adapts to "
+            "the text; compare the student with this too)"
+        )
 
     model, tokenizer, _ = load_converted(result.out_dir)
     inputs = tokenizer(args.prompt, return_tensors="pt")

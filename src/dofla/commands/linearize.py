@@ -129,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
     result = linearize(config_from_args(args))
     print(f"held-out perplexity: teacher {result.teacher_ppl:.3f}, student {result.student_ppl:.3f}")
+    if result.lora_teacher_ppl is not None:
+        print(f"teacher after the same LoRA stage: {result.lora_teacher_ppl:.3f}")
     print(f"model:  {result.out_dir}")
     print(f"report: {result.report_path}")
     return 0
