@@ -39,7 +39,7 @@ def test_dof_command_writes_plan_table_and_plots(tiny_folder, tmp_path):
     assert len(estimate["heads"]) == plan.num_layers * plan.num_heads
     assert all(0 < head["dof_over_j"] <= 1 for head in estimate["heads"])
     assert sorted(estimate["lambdas"]) == [2**-6, 2**-4]
-    for name in ("dims_per_layer.png", "measure_vs_lambda.png"):
+    for name in ("dims_per_layer.png", "measure_vs_lambda.png", "eigenvalue_decay.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     # The dof allocation sums exactly to C x layers.
     assert main(["--debug", "dof", *args, "--out", str(tmp_path / "dof2"), "--allocation", "dof"]) == 0

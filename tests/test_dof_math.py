@@ -119,3 +119,29 @@ def test_plain_eigvalsh_is_wrong_where_detected_and_the_stable_form_is_not():
     assert stable == pytest.approx(exact, rel=1e-10)
     assert abs(plain - exact) > 1.0  # the plain count is off by whole degrees of freedom
     assert dof.plain_eigen_noise_floor(points, 1.0) > lam  # and this is detected
+
+
+def test_kernel_spectrum_matches_the_closed_form_and_never_overflows():
+    from dofla.dof import kernel_spectrum, layer_spectra
+
+    # orthogonal points of squared norm c: G = (e^{sc} - 1) I + 1 1ᵀ, eigenvalues e^{sc} - 1 + N and e^{sc} - 1
+    n, c, s = 6, 2.0, 0.5
+    points = (torch.eye(n, dtype=torch.float64) * c**0.5)[:, :n]
+    spectrum = kernel_spectrum(points, s)
+    top, rest = math.exp(s * c) - 1 + n, math.exp(s * c) - 1
+    expected = torch.tensor([1.0] + [rest / top] * (n - 1), dtype=torch.float64)
+    torch.testing.assert_close(spectrum, expected, rtol=1e-10, atol=1e-12)
+    # identical points: rank one
+    same = kernel_spectrum(torch.ones(5, 3, dtype=torch.float64), 1.0)
+    assert same[0] == 1.0 and same[1:].abs().max() < 1e-12
+    # exp(s·|x|²) far beyond float64: still finite ratios (here the diagonal dominates: all close to 1)
+    huge = kernel_spectrum(torch.eye(4, dtype=torch.float64) * 40.0, 1.0)
+    assert torch.isfinite(huge).all() and huge.min() > 0.999
+    assert len(kernel_spectrum(torch.randn(100, 4, dtype=torch.float64), 0.1)) == 64
+    # per layer: the median over heads of each relative eigenvalue
+    heads = [
+        dof.HeadResult(0, h, {}, 1.0, 0.0, 0.0, 0.0, False, spectrum=[1.0, value, value / 10])
+        for h, value in enumerate([0.5, 0.1, 0.3])
+    ]
+    result = dof.DofEstimate("dof", [0.0625], 3, heads, num_layers=1, num_heads=3, seconds=0.0)
+    torch.testing.assert_close(layer_spectra(result)[0], torch.tensor([1.0, 0.3, 0.03], dtype=torch.float64))

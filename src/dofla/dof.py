@@ -124,6 +124,22 @@ def _inverse_diagonal(matrix: torch.Tensor) -> torch.Tensor:
     return (vectors.square() / values).sum(-1)
 
 
+SPECTRUM_POINTS = 256  # points per head for the eigenvalue-decay plot (a 256 x 256 eigvalsh is cheap)
+SPECTRUM_VALUES = 64  # eigenvalues kept per head
+
+
+def kernel_spectrum(points: torch.Tensor, scaling: float, count: int = SPECTRUM_VALUES) -> torch.Tensor:
+    """The ``count`` largest eigenvalues of G = exp(scaling XXᵀ) relative to the largest, descending, float64.
+
+    points (N, D). G is formed as exp(scaling XXᵀ − max) so it never overflows; the ratios are unchanged.
+    Ratios below about N·ε (float64) are rounding noise and come out as that noise or 0.
+    """
+    x = points.to(torch.float64)
+    logits = scaling * (x @ x.T)  # (N, N)
+    values = torch.linalg.eigvalsh(torch.exp(logits - logits.max())).flip(0).clamp_min(0.0)
+    return values[:count] / values[0]
+
+
 def plain_eigen_noise_floor(points: torch.Tensor, scaling: float) -> float:
     """Absolute eigenvalue error of a plain float64 eigendecomposition of G/J: about J·ε·μ_max.
 
@@ -159,6 +175,8 @@ class HeadResult:
     log_kernel_max: float
     noise_floor: float
     plain_eig_unreliable: bool
+    # the largest eigenvalues of G/J over the first SPECTRUM_POINTS points, divided by the largest
+    spectrum: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -361,6 +379,7 @@ def measure_points(
                     log_kernel_max=float(log_diag.max()),
                     noise_floor=noise,
                     plain_eig_unreliable=noise > min(lambdas),
+                    spectrum=kernel_spectrum(points[:SPECTRUM_POINTS], scaling).tolist(),
                 )
             )
     result = DofEstimate(
@@ -763,7 +782,8 @@ def markdown_table(
 def plot_report(
     estimate_result: DofEstimate, allocations: dict[str, Allocation], out_dir: Path
 ) -> list[Path]:
-    """PNG plots: dimensions per layer for each variant; the measure against λ per layer."""
+    """PNG plots: dimensions per layer for each variant; the measure against λ per layer; the kernel's
+    eigenvalue decay per layer."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -788,4 +808,45 @@ def plot_report(
     paths.append(out_dir / "measure_vs_lambda.png")
     figure.savefig(paths[-1], dpi=100)
     plt.close(figure)
+    if any(head.spectrum for head in estimate_result.heads):
+        paths.append(plot_eigenvalue_decay(estimate_result, out_dir / "eigenvalue_decay.png"))
     return paths
+
+
+def layer_spectra(estimate_result: DofEstimate) -> dict[int, torch.Tensor]:
+    """Per layer, the median over heads of each relative eigenvalue μ_k / μ_1 (k = 1..SPECTRUM_VALUES)."""
+    spectra: dict[int, list[list[float]]] = {}
+    for head in estimate_result.heads:
+        if head.spectrum:
+            spectra.setdefault(head.layer, []).append(head.spectrum)
+    return {
+        layer: torch.tensor(rows, dtype=torch.float64).median(dim=0).values for layer, rows in spectra.items()
+    }
+
+
+def plot_eigenvalue_decay(estimate_result: DofEstimate, path: Path) -> Path:
+    """μ_k / μ_1 of G/J against k, one line per layer (median over heads), with the float64 noise level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spectra = layer_spectra(estimate_result)
+    colours = plt.get_cmap("viridis")
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    for layer, values in sorted(spectra.items()):
+        shown = values.clamp_min(1e-18).numpy()
+        axis.semilogy(range(1, len(shown) + 1), shown, color=colours(layer / max(1, len(spectra) - 1)), lw=1)
+    axis.axhline(SPECTRUM_POINTS * _EPS64, color="red", ls="--", lw=1, label="float64 rounding (N·ε)")
+    mappable = plt.cm.ScalarMappable(cmap=colours, norm=plt.Normalize(0, max(spectra) if spectra else 1))
+    figure.colorbar(mappable, ax=axis, label="layer")
+    axis.set(
+        xlabel="k",
+        ylabel="μ_k / μ_1 (median over heads)",
+        title=f"kernel eigenvalue decay, exp(s·x_iᵀx_j) on {SPECTRUM_POINTS} captured points per head",
+    )
+    axis.legend(loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
