@@ -133,15 +133,16 @@ def build_feature_map(
                 "largest head's dimension."
             )
     cls = FEATURE_MAPS[name]
-    accepted = set(inspect.signature(cls.__init__).parameters) - {
-        "self",
-        "num_heads",
-        "head_dim",
-        "feature_dim",
-    }
+    named = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
+    shape = {"self", "num_heads", "head_dim", "feature_dim", "scaling", "head_feature_dims"}
+    accepted = {
+        name
+        for name, parameter in inspect.signature(cls.__init__).parameters.items()
+        if parameter.kind in named
+    } - shape  # a map's own options (the shape itself is passed through ``**shape``)
     unknown = sorted(set(options) - accepted)
     if unknown:
-        allowed = sorted(accepted - {"scaling", "head_feature_dims"})
+        allowed = sorted(accepted)
         raise DoflaError(
             f"feature map {name!r} has no option {', '.join(unknown)}; its options are: {', '.join(allowed) or 'none'}."
         )

@@ -30,25 +30,19 @@ class HedgehogFeatures(FeatureMap):
     each softmax then runs over that head's first M_h / 2 columns only.
     """
 
-    def __init__(
-        self, *, num_heads, head_dim, feature_dim, scaling, head_feature_dims=None, seed: int = 0
-    ) -> None:
-        odd = [d for d in ([feature_dim] + list(head_feature_dims or [])) if int(d) % 2]
+    def __init__(self, *, seed: int = 0, **shape) -> None:
+        odd = [d for d in ([shape["feature_dim"]] + list(shape.get("head_feature_dims") or [])) if int(d) % 2]
         if odd:
             raise DoflaError(
                 f"hedgehog features come in (softmax, softmax of the negation) pairs, so feature dimensions must "
                 f"be even; got {odd[0]}; use an even number."
             )
-        super().__init__(
-            num_heads=num_heads,
-            head_dim=head_dim,
-            feature_dim=feature_dim,
-            scaling=scaling,
-            head_feature_dims=head_feature_dims,
-        )
+        super().__init__(**shape)  # num_heads, head_dim, feature_dim, scaling, head_feature_dims
         generator = torch.Generator().manual_seed(int(seed))
         self.weight = nn.Parameter(
-            identity_like(num_heads, head_dim, feature_dim // 2, generator, head_dim**-0.5)
+            identity_like(
+                self.num_heads, self.head_dim, self.feature_dim // 2, generator, self.head_dim**-0.5
+            )
         )
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
@@ -67,21 +61,14 @@ class HedgehogFeatures(FeatureMap):
 class ReluFeatures(FeatureMap):
     """T2R: phi(x) = ReLU(x W + b), W (num_heads, D, F) ~ N(0, 1/D), b = 0, both trainable."""
 
-    def __init__(
-        self, *, num_heads, head_dim, feature_dim, scaling, head_feature_dims=None, seed: int = 0
-    ) -> None:
-        super().__init__(
-            num_heads=num_heads,
-            head_dim=head_dim,
-            feature_dim=feature_dim,
-            scaling=scaling,
-            head_feature_dims=head_feature_dims,
-        )
+    def __init__(self, *, seed: int = 0, **shape) -> None:
+        super().__init__(**shape)  # num_heads, head_dim, feature_dim, scaling, head_feature_dims
         generator = torch.Generator().manual_seed(int(seed))
         self.weight = nn.Parameter(
-            torch.randn(num_heads, head_dim, feature_dim, generator=generator) * head_dim**-0.5
+            torch.randn(self.num_heads, self.head_dim, self.feature_dim, generator=generator)
+            * self.head_dim**-0.5
         )
-        self.bias = nn.Parameter(torch.zeros(num_heads, feature_dim))
+        self.bias = nn.Parameter(torch.zeros(self.num_heads, self.feature_dim))
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
@@ -101,16 +88,12 @@ class EluPlusOneFeatures(FeatureMap):
     (constant feature 1), missing ones drop coordinates.
     """
 
-    def __init__(self, *, num_heads, head_dim, feature_dim, scaling, head_feature_dims=None) -> None:
-        super().__init__(
-            num_heads=num_heads,
-            head_dim=head_dim,
-            feature_dim=feature_dim,
-            scaling=scaling,
-            head_feature_dims=head_feature_dims,
-        )
+    def __init__(self, **shape) -> None:
+        super().__init__(**shape)  # num_heads, head_dim, feature_dim, scaling, head_feature_dims
         self.weight = nn.Parameter(
-            torch.eye(head_dim, feature_dim).expand(num_heads, head_dim, feature_dim).clone()
+            torch.eye(self.head_dim, self.feature_dim)
+            .expand(self.num_heads, self.head_dim, self.feature_dim)
+            .clone()
         )
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
@@ -139,26 +122,18 @@ class DiJiangFeatures(FeatureMap):
     DCT times a diagonal of inverse-normal points), without its separate position decay.
     """
 
-    def __init__(
-        self, *, num_heads, head_dim, feature_dim, scaling, head_feature_dims=None, seed: int = 0
-    ) -> None:
-        super().__init__(
-            num_heads=num_heads,
-            head_dim=head_dim,
-            feature_dim=feature_dim,
-            scaling=scaling,
-            head_feature_dims=head_feature_dims,
-        )
+    def __init__(self, *, seed: int = 0, **shape) -> None:
+        super().__init__(**shape)  # num_heads, head_dim, feature_dim, scaling, head_feature_dims
         generator = torch.Generator().manual_seed(int(seed))
-        points = (torch.arange(feature_dim, dtype=torch.float64) + 0.5) / feature_dim
+        points = (torch.arange(self.feature_dim, dtype=torch.float64) + 0.5) / self.feature_dim
         gaussian_points = torch.distributions.Normal(0.0, 1.0).icdf(points)  # (F,)
         projections = []
-        for _ in range(num_heads):
-            scale = gaussian_points[torch.randperm(feature_dim, generator=generator)]
-            columns = torch.arange(feature_dim) % head_dim
-            projections.append(dct_matrix(head_dim).T[:, columns] * scale[None, :])  # (D, F)
-        self.register_buffer("projection", torch.stack(projections).float())  # (num_heads, D, F)
-        self.log_weight = nn.Parameter(torch.zeros(num_heads, feature_dim))
+        for _ in range(self.num_heads):
+            scale = gaussian_points[torch.randperm(self.feature_dim, generator=generator)]
+            columns = torch.arange(self.feature_dim) % self.head_dim
+            projections.append(dct_matrix(self.head_dim).T[:, columns] * scale[None, :])  # (D, F)
+        self.register_buffer("projection", torch.stack(projections).float())  # (self.num_heads, D, F)
+        self.log_weight = nn.Parameter(torch.zeros(self.num_heads, self.feature_dim))
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)

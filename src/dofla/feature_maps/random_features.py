@@ -76,20 +76,13 @@ class _PositiveRandomFeatures(FeatureMap):
 class PositiveRandomFeatures(_PositiveRandomFeatures):
     """Fixed positive random features (Performer); ``seed`` fixes the draw, ``redraw()`` makes a new one."""
 
-    def __init__(
-        self, *, num_heads, head_dim, feature_dim, scaling, head_feature_dims=None, seed: int = 0
-    ) -> None:
-        super().__init__(
-            num_heads=num_heads,
-            head_dim=head_dim,
-            feature_dim=feature_dim,
-            scaling=scaling,
-            head_feature_dims=head_feature_dims,
-        )
+    def __init__(self, *, seed: int = 0, **shape) -> None:
+        super().__init__(**shape)  # num_heads, head_dim, feature_dim, scaling, head_feature_dims
         self.seed = int(seed)
         generator = torch.Generator().manual_seed(self.seed)
         self.register_buffer(
-            "random_directions", orthogonal_gaussian_directions(num_heads, head_dim, feature_dim, generator)
+            "random_directions",
+            orthogonal_gaussian_directions(self.num_heads, self.head_dim, self.feature_dim, generator),
         )
 
     def directions(self) -> Tensor:
@@ -111,29 +104,14 @@ class LearnablePositiveRandomFeatures(_PositiveRandomFeatures):
     Learning rates (the paper's): ``z_lr`` = 0.02 for z, ``alpha_lr`` = 0.2 for log_alpha.
     """
 
-    def __init__(
-        self,
-        *,
-        num_heads,
-        head_dim,
-        feature_dim,
-        scaling,
-        head_feature_dims=None,
-        seed: int = 0,
-        z_lr: float = 0.02,
-        alpha_lr: float = 0.2,
-    ) -> None:
-        super().__init__(
-            num_heads=num_heads,
-            head_dim=head_dim,
-            feature_dim=feature_dim,
-            scaling=scaling,
-            head_feature_dims=head_feature_dims,
-        )
+    def __init__(self, *, seed: int = 0, z_lr: float = 0.02, alpha_lr: float = 0.2, **shape) -> None:
+        super().__init__(**shape)  # num_heads, head_dim, feature_dim, scaling, head_feature_dims
         self.seed, self.z_lr, self.alpha_lr = int(seed), float(z_lr), float(alpha_lr)
         generator = torch.Generator().manual_seed(self.seed)
-        self.z = nn.Parameter(orthogonal_gaussian_directions(num_heads, head_dim, feature_dim, generator))
-        self.log_alpha = nn.Parameter(torch.zeros(num_heads, feature_dim))
+        self.z = nn.Parameter(
+            orthogonal_gaussian_directions(self.num_heads, self.head_dim, self.feature_dim, generator)
+        )
+        self.log_alpha = nn.Parameter(torch.zeros(self.num_heads, self.feature_dim))
 
     def directions(self) -> Tensor:
         return self.z
