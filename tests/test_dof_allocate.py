@@ -53,6 +53,9 @@ def test_headwise_dims_and_plan_on_a_tiny_model():
     batches = [torch.randint(3, 128, (2, 16)) for _ in range(2)]
     estimate = dof.estimate(model, batches, num_points=32, lambdas=[2**-4, 2**-6])
     assert len(estimate.heads) == 2 * 4 and all(0 < h.dof_over_j <= 1 for h in estimate.heads)
+    assert all(not h.spectrum for h in estimate.heads)  # kernel spectra only on request (dofla dof's plot)
+    with_spectra = dof.estimate(model, batches, num_points=32, kernel_spectra=True)
+    assert all(len(h.spectrum) == min(32, dof.SPECTRUM_VALUES) for h in with_spectra.heads)
     plan = dof.make_plan(model, estimate, budget=8, variant="headwise")
     assert [len(layer.head_feature_dims) for layer in plan.layers] == [2, 2]  # one per key/value head
     assert all(layer.feature_dim == max(layer.head_feature_dims) for layer in plan.layers)

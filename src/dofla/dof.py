@@ -329,8 +329,12 @@ def measure_points(
     measure: str = "dof",
     num_points: int | None = None,
     seed: int = 0,
+    kernel_spectra: bool = False,
 ) -> DofEstimate:
-    """The chosen measure per layer and head from captured points (optionally a seeded J-subset of them)."""
+    """The chosen measure per layer and head from captured points (optionally a seeded J-subset of them).
+
+    ``kernel_spectra``: also keep each head's :func:`kernel_spectrum` (for the eigenvalue-decay plot).
+    """
     import time
 
     if measure not in MEASURES:
@@ -379,7 +383,9 @@ def measure_points(
                     log_kernel_max=float(log_diag.max()),
                     noise_floor=noise,
                     plain_eig_unreliable=noise > min(lambdas),
-                    spectrum=kernel_spectrum(points[:SPECTRUM_POINTS], scaling).tolist(),
+                    spectrum=(
+                        kernel_spectrum(points[:SPECTRUM_POINTS], scaling).tolist() if kernel_spectra else []
+                    ),
                 )
             )
     result = DofEstimate(
@@ -417,11 +423,13 @@ def estimate(
     seed: int = 0,
     rank_sequences: int = 2,
     progress: bool = False,
+    kernel_spectra: bool = False,
 ) -> DofEstimate:
     """Measure every layer's and head's DoF (or ``measure``) on calibration batches of token ids (B, T).
 
     :func:`capture_points` then :func:`measure_points`; ``rank_sequences`` sequences give the attention
-    spectra of ``attention_rank``. Warns when the paper's DoF is saturated (DoF/J > 0.9 for most heads).
+    spectra of ``attention_rank``; ``kernel_spectra`` keeps each head's kernel eigenvalues. Warns when the
+    paper's DoF is saturated (DoF/J > 0.9 for most heads).
     """
     if measure not in MEASURES:
         raise DoflaError(f"unknown measure {measure!r}; use one of {', '.join(MEASURES)}.")
@@ -435,7 +443,7 @@ def estimate(
         spectra_sequences=rank_sequences if measure == "attention_rank" else 0,
         progress=progress,
     )
-    result = measure_points(captured, lambdas=lambdas, measure=measure)
+    result = measure_points(captured, lambdas=lambdas, measure=measure, kernel_spectra=kernel_spectra)
     if measure == "dof" and result.saturated_fraction() > 0.5:
         warnings.warn(result.warnings[0], stacklevel=2)
     return result

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         measure=args.measure,
         seed=args.seed,
         progress=True,
+        kernel_spectra=True,  # for eigenvalue_decay.png
     )
     options = dict(budget=args.budget, minimum=args.min_dim, keep_softmax=args.keep_softmax)
     plan = dof.make_plan(
