@@ -17,6 +17,7 @@ Writes OUT/lora_sweep.json and OUT/lora_sweep.md after every variant (a cut-off 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -25,11 +26,19 @@ import torch
 
 from dofla.convert import convert
 from dofla.data import split_train_heldout
-from dofla.distill.lora import LoraConfig, train_lora
-from dofla.distill.trainer import DistillConfig, distill
+from dofla.distill.lora import train_lora
+from dofla.distill.trainer import distill
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
-from dofla.pipeline import LinearizeConfig, load_sequences, make_plan, parse_tokens, perplexity
+from dofla.pipeline import (
+    LinearizeConfig,
+    distill_config_for,
+    load_sequences,
+    lora_config_for,
+    make_plan,
+    parse_tokens,
+    perplexity,
+)
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
@@ -98,6 +107,7 @@ def main() -> None:
         tokens=parse_tokens(args.tokens),
         batch_size=args.batch_size,
         seq_len=args.seq_len,
+        lora_tokens=parse_tokens(args.lora_tokens),
         progress=False,
     )
     config.apply_recipe()
@@ -121,7 +131,7 @@ def main() -> None:
         train_sequences=len(train),
     )
     rows: list[dict] = []
-    header.update(distill_tokens=0, lora_tokens=parse_tokens(args.lora_tokens))
+    header.update(distill_tokens=0, lora_tokens=config.lora_tokens)
     header.update(stage1_report_ppl=float("nan"), stage1_validation_ppl=float("nan"))
     if args.teacher_variants:
         teacher_snapshot = {name: tensor.detach().clone() for name, tensor in teacher.state_dict().items()}
@@ -133,17 +143,7 @@ def main() -> None:
     if not args.variants:
         return
     model = convert(teacher, make_plan(config, teacher, train))
-    stage1 = DistillConfig(
-        loss=config.loss,
-        tokens=config.tokens,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        eval_every=config.eval_every,
-        checkpoint_every=0,
-        seed=config.seed,
-        progress=False,
-    )
-    distilled = distill(model, train, validation, stage1, None)
+    distilled = distill(model, train, validation, distill_config_for(config), None)  # no run folder
     header.update(
         distill_tokens=distilled.tokens,
         stage1_report_ppl=perplexity(model, report, args.batch_size),
@@ -161,15 +161,7 @@ def run_variant(model, name, train, report, validation, config, header, rows, pr
     """Train LoRA variant ``name`` on ``model``; append its row; return the merged model."""
     lr, kl_weight, targets = VARIANTS[name]
     started = time.perf_counter()
-    lora = LoraConfig(
-        tokens=header["lora_tokens"],
-        batch_size=config.batch_size,
-        lr=lr,
-        kl_weight=kl_weight,
-        targets=targets,
-        seed=config.seed,
-        progress=False,
-    )
+    lora = dataclasses.replace(lora_config_for(config), lr=lr, kl_weight=kl_weight, targets=targets)
     model, _ = train_lora(model, train, lora)
     seconds = time.perf_counter() - started
     rows.append(

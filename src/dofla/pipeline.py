@@ -231,6 +231,24 @@ def perplexity(model, sequences: torch.Tensor, batch_size: int = 4) -> float:
     return float(measure(model, sequences, batch_size=batch_size)["perplexity"])
 
 
+def distill_config_for(config: LinearizeConfig):
+    """The distillation stage's settings of a linearize run."""
+    from dofla.distill.trainer import DistillConfig
+
+    return DistillConfig(
+        loss=config.loss,
+        tokens=config.tokens,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        eval_every=config.eval_every,
+        checkpoint_every=config.checkpoint_every,
+        patience=config.patience,
+        kl_weight=config.kl_weight,
+        seed=config.seed,
+        progress=config.progress,
+    )
+
+
 def lora_config_for(config: LinearizeConfig):
     """The LoRA stage's settings of a linearize run."""
     from dofla.distill.lora import LoraConfig
@@ -276,9 +294,7 @@ def held_out_attention_errors(model, sequences: torch.Tensor, batch_size: int = 
 
     if len(sequences) == 0:
         return {}
-    return attention_errors(
-        model, (sequences[i : i + batch_size] for i in range(0, len(sequences), batch_size))
-    )
+    return attention_errors(model, sequences.split(batch_size))
 
 
 def make_plan(config: LinearizeConfig, model, train: torch.Tensor):
@@ -343,7 +359,7 @@ def linearize(
     """
     from dofla.convert import convert, save_converted, students
     from dofla.distill.lora import train_lora
-    from dofla.distill.trainer import DistillConfig, distill
+    from dofla.distill.trainer import distill
 
     config.apply_recipe()
     config.validate()
@@ -397,20 +413,8 @@ def linearize(
     lap("plan" if config.allocation == "fix" else "plan (DoF estimate)")
     model = convert(teacher, plan)
 
-    distill_config = DistillConfig(
-        loss=config.loss,
-        tokens=config.tokens,
-        batch_size=config.batch_size,
-        lr=config.lr,
-        eval_every=config.eval_every,
-        checkpoint_every=config.checkpoint_every,
-        patience=config.patience,
-        kl_weight=config.kl_weight,
-        seed=config.seed,
-        progress=config.progress,
-    )
     run_dir = out_dir / "distill"
-    distilled = distill(model, train, heldout, distill_config, run_dir, resume=config.resume)
+    distilled = distill(model, train, heldout, distill_config_for(config), run_dir, resume=config.resume)
     lap("distill")
     history = list(distilled.history)
 
@@ -552,7 +556,7 @@ def write_report(result: LinearizeResult, summary: dict, config: LinearizeConfig
                 f"| teacher + the same LoRA stage | {summary['lora_teacher_ppl']:.3f} |",
                 f"| student / (teacher + LoRA) | {result.student_ppl / summary['lora_teacher_ppl']:.3f} |",
             ]
-            if summary.get("lora_teacher_ppl")
+            if summary.get("lora_teacher_ppl") is not None
             else []
         ),
         "",
@@ -568,7 +572,7 @@ def write_report(result: LinearizeResult, summary: dict, config: LinearizeConfig
         "sequences after all training stages"
         + (
             f" (mean over layers {summary['mean_attention_error']:.4f})."
-            if summary.get("mean_attention_error")
+            if summary.get("mean_attention_error") is not None
             else "."
         ),
         "",
