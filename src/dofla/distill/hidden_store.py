@@ -35,7 +35,7 @@ from dofla.io import save_safetensors_atomic, write_text_atomic
 MANIFEST_FILE = "manifest.json"
 TOKENS_FILE = "tokens.safetensors"
 STORE_FORMAT = 1
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def shard_name(index: int) -> str:
@@ -53,11 +53,14 @@ def tokens_hash(sequences: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise DoflaError(f"teacher states can be stored as {', '.join(_DTYPES)}, not {dtype}.")
-    return name
+def _storage_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The dtype the states are stored in, read as ``load_teacher`` reads dtypes (float32, bf16, ...)."""
+    from dofla.models.loading import resolve_dtype
+
+    resolved = resolve_dtype(dtype, torch.device("cpu"))
+    if resolved not in STORAGE_DTYPES:
+        raise DoflaError(f"teacher states can be stored as float32, bfloat16 or float16, not {dtype}.")
+    return resolved
 
 
 def decoder_layer_list(model: nn.Module) -> nn.ModuleList:
@@ -179,6 +182,7 @@ def write_teacher_states(
     if batch_size <= 0:
         raise DoflaError(f"the batch size must be positive, got {batch_size}.")
     count, length = sequences.shape
+    storage = _storage_dtype(dtype)
     identity = dict(
         format=STORE_FORMAT,
         teacher_fingerprint=teacher_fingerprint(model),
@@ -189,7 +193,7 @@ def write_teacher_states(
         sequence_length=int(length),
         tokens_sha256=tokens_hash(sequences),
         boundaries=boundaries,
-        dtype=_dtype_name(dtype),
+        dtype=str(storage).removeprefix("torch."),
         sequences_per_shard=int(batch_size),
     )
     store_id = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
@@ -208,7 +212,6 @@ def write_teacher_states(
     save_safetensors_atomic(tokens, out_dir / TOKENS_FILE, metadata=dict(store=store_id))
 
     device = next(model.parameters()).device
-    storage = _DTYPES[identity["dtype"]]
     was_training = model.training
     model.eval()  # no dropout: the stored states are the teacher's deterministic ones
     try:
