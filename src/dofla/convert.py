@@ -30,6 +30,7 @@ from torch import nn
 from dofla import dispatch
 from dofla.attention import LinearAttention
 from dofla.cache import attach_cache_layer
+from dofla.cells import build_student
 from dofla.config import ConversionPlan, LayerPlan
 from dofla.errors import DoflaError
 from dofla.io import save_safetensors_atomic, write_text_atomic
@@ -81,8 +82,10 @@ def plan_for(
     window: int = 64,
     share_kv_heads: bool = True,
     options: dict[str, Any] | None = None,
+    cell: str = "linear",
+    sinks: int = 0,
 ) -> ConversionPlan:
-    """A plan giving every layer in ``layers`` (default all) the same kind, map and dimension."""
+    """A plan giving every layer in ``layers`` (default all) the same kind, cell, map and dimension."""
     facts = architecture(model)
     selected = list(range(facts.num_layers)) if layers is None else [int(index) for index in layers]
     outside = [index for index in selected if not 0 <= index < facts.num_layers]
@@ -97,6 +100,8 @@ def plan_for(
         share_kv_heads=share_kv_heads,
         window=int(window),
         options=dict(options or {}),
+        cell=cell,
+        sinks=int(sinks),
     )
     plan = ConversionPlan(
         model_type=facts.model_type,
@@ -176,7 +181,7 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
     for index in plan.converted_layers:
         module = facts.attention_modules[index]
         parameter = next(module.parameters(), None)
-        student = LinearAttention(
+        student = build_student(
             plan.layers[index],
             layer_index=index,
             num_heads=facts.num_heads,
