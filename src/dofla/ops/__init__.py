@@ -6,6 +6,12 @@ States from the chunked form continue in the recurrent form and back.
 """
 
 from dofla.ops.chunked import chunked_hybrid_attention, chunked_linear_attention, chunked_window_attention
+from dofla.ops.delta import (
+    chunked_gated_delta_rule,
+    gated_delta_rule,
+    recurrent_gated_delta_rule,
+    update_delta_state,
+)
 from dofla.ops.naive import hybrid_attention, linear_attention, window_attention
 from dofla.ops.recurrent import (
     empty_hybrid_state,
@@ -21,16 +27,20 @@ __all__ = [
     "HybridState",
     "LinearState",
     "WindowState",
+    "chunked_gated_delta_rule",
     "chunked_hybrid_attention",
     "chunked_linear_attention",
     "chunked_window_attention",
     "empty_hybrid_state",
     "exp_relative",
+    "gated_delta_rule",
     "hybrid_attention",
     "linear_attention",
+    "recurrent_gated_delta_rule",
     "recurrent_hybrid_attention",
     "recurrent_linear_attention",
     "recurrent_window_attention",
+    "update_delta_state",
     "update_linear_state",
     "window_attention",
 ]

@@ -93,6 +93,30 @@ def check_window_inputs(query: Tensor, key: Tensor, v: Tensor, window: int, sink
     return query.shape[1] // key.shape[1]
 
 
+def check_delta_inputs(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor) -> int:
+    """Check (B, H, T, K), (B, Hk, T, K), (B, Hk, T, Dv), (B, Hk, T), (B, Hk, T); return H // Hk."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise DoflaError(
+            f"the gated delta rule expects 4-d (batch, heads, tokens, dim) q, k, v, got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}."
+        )
+    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or k.shape[3] != q.shape[3]:
+        raise DoflaError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, tokens and key size.")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise DoflaError(f"v {tuple(v.shape)} must have the batch, heads and tokens of k {tuple(k.shape)}.")
+    if q.shape[1] % k.shape[1] != 0:
+        raise DoflaError(
+            f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads; "
+            "pass key/value tensors with a divisor of the query heads."
+        )
+    for name, gate in (("log_decay", log_decay), ("beta", beta)):
+        if tuple(gate.shape) != tuple(k.shape[:3]):
+            raise DoflaError(
+                f"{name} {tuple(gate.shape)} must be (batch, kv heads, tokens) = {tuple(k.shape[:3])}."
+            )
+    return q.shape[1] // k.shape[1]
+
+
 def check_state_window(state, window: int, sinks: int) -> None:
     """A window or hybrid state continues only a call with its own window and number of sinks."""
     if state.window != int(window) or state.sinks != int(sinks):
