@@ -51,11 +51,11 @@ def add_sinks(
     """
     batch, num_kv_heads, length = present.shape
     sinks = sink_keys.shape[2]
+    if sinks == 0:
+        no_slots = count.new_zeros(batch, num_kv_heads, 0)
+        return SinkUpdate(torch.zeros_like(present), sink_keys, sink_values, count, no_slots)
     slot = torch.arange(sinks, device=present.device)
     held = slot < count[..., None]  # (B, Hk, S): filled by earlier calls
-    if sinks == 0:
-        empty = torch.zeros_like(present)
-        return SinkUpdate(empty, sink_keys, sink_values, count, slot.expand(batch, num_kv_heads, 0))
     is_sink, rank = sink_flags(present, count, sinks)
     hit = is_sink[..., :, None] & (rank[..., :, None] == slot)  # (B, Hk, T, S): key t fills slot s
     filled = hit.any(2)  # (B, Hk, S)
