@@ -5,6 +5,8 @@ inside a chunk the (C, C) interactions are computed directly; between chunks the
 earlier chunks is a state (F, Dv) per key/value head, as in the recurrent form. Key log scales are handled
 with the running maximum m_t (the same offsets as the recurrent state), so every exponent is <= 0.
 Query heads of a key/value group are kept as a separate axis (B, Hk, G, ...) and read one shared state.
+The softmax part of window and hybrid attention is one function, ``window_part_sums``: a blocked softmax
+over the last ``window`` keys, merged (at a common maximum) with a small block over the sink keys.
 """
 
 from __future__ import annotations
