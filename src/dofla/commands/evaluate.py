@@ -278,7 +278,12 @@ def _print_results(results: dict) -> None:
     from dofla.evaluation.passkey import passkey_markdown
 
     if "long_context" in results:
-        print(long_context.long_context_markdown(results["long_context"]))
+        quality = results["long_context"]
+        print(long_context.long_context_markdown(quality))
+        for length, measured in quality["by_length"].items():
+            spent = ", ".join(f"{name} {seconds:.0f}" for name, seconds in measured["seconds"].items())
+            print(f"seconds at {length} tokens ({measured['sequences']} sequences): {spent}")
+        print()
     if "attention_error" in results:
         measured = results["attention_error"]
         print(

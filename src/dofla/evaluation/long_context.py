@@ -234,7 +234,8 @@ def long_context_quality(
     Returns ``{"window", "sinks", "teacher_context", "rows": {name: label and settings},
     "by_length": {"1024": {"length", "sequences", "predicted_tokens", "buckets": [{"start", "end",
     "label"}], "models": {name: {"nll", "perplexity", ("kl", "top1",) "buckets": [...]}},
-    "loss_by_position": {"start", "end", "nll": {name: [...]}}, "seconds": {name: forward seconds}}},
+    "loss_by_position": {"start", "end", "nll": {name: [...]}}, "seconds": {name: forward seconds,
+    "output_heads": scoring seconds}}},
     "notes": [...]}``; row names are ``teacher``, ``window``, ``window+sinks4``, ... and ``student``.
     """
     if batch_size < 1:
@@ -246,6 +247,10 @@ def long_context_quality(
         raise DoflaError(f"the window must be at least 1 token, got {window}.")
     if not sequences_by_length:
         raise DoflaError("no lengths to evaluate; give held-out sequences for at least one length.")
+    from dofla.convert import is_converted
+
+    if is_converted(teacher) or teacher is student:
+        raise DoflaError("the teacher given is a converted model; pass the plain teacher, loaded on its own.")
     vocabulary = vocabulary_size(teacher)
     if student is not None and vocabulary_size(student) != vocabulary:
         raise DoflaError(
@@ -292,7 +297,7 @@ def long_context_quality(
 def _one_length(teacher, student, sequences, rows, buckets, window, batch_size, notes, progress) -> dict:
     length = sequences.shape[1]
     sums = {name: _PositionSums(length) for name in rows}
-    seconds = dict.fromkeys(rows, 0.0)
+    seconds = dict.fromkeys([*rows, "output_heads"], 0.0)
     batches = sequences.split(batch_size)
     started = time.perf_counter()
     for index, batch in enumerate(batches, start=1):
@@ -307,7 +312,9 @@ def _one_length(teacher, student, sequences, rows, buckets, window, batch_size, 
                 with window_restricted(teacher, window, row["sinks"]):
                     hidden[name] = (teacher, final_hidden_states(teacher, batch))
             seconds[name] += time.perf_counter() - clock
+        clock = time.perf_counter()
         _score_batch(batch, teacher, hidden, sums)
+        seconds["output_heads"] += time.perf_counter() - clock
         if progress is not None:
             progress(f"length {length}: batch {index}/{len(batches)} ({time.perf_counter() - started:.0f} s)")
     bucket_rows = [

@@ -54,8 +54,11 @@ def build_prompt(tokenizer, passkey: str, context_tokens: int, depth: float) -> 
     return torch.tensor([ids])
 
 
-def _greedy_digits(model, tokenizer, prompt: torch.Tensor) -> str:
-    """The first five digits of the greedy continuation of ``prompt`` (1, T), decoded through a cache."""
+def greedy_tokens(model, prompt: torch.Tensor, max_new_tokens: int, stop=None) -> list[int]:
+    """Greedy continuation of ``prompt`` (1, T): one prefill, then one token at a time through a cache.
+
+    stop: called with the tokens so far after each one; True ends decoding early.
+    """
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -65,15 +68,25 @@ def _greedy_digits(model, tokenizer, prompt: torch.Tensor) -> str:
     )
     logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, **keep_last).logits[:, -1]
     generated: list[int] = []
-    digits = ""
-    for _ in range(MAX_NEW_TOKENS):
+    for step in range(max_new_tokens):
         next_token = logits.argmax(-1, keepdim=True)  # (1, 1)
         generated.append(int(next_token))
-        digits = "".join(ch for ch in tokenizer.decode(generated, skip_special_tokens=True) if ch.isdigit())
-        if len(digits) >= KEY_DIGITS:
+        if step + 1 == max_new_tokens or (stop is not None and stop(generated)):
             break
         logits = model(input_ids=next_token, past_key_values=cache, use_cache=True).logits[:, -1]
-    return digits[:KEY_DIGITS]
+    return generated
+
+
+def _digits(tokenizer, tokens: list[int]) -> str:
+    return "".join(ch for ch in tokenizer.decode(tokens, skip_special_tokens=True) if ch.isdigit())
+
+
+def _greedy_digits(model, tokenizer, prompt: torch.Tensor) -> str:
+    """The first five digits the model generates after ``prompt``, stopping as soon as they are out."""
+    tokens = greedy_tokens(
+        model, prompt, MAX_NEW_TOKENS, stop=lambda tokens: len(_digits(tokenizer, tokens)) >= KEY_DIGITS
+    )
+    return _digits(tokenizer, tokens)[:KEY_DIGITS]
 
 
 def _trials(

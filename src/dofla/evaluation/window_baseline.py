@@ -58,12 +58,22 @@ def restrict_to_window(visible: torch.Tensor, window: int, sinks: int = 0) -> to
 
 
 def _window_mask_transform(window: int, sinks: int):
+    # Every layer of one forward gets the same mask: build it once. The entry holds the mask object itself,
+    # so its identity cannot be reused by another tensor while it is remembered.
+    last: dict = {}
+
     def transform(query, key, attention_mask, teacher_kind):
+        signature = (query.shape[2], key.shape[2], teacher_kind, query.dtype, query.device)
+        if last.get("signature") == signature and last.get("mask") is attention_mask:
+            return last["restricted"]
         visible = visible_keys(attention_mask, query.shape[2], key.shape[2]).to(query.device)
         restricted = restrict_to_window(visible, window, sinks)  # (B or 1, 1, T, S)
         if teacher_kind == "eager":  # the model files' eager attention adds the mask to the scores
             hidden = torch.finfo(query.dtype).min
-            return torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~restricted, hidden)
+            restricted = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
+                ~restricted, hidden
+            )
+        last.update(signature=signature, mask=attention_mask, restricted=restricted)
         return restricted
 
     return transform
