@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 
@@ -38,7 +37,54 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--json", dest="json_out", default=None, help="also write the results to this JSON file"
     )
+    parser.add_argument(
+        "--any-teacher",
+        action="store_true",
+        help="compare with --teacher even if it is not the model the folder was converted from",
+    )
     parser.set_defaults(func=run)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every option that can be checked before a model is loaded."""
+    from dofla.commands._common import check_at_least, check_device_and_dtype
+    from dofla.errors import DoflaError
+    from dofla.outputs import check_output_file
+
+    check_at_least("--seq-len", args.seq_len, 2)
+    check_at_least("--sequences", args.sequences, 1)
+    if args.limit is not None:
+        check_at_least("--limit", args.limit, 1)
+    try:
+        lengths = [int(length) for length in args.passkey.split(",") if length.strip()]
+    except ValueError:
+        lengths = [0]
+    if any(length < 1 for length in lengths):
+        raise DoflaError(
+            f"--passkey must be comma-separated positive token counts like 1024,4096, got {args.passkey!r}."
+        )
+    check_device_and_dtype(args)
+    if args.json_out:
+        check_output_file(args.json_out, "--json")
+
+
+def check_loaded(args: argparse.Namespace, student, tokenizer, teacher) -> None:
+    """What needs the loaded models: the teacher is the student's own, the tokenizer, the context length."""
+    from dofla.convert import check_teacher
+    from dofla.errors import DoflaError
+    from dofla.pipeline import context_length
+
+    if not args.any_teacher:
+        check_teacher(args.converted, teacher, student)
+    if tokenizer is None:
+        raise DoflaError(
+            f"{args.converted} has no tokenizer files, which evaluation needs; save it with its tokenizer."
+        )
+    limit = context_length(teacher)
+    if args.data and limit is not None and args.seq_len > limit:
+        raise DoflaError(
+            f"--seq-len {args.seq_len} is beyond the model's context of {limit} tokens; use at most {limit}."
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,14 +95,16 @@ def run(args: argparse.Namespace) -> int:
     from dofla.evaluation.passkey import passkey_retrieval
     from dofla.evaluation.perplexity import perplexity
     from dofla.evaluation.zero_shot import evaluate_zero_shot
-    from dofla.io import write_text_atomic
+    from dofla.io import to_json, write_text_atomic
     from dofla.models import load_teacher
 
+    check_arguments(args)
     student, tokenizer, plan = load_converted(args.converted, dtype=args.dtype, device=args.device)
     teacher_spec = args.teacher or plan.metadata.get("teacher")
     if not teacher_spec:
         raise DoflaError("the converted folder does not name its teacher; pass --teacher MODEL.")
     teacher = load_teacher(teacher_spec, dtype=args.dtype, device=args.device).model
+    check_loaded(args, student, tokenizer, teacher)
     results: dict[str, dict] = {}
     if args.data:
         sequences = pack_token_sequences(tokenizer, load_texts(args.data), args.seq_len)[: args.sequences]
@@ -85,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         raise DoflaError("nothing to evaluate: give --data, --tasks with --tasks-dir, or --passkey.")
     _print_results(results)
     if args.json_out:
-        write_text_atomic(Path(args.json_out), json.dumps(results, indent=2) + "\n")
+        write_text_atomic(Path(args.json_out), to_json(results, indent=2) + "\n")
     return 0
 
 
