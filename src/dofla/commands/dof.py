@@ -90,6 +90,7 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
     from dofla.models.loading import cache_root
 
     note = functools.partial(print, file=sys.stderr, flush=True)
+    texts = load_texts(args.data) if args.data else None  # a bad file is refused before loading the model
     note(f"loading the teacher {args.model}")
     teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
     if args.allocation == "dof_clip" and args.budget > teacher.adapter.head_dim:
@@ -100,11 +101,11 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
     if teacher.tokenizer is None:
         raise DoflaError("the teacher has no tokenizer, which calibration needs.")
     if args.data:
-        texts, source = load_texts(args.data), f"file {args.data}"
+        source = f"file {args.data}"
     else:
         note(
             f"sampling {args.sequences} calibration texts of {args.seq_len + 16} tokens from the teacher (no "
-            f"--data given; cached in {cache_root() / 'samples'} for the next run): on a CPU this takes minutes"
+            f"--data given; cached in {cache_root() / 'samples'} for the next run); this can take minutes on a CPU"
         )
         texts = sample_teacher_texts(
             teacher.model,

@@ -99,7 +99,7 @@ def token_count(option: str, text: str) -> int:
 
     try:
         tokens = parse_tokens(text)
-    except (OverflowError, ValueError):  # 'inf' overflows int(); 'nan' is not a number
+    except (OverflowError, DoflaError):  # 'inf' overflows int(); 'nan' and words are not numbers
         tokens = None
     if tokens is None or tokens <= 0:
         raise DoflaError(

@@ -36,16 +36,6 @@ TENSORS_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "state.json"
 _CHECKPOINT_NAME = re.compile(r"step-\d{8}")
-_STATE_KEYS = (
-    "fingerprint",
-    "step",
-    "lr_scale",
-    "bad_in_a_row",
-    "skipped",
-    "history",
-    "best_val",
-    "evals_since_best",
-)
 
 
 def save_checkpoint(
@@ -129,10 +119,18 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict[str
         raise DoflaError(
             f"could not read the checkpoint {path} ({reason}); it is damaged: start over with --overwrite."
         ) from None
-    missing = [key for key in _STATE_KEYS if not isinstance(state, dict) or key not in state]
+    if not isinstance(state, dict):
+        raise DoflaError(
+            f"{path / STATE_FILE} is not a JSON object; it is damaged: start over with --overwrite."
+        )
+    return tensors, optimizer_state, state
+
+
+def check_state(path: Path, state: dict, keys: tuple[str, ...]) -> None:
+    """Refuse a checkpoint whose state lacks one of ``keys`` (a damaged or foreign file)."""
+    missing = [key for key in keys if key not in state]
     if missing:
         raise DoflaError(
             f"the checkpoint {path} lacks {missing[0]!r} in {STATE_FILE}; it is damaged: start over with "
             "--overwrite."
         )
-    return tensors, optimizer_state, state

@@ -29,7 +29,7 @@ from torch import nn
 
 from dofla import dispatch
 from dofla.distill import distributed
-from dofla.distill.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dofla.distill.checkpoint import check_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from dofla.distill.hidden_store import TeacherStates, open_teacher_states, teacher_forced_step_from_states
 from dofla.distill.losses import LOSSES, direct_loss
 from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
@@ -41,6 +41,17 @@ from dofla.outputs import remove_known_files
 CONFIG_FILE = "distill_config.json"
 LOG_FILE = "log.jsonl"
 CHECKPOINT_FOLDER = "checkpoints"
+# What a checkpoint's state.json holds (see ``save`` in :func:`distill`).
+_STATE_KEYS = (
+    "fingerprint",
+    "step",
+    "lr_scale",
+    "bad_in_a_row",
+    "skipped",
+    "history",
+    "best_val",
+    "evals_since_best",
+)
 # Fields that do not change the result, so a resumed run may differ in them.
 _NOT_IN_FINGERPRINT = ("progress", "checkpoint_every")
 
@@ -317,6 +328,7 @@ def distill(
     if resume:
         latest = latest_checkpoint(checkpoints)
         tensors, optimizer_state, state = load_checkpoint(latest)
+        check_state(latest, state, _STATE_KEYS)
         if state["fingerprint"] != fingerprint:
             raise DoflaError(
                 f"the checkpoint in {checkpoints} belongs to a different run (other settings, plan or data); "
@@ -484,7 +496,8 @@ def check_run_folder(run_dir: Path | None, resume: bool) -> None:
     latest = latest_checkpoint(run_dir / CHECKPOINT_FOLDER)
     if resume and latest is None:
         raise DoflaError(
-            f"--resume: there is no checkpoint in {run_dir / CHECKPOINT_FOLDER}; run without --resume to start."
+            f"--resume: no checkpoint in {run_dir / CHECKPOINT_FOLDER} to continue from; run without --resume to "
+            "start."
         )
     log = run_dir / LOG_FILE
     if not resume and (latest is not None or (log.is_file() and log.stat().st_size > 0)):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dofla.errors import DoflaError
+from dofla.io import remove_stale_temporaries, temporary_prefix
 from dofla.models.adapters import ArchitectureAdapter, get_adapter, supported_model_types
 
 DEFAULT_TEACHER = "smollm2-135m"
@@ -103,7 +104,7 @@ def _damage_advice(where: str) -> str:
     """What to do about damaged files in ``where``: dofla's own cache is rebuilt, other files fetched again."""
     if Path(where).expanduser().resolve().is_relative_to(cache_root().expanduser().resolve()):
         return f"it is dofla's cached copy: delete {where} and run again to rebuild it"
-    return "re-download or re-save them"
+    return "re-download or re-save the model"
 
 
 def _from_pretrained(load, where: str, **kwargs):
@@ -114,7 +115,7 @@ def _from_pretrained(load, where: str, **kwargs):
         return load(trust_remote_code=False, **kwargs)
     except SafetensorError as error:
         raise DoflaError(
-            f"the weights in {where} are corrupt or truncated ({error}); {_damage_advice(where)}."
+            f"the weights in {where} are corrupt or truncated ({error}): {_damage_advice(where)}."
         ) from None
     except (OSError, ValueError, KeyError, EOFError, RuntimeError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -140,7 +141,7 @@ def _check_loading_info(info: dict, where: str) -> None:
     if parts:
         raise DoflaError(
             f"the weights in {where} do not match the model its config.json describes: {'; '.join(parts)}; "
-            f"the folder is incomplete or mixed, {_damage_advice(where)}."
+            f"the folder is incomplete or mixed: {_damage_advice(where)}."
         )
 
 
@@ -231,7 +232,8 @@ def _load_gguf_cached(gguf_path: Path, name: str, dtype: torch.dtype):
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    remove_stale_temporaries(target.parent, name)  # a staging folder of a process killed while caching
+    staging = Path(tempfile.mkdtemp(prefix=temporary_prefix(name), suffix=".tmp", dir=target.parent))
     try:
         model.save_pretrained(staging)
         if tokenizer is not None:
