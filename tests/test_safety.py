@@ -415,3 +415,23 @@ def test_a_lock_file_left_by_a_killed_process_does_not_block(tmp_path):
     with output_lock(tmp_path / "out"):
         assert (tmp_path / ".out.dofla-lock").read_text() == f"{os.getpid()}\n"
     assert time.monotonic() - started < 1 and not (tmp_path / ".out.dofla-lock").exists()
+
+
+def test_the_demo_continues_its_own_interrupted_run_and_says_so(tmp_path, capsys, monkeypatch):
+    import dofla.pipeline
+
+    seen = []
+
+    def stop(config, **kwargs):
+        seen.append((config.resume, config.overwrite))
+        raise DoflaError("stopped here")
+
+    monkeypatch.setattr(dofla.pipeline, "linearize", stop)
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out)]) == 1  # a fresh folder: a fresh run
+    (out / "distill" / "checkpoints").mkdir(parents=True)
+    (out / "distill" / "checkpoints" / "latest.json").write_text('{"step": 10, "folder": "step-00000010"}')
+    assert main(["demo", "--out", str(out)]) == 1
+    assert f"continuing the demo run in {out} (pass --overwrite to start over)" in capsys.readouterr().out
+    assert main(["demo", "--out", str(out), "--overwrite"]) == 1
+    assert seen == [(False, False), (True, False), (False, True)]

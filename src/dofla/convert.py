@@ -32,7 +32,7 @@ from dofla.attention import LinearAttention
 from dofla.cache import attach_cache_layer
 from dofla.config import ConversionPlan, LayerPlan
 from dofla.errors import DoflaError
-from dofla.io import save_safetensors_atomic, write_text_atomic
+from dofla.io import save_safetensors_atomic, to_json, write_text_atomic
 
 PLAN_FILE = "dofla_plan.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -390,7 +390,7 @@ def save_converted(
             save_safetensors_atomic(tensors, temporary / record["weights"], metadata={"format": "pt"})
             if tokenizer is not None:
                 tokenizer.save_pretrained(temporary)
-            write_text_atomic(temporary / PLAN_FILE, json.dumps(record, indent=2) + "\n")
+            write_text_atomic(temporary / PLAN_FILE, to_json(record, indent=2) + "\n")
             outputs.write_marker(
                 temporary, MODEL_KIND, files=sorted(item.name for item in temporary.iterdir())
             )

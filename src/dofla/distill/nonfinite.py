@@ -67,12 +67,12 @@ class NonFinitePolicy:
         loss: float,
         grad_norm: float,
         layer: Callable[[], int | None] | None = None,
-        kept: str = "nothing was saved",
+        kept: Callable[[], str] | None = None,
     ) -> bool:
         """True when step ``step`` (counted from 1) may update the weights; else skip it as the policy says.
 
         layer: called only for a bad step, gives the layer where the values first went non-finite;
-        kept: what survives when the stage stops (e.g. "the checkpoint of step 40 is kept").
+        kept: called only when the stage stops, says what survives (default "nothing was saved").
         """
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.bad_in_a_row = 0
@@ -85,7 +85,7 @@ class NonFinitePolicy:
         if self.bad_in_a_row >= self.max_bad_steps:
             raise DoflaError(
                 f"{where}: {self.bad_in_a_row} steps in a row had a non-finite loss or gradient (loss {loss}, "
-                f"gradient norm {grad_norm}); stopping, {kept}: {self.advice}."
+                f"gradient norm {grad_norm}); stopping, {kept() if kept else 'nothing was saved'}: {self.advice}."
             )
         warnings.warn(
             f"{where}: loss {loss} / gradient norm {grad_norm} is not finite; step skipped, learning rate "

@@ -427,7 +427,7 @@ def distill(
                 return layer
             return first_nonfinite_output_layer(model, batch)
 
-        if policy.accept(step + 1, loss, float(grad_norm), bad_layer, kept=_kept_checkpoint(checkpoints)):
+        if policy.accept(step + 1, loss, float(grad_norm), bad_layer, lambda: _kept_checkpoint(checkpoints)):
             optimizer.step()
         else:  # skipped: no update (the policy lowered the learning rate)
             optimizer.zero_grad(set_to_none=True)
