@@ -270,7 +270,8 @@ def test_linearize_options_are_checked_before_loading(tmp_path, capsys, argument
         (["dof", NOT_LOADED, "--sequences", "-1"], "--sequences must be at least 1, got -1"),
         (["dof", NOT_LOADED, "--device", "tpu"], "unknown device 'tpu'"),
         (["evaluate", NOT_LOADED, "--sequences", "-1"], "--sequences must be at least 1, got -1"),
-        (["evaluate", NOT_LOADED, "--device", "tpu"], "unknown device 'tpu'"),
+        (["evaluate", NOT_LOADED, "--passkey", "64", "--device", "tpu"], "unknown device 'tpu'"),
+        (["evaluate", NOT_LOADED], "nothing to evaluate: give --data"),
         (
             ["evaluate", NOT_LOADED, "--passkey", "long"],
             "--passkey must be comma-separated positive token counts",

@@ -63,6 +63,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DoflaError(
             f"--passkey must be comma-separated positive token counts like 1024,4096, got {args.passkey!r}."
         )
+    if not (args.data or args.tasks.strip(",") or lengths):
+        raise DoflaError("nothing to evaluate: give --data, --tasks with --tasks-dir, or --passkey.")
+    if args.tasks.strip(",") and not args.tasks_dir:
+        raise DoflaError("zero-shot tasks need --tasks-dir, the folder holding the task files.")
     check_device_and_dtype(args)
     if args.json_out:
         check_output_file(args.json_out, "--json")
