@@ -173,9 +173,15 @@ def test_non_finite_loss_skips_the_step_then_stops(tmp_path, monkeypatch):
         return loss * float("nan") if calls["count"] in (3, 4) else loss  # step 2 (2 layers per step)
 
     monkeypatch.setattr(teacher_forcing, "layer_loss", sometimes_nan)
-    with pytest.warns(UserWarning, match="step 1: loss nan"):
+    with pytest.warns(UserWarning, match="distillation stage, layer 0, step 2: loss nan"):
         result = distill(model, token_data(), token_data(8, seed=1), quick_config(), tmp_path)
     assert result.skipped_steps == 1 and result.steps == 12
+    # the log stays valid JSON: the skipped step's loss is null, not a bare NaN
+    log = [
+        json.loads(line, parse_constant=pytest.fail)
+        for line in (tmp_path / "log.jsonl").read_text().splitlines()
+    ]
+    assert [record["loss"] for record in log if record["step"] == 2 and "loss" in record] == [None]
     lrs = [record["lr_factor"] for record in result.history if "lr_factor" in record]
     assert lrs[2] == pytest.approx(learning_rate_factor(2, 12, quick_config()) * 0.5)
 

@@ -227,6 +227,12 @@ def test_gguf_file_is_dequantised_once_then_read_from_the_cache(tmp_path, monkey
     (cached,) = (tmp_path / "cache" / "teachers").iterdir()
     assert (cached / "model.safetensors").is_file()
     assert not [item for item in cached.parent.iterdir() if item.name.startswith(".")]  # no staging left
+    weights = (cached / "model.safetensors").read_bytes()
+    (cached / "model.safetensors").write_bytes(
+        weights[: len(weights) // 2]
+    )  # a damaged cache, not a download
+    with pytest.raises(DoflaError, match=f"it is dofla's cached copy: delete {cached}"):
+        load_teacher(str(path), device="cpu")
     damaged = tmp_path / "damaged.gguf"
     damaged.write_bytes(path.read_bytes()[:2000])
     with pytest.raises(DoflaError, match="corrupt or truncated GGUF"):

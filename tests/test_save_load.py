@@ -37,6 +37,7 @@ def test_reload_gives_identical_logits(family, tmp_path):
     expected = model(tokens()).logits
     save_converted(model, tmp_path / "out", extra_metadata={"teacher": "tiny"})
     assert sorted(path.name for path in (tmp_path / "out").iterdir()) == [
+        ".dofla",  # the marker: a folder dofla wrote, with the list of its files
         "config.json",
         PLAN_FILE,
         "model.safetensors",
@@ -112,16 +113,22 @@ def test_student_only_folder_needs_the_right_teacher(tmp_path):
     assert teacher_fingerprint(teacher) != teacher_fingerprint(tiny_model("llama", seed=1))
 
 
-def test_saving_over_an_existing_folder_replaces_it_whole(tmp_path):
+def test_saving_over_an_existing_model_needs_overwrite_and_keeps_foreign_files(tmp_path):
     first = tiny_model("llama")
     convert(first, PLANS["linear"](first))
     save_converted(first, tmp_path / "out")
-    (tmp_path / "out" / "stale.txt").write_text("old")
     second = tiny_model("llama", seed=3)
     convert(second, PLANS["hybrid"](second))
-    save_converted(second, tmp_path / "out")
-    assert not (tmp_path / "out" / "stale.txt").exists()
-    assert [path.name for path in tmp_path.iterdir()] == ["out"]
+    with pytest.raises(DoflaError, match="already holds a converted model; pass --overwrite"):
+        save_converted(second, tmp_path / "out")
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(DoflaError, match=r"holds files dofla did not write \(notes.txt\)"):
+        save_converted(second, tmp_path / "out", overwrite=True)
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    assert load_converted(tmp_path / "out")[2].layers[0].kind == "linear"  # the first model, untouched
+    (tmp_path / "out" / "notes.txt").unlink()
+    save_converted(second, tmp_path / "out", overwrite=True)  # replaced whole, atomically
+    assert [path.name for path in tmp_path.iterdir()] == ["out"]  # no temporary folder or lock left behind
     loaded, _, plan = load_converted(tmp_path / "out")
     assert plan.layers[0].kind == "hybrid"
 
@@ -191,11 +198,10 @@ def test_convert_command_end_to_end(tmp_path, capsys):
         torch.testing.assert_close(loaded(tokens()).logits, teacher(tokens()).logits, rtol=1e-5, atol=1e-5)
     wrong = plan_for(tiny_model("gpt2"), feature_dim=4)
     wrong.save(tmp_path / "wrong.json")
-    assert (
-        main(["convert", str(teacher_folder), "--plan", str(tmp_path / "wrong.json"), "--out", str(out)]) == 1
-    )
+    again = ["convert", str(teacher_folder), "--out", str(out), "--overwrite"]
+    assert main([*again, "--plan", str(tmp_path / "wrong.json")]) == 1
     assert "different model" in capsys.readouterr().err
-    assert main(["convert", str(teacher_folder), "--layers", "0,7", "--out", str(out)]) == 1
+    assert main([*again, "--layers", "0,7"]) == 1
     assert "layer 7 does not exist" in capsys.readouterr().err
     assert main(["convert", str(teacher_folder), "--out", str(tmp_path / "student"), "--student-only"]) == 0
     capsys.readouterr()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -32,11 +33,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_libraries() -> None:
-    """Keep library progress bars and warnings for --debug; dofla prints its own progress."""
+    """Keep library progress bars and warnings for --debug; dofla prints its own progress, and its own
+    warnings (e.g. a skipped non-finite training step) as one line without the source line."""
+    import warnings
+
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()
+    if getattr(warnings.formatwarning, "_dofla", False):
+        return
+    plain = warnings.formatwarning
+
+    def formatted(message, category, filename, lineno, line=None) -> str:
+        if category is UserWarning and f"{os.sep}dofla{os.sep}" in str(filename):
+            return f"dofla: warning: {message}\n"
+        return plain(message, category, filename, lineno, line)
+
+    formatted._dofla = True
+    warnings.formatwarning = formatted
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from dofla.cache import attach_cache_layer
 from dofla.cells import build_student
 from dofla.config import ConversionPlan, LayerPlan
 from dofla.errors import DoflaError
-from dofla.io import save_safetensors_atomic, write_text_atomic
+from dofla.io import save_safetensors_atomic, to_json, write_text_atomic
 
 PLAN_FILE = "dofla_plan.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -267,6 +267,71 @@ def _deduplicated(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
     return kept, aliases
 
 
+MODEL_KIND = "converted model"  # the kind in the marker of a saved folder (dofla.outputs)
+
+
+def teacher_architecture(model: nn.Module) -> dict[str, Any]:
+    """The shape facts that tell teachers apart (recorded at saving time, compared by :func:`check_teacher`)."""
+    from dofla.models import get_adapter
+
+    adapter = get_adapter(model)
+    config = model.config.get_text_config(decoder=True)
+    return {
+        "model_type": str(adapter.model_type),
+        "num_layers": int(adapter.num_layers),
+        "num_heads": int(adapter.num_heads),
+        "num_kv_heads": int(adapter.num_kv_heads),
+        "head_dim": int(adapter.head_dim),
+        "hidden_size": int(adapter.hidden_size),
+        "vocab_size": int(getattr(config, "vocab_size", 0) or 0),
+    }
+
+
+def check_finite_model(
+    model: nn.Module, input_ids: torch.Tensor | None = None, what: str = "the model"
+) -> None:
+    """Refuse a model whose weights, or whose logits on ``input_ids`` (B, T), hold NaN or infinite values."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise DoflaError(
+                f"{what} holds NaN or infinite values (first in {name}); it was not saved: lower the learning "
+                "rate and train again."
+            )
+    if input_ids is None or len(input_ids) == 0:
+        return
+    with torch.no_grad():
+        logits = model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False).logits
+    if not bool(torch.isfinite(logits).all()):
+        raise DoflaError(
+            f"{what} gives NaN or infinite logits on held-out text; it was not saved: lower the learning rate "
+            "(--lr, --lora-lr) and train again."
+        )
+
+
+def check_model_folder(out_dir: str | Path, *, overwrite: bool, inputs=()) -> Path:
+    """Refuse, before any work, a folder :func:`save_converted` must not write; returns it resolved.
+
+    It must be new, empty, or (with ``overwrite``) a converted model holding only the files dofla wrote;
+    see :func:`dofla.outputs.check_output_folder` for the rest (inputs, files, other dofla outputs).
+    """
+    from dofla import outputs
+
+    out_dir = outputs.check_output_folder(out_dir, MODEL_KIND, inputs=inputs)
+    if out_dir.is_dir() and outputs.user_entries(out_dir):
+        if not overwrite:
+            raise DoflaError(
+                f"{out_dir} already holds a converted model; pass --overwrite to replace it, or choose another "
+                "folder."
+            )
+        foreign = outputs.foreign_files(out_dir)
+        if foreign:
+            raise DoflaError(
+                f"{out_dir} holds files dofla did not write ({', '.join(foreign[:3])}); move them away and "
+                "save again."
+            )
+    return out_dir
+
+
 def save_converted(
     model: nn.Module,
     out_dir: str | Path,
@@ -274,21 +339,28 @@ def save_converted(
     tokenizer=None,
     extra_metadata: dict[str, Any] | None = None,
     student_only: bool = False,
+    overwrite: bool = False,
+    teacher_weights: str | None = None,
 ) -> Path:
     """Write a converted model to ``out_dir`` atomically (a temporary sibling folder renamed into place).
 
     extra_metadata goes into the saved plan's ``metadata`` (e.g. ``{"teacher": "smollm2-135m"}``, which
-    ``load_converted`` uses to find the teacher of a student-only folder). An existing ``out_dir`` is
-    replaced only once the new folder is complete.
+    ``load_converted`` uses to find the teacher of a student-only folder). ``out_dir`` must be new, empty,
+    or (with ``overwrite``) a converted model saved by dofla holding only the files dofla wrote; it is
+    replaced only once the new folder is complete. A model with NaN or infinite values is refused.
+    teacher_weights: the teacher's :func:`teacher_fingerprint` before any training of its own weights (a
+    LoRA stage changes them); default: that of ``model``'s non-dofla weights.
     """
+    from dofla import outputs
+    from dofla.io import remove_stale_temporaries, temporary_prefix
+
     plan: ConversionPlan | None = getattr(model, "dofla_plan", None)
     if plan is None:
         raise DoflaError(
             "this model is not converted; convert it with dofla.convert.convert(model, plan) first."
         )
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DoflaError(f"{out_dir} exists and is not a folder; choose another --out.")
+    given, out_dir = Path(out_dir), check_model_folder(out_dir, overwrite=overwrite)
+    check_finite_model(model)
     saved_plan = ConversionPlan.from_dict(plan.to_dict())
     saved_plan.metadata = {**saved_plan.metadata, **(extra_metadata or {})}
     state = model.state_dict()
@@ -296,40 +368,56 @@ def save_converted(
     if student_only:
         tensors = {name: tensor for name, tensor in tensors.items() if _is_student_key(name)}
         aliases = {}
+    fingerprint = teacher_fingerprint(model)
     record = {
         "format": SAVE_FORMAT,
         "student_only": bool(student_only),
         "weights": STUDENT_WEIGHTS_FILE if student_only else WEIGHTS_FILE,
-        "teacher_fingerprint": teacher_fingerprint(model),
+        "teacher_fingerprint": fingerprint,
         "teacher": saved_plan.metadata.get("teacher") or getattr(model.config, "_name_or_path", "") or None,
+        "teacher_architecture": teacher_architecture(model),
+        "teacher_weights": teacher_weights or fingerprint,
         "tied_weights": aliases,
         "plan": saved_plan.to_dict(),
     }
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        model.config.save_pretrained(temporary)
-        save_safetensors_atomic(tensors, temporary / record["weights"], metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(temporary)
-        write_text_atomic(temporary / PLAN_FILE, json.dumps(record, indent=2) + "\n")
-        # temporary files and folders are private; the saved model gets ordinary permissions
-        for item in temporary.iterdir():
-            item.chmod(0o666 & ~umask)
-        temporary.chmod(0o777 & ~umask)
-        if out_dir.exists():  # replace: move the old folder aside first so one complete folder always exists
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
-            os.replace(out_dir, old / out_dir.name)
-            os.replace(temporary, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(temporary, out_dir)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
-    return out_dir
+    with outputs.output_lock(out_dir):
+        check_model_folder(out_dir, overwrite=overwrite)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out_dir.parent, out_dir.name)
+        remove_stale_temporaries(out_dir)
+        temporary = Path(
+            tempfile.mkdtemp(prefix=temporary_prefix(out_dir.name), suffix=".tmp", dir=out_dir.parent)
+        )
+        umask = os.umask(0)
+        os.umask(umask)
+        try:
+            model.config.save_pretrained(temporary)
+            save_safetensors_atomic(tensors, temporary / record["weights"], metadata={"format": "pt"})
+            if tokenizer is not None:
+                tokenizer.save_pretrained(temporary)
+            write_text_atomic(temporary / PLAN_FILE, to_json(record, indent=2) + "\n")
+            outputs.write_marker(
+                temporary, MODEL_KIND, files=sorted(item.name for item in temporary.iterdir())
+            )
+            # temporary files and folders are private; the saved model gets ordinary permissions
+            for item in temporary.iterdir():
+                item.chmod(0o666 & ~umask)
+            temporary.chmod(0o777 & ~umask)
+            if (
+                out_dir.exists()
+            ):  # replace: move the old folder aside first so one complete folder always exists
+                old = Path(
+                    tempfile.mkdtemp(prefix=temporary_prefix(out_dir.name), suffix=".old", dir=out_dir.parent)
+                )
+                os.replace(out_dir, old / out_dir.name)
+                os.replace(temporary, out_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(temporary, out_dir)
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+    return given
 
 
 def read_record(path: str | Path) -> dict[str, Any]:
@@ -341,14 +429,47 @@ def read_record(path: str | Path) -> dict[str, Any]:
             f"{path} is not a converted dofla model (no {PLAN_FILE}); make one with `dofla convert`."
         )
     try:
-        record = json.loads(record_file.read_text())
-    except json.JSONDecodeError as error:
+        record = json.loads(record_file.read_text(encoding="utf-8"))
+    except ValueError as error:  # invalid JSON or not UTF-8
         raise DoflaError(f"{record_file} is not valid JSON ({error}); convert the model again.") from None
     if not isinstance(record, dict) or "plan" not in record or record.get("format") != SAVE_FORMAT:
         raise DoflaError(
             f"{record_file} is not a dofla save of format {SAVE_FORMAT}; convert the model again with this dofla."
         )
+    if record.get("weights") not in (WEIGHTS_FILE, STUDENT_WEIGHTS_FILE):  # never a path out of the folder
+        raise DoflaError(
+            f"{record_file} names the weights file {record.get('weights')!r}, which is neither {WEIGHTS_FILE} "
+            f"nor {STUDENT_WEIGHTS_FILE}; the folder is damaged: convert the model again."
+        )
     return record
+
+
+def check_teacher(path: str | Path, teacher: nn.Module, student: nn.Module | None = None) -> None:
+    """Refuse a teacher that is not the one the converted folder ``path`` was made from, naming what differs.
+
+    The architecture recorded at saving time (or, for older folders, that of ``student``) is compared field
+    by field, then the teacher's weights fingerprint where one was recorded.
+    """
+    record = read_record(path)
+    recorded = record.get("teacher_architecture")
+    if recorded is None and student is not None:
+        recorded = teacher_architecture(student)
+    given = teacher_architecture(teacher)
+    named = record.get("teacher") or "the recorded one"
+    for field, value in (recorded or {}).items():
+        if given.get(field) != value:
+            raise DoflaError(
+                f"the teacher is not the model {path} was converted from: its {field} is {given.get(field)}, "
+                f"the recorded teacher's is {value}; pass that teacher ({named}) or --any-teacher to compare "
+                "anyway."
+            )
+    weights = record.get("teacher_weights")
+    if weights and teacher_fingerprint(teacher) != weights:
+        raise DoflaError(
+            f"the teacher is not the model {path} was converted from: same architecture but other weights "
+            f"(teacher_weights fingerprint differs); pass that teacher ({named}) or --any-teacher to compare "
+            "anyway."
+        )
 
 
 def _parse_dtype(dtype) -> torch.dtype | None:
@@ -462,7 +583,9 @@ def load_converted(path: str | Path, *, teacher=None, dtype=None, device=None):
                 f"the teacher given is not the one {path} was converted from (fingerprint mismatch)."
             )
     if torch_dtype is not None or device is not None:
-        model.to(device=device, dtype=torch_dtype)
+        from dofla.models.loading import resolve_device
+
+        model.to(device=resolve_device(device) if device is not None else None, dtype=torch_dtype)
     if tokenizer is None and any(
         (path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
     ):

@@ -29,8 +29,25 @@ TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
 _ALPACA_FIELDS = ("instruction", "input", "output")
 
 
+def _read_text(path: Path) -> str:
+    """The file's text; binary or non-UTF-8 content is refused with the offending position."""
+    raw = path.read_bytes()
+    nul = raw.find(bytes(1))
+    if nul >= 0:
+        raise DoflaError(
+            f"{path} holds a NUL byte at offset {nul}: it is binary data, not text; give a UTF-8 text file."
+        )
+    try:
+        return raw.decode("utf-8-sig")  # a leading byte-order mark is dropped
+    except UnicodeDecodeError as error:
+        raise DoflaError(
+            f"{path} is not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {error.start}); convert it "
+            "to UTF-8, e.g. with iconv."
+        ) from None
+
+
 def _read_txt(path: Path) -> list[str]:
-    text = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
+    text = _read_text(path).replace("\r\n", "\n")
     lines = text.strip().split("\n")
     if any(not line.strip() for line in lines):  # a blank line between documents: blocks
         blocks, current = [], []
@@ -48,21 +65,20 @@ def _read_txt(path: Path) -> list[str]:
 
 def _read_jsonl(path: Path) -> list[str]:
     texts = []
-    with open(path, encoding="utf-8") as stream:
-        for number, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DoflaError(
-                    f"{path} line {number} is not valid JSON ({error.msg}); fix that line."
-                ) from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise DoflaError(
-                    f'{path} line {number} has no string "text" field; every line must be {{"text": "..."}}.'
-                )
-            texts.append(record["text"])
+    for number, line in enumerate(_read_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DoflaError(
+                f"{path} line {number} is not valid JSON ({error.msg}); fix that line."
+            ) from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise DoflaError(
+                f'{path} line {number} has no string "text" field; every line must be {{"text": "..."}}.'
+            )
+        texts.append(record["text"])
     return texts
 
 
@@ -83,7 +99,7 @@ def _record_text(record: object, path: Path, index: int) -> str:
 
 def _read_json(path: Path) -> list[str]:
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
+        records = json.loads(_read_text(path))
     except json.JSONDecodeError as error:
         raise DoflaError(
             f"{path} is not valid JSON ({error.msg} at line {error.lineno}); fix the file."
@@ -189,11 +205,13 @@ def sample_teacher_texts(
     *,
     batch_size: int = 8,
     temperature: float = 1.0,
+    progress: bool = False,
 ) -> list[str]:
     """Texts sampled from the teacher itself, starting from its begin-of-text token.
 
     Cached in ``cache_dir`` (default ``$DOFLA_CACHE/samples``) as JSONL named by a hash of the model and
-    the settings; a second call with the same settings reads the file instead of sampling.
+    the settings; a second call with the same settings reads the file instead of sampling (a damaged
+    cache file is sampled again). ``progress`` shows a bar over the texts.
     """
     from dofla.models.loading import cache_root
 
@@ -211,16 +229,26 @@ def sample_teacher_texts(
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     cache_path = Path(cache_dir or cache_root() / "samples") / f"teacher-samples-{key}.jsonl"
     if cache_path.is_file():
-        return [
-            json.loads(line)["text"] for line in cache_path.read_text(encoding="utf-8").splitlines() if line
-        ]
+        try:
+            return [
+                json.loads(line)["text"]
+                for line in cache_path.read_text(encoding="utf-8").split("\n")
+                if line
+            ]
+        except (ValueError, KeyError, TypeError):  # a damaged cache file: dofla's own, so sample again
+            pass
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if start is None:
         raise DoflaError(
             "the tokenizer has neither a begin- nor an end-of-text token to start sampling from."
         )
+    from tqdm import tqdm
+
     device = next(model.parameters()).device
     texts: list[str] = []
+    bar = tqdm(
+        total=num_texts, disable=not progress, unit="text", desc="sampling text from the teacher", leave=False
+    )
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         torch.manual_seed(seed)
         while len(texts) < num_texts:
@@ -237,6 +265,8 @@ def sample_teacher_texts(
                 pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else start,
             )  # (B, 1 + new)
             texts.extend(tokenizer.batch_decode(generated[:, 1:], skip_special_tokens=True))
+            bar.update(count)
+    bar.close()
     lines = "".join(json.dumps({"text": text}) + "\n" for text in texts)
     write_text_atomic(cache_path, lines)
     return texts

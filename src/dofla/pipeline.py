@@ -9,7 +9,6 @@ Held-out perplexity is measured on sequences split off before training and never
 from __future__ import annotations
 
 import copy
-import json
 import math
 import shlex
 import sys
@@ -23,7 +22,7 @@ import torch
 from dofla.errors import DoflaError
 from dofla.evaluation.long_context import long_context_markdown, long_context_quality, plot_loss_by_position
 from dofla.evaluation.passkey import passkey_comparison, passkey_markdown
-from dofla.io import write_atomic, write_text_atomic
+from dofla.io import write_atomic, write_json_atomic, write_text_atomic
 
 RECIPES: dict[str, dict[str, Any]] = {
     # the DoF paper: learnable PRF per layer, DoF-allocated dimensions, softmax-CE loss, no LoRA
@@ -101,6 +100,7 @@ class LinearizeConfig:
     dtype: str | None = None
     device: str | None = None
     resume: bool = False
+    overwrite: bool = False  # discard an earlier run in out_dir (only the files dofla wrote) and start over
     progress: bool = True
     command: str | None = None
     overrides: list[str] = field(default_factory=list)  # fields set explicitly: a recipe never changes them
@@ -414,6 +414,57 @@ def plan_table(plan) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ the job
 
 
+RUN_KIND = "linearize run"  # the kind in the marker of a run folder (dofla.outputs)
+RUN_FILES = ("plan.json", "result.json", "report.md", "loss_curves.png")  # beside model/ and distill/
+
+
+def open_run_folder(config: LinearizeConfig) -> Path:
+    """Check, before any work, every setting and the output folder; claim the folder. Call under its lock.
+
+    An earlier run there is continued with ``resume`` or discarded with ``overwrite`` (only the files dofla
+    wrote go), never silently; ``resume`` without a checkpoint is refused here, not after hours of work.
+    """
+    from dofla import outputs
+    from dofla.convert import MODEL_KIND
+    from dofla.distill.trainer import check_run_folder, discard_run
+
+    distill_config_for(config).validate()
+    if config.lora:
+        lora_config_for(config).validate()
+    if config.resume and config.overwrite:
+        raise DoflaError("--resume continues the run in --out and --overwrite discards it; pass only one.")
+    out_dir = Path(config.out_dir)
+    run_dir = out_dir / "distill"
+    if config.overwrite and out_dir.is_dir():
+        if (out_dir / "model").exists():
+            outputs.remove_tree_if_ours(out_dir / "model", MODEL_KIND)
+        outputs.remove_known_files(out_dir, RUN_FILES)
+        discard_run(run_dir)
+    finished = [name for name in ("model", *RUN_FILES) if (out_dir / name).exists()]
+    check_run_folder(run_dir, config.resume)
+    if finished and not config.resume:
+        raise DoflaError(
+            f"{out_dir} holds an earlier run ({finished[0]}); pass --resume to continue it, --overwrite to "
+            "discard it and start over, or choose another --out."
+        )
+    outputs.claim_output_folder(out_dir, RUN_KIND)
+    outputs.remove_stale_temporaries(out_dir)  # e.g. a model half-written when a run was killed
+    return out_dir
+
+
+def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences) -> None:
+    """What needs the loaded teacher but not the expensive work: its tokenizer and the LoRA targets."""
+    from dofla.distill.lora import check_targets
+
+    if sequences is None and tokenizer is None:
+        raise DoflaError(
+            f"the teacher {config.model} has no usable tokenizer, which reading --data or sampling text needs; "
+            "add its tokenizer files to the model folder."
+        )
+    if config.lora:
+        check_targets(teacher, config.lora_targets)
+
+
 def linearize(
     config: LinearizeConfig, *, teacher=None, tokenizer=None, sequences: torch.Tensor | None = None
 ) -> LinearizeResult:
@@ -421,17 +472,27 @@ def linearize(
 
     teacher/tokenizer: an already loaded model (else ``dofla.models.load_teacher(config.model)``);
     sequences (N, T): already packed token ids (else read from ``config.data`` or sampled from the teacher).
+    ``out_dir`` must be new, empty, or an earlier run (see :func:`open_run_folder`); it is locked for the run.
     """
-    from dofla.convert import convert, save_converted, students
-    from dofla.distill.lora import train_lora
-    from dofla.distill.trainer import distill
+    from dofla import outputs
 
     config.apply_recipe()
     config.validate()
-    out_dir = Path(config.out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise DoflaError(f"{out_dir} exists and is not a folder; choose another --out.")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    inputs = [config.data] + ([config.model] if teacher is None else [])
+    outputs.check_output_folder(config.out_dir, RUN_KIND, inputs=inputs)
+    with outputs.output_lock(config.out_dir):
+        out_dir = open_run_folder(config)
+        return _run_stages(config, out_dir, teacher=teacher, tokenizer=tokenizer, sequences=sequences)
+
+
+def _run_stages(
+    config: LinearizeConfig, out_dir: Path, *, teacher, tokenizer, sequences: torch.Tensor | None
+) -> LinearizeResult:
+    """The stages of :func:`linearize`, in its checked and locked ``out_dir``."""
+    from dofla.convert import check_finite_model, convert, save_converted, students, teacher_fingerprint
+    from dofla.distill.lora import train_lora
+    from dofla.distill.trainer import distill
+
     timings: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -449,6 +510,8 @@ def linearize(
         teacher, tokenizer = loaded.model, loaded.tokenizer
     teacher.eval()
     lap("load teacher")
+    check_teacher_for_run(config, teacher, tokenizer, sequences)
+    teacher_weights = teacher_fingerprint(teacher) if config.lora else None  # LoRA changes its weights
 
     limit = context_length(teacher)
     if limit is not None and config.seq_len > limit:
@@ -500,6 +563,7 @@ def linearize(
         history.extend(lora_result.history)
         lap("lora")
 
+    check_finite_model(model, heldout[: config.batch_size], what="the trained student")  # never save NaN
     quality = long_context_quality(
         reference,
         model,
@@ -535,6 +599,8 @@ def linearize(
         out_dir / "model",
         tokenizer=tokenizer,
         extra_metadata={"teacher": config.model, "recipe": config.recipe or "custom"},
+        overwrite=True,  # this run's own model (the folder was checked when the run started)
+        teacher_weights=teacher_weights,
     )
     lap("save")
     table = plan_table(plan)
@@ -577,8 +643,8 @@ def linearize(
         timings=timings,
         data_source=data_source,
     )
-    write_text_atomic(out_dir / "plan.json", json.dumps(plan.to_dict(), indent=2) + "\n")
-    write_text_atomic(out_dir / "result.json", json.dumps(summary, indent=2) + "\n")
+    write_json_atomic(out_dir / "plan.json", plan.to_dict())
+    write_json_atomic(out_dir / "result.json", summary)  # valid JSON: a NaN becomes null
     plot_loss_curves(history, out_dir / "loss_curves.png")
     write_report(result, summary, config)
     return result

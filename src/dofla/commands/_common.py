@@ -1,8 +1,10 @@
-"""Arguments shared by several sub-commands."""
+"""Arguments and checks shared by several sub-commands."""
 
 from __future__ import annotations
 
 import argparse
+
+MAX_FEATURE_DIM = 8192  # features per head: far beyond any useful size, well below an out-of-memory crash
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,3 +18,34 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16"
     )
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+
+
+def add_overwrite_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace dofla's own earlier {what} in --out (files dofla did not write are never touched)",
+    )
+
+
+def check_device_and_dtype(args: argparse.Namespace) -> None:
+    """--device and --dtype, checked before anything is loaded."""
+    from dofla.models.loading import resolve_device, resolve_dtype
+
+    resolve_dtype(args.dtype, resolve_device(args.device))
+
+
+def check_at_least(option: str, value: int | float, minimum: int | float) -> None:
+    from dofla.errors import DoflaError
+
+    if not value >= minimum:  # also refuses NaN
+        raise DoflaError(f"{option} must be at least {minimum}, got {value}.")
+
+
+def check_feature_budget(budget: int) -> None:
+    from dofla.errors import DoflaError
+
+    if not 0 < budget <= MAX_FEATURE_DIM:
+        raise DoflaError(
+            f"--budget must be a positive number of features per layer, at most {MAX_FEATURE_DIM}; got {budget}."
+        )

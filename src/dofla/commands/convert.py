@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dofla.commands._common import add_model_arguments
+from dofla.commands._common import add_model_arguments, add_overwrite_argument, check_device_and_dtype
 
 
 def register(subparsers) -> None:
@@ -19,7 +19,12 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--plan", default=None, help="plan JSON (from `dofla dof`); overrides the uniform options"
     )
-    parser.add_argument("--out", required=True, help="output folder (replaced atomically if it exists)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output folder: new or empty (or an earlier converted model with --overwrite)",
+    )
+    add_overwrite_argument(parser, "converted model")
     parser.add_argument(
         "--kind", default="linear", choices=("linear", "hybrid"), help="uniform plan: layer kind"
     )
@@ -60,7 +65,6 @@ def parse_layers(text: str | None) -> list[int] | None:
 
 def run(args: argparse.Namespace) -> int:
     from dofla.config import ConversionPlan
-    from dofla.convert import convert, plan_for, save_converted
     from dofla.errors import DoflaError
     from dofla.feature_maps import FEATURE_MAPS
 
@@ -76,6 +80,17 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.kind == "hybrid" and args.window <= 0:
             raise DoflaError(f"--window must be positive, got {args.window}.")
+    check_device_and_dtype(args)
+    from dofla import outputs
+    from dofla.convert import check_model_folder
+
+    out = check_model_folder(args.out, overwrite=args.overwrite, inputs=[args.model, args.plan])
+    with outputs.output_lock(out):
+        return _convert_and_save(args, plan, layers)
+
+
+def _convert_and_save(args: argparse.Namespace, plan, layers) -> int:
+    from dofla.convert import convert, plan_for, save_converted
     from dofla.models import load_teacher
 
     teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
@@ -97,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer=teacher.tokenizer,
         extra_metadata={"teacher": str(getattr(teacher, "spec", None) or args.model)},
         student_only=args.student_only,
+        overwrite=args.overwrite,
     )
     kinds = [layer.kind for layer in plan.layers]
     print(

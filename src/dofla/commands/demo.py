@@ -18,7 +18,12 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     parser.add_argument(
-        "--resume", action="store_true", help="continue an interrupted demo from its checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue an interrupted demo from its checkpoint (done by itself when --out holds one)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="discard an earlier demo run in --out and start over"
     )
     parser.add_argument(
         "--data",
@@ -38,7 +43,11 @@ def run(args: argparse.Namespace) -> int:
     from dofla.pipeline import demo_config, linearize
 
     config = demo_config(Path(args.out))
-    if args.resume:
+    config.overwrite = args.overwrite
+    checkpoint = Path(args.out) / "distill" / "checkpoints" / "latest.json"
+    if args.resume or (checkpoint.is_file() and not args.overwrite):
+        if not args.resume:
+            print(f"continuing the demo run in {args.out} (pass --overwrite to start over)")
         config.resume = True
     if args.data:
         config.data = args.data

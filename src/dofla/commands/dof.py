@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import json
+import functools
+import math
+import sys
 from pathlib import Path
 
-from dofla.commands._common import add_model_arguments
+from dofla.commands._common import (
+    add_model_arguments,
+    add_overwrite_argument,
+    check_at_least,
+    check_device_and_dtype,
+    check_feature_budget,
+)
+
+DOF_KIND = "dof report"  # the kind in the marker of the output folder (dofla.outputs)
+DOF_FILES = ("plan.json", "dof.json", "dof.md", "*.png")
 
 
 def register(subparsers) -> None:
@@ -39,25 +50,48 @@ def register(subparsers) -> None:
         "--data", default=None, help="calibration text (default: text sampled from the teacher)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--out", required=True, help="output folder (new or empty)")
+    add_overwrite_argument(parser, "plan and report")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from dofla import dof
-    from dofla.data import load_texts, pack_token_sequences, sample_teacher_texts
+    from dofla import dof, outputs
     from dofla.errors import DoflaError
-    from dofla.io import write_text_atomic
-    from dofla.models import load_teacher
-    from dofla.models.loading import cache_root
 
     lambdas = [dof.parse_lambda(text) for text in (args.lambdas or ["2^-4"])]
+    for text, value in zip(args.lambdas or ["2^-4"], lambdas, strict=True):
+        if not math.isfinite(value):
+            raise DoflaError(f"--lambda must be a finite positive number like 2^-4, got {text}.")
     if args.measure not in dof.MEASURES:
         raise DoflaError(f"unknown measure {args.measure!r}; use one of {', '.join(dof.MEASURES)}.")
     if args.allocation not in dof.VARIANTS:
         raise DoflaError(f"unknown allocation {args.allocation!r}; use one of {', '.join(dof.VARIANTS)}.")
-    if args.budget <= 0:
-        raise DoflaError(f"--budget must be a positive number of features per layer, got {args.budget}.")
+    check_feature_budget(args.budget)
+    check_at_least("--sequences", args.sequences, 1)
+    check_at_least("--seq-len", args.seq_len, 2)
+    check_at_least("--num-points", args.num_points, 2)
+    check_at_least("--min-dim", args.min_dim, 1)
+    check_at_least("--keep-softmax", args.keep_softmax, 0)
+    check_device_and_dtype(args)
+    out = outputs.check_output_folder(args.out, DOF_KIND, inputs=[args.model, args.data])
+    if out.is_dir() and outputs.user_entries(out) and not args.overwrite:
+        raise DoflaError(f"{args.out} already holds a DoF report; pass --overwrite to replace it.")
+    with outputs.output_lock(out):
+        return _measure_and_write(args, lambdas)
+
+
+def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
+    from dofla import dof, outputs
+    from dofla.data import load_texts, pack_token_sequences, sample_teacher_texts
+    from dofla.errors import DoflaError
+    from dofla.io import write_json_atomic, write_text_atomic
+    from dofla.models import load_teacher
+    from dofla.models.loading import cache_root
+
+    note = functools.partial(print, file=sys.stderr, flush=True)
+    texts = load_texts(args.data) if args.data else None  # a bad file is refused before loading the model
+    note(f"loading the teacher {args.model}")
     teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
     if args.allocation == "dof_clip" and args.budget > teacher.adapter.head_dim:
         raise DoflaError(
@@ -67,8 +101,12 @@ def run(args: argparse.Namespace) -> int:
     if teacher.tokenizer is None:
         raise DoflaError("the teacher has no tokenizer, which calibration needs.")
     if args.data:
-        texts, source = load_texts(args.data), f"file {args.data}"
+        source = f"file {args.data}"
     else:
+        note(
+            f"sampling {args.sequences} calibration texts of {args.seq_len + 16} tokens from the teacher (no "
+            f"--data given; cached in {cache_root() / 'samples'} for the next run); this can take minutes on a CPU"
+        )
         texts = sample_teacher_texts(
             teacher.model,
             teacher.tokenizer,
@@ -76,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
             args.seq_len + 16,
             seed=args.seed,
             cache_dir=cache_root() / "samples",
+            progress=True,
         )
         source = "text sampled from the teacher (cached)"
     sequences = pack_token_sequences(teacher.tokenizer, texts, args.seq_len)
@@ -85,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
             f"{args.sequences} are needed; give more text, fewer --sequences or a shorter --seq-len."
         )
     batches = list(sequences[: args.sequences].split(4))
+    note(f"capturing q/k on {args.sequences} x {args.seq_len} tokens, then estimating the measure per head")
     estimate = dof.estimate(
         teacher.model,
         batches,
@@ -118,9 +158,11 @@ def run(args: argparse.Namespace) -> int:
         if not (variant == "dof_clip" and args.budget > teacher.adapter.head_dim)
     }
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plan.save(out / "plan.json")
-    write_text_atomic(out / "dof.json", json.dumps(estimate.to_dict(), indent=2) + "\n")
+    if args.overwrite:
+        outputs.remove_known_files(out, DOF_FILES)
+    outputs.claim_output_folder(out, DOF_KIND)
+    write_json_atomic(out / "plan.json", plan.to_dict())
+    write_json_atomic(out / "dof.json", estimate.to_dict())
     table = dof.markdown_table(estimate, allocations)
     notes = "".join(f"\n> {warning}\n" for warning in estimate.warnings)
     header = (

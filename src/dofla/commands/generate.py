@@ -30,12 +30,17 @@ def register(subparsers) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     from dofla.errors import DoflaError
 
+    if not args.prompt.strip():
+        raise DoflaError("--prompt is empty; give some text for the model to continue.")
     if args.max_new_tokens <= 0:
         raise DoflaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}.")
-    if args.sample and args.temperature <= 0:
+    if args.sample and not args.temperature > 0:
         raise DoflaError(f"--temperature must be positive, got {args.temperature}; drop --sample for greedy.")
     if not 0 < args.top_p <= 1:
         raise DoflaError(f"--top-p must lie in (0, 1], got {args.top_p}.")
+    from dofla.commands._common import check_device_and_dtype
+
+    check_device_and_dtype(args)
 
 
 def run(args: argparse.Namespace) -> int:

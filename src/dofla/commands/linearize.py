@@ -6,7 +6,13 @@ import argparse
 import shlex
 import sys
 
-from dofla.commands._common import add_model_arguments
+from dofla.commands._common import (
+    add_model_arguments,
+    add_overwrite_argument,
+    check_at_least,
+    check_device_and_dtype,
+    check_feature_budget,
+)
 
 
 def register(subparsers) -> None:
@@ -94,13 +100,51 @@ def register(subparsers) -> None:
     parser.add_argument("--patience", type=int, default=0, help="early-stopping patience (0 = off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    add_overwrite_argument(parser, "run (model, report, checkpoints)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
 
+def token_count(option: str, text: str) -> int:
+    """A token budget like 2M, 500k or 100000; refused (one sentence) unless a positive finite count."""
+    from dofla.errors import DoflaError
+    from dofla.pipeline import parse_tokens
+
+    try:
+        tokens = parse_tokens(text)
+    except (OverflowError, DoflaError):  # 'inf' overflows int(); 'nan' and words are not numbers
+        tokens = None
+    if tokens is None or tokens <= 0:
+        raise DoflaError(
+            f"{option} must be a positive number of tokens like 2M, 500k or 100000, got {text!r}."
+        )
+    return tokens
+
+
+def lora_targets(text: str | None) -> list[str] | None:
+    from dofla.errors import DoflaError
+
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise DoflaError(
+            f"--lora-targets must be comma-separated module names like q_proj,v_proj, got {text!r}."
+        )
+    return names
+
+
 def config_from_args(args: argparse.Namespace):
-    """The :class:`dofla.pipeline.LinearizeConfig` of a parsed command line."""
-    from dofla.pipeline import LinearizeConfig, parse_tokens
+    """The :class:`dofla.pipeline.LinearizeConfig` of a parsed command line (options checked on the way)."""
+    from dofla.pipeline import LinearizeConfig
+
+    check_feature_budget(args.budget)
+    check_at_least("--batch-size", args.batch_size, 1)
+    check_at_least("--lora-rank", args.lora_rank, 1)
+    check_at_least("--lora-alpha", args.lora_alpha, 1)
+    for option in ("eval_every", "checkpoint_every", "patience"):
+        check_at_least(f"--{option.replace('_', '-')}", getattr(args, option), 0)
+    check_device_and_dtype(args)
 
     # Options a recipe presets: only those the user gave explicitly override the recipe.
     recipe_options = (
@@ -121,7 +165,11 @@ def config_from_args(args: argparse.Namespace):
     if args.lora_kl is not None:
         explicit["lora_kl_weight"] = args.lora_kl
     if "tokens" in explicit:
-        explicit["tokens"] = parse_tokens(explicit["tokens"])
+        explicit["tokens"] = token_count("--tokens", explicit["tokens"])
+    if "seq_len" in explicit:
+        check_at_least("--seq-len", explicit["seq_len"], 2)
+    if args.sinks is not None:
+        check_at_least("--sinks", args.sinks, 0)
     return LinearizeConfig(
         out_dir=args.out,
         model=args.model,
@@ -132,10 +180,10 @@ def config_from_args(args: argparse.Namespace):
         lr=args.lr,
         data=args.data,
         eval_lengths=[int(n) for n in args.eval_lengths.split(",") if n] if args.eval_lengths else None,
-        lora_tokens=parse_tokens(args.lora_tokens),
+        lora_tokens=token_count("--lora-tokens", args.lora_tokens),
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,
-        lora_targets=args.lora_targets.split(",") if args.lora_targets else None,
+        lora_targets=lora_targets(args.lora_targets),
         lora_baseline=args.lora_baseline,
         eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every,
@@ -144,6 +192,7 @@ def config_from_args(args: argparse.Namespace):
         dtype=args.dtype,
         device=args.device,
         resume=args.resume,
+        overwrite=args.overwrite,
         progress=not args.no_progress,
         command="dofla " + " ".join(shlex.quote(argument) for argument in sys.argv[1:]),
         overrides=sorted(explicit),

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from dofla.commands._common import add_model_arguments
+from dofla.commands._common import add_model_arguments, check_at_least, check_device_and_dtype
+
+STATES_KIND = "teacher states"  # the kind in the marker of the output folder (dofla.outputs)
 
 
 def register(subparsers) -> None:
@@ -59,19 +61,41 @@ def parse_boundaries(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dofla import outputs
+    from dofla.errors import DoflaError
+
+    boundaries = parse_boundaries(args.boundaries)
+    check_at_least("--max-heldout", args.max_heldout, 1)
+    check_at_least("--seq-len", args.seq_len, 2)
+    check_at_least("--batch-size", args.batch_size, 1)
+    if not 0 < args.heldout_fraction < 1:
+        raise DoflaError(
+            f"--heldout-fraction must lie strictly between 0 and 1, got {args.heldout_fraction}."
+        )
+    check_device_and_dtype(args)
+    out = outputs.check_output_folder(args.out, STATES_KIND, inputs=[args.model, args.data])
+    with outputs.output_lock(out):
+        outputs.claim_output_folder(out, STATES_KIND)
+        return _write_states(args, boundaries)
+
+
+def _write_states(args: argparse.Namespace, boundaries: list[int]) -> int:
     from pathlib import Path
 
     from dofla.data import load_texts, pack_token_sequences, split_train_heldout
     from dofla.distill.hidden_store import write_teacher_states
     from dofla.errors import DoflaError
     from dofla.models import load_teacher
+    from dofla.pipeline import context_length
 
-    boundaries = parse_boundaries(args.boundaries)
-    if args.max_heldout < 1:
-        raise DoflaError(f"--max-heldout must be at least 1, got {args.max_heldout}.")
     teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
     if teacher.tokenizer is None:
         raise DoflaError("the teacher has no tokenizer, which packing --data needs.")
+    limit = context_length(teacher.model)
+    if limit is not None and args.seq_len > limit:
+        raise DoflaError(
+            f"--seq-len {args.seq_len} is beyond the model's context of {limit} tokens; use at most {limit}."
+        )
     sequences = pack_token_sequences(teacher.tokenizer, load_texts(args.data), args.seq_len)  # (N, T)
     train, heldout = split_train_heldout(sequences, args.heldout_fraction, args.seed)
     heldout = heldout[: args.max_heldout]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,12 +22,20 @@ from typing import Any
 import torch
 
 from dofla.errors import DoflaError
-from dofla.io import save_safetensors_atomic, write_atomic, write_text_atomic
+from dofla.io import (
+    remove_stale_temporaries,
+    save_safetensors_atomic,
+    temporary_prefix,
+    to_json,
+    write_atomic,
+    write_text_atomic,
+)
 
 LATEST_FILE = "latest.json"
 TENSORS_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "state.json"
+_CHECKPOINT_NAME = re.compile(r"step-\d{8}")
 
 
 def save_checkpoint(
@@ -46,17 +55,18 @@ def save_checkpoint(
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(folder, "step-*")  # left by a process killed while writing a checkpoint
     name = f"step-{step:08d}"
-    temporary = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=folder))
+    temporary = Path(tempfile.mkdtemp(prefix=temporary_prefix(name), suffix=".tmp", dir=folder))
     try:
         save_safetensors_atomic(tensors, temporary / TENSORS_FILE)
         write_atomic(temporary / OPTIMIZER_FILE, lambda path: torch.save(optimizer_state, path))
-        write_text_atomic(temporary / STATE_FILE, json.dumps(state, indent=1) + "\n")
+        write_text_atomic(temporary / STATE_FILE, to_json(state, indent=1) + "\n")
         final = folder / name
         if final.exists():
             shutil.rmtree(final)
         os.replace(temporary, final)
-        write_text_atomic(folder / LATEST_FILE, json.dumps({"step": step, "folder": name}) + "\n")
+        write_text_atomic(folder / LATEST_FILE, to_json({"step": step, "folder": name}) + "\n")
     except (OSError, DoflaError) as error:
         shutil.rmtree(temporary, ignore_errors=True)
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
@@ -79,12 +89,19 @@ def latest_checkpoint(folder: Path) -> Path | None:
     if not pointer.is_file():
         return None
     try:
-        name = json.loads(pointer.read_text())["folder"]
-    except (ValueError, KeyError) as error:
-        raise DoflaError(f"{pointer} is damaged; delete the checkpoints folder to start over.") from error
+        name = json.loads(pointer.read_text(encoding="utf-8"))["folder"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise DoflaError(
+            f"{pointer} is damaged; start over with --overwrite (or delete {folder})."
+        ) from error
+    if not isinstance(name, str) or not _CHECKPOINT_NAME.fullmatch(name):  # never a path out of the folder
+        raise DoflaError(
+            f"{pointer} names {name!r}, which is not a checkpoint folder name like step-00000040; it is "
+            "damaged: start over with --overwrite."
+        )
     path = Path(folder) / name
     if not (path / STATE_FILE).is_file():
-        raise DoflaError(f"{pointer} names {path}, which is incomplete; delete the checkpoints folder.")
+        raise DoflaError(f"{pointer} names {path}, which is incomplete; start over with --overwrite.")
     return path
 
 
@@ -96,9 +113,24 @@ def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict[str
     try:
         tensors = load_file(str(path / TENSORS_FILE))
         optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
-        state = json.loads((path / STATE_FILE).read_text())
-    except (OSError, ValueError, RuntimeError) as error:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except Exception as error:  # safetensors, torch.load and json fail in many ways on damaged files
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise DoflaError(
-            f"could not read the checkpoint {path}: {error}; delete it to start over."
-        ) from error
+            f"could not read the checkpoint {path} ({reason}); it is damaged: start over with --overwrite."
+        ) from None
+    if not isinstance(state, dict):
+        raise DoflaError(
+            f"{path / STATE_FILE} is not a JSON object; it is damaged: start over with --overwrite."
+        )
     return tensors, optimizer_state, state
+
+
+def check_state(path: Path, state: dict, keys: tuple[str, ...]) -> None:
+    """Refuse a checkpoint whose state lacks one of ``keys`` (a damaged or foreign file)."""
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise DoflaError(
+            f"the checkpoint {path} lacks {missing[0]!r} in {STATE_FILE}; it is damaged: start over with "
+            "--overwrite."
+        )

@@ -17,6 +17,7 @@ from torch import nn
 
 from dofla import dispatch
 from dofla.distill.losses import direct_loss
+from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
 from dofla.distill.teacher_forcing import autocast_for
 from dofla.distill.trainer import batch_indices, learning_rate_factor
 from dofla.errors import DoflaError
@@ -47,6 +48,30 @@ class LoraConfig:
     temperature: float = 1.0
     seed: int = 0
     progress: bool = True
+    max_bad_steps: int = 5
+
+    def validate(self) -> None:
+        """Every option's range, checked before any work (the targets need the model: :func:`check_targets`)."""
+        if self.rank < 1:
+            raise DoflaError(f"--lora-rank must be at least 1, got {self.rank}.")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise DoflaError(f"--lora-alpha must be positive, got {self.alpha}.")
+        if self.tokens <= 0:
+            raise DoflaError(
+                f"the LoRA token budget must be positive, got {self.tokens}; pass e.g. --lora-tokens 200k."
+            )
+        if self.batch_size <= 0:
+            raise DoflaError(f"batch size must be positive, got {self.batch_size}; pass e.g. --batch-size 4.")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise DoflaError(f"--lora-lr must be a positive number, got {self.lr}; pass e.g. --lora-lr 1e-3.")
+        if not (math.isfinite(self.kl_weight) and self.kl_weight >= 0):
+            raise DoflaError(f"--lora-kl must be zero or positive, got {self.kl_weight}.")
+        if self.targets is not None and not all(
+            isinstance(name, str) and name.strip() for name in self.targets
+        ):
+            raise DoflaError(f"--lora-targets must be comma-separated module names, got {self.targets}.")
+        if self.max_bad_steps < 1:
+            raise DoflaError(f"max_bad_steps must be at least 1, got {self.max_bad_steps}.")
 
 
 @dataclass
@@ -71,6 +96,23 @@ def attention_projection_names(model: nn.Module) -> list[str]:
     return found
 
 
+def check_targets(model: nn.Module, targets: list[str] | None) -> list[str]:
+    """The LoRA target module names for ``model``: ``targets`` if every one names a Linear layer in it
+    (refused otherwise, with the names it has), or the family's q/k/v/o projections when None."""
+    if not targets:
+        return attention_projection_names(model)
+    linear = sorted(
+        {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    )
+    unknown = [name for name in targets if name not in linear]
+    if unknown:
+        raise DoflaError(
+            f"--lora-targets names {', '.join(unknown)}, which this model has no linear layer called; "
+            f"its linear layers are {', '.join(linear)}."
+        )
+    return list(targets)
+
+
 def train_lora(
     model: nn.Module, train: torch.Tensor, config: LoraConfig, *, merge: bool = True
 ) -> tuple[nn.Module, LoraResult]:
@@ -82,9 +124,8 @@ def train_lora(
     from peft import get_peft_model
     from tqdm import tqdm
 
-    if config.tokens <= 0:
-        raise DoflaError(f"the LoRA token budget must be positive, got {config.tokens}.")
-    targets = list(config.targets) if config.targets else attention_projection_names(model)
+    config.validate()
+    targets = check_targets(model, config.targets)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     plan = getattr(model, "dofla_plan", None)
@@ -101,10 +142,14 @@ def train_lora(
     schedule = _Schedule(config.warmup_fraction, config.min_lr_fraction)
     torch.manual_seed(config.seed)
     history = []
+    policy = NonFinitePolicy("LoRA", config.max_bad_steps, "lower --lora-lr")
+    named_trainable = [
+        (name, parameter) for name, parameter in peft_model.named_parameters() if parameter.requires_grad
+    ]
     peft_model.eval()
     for step in tqdm(range(total_steps), disable=not config.progress, unit="step", desc="lora"):
         for group in optimizer.param_groups:
-            group["lr"] = config.lr * learning_rate_factor(step, total_steps, schedule)
+            group["lr"] = config.lr * learning_rate_factor(step, total_steps, schedule) * policy.lr_scale
         batch = train[batch_indices(step, config.batch_size, len(train), config.seed)].to(device)
         teacher_logits = None
         if config.kl_weight > 0:
@@ -118,7 +163,12 @@ def train_lora(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
-        if torch.isfinite(loss) and torch.isfinite(grad_norm):
+
+        def bad_layer(batch=batch) -> int | None:
+            layer = first_nonfinite_layer(named_trainable)  # an adapter gone non-finite, else the first
+            return layer if layer is not None else first_nonfinite_output_layer(peft_model, batch)
+
+        if policy.accept(step + 1, float(loss.detach()), float(grad_norm), bad_layer):
             optimizer.step()
         history.append(dict(stage="lora", step=step + 1, loss=float(loss.detach())))
     tokens = total_steps * config.batch_size * train.shape[1]

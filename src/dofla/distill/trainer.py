@@ -29,16 +29,29 @@ from torch import nn
 
 from dofla import dispatch
 from dofla.distill import distributed
-from dofla.distill.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from dofla.distill.checkpoint import check_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from dofla.distill.hidden_store import TeacherStates, open_teacher_states, teacher_forced_step_from_states
 from dofla.distill.losses import LOSSES, direct_loss
+from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
 from dofla.distill.teacher_forcing import autocast_for, freeze_teacher, teacher_forced_step
 from dofla.errors import DoflaError
-from dofla.io import write_text_atomic
+from dofla.io import to_json, write_text_atomic
+from dofla.outputs import remove_known_files
 
 CONFIG_FILE = "distill_config.json"
 LOG_FILE = "log.jsonl"
 CHECKPOINT_FOLDER = "checkpoints"
+# What a checkpoint's state.json holds (see ``save`` in :func:`distill`).
+_STATE_KEYS = (
+    "fingerprint",
+    "step",
+    "lr_scale",
+    "bad_in_a_row",
+    "skipped",
+    "history",
+    "best_val",
+    "evals_since_best",
+)
 # Fields that do not change the result, so a resumed run may differ in them.
 _NOT_IN_FINGERPRINT = ("progress", "checkpoint_every")
 
@@ -80,9 +93,16 @@ class DistillConfig:
         if self.tokens <= 0:
             raise DoflaError(f"the token budget must be positive, got {self.tokens}; pass e.g. --tokens 2M.")
         if self.batch_size <= 0:
-            raise DoflaError(f"batch size must be positive, got {self.batch_size}.")
-        if not self.lr > 0:
-            raise DoflaError(f"learning rate must be positive, got {self.lr}.")
+            raise DoflaError(f"batch size must be positive, got {self.batch_size}; pass e.g. --batch-size 4.")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise DoflaError(f"learning rate must be a positive number, got {self.lr}; pass e.g. --lr 1e-2.")
+        if not (math.isfinite(self.kl_weight) and self.kl_weight >= 0):
+            raise DoflaError(f"the KL weight must be zero or positive, got {self.kl_weight}.")
+        for name in ("eval_every", "checkpoint_every", "patience"):
+            if getattr(self, name) < 0:
+                raise DoflaError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}.")
+        if self.max_bad_steps < 1:
+            raise DoflaError(f"max_bad_steps must be at least 1, got {self.max_bad_steps}.")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DistillConfig:
@@ -299,35 +319,46 @@ def distill(
     run_dir = Path(run_dir) if run_dir is not None else None
     checkpoints = run_dir / CHECKPOINT_FOLDER if run_dir is not None else None
     torch.manual_seed(config.seed)
-    step, lr_scale, bad_in_a_row, skipped = 0, 1.0, 0, 0
+    step = 0
+    policy = NonFinitePolicy("distillation", config.max_bad_steps, "lower --lr or try another feature map")
     best_val, evals_since_best, stopped_early = math.inf, 0, False
     best_state: dict[str, torch.Tensor] = {}
     history: list[dict] = []
+    check_run_folder(run_dir, resume)
     if resume:
-        if checkpoints is None:
-            raise DoflaError("--resume needs an output folder holding the interrupted run's checkpoints.")
         latest = latest_checkpoint(checkpoints)
-        if latest is None:
-            raise DoflaError(f"--resume: no checkpoint in {checkpoints}; run without --resume to start.")
         tensors, optimizer_state, state = load_checkpoint(latest)
+        check_state(latest, state, _STATE_KEYS)
         if state["fingerprint"] != fingerprint:
             raise DoflaError(
                 f"the checkpoint in {checkpoints} belongs to a different run (other settings, plan or data); "
                 "use the same command as the interrupted run, or another --out to start a new one."
             )
+        missing = [name for name in trainable if f"param/{name}" not in tensors] + [
+            name for name in ("rng/torch",) if name not in tensors
+        ]
+        if missing:
+            raise DoflaError(
+                f"the checkpoint {latest} lacks {missing[0]}; it is damaged: start over with --overwrite."
+            )
         with torch.no_grad():
             for name, parameter in trainable.items():
                 parameter.copy_(tensors[f"param/{name}"])
         best_state = {name[len("best/") :]: t for name, t in tensors.items() if name.startswith("best/")}
-        optimizer.load_state_dict(optimizer_state)
+        try:
+            optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError, RuntimeError) as error:
+            raise DoflaError(
+                f"the optimizer state in {latest} does not fit this run ({error}); start over with --overwrite."
+            ) from None
         torch.set_rng_state(tensors["rng/torch"])
-        step, lr_scale, bad_in_a_row = state["step"], state["lr_scale"], state["bad_in_a_row"]
-        skipped, history = state["skipped"], state["history"]
+        step, policy.lr_scale, policy.bad_in_a_row = state["step"], state["lr_scale"], state["bad_in_a_row"]
+        policy.skipped, history = state["skipped"], state["history"]
         best_val = state["best_val"] if state["best_val"] is not None else math.inf
         evals_since_best = state["evals_since_best"]
     if run_dir is not None and rank == 0:
-        write_text_atomic(run_dir / CONFIG_FILE, json.dumps(asdict(config), indent=2) + "\n")
-        write_text_atomic(run_dir / LOG_FILE, "".join(json.dumps(record) + "\n" for record in history))
+        write_text_atomic(run_dir / CONFIG_FILE, to_json(asdict(config), indent=2) + "\n")
+        write_text_atomic(run_dir / LOG_FILE, "".join(to_json(record) + "\n" for record in history))
 
     def save(at_step: int) -> None:
         if checkpoints is None or rank != 0:
@@ -344,9 +375,9 @@ def distill(
         state = dict(
             fingerprint=fingerprint,
             step=at_step,
-            lr_scale=lr_scale,
-            bad_in_a_row=bad_in_a_row,
-            skipped=skipped,
+            lr_scale=policy.lr_scale,
+            bad_in_a_row=policy.bad_in_a_row,
+            skipped=policy.skipped,
             best_val=None if math.isinf(best_val) else best_val,
             evals_since_best=evals_since_best,
             history=history,
@@ -357,7 +388,7 @@ def distill(
         history.append(record)
         if run_dir is not None and rank == 0:
             with open(run_dir / LOG_FILE, "a") as stream:
-                stream.write(json.dumps(record) + "\n")
+                stream.write(to_json(record) + "\n")
 
     from tqdm import tqdm
 
@@ -374,7 +405,7 @@ def distill(
     while step < total_steps and not stopped_early:
         # ---- one optimisation step
         step_started = time.perf_counter()
-        factor = learning_rate_factor(step, total_steps, config) * lr_scale
+        factor = learning_rate_factor(step, total_steps, config) * policy.lr_scale
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
         indices = batch_indices(step, config.batch_size, len(train), config.seed)
@@ -382,26 +413,24 @@ def distill(
         batch = train[mine].to(device)  # (B / world, T)
         options = _start_options(train_stored, mine, device)
         optimizer.zero_grad(set_to_none=True)
-        loss, _ = _step_loss(model, students, batch, config, backward=True, **options)
+        loss, layer_losses = _step_loss(model, students, batch, config, backward=True, **options)
         loss = distributed.mean_across_ranks(loss)
         distributed.average_gradients(trainable.values())
         grad_norm = torch.nn.utils.clip_grad_norm_(list(trainable.values()), config.grad_clip)
-        if math.isfinite(loss) and math.isfinite(float(grad_norm)):
+
+        def bad_layer(layer_losses=layer_losses, batch=batch) -> int | None:
+            bad = [layer for layer, value in layer_losses.items() if not math.isfinite(value)]
+            if bad:
+                return min(bad)
+            layer = first_nonfinite_layer(trainable.items())  # a student gone non-finite
+            if layer is not None or config.loss != "direct":
+                return layer
+            return first_nonfinite_output_layer(model, batch)
+
+        if policy.accept(step + 1, loss, float(grad_norm), bad_layer, lambda: _kept_checkpoint(checkpoints)):
             optimizer.step()
-            bad_in_a_row = 0
-        else:  # skip the step, lower the learning rate, stop after repeated failures
+        else:  # skipped: no update (the policy lowered the learning rate)
             optimizer.zero_grad(set_to_none=True)
-            bad_in_a_row, skipped, lr_scale = bad_in_a_row + 1, skipped + 1, lr_scale * 0.5
-            warnings.warn(
-                f"step {step}: loss {loss} / gradient norm {float(grad_norm)} is not finite; step skipped, "
-                f"learning rate halved (x{lr_scale:g}).",
-                stacklevel=2,
-            )
-            if bad_in_a_row >= config.max_bad_steps:
-                raise DoflaError(
-                    f"{bad_in_a_row} steps in a row had a non-finite loss; stopping (the last good checkpoint "
-                    "is kept). Lower --lr or try another feature map."
-                )
         step += 1
         seconds = time.perf_counter() - step_started
         record = dict(step=step, tokens=step * tokens_per_step, loss=loss, lr_factor=factor, seconds=seconds)
@@ -444,5 +473,42 @@ def distill(
         final_val_loss=final_val,
         val_layer_losses=final_layers,
         stopped_early=stopped_early,
-        skipped_steps=skipped,
+        skipped_steps=policy.skipped,
     )
+
+
+def _kept_checkpoint(checkpoints: Path | None) -> str:
+    """What survives a stopped run, for its error message."""
+    latest = latest_checkpoint(checkpoints) if checkpoints is not None else None
+    if latest is None:
+        return "no checkpoint was written"
+    return f"the last good checkpoint ({latest.name}) is kept"
+
+
+def check_run_folder(run_dir: Path | None, resume: bool) -> None:
+    """Refuse to start over an earlier run's checkpoints or log without ``resume`` (its progress would be
+    lost), and ``resume`` where there is no checkpoint. Cheap: call it before any expensive work."""
+    if run_dir is None:
+        if resume:
+            raise DoflaError("--resume needs an output folder holding the interrupted run's checkpoints.")
+        return
+    run_dir = Path(run_dir)
+    latest = latest_checkpoint(run_dir / CHECKPOINT_FOLDER)
+    if resume and latest is None:
+        raise DoflaError(
+            f"--resume: no checkpoint in {run_dir / CHECKPOINT_FOLDER} to continue from; run without --resume to "
+            "start."
+        )
+    log = run_dir / LOG_FILE
+    if not resume and (latest is not None or (log.is_file() and log.stat().st_size > 0)):
+        progress = f"a checkpoint at {latest.name}" if latest is not None else f"a log in {log}"
+        raise DoflaError(
+            f"{run_dir} holds an earlier run ({progress}); pass --resume to continue it, --overwrite to discard "
+            "it and start over, or choose another --out."
+        )
+
+
+def discard_run(run_dir: Path) -> None:
+    """Delete an earlier run's files (config, log, checkpoints) from ``run_dir``, and nothing else."""
+    patterns = [CONFIG_FILE, LOG_FILE, f"{CHECKPOINT_FOLDER}/*"]
+    remove_known_files(run_dir, patterns)

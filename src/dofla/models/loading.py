@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dofla.errors import DoflaError
+from dofla.io import remove_stale_temporaries, temporary_prefix
 from dofla.models.adapters import ArchitectureAdapter, get_adapter, supported_model_types
 
 DEFAULT_TEACHER = "smollm2-135m"
@@ -66,11 +67,21 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A torch device from 'cpu', 'cuda', 'cuda:N' (None: cuda if available); refused where unusable here."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise DoflaError(f"unknown device {device!r}; use cpu, cuda or cuda:N.") from None
+    if device.type not in ("cpu", "cuda"):
+        raise DoflaError(f"device {device} is not supported by dofla; use cpu, cuda or cuda:N.")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DoflaError(f"device {device} was asked for but CUDA is not available here; use --device cpu.")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise DoflaError(
+            f"device {device} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)."
+        )
     return device
 
 
@@ -89,6 +100,13 @@ def embedded_gguf_path(name: str = DEFAULT_TEACHER) -> Path:
     return path
 
 
+def _damage_advice(where: str) -> str:
+    """What to do about damaged files in ``where``: dofla's own cache is rebuilt, other files fetched again."""
+    if Path(where).expanduser().resolve().is_relative_to(cache_root().expanduser().resolve()):
+        return f"it is dofla's cached copy: delete {where} and run again to rebuild it"
+    return "re-download or re-save the model"
+
+
 def _from_pretrained(load, where: str, **kwargs):
     """Run a transformers loader, turning its failures on bad files into one sentence."""
     from safetensors import SafetensorError
@@ -97,21 +115,48 @@ def _from_pretrained(load, where: str, **kwargs):
         return load(trust_remote_code=False, **kwargs)
     except SafetensorError as error:
         raise DoflaError(
-            f"the weights in {where} are corrupt or truncated ({error}); re-download or re-save them."
+            f"the weights in {where} are corrupt or truncated ({error}): {_damage_advice(where)}."
         ) from None
     except (OSError, ValueError, KeyError, EOFError, RuntimeError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise DoflaError(f"could not load {where}: {message}") from None
 
 
+def _check_loading_info(info: dict, where: str) -> None:
+    """Missing or unexpected weights fail loudly with their names (never a silently re-initialised layer)."""
+    missing = sorted(info.get("missing_keys") or ())
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    mismatched = sorted(
+        str(item[0] if isinstance(item, tuple) else item) for item in info.get("mismatched_keys") or ()
+    )
+    parts = []
+    for label, names in (
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("of the wrong shape", mismatched),
+    ):
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            parts.append(f"{len(names)} {label} ({shown})")
+    if parts:
+        raise DoflaError(
+            f"the weights in {where} do not match the model its config.json describes: {'; '.join(parts)}; "
+            f"the folder is incomplete or mixed: {_damage_advice(where)}."
+        )
+
+
 def _load_folder(folder: Path, dtype: torch.dtype, gguf_file: str | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
-    model = _from_pretrained(
-        lambda **kw: AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra, **kw),
-        str(folder / (gguf_file or "")),
+    where = str(folder / (gguf_file or ""))
+    model, info = _from_pretrained(
+        lambda **kw: AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, output_loading_info=True, **extra, **kw
+        ),
+        where,
     )
+    _check_loading_info(info, where)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False, **extra)
     except Exception as error:  # the tokenizer is optional; its loaders fail in many ways on odd files
@@ -132,11 +177,19 @@ def _check_config(folder: Path) -> None:
             f"{folder} has no config.json, so it is not a Hugging Face model folder; pass the folder that holds config.json and the weights."
         )
     try:
-        model_type = json.loads(config_path.read_text()).get("model_type")
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise DoflaError(f"{config_path} is not UTF-8 text; re-download or re-save the model.") from None
     except json.JSONDecodeError as error:
         raise DoflaError(
             f"{config_path} is not valid JSON ({error.msg}); re-download or re-save the model."
         ) from None
+    if not isinstance(config, dict):
+        raise DoflaError(
+            f"{config_path} holds a JSON {type(config).__name__}, not an object of settings; re-download or "
+            "re-save the model."
+        )
+    model_type = config.get("model_type")
     from dofla.models.adapters import FAMILIES
 
     if model_type not in FAMILIES:
@@ -179,7 +232,8 @@ def _load_gguf_cached(gguf_path: Path, name: str, dtype: torch.dtype):
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    remove_stale_temporaries(target.parent, name)  # a staging folder of a process killed while caching
+    staging = Path(tempfile.mkdtemp(prefix=temporary_prefix(name), suffix=".tmp", dir=target.parent))
     try:
         model.save_pretrained(staging)
         if tokenizer is not None:
@@ -278,12 +332,13 @@ def _load_from_hub(repo_id: str, dtype: torch.dtype):
             "and pass the folder."
         ) from None
     get_adapter(config)
-    model = _from_pretrained(
+    model, info = _from_pretrained(
         lambda **kw: AutoModelForCausalLM.from_pretrained(
-            repo_id, dtype=dtype, local_files_only=local_only, **kw
+            repo_id, dtype=dtype, local_files_only=local_only, output_loading_info=True, **kw
         ),
         repo_id,
     )
+    _check_loading_info(info, repo_id)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             repo_id, trust_remote_code=False, local_files_only=local_only

@@ -1,0 +1,438 @@
+"""Safe by default, at the command line: no lost files, no broken model saved, refusals before the work.
+
+Each test drives ``dofla.cli.main`` on tiny model folders, as a user would meet the case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dofla.cli import main
+from dofla.convert import PLAN_FILE, convert, plan_for, save_converted
+from dofla.errors import DoflaError
+from dofla.models.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model_folder
+
+RUN = ["--allocation", "fix", "--budget", "4", "--seq-len", "32", "--eval-every", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Tiny teachers (llama seed 0, llama seed 1, gpt2), a text file and a converted llama folder."""
+    root = tmp_path_factory.mktemp("safety")
+    teacher = save_tiny_model_folder("llama", root / "teacher")
+    text = root / "text.txt"
+    text.write_text("\n".join(f"The {i}th line of text talks about rivers and hills." for i in range(80)))
+    model = build_tiny_model("llama")
+    convert(model, plan_for(model, feature_dim=4))
+    save_converted(
+        model, root / "converted", tokenizer=build_tiny_tokenizer(), extra_metadata={"teacher": str(teacher)}
+    )
+    return dict(
+        root=root,
+        teacher=teacher,
+        text=text,
+        converted=root / "converted",
+        other_weights=save_tiny_model_folder("llama", root / "llama-seed-1", seed=1),
+        other_family=save_tiny_model_folder("gpt2", root / "gpt2"),
+    )
+
+
+def dead_pid() -> int:
+    """The id of a process that has ended (for temporaries a killed dofla left behind)."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def listing(folder: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+def strict_json(text: str):
+    def refuse(constant):
+        raise AssertionError(f"bare {constant} in JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+# ----------------------------------------------------------------------------------- 1. no lost files
+
+
+def test_convert_never_deletes_or_replaces_what_dofla_did_not_write(world, tmp_path, capsys):
+    teacher = world["teacher"]
+    convert_to = ["convert", str(teacher), "--feature-dim", "4", "--out"]
+    foreign = tmp_path / "thesis"
+    (foreign / "sub").mkdir(parents=True)
+    (foreign / "thesis.txt").write_text("three years of work")
+    (foreign / "sub" / "data.csv").write_text("1,2,3")
+    before = listing(foreign)
+    assert main([*convert_to, str(foreign)]) == 1
+    assert "already holds files dofla did not write (sub, thesis.txt)" in capsys.readouterr().err
+    assert listing(foreign) == before
+
+    teacher_files = listing(teacher)
+    assert main([*convert_to, str(teacher)]) == 1  # the teacher's own folder
+    assert "is an input of this command" in capsys.readouterr().err
+    assert main([*convert_to, f"{teacher.parent}/."]) == 1  # a parent of the input
+    assert "holds the input" in capsys.readouterr().err
+    assert listing(teacher) == teacher_files
+
+    out = tmp_path / "model"
+    assert main([*convert_to, str(out)]) == 0
+    capsys.readouterr()
+    assert main([*convert_to, str(out)]) == 1
+    assert "already holds a converted model; pass --overwrite" in capsys.readouterr().err
+    (out / "notes.txt").write_text("mine")
+    assert main([*convert_to, str(out), "--overwrite"]) == 1
+    assert "holds files dofla did not write (notes.txt)" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "mine"
+    (out / "notes.txt").unlink()
+    stale = tmp_path / f".model.dofla-{dead_pid()}-x1.tmp"  # a save killed halfway
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(bytes(1000))
+    assert main([*convert_to, str(out), "--overwrite"]) == 0
+    assert not stale.exists() and sorted(path.name for path in tmp_path.iterdir()) == ["model", "thesis"]
+
+
+def test_a_run_folder_is_never_discarded_silently(world, tmp_path, capsys, monkeypatch):
+    run = ["linearize", str(world["teacher"]), "--data", str(world["text"]), *RUN, "--tokens", "256"]
+    out = tmp_path / "run"
+    assert main([*run[:2], "--out", str(out), "--resume"]) == 1  # before any work: no teacher is loaded
+    assert "--resume: no checkpoint in" in capsys.readouterr().err and not out.exists()
+
+    assert main([*run, "--out", str(out)]) == 0
+    capsys.readouterr()
+    (out / "notes.txt").write_text("my notes on this run")
+    log = (out / "distill" / "log.jsonl").read_bytes()
+    assert main([*run, "--out", str(out)]) == 1
+    assert "holds an earlier run (a checkpoint at step-00000002); pass --resume" in capsys.readouterr().err
+    assert (out / "distill" / "log.jsonl").read_bytes() == log
+    assert main([*run, "--out", str(out), "--resume", "--overwrite"]) == 1
+    assert "pass only one" in capsys.readouterr().err
+
+    pid = dead_pid()  # leftovers of a run killed while saving its model and a checkpoint
+    (out / f".model.dofla-{pid}-ab.tmp").mkdir()
+    (out / "distill" / "checkpoints" / f".step-00000004.dofla-{pid}-cd.tmp").mkdir()
+    assert main([*run, "--out", str(out), "--overwrite", "--seed", "1"]) == 0
+    capsys.readouterr()
+    assert (out / "notes.txt").read_text() == "my notes on this run"
+    assert not [path for path in out.rglob("*.dofla-*")]
+    assert sorted(path.name for path in (out / "distill" / "checkpoints").iterdir()) == [
+        "latest.json",
+        "step-00000002",
+    ]
+    result = strict_json((out / "result.json").read_text())
+    assert result["config"]["seed"] == 1  # one run's files only
+    steps = [strict_json(line)["step"] for line in (out / "distill" / "log.jsonl").read_text().splitlines()]
+    assert steps == [1, 1, 2, 2]  # a step and its evaluation, once each
+
+    (out / "distill" / "checkpoints" / "step-00000002" / "trainable.safetensors").write_bytes(b"\x00" * 64)
+    assert main([*run, "--out", str(out), "--resume", "--seed", "1"]) == 1
+    assert "could not read the checkpoint" in capsys.readouterr().err
+
+
+def test_a_second_process_on_one_output_folder_is_refused(world, tmp_path, capsys):
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom dofla.outputs import output_lock\n"
+            "with output_lock(sys.argv[1]):\n    print('locked', flush=True)\n    time.sleep(60)\n",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        run = ["linearize", str(world["teacher"]), "--data", str(world["text"]), *RUN, "--out", str(out)]
+        assert main(run) == 1
+        assert f"another dofla process (pid {holder.pid}) is writing to" in capsys.readouterr().err
+    finally:
+        holder.kill()  # like kill -9: the system releases the lock, nothing stale is left
+        holder.wait()
+    from dofla.outputs import output_lock
+
+    with output_lock(out):
+        pass
+
+
+# ------------------------------------------------------------------------------ 2. never a broken model
+
+
+def test_a_lora_stage_that_diverges_stops_and_saves_nothing(world, tmp_path, capsys):
+    out = tmp_path / "run"
+    run = ["linearize", str(world["teacher"]), "--data", str(world["text"]), *RUN, "--tokens", "128"]
+    with pytest.warns(UserWarning, match="LoRA stage, layer 0, step 2: loss nan"):
+        code = main([*run, "--out", str(out), "--lora", "--lora-lr", "1e30", "--lora-tokens", "1k"])
+    assert code == 1
+    error = capsys.readouterr().err
+    assert "LoRA stage, layer 0, step 6: 5 steps in a row had a non-finite loss" in error
+    assert "nothing was saved: lower --lora-lr" in error
+    assert not (out / "model").exists() and not (out / "result.json").exists()
+
+
+def test_non_finite_weights_are_never_saved_and_json_is_always_valid(tmp_path):
+    from dofla.io import to_json, write_json_atomic
+
+    model = build_tiny_model("llama")
+    convert(model, plan_for(model, feature_dim=4))
+    with torch.no_grad():
+        next(p for name, p in model.named_parameters() if "dofla_student" in name).fill_(float("nan"))
+    with pytest.raises(DoflaError, match="holds NaN or infinite values .*it was not saved"):
+        save_converted(model, tmp_path / "model")
+    assert not (tmp_path / "model").exists()
+    assert (
+        to_json({"loss": float("nan"), "curve": [1.0, float("inf")]})
+        == '{"loss": null, "curve": [1.0, null]}'
+    )
+    write_json_atomic(tmp_path / "result.json", {"student_ppl": float("nan")})
+    assert strict_json((tmp_path / "result.json").read_text()) == {"student_ppl": None}
+
+
+# -------------------------------------------------------------------------- 3. loading fails loudly
+
+
+def test_missing_or_unexpected_teacher_weights_are_named(world, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "teacher"
+    shutil.copytree(world["teacher"], folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    kept = {name: tensor for name, tensor in tensors.items() if ".layers.1." not in name}
+    kept["model.extra.weight"] = torch.ones(2)
+    save_file(kept, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert main(["info", str(folder)]) == 1
+    error = capsys.readouterr().err
+    assert "9 missing (model.layers.1.input_layernorm.weight" in error
+    assert "1 unexpected (model.extra.weight)" in error
+
+    (folder / "config.json").write_text("[]")
+    assert main(["info", str(folder)]) == 1
+    assert "holds a JSON list, not an object of settings" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- 5. options checked before the work
+
+
+NOT_LOADED = "no-such-model"  # a refusal naming the option, not this missing model, came before loading
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--lora", "--lora-lr", "-1"], "--lora-lr must be a positive number, got -1.0"),
+        (["--lora", "--lora-rank", "0"], "--lora-rank must be at least 1, got 0"),
+        (["--lora", "--lora-kl", "-1"], "--lora-kl must be zero or positive"),
+        (["--lora", "--lora-tokens", "inf"], "--lora-tokens must be a positive number of tokens"),
+        (
+            ["--tokens", "inf"],
+            "--tokens must be a positive number of tokens like 2M, 500k or 100000, got 'inf'",
+        ),
+        (["--tokens", "nan"], "--tokens must be a positive number of tokens"),
+        (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+        (["--budget", "100000"], "at most 8192; got 100000"),
+        (["--lr", "nan"], "learning rate must be a positive number, got nan"),
+        (["--loss", "direct", "--kl-weight", "-1"], "the KL weight must be zero or positive"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--lora-targets", "q_proj,,v_proj"], "--lora-targets must be comma-separated module names"),
+    ],
+)
+def test_linearize_options_are_checked_before_loading(tmp_path, capsys, arguments, message):
+    assert main(["linearize", NOT_LOADED, "--out", str(tmp_path / "out"), *arguments]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "command, message",
+    [
+        (
+            ["dof", NOT_LOADED, "--lambda", "inf"],
+            "--lambda must be a finite positive number like 2^-4, got inf",
+        ),
+        (["dof", NOT_LOADED, "--lambda", "nan"], "--lambda must be a finite positive number"),
+        (["dof", NOT_LOADED, "--sequences", "-1"], "--sequences must be at least 1, got -1"),
+        (["dof", NOT_LOADED, "--device", "tpu"], "unknown device 'tpu'"),
+        (["evaluate", NOT_LOADED, "--sequences", "-1"], "--sequences must be at least 1, got -1"),
+        (["evaluate", NOT_LOADED, "--passkey", "64", "--device", "tpu"], "unknown device 'tpu'"),
+        (["evaluate", NOT_LOADED], "nothing to evaluate: give --data"),
+        (
+            ["evaluate", NOT_LOADED, "--passkey", "long"],
+            "--passkey must be comma-separated positive token counts",
+        ),
+        (["generate", NOT_LOADED, "--prompt", ""], "--prompt is empty"),
+        (["generate", NOT_LOADED, "--prompt", "Hi", "--device", "tpu"], "unknown device 'tpu'"),
+    ],
+)
+def test_other_commands_check_options_before_loading(tmp_path, capsys, command, message):
+    out = ["--out", str(tmp_path / "out")] if command[0] == "dof" else []
+    assert main([*command, *out]) == 1
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_is_one_sentence(world, capsys):
+    assert main(["generate", str(world["converted"]), "--prompt", "Hi", "--device", "cuda"]) == 1
+    assert "CUDA is not available here; use --device cpu" in capsys.readouterr().err
+    assert main(["evaluate", str(world["converted"]), "--device", "cuda:0", "--passkey", "64"]) == 1
+    assert "CUDA is not available here" in capsys.readouterr().err
+
+
+def test_unwritable_outputs_are_refused_before_the_work(world, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    run = ["linearize", NOT_LOADED, "--out", str(blocker / "run")]
+    assert main(run) == 1
+    assert "which is a file; choose another folder" in capsys.readouterr().err
+    assert main(["evaluate", NOT_LOADED, "--passkey", "64", "--json", str(tmp_path)]) == 1
+    assert f"--json {tmp_path} is a folder; give a file name" in capsys.readouterr().err
+    assert main(["evaluate", NOT_LOADED, "--passkey", "64", "--json", str(blocker / "r.json")]) == 1
+    assert "which is a file; choose another path" in capsys.readouterr().err
+
+
+def test_lora_targets_and_the_tokenizer_are_checked_before_training(world, tmp_path, capsys, monkeypatch):
+    import dofla.pipeline
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the check came after the teacher's perplexity")
+
+    monkeypatch.setattr(dofla.pipeline, "perplexity", too_late)
+    run = ["linearize", str(world["teacher"]), "--data", str(world["text"]), *RUN]
+    assert main([*run, "--out", str(tmp_path / "a"), "--lora", "--lora-targets", "bogus"]) == 1
+    assert (
+        "--lora-targets names bogus, which this model has no linear layer called" in capsys.readouterr().err
+    )
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(world["teacher"] / name, no_tokenizer / name)
+    run[1] = str(no_tokenizer)
+    assert main([*run, "--out", str(tmp_path / "b")]) == 1
+    assert "has no usable tokenizer, which reading --data or sampling text needs" in capsys.readouterr().err
+
+
+def test_sequence_lengths_beyond_the_context_are_refused(world, tmp_path, capsys):
+    data = ["--data", str(world["text"]), "--seq-len", "1000"]
+    assert main(["evaluate", str(world["converted"]), *data]) == 1
+    assert "--seq-len 1000 is beyond the model's context of 512 tokens" in capsys.readouterr().err
+    states = [
+        "teacher-states",
+        str(world["teacher"]),
+        *data,
+        "--boundaries",
+        "0",
+        "--out",
+        str(tmp_path / "s"),
+    ]
+    assert main(states) == 1
+    assert "--seq-len 1000 is beyond the model's context of 512 tokens" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------- 7. evaluate --teacher is checked
+
+
+def test_evaluate_refuses_a_teacher_the_model_was_not_converted_from(world, capsys):
+    evaluate = ["evaluate", str(world["converted"]), "--data", str(world["text"]), "--seq-len", "32"]
+    assert main([*evaluate, "--teacher", str(world["other_family"])]) == 1
+    assert "its model_type is gpt2, the recorded teacher's is llama" in capsys.readouterr().err
+    assert main([*evaluate, "--teacher", str(world["other_weights"])]) == 1
+    error = capsys.readouterr().err
+    assert "same architecture but other weights" in error and "--any-teacher" in error
+    assert main([*evaluate, "--sequences", "2"]) == 0  # its recorded teacher
+    capsys.readouterr()
+    assert (
+        main([*evaluate, "--sequences", "2", "--teacher", str(world["other_weights"]), "--any-teacher"]) == 0
+    )
+    assert "perplexity   teacher" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------- 9. smaller items
+
+
+def test_damaged_or_escaping_files_are_one_sentence(world, tmp_path, capsys):
+    from dofla.distill.checkpoint import latest_checkpoint
+
+    escaping = tmp_path / "converted"
+    shutil.copytree(world["converted"], escaping)
+    record = json.loads((escaping / PLAN_FILE).read_text())
+    (escaping / PLAN_FILE).write_text(json.dumps({**record, "weights": "../../secret.safetensors"}))
+    assert main(["generate", str(escaping), "--prompt", "Hi"]) == 1
+    assert "names the weights file '../../secret.safetensors'" in capsys.readouterr().err
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest.json").write_text('{"step": 1, "folder": "../../elsewhere"}')
+    with pytest.raises(DoflaError, match="not a checkpoint folder name"):
+        latest_checkpoint(tmp_path / "checkpoints")
+
+    for name, content in (
+        ("latin1.jsonl", '{"text": "caf\xe9"}\n'.encode("latin-1")),
+        ("latin1.json", '["caf\xe9"]'.encode("latin-1")),
+        ("binary.txt", b"GGUF\x00\x01\x02" + bytes(64)),
+    ):
+        (tmp_path / name).write_bytes(content)
+        dof = ["dof", str(world["teacher"]), "--data", str(tmp_path / name), "--out", str(tmp_path / "dof")]
+        assert main(dof) == 1
+        error = capsys.readouterr().err
+        assert error.startswith(f"dofla: error: {tmp_path / name} ")  # before loading the model
+        assert "is not UTF-8 text (byte 0xe9 at offset" in error or "holds a NUL byte at offset 4" in error
+
+
+def test_dof_shows_its_first_use_progress_and_does_not_overwrite_silently(world, tmp_path, capsys):
+    out = tmp_path / "dof"
+    dof = ["dof", str(world["teacher"]), "--out", str(out), "--sequences", "1", "--seq-len", "16"]
+    dof += ["--num-points", "16", "--budget", "4"]
+    assert main(dof) == 0  # no --data: samples text from the teacher first
+    error = capsys.readouterr().err
+    assert "sampling 1 calibration texts of 32 tokens from the teacher" in error
+    assert "capturing q/k on 1 x 16 tokens, then estimating" in error
+    plan = (out / "plan.json").read_bytes()
+    assert main(dof) == 1
+    assert "already holds a DoF report; pass --overwrite" in capsys.readouterr().err
+    assert (out / "plan.json").read_bytes() == plan
+    assert main([*dof, "--overwrite"]) == 0
+
+
+def test_a_lock_file_left_by_a_killed_process_does_not_block(tmp_path):
+    """A lock file whose holder was killed (its flock released by the system) does not block a new run."""
+    from dofla.outputs import output_lock
+
+    (tmp_path / ".out.dofla-lock").write_text(f"{dead_pid()}\n")
+    started = time.monotonic()
+    with output_lock(tmp_path / "out"):
+        assert (tmp_path / ".out.dofla-lock").read_text() == f"{os.getpid()}\n"
+    assert time.monotonic() - started < 1 and not (tmp_path / ".out.dofla-lock").exists()
+
+
+def test_the_demo_continues_its_own_interrupted_run_and_says_so(tmp_path, capsys, monkeypatch):
+    import dofla.pipeline
+
+    seen = []
+
+    def stop(config, **kwargs):
+        seen.append((config.resume, config.overwrite))
+        raise DoflaError("stopped here")
+
+    monkeypatch.setattr(dofla.pipeline, "linearize", stop)
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out)]) == 1  # a fresh folder: a fresh run
+    (out / "distill" / "checkpoints").mkdir(parents=True)
+    (out / "distill" / "checkpoints" / "latest.json").write_text('{"step": 10, "folder": "step-00000010"}')
+    assert main(["demo", "--out", str(out)]) == 1
+    assert f"continuing the demo run in {out} (pass --overwrite to start over)" in capsys.readouterr().out
+    assert main(["demo", "--out", str(out), "--overwrite"]) == 1
+    assert seen == [(False, False), (True, False), (False, True)]
