@@ -165,7 +165,7 @@ def test_evaluate_command_writes_per_length_per_bucket_json(converted_folder, tm
         (["--sinks", "-1"], "--sinks must be comma-separated integers of at least 0"),
         (["--window", "0"], "--window must be at least 1"),
         (["--passkey", "100", "--passkey-depths", "1.5"], "--passkey-depths must be"),
-        (["--json", "FILE/eval.json"], "cannot be written: FILE is not a writable folder"),
+        (["--json", "FILE/eval.json"], "lies under FILE, which is a file"),
         (["--plot", "loss.txt"], "--plot loss.txt must end in .png"),
     ],
 )

@@ -274,7 +274,7 @@ def test_linearize_options_are_checked_before_loading(tmp_path, capsys, argument
         (["evaluate", NOT_LOADED], "nothing to evaluate: give --data"),
         (
             ["evaluate", NOT_LOADED, "--passkey", "long"],
-            "--passkey must be comma-separated positive token counts",
+            "--passkey must be comma-separated integers of at least 1",
         ),
         (["generate", NOT_LOADED, "--prompt", ""], "--prompt is empty"),
         (["generate", NOT_LOADED, "--prompt", "Hi", "--device", "tpu"], "unknown device 'tpu'"),
@@ -330,7 +330,7 @@ def test_lora_targets_and_the_tokenizer_are_checked_before_training(world, tmp_p
 def test_sequence_lengths_beyond_the_context_are_refused(world, tmp_path, capsys):
     data = ["--data", str(world["text"]), "--seq-len", "1000"]
     assert main(["evaluate", str(world["converted"]), *data]) == 1
-    assert "--seq-len 1000 is beyond the model's context of 512 tokens" in capsys.readouterr().err
+    assert "a context of 1000 tokens is longer than the teacher's maximum of 512" in capsys.readouterr().err
     states = [
         "teacher-states",
         str(world["teacher"]),
@@ -359,7 +359,7 @@ def test_evaluate_refuses_a_teacher_the_model_was_not_converted_from(world, caps
     assert (
         main([*evaluate, "--sequences", "2", "--teacher", str(world["other_weights"]), "--any-teacher"]) == 0
     )
-    assert "perplexity   teacher" in capsys.readouterr().out
+    assert "Held-out quality at length" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------- 9. smaller items

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
 import sys
 from pathlib import Path
 
@@ -74,6 +71,11 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--json", dest="json_out", default=None, help="also write the results to this JSON file"
     )
+    parser.add_argument(
+        "--any-teacher",
+        action="store_true",
+        help="compare with --teacher even if it is not the model the folder was converted from",
+    )
     parser.set_defaults(func=run)
 
 
@@ -104,25 +106,11 @@ def _depths(text: str) -> list[float]:
     return values
 
 
-def _check_writable(path: str, option: str) -> None:
-    """Refuse an output path that cannot be written, before any model is loaded."""
-    from dofla.errors import DoflaError
-
-    target = Path(path).expanduser()
-    if target.is_dir():
-        raise DoflaError(f"{option} {path} is a folder; give a file name.")
-    folder = target.parent
-    while not folder.exists() and folder != folder.parent:  # the folders write_atomic would create
-        folder = folder.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise DoflaError(f"{option} {path} cannot be written: {folder} is not a writable folder.")
-    if target.exists() and not os.access(target, os.W_OK):
-        raise DoflaError(f"{option} {path} exists and is not writable.")
-
-
 def check_arguments(args: argparse.Namespace) -> None:
     """Every option is checked before a model is loaded; sets args.length_list, sink_list, passkey_list."""
+    from dofla.commands._common import check_device_and_dtype
     from dofla.errors import DoflaError
+    from dofla.outputs import check_output_file
 
     if args.lengths is not None and args.seq_len is not None:
         raise DoflaError("give either --lengths or --seq-len, not both (--seq-len N is --lengths N).")
@@ -153,9 +141,10 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise DoflaError("--plot draws the held-out loss by position, which needs --data.")
         if Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
             raise DoflaError(f"--plot {args.plot} must end in {', '.join(PLOT_SUFFIXES)}.")
-        _check_writable(args.plot, "--plot")
+        check_output_file(args.plot, "--plot")
     if args.json_out is not None:
-        _check_writable(args.json_out, "--json")
+        check_output_file(args.json_out, "--json")
+    check_device_and_dtype(args)
 
 
 def default_window(plan) -> int:
@@ -172,14 +161,14 @@ def _progress(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
-    from dofla.convert import load_converted
+    from dofla.convert import check_teacher, load_converted
     from dofla.data import load_texts
     from dofla.errors import DoflaError
     from dofla.evaluation import long_context
     from dofla.evaluation.attention_error import attention_errors
     from dofla.evaluation.passkey import passkey_comparison
     from dofla.evaluation.zero_shot import evaluate_zero_shot, load_task
-    from dofla.io import write_text_atomic
+    from dofla.io import write_json_atomic
     from dofla.models import load_teacher
 
     texts = load_texts(args.data) if args.data else None
@@ -191,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
         raise DoflaError("the converted folder does not name its teacher; pass --teacher MODEL.")
     loaded = load_teacher(teacher_spec, dtype=args.dtype, device=args.device)
     teacher, tokenizer = loaded.model, tokenizer or loaded.tokenizer
+    if not args.any_teacher:
+        check_teacher(args.converted, teacher, student)
     if tokenizer is None:
         raise DoflaError(
             "neither the converted folder nor the teacher has a tokenizer to read the text with."
@@ -248,29 +239,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and "long_context" in results:
         long_context.plot_loss_by_position(results["long_context"], args.plot)
     if args.json_out:
-        write_text_atomic(Path(args.json_out), results_json(results))
+        write_json_atomic(args.json_out, results)
     return 0
-
-
-def _finite(value, replaced: list):
-    """``value`` with every NaN or infinite number as None (JSON has no such numbers), noted in ``replaced``."""
-    if isinstance(value, dict):
-        return {key: _finite(item, replaced) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(item, replaced) for item in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        replaced.append(value)
-        return None
-    return value
-
-
-def results_json(results: dict) -> str:
-    """The results as JSON text; a non-finite number becomes null and a note says so."""
-    replaced: list = []
-    safe = _finite(results, replaced)
-    if replaced:
-        safe["notes"] = ["null stands for a number that was not finite (NaN or infinite)."]
-    return json.dumps(safe, indent=2, allow_nan=False) + "\n"
 
 
 def _print_results(results: dict) -> None:
