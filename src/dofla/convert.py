@@ -30,7 +30,8 @@ from torch import nn
 from dofla import dispatch
 from dofla.attention import LinearAttention
 from dofla.cache import attach_cache_layer
-from dofla.config import ConversionPlan, LayerPlan
+from dofla.config import ConversionPlan
+from dofla.dof import make_plan
 from dofla.errors import DoflaError
 from dofla.io import save_safetensors_atomic, write_text_atomic
 
@@ -82,36 +83,20 @@ def plan_for(
     share_kv_heads: bool = True,
     options: dict[str, Any] | None = None,
 ) -> ConversionPlan:
-    """A plan giving every layer in ``layers`` (default all) the same kind, map and dimension."""
-    facts = architecture(model)
-    selected = list(range(facts.num_layers)) if layers is None else [int(index) for index in layers]
-    outside = [index for index in selected if not 0 <= index < facts.num_layers]
-    if outside:
-        raise DoflaError(
-            f"layer {outside[0]} does not exist: the model has layers 0..{facts.num_layers - 1}."
-        )
-    converted = LayerPlan(
+    """A plan giving every layer in ``layers`` (default all) the same kind, map and dimension: the ``fix``
+    allocation of :func:`dofla.dof.make_plan`."""
+    return make_plan(
+        model,
+        budget=int(feature_dim),
+        variant="fix",
         kind=kind,
         feature_map=feature_map,
-        feature_dim=int(feature_dim),
+        window=window,
         share_kv_heads=share_kv_heads,
-        window=int(window),
-        options=dict(options or {}),
-    )
-    plan = ConversionPlan(
-        model_type=facts.model_type,
-        num_layers=facts.num_layers,
-        num_heads=facts.num_heads,
-        num_kv_heads=facts.num_kv_heads,
-        head_dim=facts.head_dim,
-        layers=[
-            LayerPlan(**vars(converted)) if index in selected else LayerPlan(kind="softmax")
-            for index in range(facts.num_layers)
-        ],
+        layers=layers,
+        options=options,
         metadata={"made_by": "plan_for"},
     )
-    plan.validate()
-    return plan
 
 
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")  # GPT-NeoX says layer_past

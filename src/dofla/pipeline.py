@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dofla import dof
 from dofla.errors import DoflaError
 from dofla.io import write_atomic, write_text_atomic
 
@@ -40,7 +41,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         lora_kl_weight=1.0,
     ),
 }
-ALLOCATIONS = ("fix", "dof", "dof_clip", "headwise")  # the last three by dofla.dof
+ALLOCATIONS = dof.ALLOCATIONS
 
 
 @dataclass
@@ -298,29 +299,16 @@ def held_out_attention_errors(model, sequences: torch.Tensor, batch_size: int = 
 
 
 def make_plan(config: LinearizeConfig, model, train: torch.Tensor):
-    """The conversion plan: Fix (same dimension everywhere) or allocated by ``dofla.dof``."""
-    from dofla.convert import plan_for
-
-    if config.allocation == "fix":
-        plan = plan_for(
-            model,
-            kind=config.kind,
-            feature_map=config.feature_map,
-            feature_dim=config.budget,
-            layers=config.layers,
-            window=config.window,
-        )
-        plan.metadata.update(allocation="fix", budget=config.budget)
-        return plan
-    from dofla import dof
-
-    device = next(model.parameters()).device
-    batches = [
-        train[start : start + config.batch_size].to(device)
-        for start in range(0, min(len(train), config.dof_batches * config.batch_size), config.batch_size)
-    ]
-    estimate = dof.estimate(model, batches, num_points=config.dof_points, measure=config.measure)
-    plan = dof.make_plan(
+    """The conversion plan by ``dofla.dof``: the allocation ``config.allocation``, measured first if it needs it."""
+    estimate = None
+    if ALLOCATIONS[config.allocation].needs_measure:
+        device = next(model.parameters()).device
+        batches = [
+            train[start : start + config.batch_size].to(device)
+            for start in range(0, min(len(train), config.dof_batches * config.batch_size), config.batch_size)
+        ]
+        estimate = dof.estimate(model, batches, num_points=config.dof_points, measure=config.measure)
+    return dof.make_plan(
         model,
         estimate,
         budget=config.budget,
@@ -328,9 +316,8 @@ def make_plan(config: LinearizeConfig, model, train: torch.Tensor):
         kind=config.kind,
         feature_map=config.feature_map,
         window=config.window,
+        layers=config.layers,
     )
-    plan.metadata.update(allocation=config.allocation, measure=config.measure, budget=config.budget)
-    return plan
 
 
 def plan_table(plan) -> list[dict]:
@@ -410,7 +397,7 @@ def linearize(
         lap("LoRA baseline (teacher)")
 
     plan = make_plan(config, teacher, train)
-    lap("plan" if config.allocation == "fix" else "plan (DoF estimate)")
+    lap("plan (DoF estimate)" if "measure" in plan.metadata else "plan")
     model = convert(teacher, plan)
 
     run_dir = out_dir / "distill"
@@ -563,7 +550,7 @@ def write_report(result: LinearizeResult, summary: dict, config: LinearizeConfig
         "## Plan",
         "",
         f"Allocation `{config.allocation}`"
-        + (f" (measure `{config.measure}`)" if config.allocation != "fix" else "")
+        + (f" (measure `{config.measure}`)" if ALLOCATIONS[config.allocation].needs_measure else "")
         + f", mean feature budget {config.budget}.",
         "",
         "Held-out layer loss: the distillation loss on held-out data. Attention error: "

@@ -24,8 +24,10 @@ def register(subparsers) -> None:
         default=None,
         help="λ, e.g. 2^-4 (repeatable; first is used)",
     )
-    parser.add_argument("--measure", default="dof", help="dof | dof_trace | attention_rank")
-    parser.add_argument("--allocation", default="dof", help="dof | dof_clip | fix | headwise")
+    parser.add_argument("--measure", default="dof", help="a measure of dofla.dof.MEASURES (e.g. dof_trace)")
+    parser.add_argument(
+        "--allocation", default="dof", help="an allocation of dofla.dof.ALLOCATIONS (e.g. headwise)"
+    )
     parser.add_argument("--num-points", type=int, default=1024, help="J, points sampled per head")
     parser.add_argument("--sequences", type=int, default=16, help="calibration sequences")
     parser.add_argument("--seq-len", type=int, default=512)
@@ -52,18 +54,11 @@ def run(args: argparse.Namespace) -> int:
     from dofla.models.loading import cache_root
 
     lambdas = [dof.parse_lambda(text) for text in (args.lambdas or ["2^-4"])]
-    if args.measure not in dof.MEASURES:
-        raise DoflaError(f"unknown measure {args.measure!r}; use one of {', '.join(dof.MEASURES)}.")
-    if args.allocation not in dof.VARIANTS:
-        raise DoflaError(f"unknown allocation {args.allocation!r}; use one of {', '.join(dof.VARIANTS)}.")
-    if args.budget <= 0:
-        raise DoflaError(f"--budget must be a positive number of features per layer, got {args.budget}.")
+    measure = dof.MEASURES[args.measure]  # unknown names are refused before the teacher loads
+    allocation = dof.ALLOCATIONS[args.allocation]
+    allocation.check_budget(args.budget, None)
     teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
-    if args.allocation == "dof_clip" and args.budget > teacher.adapter.head_dim:
-        raise DoflaError(
-            f"with dof_clip every layer has at most {teacher.adapter.head_dim} features (the head size), so the "
-            f"mean budget cannot be {args.budget}; lower --budget or use --allocation dof."
-        )
+    allocation.check_budget(args.budget, teacher.adapter.head_dim)
     if teacher.tokenizer is None:
         raise DoflaError("the teacher has no tokenizer, which calibration needs.")
     if args.data:
@@ -90,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         batches,
         num_points=args.num_points,
         lambdas=lambdas,
-        measure=args.measure,
+        measure=measure.name,
         seed=args.seed,
         progress=True,
         kernel_spectra=True,  # for eigenvalue_decay.png
@@ -105,18 +100,7 @@ def run(args: argparse.Namespace) -> int:
         **options,
     )
     plan.metadata.update(teacher=args.model, calibration=source, seed=args.seed)
-    head_measure = dof.map_head_measure(estimate.head_measure(), teacher.adapter.num_kv_heads, True)
-    allocations = {
-        variant: dof.allocate_feature_dims(
-            estimate.layer_measure(),
-            variant=variant,
-            head_size=teacher.adapter.head_dim,
-            head_measure=head_measure,
-            **options,
-        )
-        for variant in dof.VARIANTS
-        if not (variant == "dof_clip" and args.budget > teacher.adapter.head_dim)
-    }
+    allocations = dof.allocate_all(estimate, teacher.adapter, **options)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plan.save(out / "plan.json")
