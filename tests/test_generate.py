@@ -34,6 +34,10 @@ PLANS = {
     "linear": lambda model: plan_for(model, kind="linear", feature_map="learnable_prf", feature_dim=8),
     "hybrid": lambda model: plan_for(model, kind="hybrid", feature_map="hedgehog", feature_dim=8, window=4),
     "mixed": mixed_plan,
+    "gla": lambda model: plan_for(model, kind="linear", cell="gla", feature_map="hedgehog", feature_dim=8),
+    "gla_hybrid": lambda model: plan_for(
+        model, kind="hybrid", cell="gla", feature_map="learnable_prf", feature_dim=8, window=4
+    ),
 }
 
 

@@ -56,7 +56,10 @@ def key_mask_from_attention_mask(attention_mask: Tensor | None, length: int) -> 
 
 
 class LinearAttention(nn.Module):
-    """Causal linear (or sliding-window hybrid) attention with the teacher's q, k, v.
+    """Causal linear (or sliding-window hybrid) attention with the teacher's q, k, v: the ``linear`` cell.
+
+    This is the base class of every student cell (see :mod:`dofla.cells`): a cell overrides ``_attend``
+    (and adds its own parameters and ``CELL_OPTIONS``); everything else (features, masks, cache) is shared.
 
     plan: the layer's LayerPlan (kind "linear" or "hybrid", feature map, dimension(s), sharing, window).
     num_heads H, num_kv_heads Hkv, head_dim D, scaling: the teacher layer's attention shape and logit scale;
@@ -69,6 +72,9 @@ class LinearAttention(nn.Module):
     A feature map that takes a ``seed`` gets the layer index unless the plan gives one, so layers draw
     different random features.
     """
+
+    cell_name = "linear"
+    CELL_OPTIONS: tuple[str, ...] = ()  # options of plan.options read by the cell itself (subclasses)
 
     def __init__(
         self,
@@ -98,6 +104,8 @@ class LinearAttention(nn.Module):
         initial_gamma = float(options.pop("window_factor", DEFAULT_WINDOW_FACTOR))
         self.chunk_size = int(options.pop("chunk_size", DEFAULT_CHUNK_SIZE))
         self.decode_tokens = int(options.pop("decode_tokens", DEFAULT_DECODE_TOKENS))
+        self.cell_options = {name: options.pop(name) for name in self.CELL_OPTIONS if name in options}
+        self.sinks = int(plan.sinks)
         if plan.feature_map in FEATURE_MAPS and "seed" not in options:
             if "seed" in inspect.signature(FEATURE_MAPS[plan.feature_map].__init__).parameters:
                 options["seed"] = self.layer_index
@@ -259,8 +267,8 @@ class LinearAttention(nn.Module):
         return groups
 
     def extra_repr(self) -> str:
-        window = f", window={self.window}" if self.kind == "hybrid" else ""
+        window = f", window={self.window}, sinks={self.sinks}" if self.kind == "hybrid" else ""
         return (
-            f"layer={self.layer_index}, kind={self.kind}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"layer={self.layer_index}, cell={self.cell_name}, kind={self.kind}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"share_kv_heads={self.share_kv_heads}{window}"
         )

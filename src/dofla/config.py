@@ -24,6 +24,10 @@ class LayerPlan:
     share_kv_heads: query heads of a key/value group share one feature map and one state
         (state per key/value head); False gives each query head its own map and state.
     window: sliding-window size for "hybrid" layers.
+    sinks: the first ``sinks`` tokens of a sequence stay visible to the window of "hybrid" layers
+        (attention sinks) and never enter the linear part.
+    cell: the student cell by name (:mod:`dofla.cells`): "linear" (LoLCATs: plain linear attention, with the
+        window sharing one normalisation), "gla" (with forgetting), ...
     """
 
     kind: str = "linear"
@@ -33,6 +37,8 @@ class LayerPlan:
     share_kv_heads: bool = True
     window: int = 64
     options: dict[str, Any] = field(default_factory=dict)
+    cell: str = "linear"
+    sinks: int = 0
 
     def validate(self, layer_index: int, num_heads: int, num_kv_heads: int) -> None:
         where = f"layer {layer_index}"
@@ -60,6 +66,11 @@ class LayerPlan:
                 )
         if self.kind == "hybrid" and int(self.window) <= 0:
             raise DoflaError(f"{where}: hybrid window must be positive, got {self.window}.")
+        if int(self.sinks) < 0:
+            raise DoflaError(f"{where}: the number of sink tokens must be 0 or more, got {self.sinks}.")
+        from dofla.cells import cell_class  # the registry imports the cells, which import this module
+
+        cell_class(self.cell)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from torch import nn
 from dofla import dispatch
 from dofla.attention import LinearAttention
 from dofla.cache import attach_cache_layer
+from dofla.cells import build_student
 from dofla.config import ConversionPlan
 from dofla.dof import make_plan
 from dofla.errors import DoflaError
@@ -82,9 +83,11 @@ def plan_for(
     window: int = 64,
     share_kv_heads: bool = True,
     options: dict[str, Any] | None = None,
+    cell: str = "linear",
+    sinks: int = 0,
 ) -> ConversionPlan:
-    """A plan giving every layer in ``layers`` (default all) the same kind, map and dimension: the ``fix``
-    allocation of :func:`dofla.dof.make_plan`."""
+    """A plan giving every layer in ``layers`` (default all) the same kind, cell, map and dimension: the
+    ``fix`` allocation of :func:`dofla.dof.make_plan`."""
     return make_plan(
         model,
         budget=int(feature_dim),
@@ -95,6 +98,8 @@ def plan_for(
         share_kv_heads=share_kv_heads,
         layers=layers,
         options=options,
+        cell=cell,
+        sinks=sinks,
         metadata={"made_by": "plan_for"},
     )
 
@@ -161,7 +166,7 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
     for index in plan.converted_layers:
         module = facts.attention_modules[index]
         parameter = next(module.parameters(), None)
-        student = LinearAttention(
+        student = build_student(
             plan.layers[index],
             layer_index=index,
             num_heads=facts.num_heads,

@@ -309,13 +309,16 @@ def make_plan(
     lam: float | None = None,
     layers: Sequence[int] | None = None,
     options: dict[str, Any] | None = None,
+    cell: str = "linear",
+    sinks: int = 0,
     metadata: dict | None = None,
 ) -> ConversionPlan:
     """The conversion plan for ``model``: from a DoF estimate (allocated here by ``variant``), a ready
     allocation, or nothing (a ``variant`` that needs no measure, e.g. ``fix``).
 
-    layers: the layers to convert (default all); options: the feature map's own options; ``metadata`` is
-    merged into what the plan records about its allocation.
+    layers: the layers to convert (default all); options: the feature map's own options; cell and sinks: the
+    student cell (:mod:`dofla.cells`) and its attention-sink tokens; ``metadata`` is merged into what the
+    plan records about its allocation.
     """
     from dofla.models import get_adapter
 
@@ -377,6 +380,8 @@ def make_plan(
                 share_kv_heads=share_kv_heads,
                 window=int(window),
                 options=dict(options or {}),
+                cell=cell,
+                sinks=int(sinks),
             )
         )
     plan = ConversionPlan(

@@ -1,0 +1,140 @@
+"""Student cells: the registry, and the gated linear attention cell's forms, semantics and decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dofla.cache import RecurrentCacheLayer
+from dofla.cells import CELLS, GatedLinearAttention, build_student
+from dofla.config import LayerPlan
+from dofla.convert import convert, load_converted, plan_for, save_converted
+from dofla.errors import DoflaError
+from dofla.models import build_tiny_model
+
+B, H, HKV, D = 2, 4, 2, 8
+SHAPE = dict(layer_index=1, num_heads=H, num_kv_heads=HKV, head_dim=D, scaling=D**-0.5)
+
+
+def make_cell(cell="gla", kind="linear", feature_map="learnable_prf", share=True, window=5, **options):
+    plan = LayerPlan(
+        kind=kind,
+        cell=cell,
+        feature_map=feature_map,
+        feature_dim=6,
+        share_kv_heads=share,
+        window=window,
+        options={"chunk_size": 4, **options},
+    )
+    torch.manual_seed(0)
+    student = build_student(plan, **SHAPE).double()
+    with torch.no_grad():  # a data-dependent decay that really varies, and short memories
+        for parameter in student.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+        if isinstance(student, GatedLinearAttention):
+            student.decay_bias.fill_(1.0)
+    return student
+
+
+def qkv(length=11, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(heads):
+        return torch.randn(B, heads, length, D, generator=generator, dtype=torch.float64).requires_grad_()
+
+    return draw(H), draw(HKV), draw(HKV)
+
+
+def test_unknown_cell_lists_the_known_ones():
+    assert {"linear", "gla"} <= set(CELLS)
+    with pytest.raises(DoflaError, match="unknown cell 'nope'; known cells: .*gla.*linear"):
+        LayerPlan(cell="nope").validate(0, H, HKV)
+
+
+@pytest.mark.parametrize(
+    "kind, feature_map, share", [("linear", "hedgehog", True), ("hybrid", "learnable_prf", False)]
+)
+def test_gla_forms_agree_forward_and_gradients(kind, feature_map, share):
+    student = make_cell("gla", kind, feature_map, share)
+    query, key, value = qkv()
+    results = {}
+    for form in ("naive", "chunked", "recurrent"):
+        output = student(query, key, value, form=form)  # (B, T, H, D)
+        weights = torch.linspace(-1, 1, output.numel(), dtype=output.dtype).view_as(output)
+        inputs = [query, key, value, *student.trainable_parameters()]
+        results[form] = (output.detach(), torch.autograd.grad((output * weights).sum(), inputs))
+    reference_output, reference_gradients = results["naive"]
+    assert all(gradient.abs().sum() > 0 for gradient in reference_gradients[-2:])  # the decay is trained
+    for form in ("chunked", "recurrent"):
+        output, gradients = results[form]
+        torch.testing.assert_close(output, reference_output, rtol=1e-9, atol=1e-10)
+        for got, expected in zip(gradients, reference_gradients, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-10)
+
+
+def test_gla_is_normalised_linear_attention_with_decay():
+    """Brute force: out_i = sum_j a_ij v_j / sum_j a_ij with a_ij = phi(q_i).phi(k_j) prod_{t=j+1..i} alpha_t."""
+    student = make_cell("gla", "linear", "hedgehog", share=True)
+    query, key, value = (tensor.detach() for tensor in qkv(length=9))
+    q_features, k_features, _ = student.features(query, key)  # (B, H, T, F), (B, HKV, T, F)
+    log_alpha = student.log_decay(value, None)  # (B, HKV, T)
+    group = H // HKV
+    expected = torch.zeros(B, 9, H, D, dtype=torch.float64)
+    for head in range(H):
+        kv_head = head // group
+        for i in range(9):
+            weights = torch.stack(
+                [
+                    (q_features[:, head, i] * k_features[:, kv_head, j]).sum(-1)
+                    * torch.exp(log_alpha[:, kv_head, j + 1 : i + 1].sum(-1))
+                    for j in range(i + 1)
+                ],
+                dim=-1,
+            )  # (B, i + 1)
+            expected[:, i, head] = (weights[..., None] * value[:, kv_head, : i + 1]).sum(1) / (
+                weights.sum(-1, keepdim=True) + 1e-6
+            )
+    torch.testing.assert_close(student(query, key, value, form="naive"), expected, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["linear", "hybrid"])
+def test_gla_prefill_then_decode_equals_one_pass(kind):
+    student = make_cell("gla", kind)
+    query, key, value = (tensor.detach() for tensor in qkv(length=13))
+    full = student(query, key, value)
+    layer, pieces = RecurrentCacheLayer(), []
+    for start, stop in ((0, 5), (5, 6), (6, 7), (7, 13)):  # chunked, 2 recurrent steps, chunked again
+        layer.update(key[:, :, start:stop], value[:, :, start:stop])
+        student.pending_cache_layer = layer
+        pieces.append(student(query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop]))
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-12)
+    assert layer.state.num_tokens == 13 and layer.nbytes() > 0
+    reordered = layer.state.index_select(torch.tensor([1, 0]))
+    torch.testing.assert_close(reordered.log_decay_total[0], layer.state.log_decay_total[1])
+
+
+def test_gla_initial_memories_span_the_configured_range():
+    student = build_student(LayerPlan(cell="gla", options={"decay_memory": [16, 256]}), **SHAPE)
+    memories = 1 / (1 - torch.sigmoid(student.decay_bias))
+    torch.testing.assert_close(memories, torch.tensor([16.0, 256.0]), rtol=1e-4, atol=0)
+    with pytest.raises(DoflaError, match="decay_memory"):
+        build_student(LayerPlan(cell="gla", options={"decay_memory": [0.5, 4]}), **SHAPE)
+
+
+def test_gla_model_saves_reloads_and_generates(tmp_path):
+    model = build_tiny_model("llama", seed=0)
+    convert(
+        model, plan_for(model, kind="hybrid", cell="gla", feature_map="hedgehog", feature_dim=8, window=4)
+    )
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "decay" in name:
+                parameter.add_(0.2 * torch.randn_like(parameter))
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    expected = model(tokens).logits
+    save_converted(model, tmp_path / "out", extra_metadata={"teacher": "tiny"})
+    loaded, _, plan = load_converted(tmp_path / "out")
+    assert {layer.cell for layer in plan.layers} == {"gla"}
+    torch.testing.assert_close(loaded(tokens).logits, expected, rtol=0, atol=0)
+    generated = loaded.generate(tokens[:1, :6], max_new_tokens=5, do_sample=False)
+    assert generated.shape == (1, 11)
