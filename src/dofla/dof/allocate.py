@@ -190,7 +190,9 @@ def headwise(request: AllocationRequest) -> tuple[list[int], list[list[int]]]:
     flat = [value for row in request.head_measure for value in row]
     values = largest_remainder(flat, request.budget * len(flat), request.minimum, None)
     heads = len(request.head_measure[0])
-    head_dims = [values[position * heads : (position + 1) * heads] for position in range(len(request.head_measure))]
+    head_dims = [
+        values[position * heads : (position + 1) * heads] for position in range(len(request.head_measure))
+    ]
     return [max(row) for row in head_dims], head_dims
 
 
