@@ -35,6 +35,7 @@ from dofla.config import ConversionPlan
 from dofla.dof import make_plan
 from dofla.errors import DoflaError
 from dofla.io import save_safetensors_atomic, write_text_atomic
+from dofla.models.adapters import CACHE_ARGUMENTS
 
 PLAN_FILE = "dofla_plan.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -55,6 +56,7 @@ class Architecture:
     head_dim: int
     attention_modules: list[nn.Module]
     scalings: list[float]
+    softcaps: list[float | None]  # the teacher's logit soft-capping per layer (Gemma 2 and 3)
 
 
 def architecture(model: nn.Module) -> Architecture:
@@ -71,6 +73,7 @@ def architecture(model: nn.Module) -> Architecture:
         head_dim=int(adapter.head_dim),
         attention_modules=modules,
         scalings=[float(adapter.attention_scaling(index, model)) for index in range(len(modules))],
+        softcaps=[adapter.attention_softcap(module) for module in modules],
     )
 
 
@@ -102,9 +105,6 @@ def plan_for(
         sinks=sinks,
         metadata={"made_by": "plan_for"},
     )
-
-
-CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")  # GPT-NeoX says layer_past
 
 
 def _attention_cache_argument(module: nn.Module, args: tuple, kwargs: dict):
@@ -173,7 +173,7 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
             num_kv_heads=facts.num_kv_heads,
             head_dim=facts.head_dim,
             scaling=facts.scalings[index],
-            softcap=getattr(module, "attn_logit_softcapping", None),  # Gemma-2 keeps it on the module
+            softcap=facts.softcaps[index],
         )
         built[index] = student.to(parameter.device) if parameter is not None else student
 

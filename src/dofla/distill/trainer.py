@@ -30,9 +30,14 @@ from torch import nn
 from dofla import dispatch
 from dofla.distill import distributed
 from dofla.distill.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from dofla.distill.hidden_store import TeacherStates, open_teacher_states, teacher_forced_step_from_states
+from dofla.distill.hidden_store import TeacherStates, open_teacher_states
 from dofla.distill.losses import LOSSES, layerwise_loss_names
-from dofla.distill.teacher_forcing import autocast_for, freeze_teacher, teacher_forced_step
+from dofla.distill.teacher_forcing import (
+    autocast_for,
+    freeze_teacher,
+    teacher_forced_step,
+    teacher_forced_step_from_states,
+)
 from dofla.errors import DoflaError
 from dofla.io import write_text_atomic
 
