@@ -42,7 +42,8 @@ def allocations(measures: list[str]) -> list[tuple[str, str, str]]:
     return [("Fix", "fix", "dof")] + [(f"DoF ({measure})", "dof", measure) for measure in measures]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -62,7 +63,7 @@ def main() -> int:
     parser.add_argument("--sampled-tokens", type=int, default=128)
     parser.add_argument("--cache-dir", default=None, help="teacher-sample cache (default: OUT/data_cache)")
     parser.add_argument("--out", default="docs/results/distill")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from dofla.models import load_teacher
 
@@ -123,7 +124,7 @@ def main() -> int:
         unconvert(teacher)
         print(f"{label}: perplexity {rows[-1]['perplexity']:.3f}", flush=True)
 
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    command = shlex.join(["python", "experiments/allocation_study.py", *argv])
     record = dict(command=command, data=source, teacher_ppl=teacher_ppl, rows=rows, heldout=len(heldout))
     write_text_atomic(out / "allocation_study.json", json.dumps(record, indent=2) + "\n")
     fix = rows[0]["perplexity"]
