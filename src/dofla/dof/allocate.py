@@ -278,16 +278,11 @@ def allocate_all(
     when the budget exceeds it)."""
     layer_values = estimate_result.layer_measure(lam)
     head_values = map_head_measure(estimate_result.head_measure(lam), adapter.num_kv_heads, share_kv_heads)
+    options = dict(
+        head_size=adapter.head_dim, minimum=minimum, keep_softmax=keep_softmax, head_measure=head_values
+    )
     return {
-        name: allocate_feature_dims(
-            layer_values,
-            budget=budget,
-            variant=name,
-            head_size=adapter.head_dim,
-            minimum=minimum,
-            keep_softmax=keep_softmax,
-            head_measure=head_values,
-        )
+        name: allocate_feature_dims(layer_values, budget=budget, variant=name, **options)
         for name, rule in ALLOCATIONS.items()
         if not (rule.at_most_head_size and budget > adapter.head_dim)
     }
@@ -328,45 +323,37 @@ def make_plan(
     if isinstance(estimate_or_allocation, Allocation):
         allocation = estimate_or_allocation
         recorded = {"allocation": allocation.variant, "budget": allocation.budget}
-    elif isinstance(estimate_or_allocation, DofEstimate):
-        estimate_result = estimate_or_allocation
-        head_measure = map_head_measure(
-            estimate_result.head_measure(lam), adapter.num_kv_heads, share_kv_heads
-        )
-        allocation = allocate_feature_dims(
-            estimate_result.layer_measure(lam),
-            budget=budget,
-            variant=variant,
-            head_size=adapter.head_dim,
-            minimum=minimum,
-            keep_softmax=keep_softmax,
-            head_measure=head_measure,
-            layers=layers,
-        )
-        recorded = {
-            "allocation": variant,
-            "measure": estimate_result.measure,
-            "lambda": lambda_key(lam if lam is not None else estimate_result.lambdas[0]),
-            "num_points": estimate_result.num_points,
-            "budget": budget,
-            "saturated_fraction": estimate_result.saturated_fraction(),
-        }
     else:
-        if ALLOCATIONS[variant].needs_measure:
-            raise DoflaError(
-                f"allocation {variant!r} allocates by a measure: give a DoF estimate (dofla.dof.estimate) "
-                "or use allocation fix."
+        estimate_result = estimate_or_allocation
+        recorded = {"allocation": variant, "budget": budget}
+        if estimate_result is None:
+            if ALLOCATIONS[variant].needs_measure:
+                raise DoflaError(
+                    f"allocation {variant!r} allocates by a measure: give a DoF estimate (dofla.dof.estimate) "
+                    "or use allocation fix."
+                )
+            layer_values, head_values = [0.0] * adapter.num_layers, None
+        else:
+            layer_values = estimate_result.layer_measure(lam)
+            head_values = map_head_measure(
+                estimate_result.head_measure(lam), adapter.num_kv_heads, share_kv_heads
             )
+            recorded.update(
+                measure=estimate_result.measure,
+                num_points=estimate_result.num_points,
+                saturated_fraction=estimate_result.saturated_fraction(),
+            )
+            recorded["lambda"] = lambda_key(lam if lam is not None else estimate_result.lambdas[0])
         allocation = allocate_feature_dims(
-            [0.0] * adapter.num_layers,
+            layer_values,
             budget=budget,
             variant=variant,
             head_size=adapter.head_dim,
             minimum=minimum,
             keep_softmax=keep_softmax,
+            head_measure=head_values,
             layers=layers,
         )
-        recorded = {"allocation": variant, "budget": budget}
     recorded.update(metadata or {})
     plan_layers = []
     for index in range(adapter.num_layers):
