@@ -157,14 +157,16 @@ def _rotary_fraction(config, family: Family) -> float:
     return float(fraction or 1.0)
 
 
-def _default_scalings(config, model_type: str, head_dim: int, num_layers: int) -> list[float]:
-    if model_type in ("gemma2", "gemma3_text") and getattr(config, "query_pre_attn_scalar", None):
+def _default_scalings(config, head_dim: int, num_layers: int) -> list[float]:
+    """The logit scale per layer from the config's own settings (Gemma's query_pre_attn_scalar, GPT-2's
+    scale_attn_weights and scale_attn_by_inverse_layer_idx; other families have none of them)."""
+    if getattr(config, "query_pre_attn_scalar", None):
         base = float(config.query_pre_attn_scalar) ** -0.5
-    elif model_type == "gpt2" and not getattr(config, "scale_attn_weights", True):
+    elif not getattr(config, "scale_attn_weights", True):
         base = 1.0
     else:
         base = head_dim**-0.5
-    if model_type == "gpt2" and getattr(config, "scale_attn_by_inverse_layer_idx", False):
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
         return [base / (index + 1) for index in range(num_layers)]
     return [base] * num_layers
 
@@ -197,5 +199,5 @@ def get_adapter(model_or_config) -> ArchitectureAdapter:
         rotary_fraction=_rotary_fraction(config, family),
         layer_kinds=kinds,
         sliding_window=window,
-        default_scalings=_default_scalings(config, model_type, head_dim, num_layers),
+        default_scalings=_default_scalings(config, head_dim, num_layers),
     )
