@@ -23,18 +23,18 @@ from pathlib import Path
 
 import torch
 
+from dofla import dof
 from dofla.convert import convert, unconvert
-from dofla.data import split_train_heldout
+from dofla.data import load_texts, pack_token_sequences, sample_teacher_texts, split_train_heldout
 from dofla.distill.trainer import DistillConfig, distill
 from dofla.evaluation.attention_error import attention_errors
+from dofla.evaluation.perplexity import perplexity as measure_perplexity
 from dofla.io import write_text_atomic
-from dofla.pipeline import (
-    LinearizeConfig,
-    load_sequences,
-    make_plan,
-    parse_tokens,
-    perplexity,
-)
+from dofla.pipeline import parse_tokens
+
+
+def perplexity(model, sequences: torch.Tensor, batch_size: int) -> float:
+    return float(measure_perplexity(model, sequences, batch_size=batch_size)["perplexity"])
 
 
 def allocations(measures: list[str]) -> list[tuple[str, str, str]]:
@@ -68,26 +68,25 @@ def main(argv: list[str] | None = None) -> int:
     from dofla.models import load_teacher
 
     out = Path(args.out)
-    base = LinearizeConfig(
-        out_dir=str(out),
-        model=args.model,
-        budget=args.budget,
-        feature_map=args.feature_map,
-        loss=args.loss,
-        tokens=parse_tokens(args.tokens),
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        data=args.data,
-        dof_points=args.dof_points,
-        sampled_texts=args.sampled_texts,
-        sampled_tokens=args.sampled_tokens,
-        seed=args.seed,
-        progress=False,
-    )
+    tokens = parse_tokens(args.tokens)
     loaded = load_teacher(args.model)
     teacher, tokenizer = loaded.model.eval(), loaded.tokenizer
-    cache_dir = Path(args.cache_dir) if args.cache_dir else out / "data_cache"
-    sequences, source = load_sequences(base, teacher, tokenizer, cache_dir)
+    if args.data:
+        texts = load_texts(args.data)
+        source = f"{args.data} ({len(texts)} texts)"
+    else:
+        cache_dir = Path(args.cache_dir) if args.cache_dir else out / "data_cache"
+        texts = sample_teacher_texts(
+            teacher,
+            tokenizer,
+            args.sampled_texts,
+            args.sampled_tokens,
+            args.seed,
+            cache_dir,
+            batch_size=min(32, args.sampled_texts),
+        )
+        source = f"{len(texts)} texts of up to {args.sampled_tokens} tokens sampled from the teacher (seed {args.seed})"
+    sequences = pack_token_sequences(tokenizer, texts, args.seq_len)
     train, heldout = split_train_heldout(sequences, 0.15, args.seed)
     heldout = heldout[: args.heldout]
     teacher_ppl = perplexity(teacher, heldout, args.batch_size)
@@ -96,12 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, allocation, measure in allocations([m for m in args.measures.split(",") if m]):
         started = time.perf_counter()
-        base.allocation, base.measure = allocation, measure
-        plan = make_plan(base, teacher, train)
+        calibration = list(train[: 2 * args.batch_size].split(args.batch_size))
+        plan = dof.measure_and_plan(
+            teacher,
+            calibration,
+            variant=allocation,
+            measure=measure,
+            num_points=args.dof_points,
+            budget=args.budget,
+            feature_map=args.feature_map,
+        )
         convert(teacher, plan)
         config = DistillConfig(
             loss=args.loss,
-            tokens=base.tokens,
+            tokens=tokens,
             batch_size=args.batch_size,
             eval_every=0,
             checkpoint_every=0,

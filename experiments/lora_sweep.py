@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dofla.convert import convert
-from dofla.data import split_train_heldout
+from dofla.data import load_texts, pack_token_sequences, split_train_heldout
 from dofla.distill.lora import train_lora
 from dofla.distill.trainer import distill
 from dofla.io import write_text_atomic
@@ -33,7 +33,6 @@ from dofla.models import load_teacher
 from dofla.pipeline import (
     LinearizeConfig,
     distill_config_for,
-    load_sequences,
     lora_config_for,
     make_plan,
     parse_tokens,
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_teacher(config.model)
     teacher, tokenizer = loaded.model, loaded.tokenizer
     teacher.eval()
-    sequences, _ = load_sequences(config, teacher, tokenizer, out / "data_cache")
+    sequences = pack_token_sequences(tokenizer, load_texts(config.data), config.seq_len)
     train, heldout = split_train_heldout(sequences, config.heldout_fraction, config.seed)
     reported = config.max_heldout_sequences if args.report_sequences is None else args.report_sequences
     report, validation = heldout[:reported], heldout[reported : reported + args.validation_sequences]

@@ -319,3 +319,19 @@ def test_feature_map_and_chunked_hybrid_pass_gradcheck(name):
     query = torch.randn(1, 2, 7, 4, dtype=torch.float64, requires_grad=True)
     key = torch.randn(1, 1, 7, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(layer, (query, key))
+
+
+def test_projection_map_is_signed_identity_at_start_and_refused_by_normalised_cells():
+    from dofla.attention import LinearAttention
+    from dofla.config import LayerPlan
+
+    feature_map = build("projection", num_heads=2, head_dim=8, feature_dim=8)
+    x = torch.randn(2, 4, 5, 8)
+    features, log_scale = feature_map(x, is_query=False)
+    assert log_scale is None and not feature_map.nonnegative
+    torch.testing.assert_close(features, x)  # rectangular identity: the teacher's own vectors
+    narrower = build("projection", num_heads=2, head_dim=8, feature_dim=3)
+    torch.testing.assert_close(narrower(x, is_query=True)[0], x[..., :3])
+    plan = LayerPlan(feature_map="projection", feature_dim=8)
+    with pytest.raises(DoflaError, match="needs a non-negative feature map; 'projection' is signed"):
+        LinearAttention(plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=0.3)

@@ -75,6 +75,7 @@ class LinearAttention(nn.Module):
 
     cell_name = "linear"
     CELL_OPTIONS: tuple[str, ...] = ()  # options of plan.options read by the cell itself (subclasses)
+    requires_nonnegative_features = True
 
     def __init__(
         self,
@@ -119,6 +120,11 @@ class LinearAttention(nn.Module):
             head_feature_dims=plan.head_feature_dims,
             **options,
         )
+        if self.requires_nonnegative_features and not self.feature_map.nonnegative:
+            raise DoflaError(
+                f"layer {layer_index}: the {self.cell_name} cell normalises by its feature sums and needs a "
+                f"non-negative feature map; {plan.feature_map!r} is signed (use it with the gated_delta cell)."
+            )
         if self.kind == "hybrid":
             if not 0.0 < initial_gamma < 1.0:
                 raise DoflaError(

@@ -61,7 +61,9 @@ class LinearizeConfig:
     measure: str = "dof"
     feature_map: str = "learnable_prf"
     kind: str = "linear"
+    cell: str = "linear"
     window: int = 64
+    sinks: int = 0
     layers: list[int] | None = None
     loss: str = "softmax"
     tokens: int = 2_000_000
@@ -88,6 +90,9 @@ class LinearizeConfig:
     lora_baseline: bool = False  # also train the same LoRA stage on the unconverted teacher and report it
     kl_weight: float = 0.0
     error_sequences: int = 8
+    eval_lengths: list[int] | None = (
+        None  # held-out quality at these lengths too (None: 1024, 2048 if they fit)
+    )
     seed: int = 0
     dtype: str | None = None
     device: str | None = None
@@ -193,8 +198,33 @@ def context_length(model) -> int | None:
     return None
 
 
-def load_sequences(config: LinearizeConfig, model, tokenizer, cache_dir: Path) -> tuple[torch.Tensor, str]:
-    """Packed token sequences (N, seq_len) and a sentence saying where the text came from."""
+DEFAULT_EVAL_LENGTHS = (1024, 2048)
+
+
+def evaluation_lengths(config: LinearizeConfig, limit: int | None) -> list[int]:
+    """The held-out lengths: the training length and ``eval_lengths`` (default 1024 and 2048 where the teacher's
+    context allows them; a length given explicitly beyond the context is an error naming both numbers)."""
+    if config.eval_lengths is None:
+        extra = [length for length in DEFAULT_EVAL_LENGTHS if limit is None or length <= limit]
+    else:
+        extra = [int(length) for length in config.eval_lengths]
+        beyond = [length for length in extra if limit is not None and length > limit]
+        if beyond:
+            raise DoflaError(
+                f"evaluation length {beyond[0]} is beyond the teacher's context of {limit} tokens; "
+                f"use lengths of at most {limit}."
+            )
+    return sorted({config.seq_len, *extra})
+
+
+def cut_rows(rows: torch.Tensor, length: int) -> torch.Tensor:
+    """(N, L) -> (N * (L // length), length): each row cut into consecutive pieces, the remainder dropped."""
+    pieces = rows.shape[1] // length
+    return rows[:, : pieces * length].reshape(-1, length)
+
+
+def load_texts_for(config: LinearizeConfig, model, tokenizer, cache_dir: Path) -> tuple[list[str], str]:
+    """The run's texts and a sentence saying where they came from."""
     from dofla import data
 
     if config.data is not None:
@@ -216,13 +246,28 @@ def load_sequences(config: LinearizeConfig, model, tokenizer, cache_dir: Path) -
         )
     if not texts:
         raise DoflaError("the training data is empty; give --data with some text.")
-    sequences = torch.as_tensor(data.pack_token_sequences(tokenizer, texts, config.seq_len), dtype=torch.long)
-    if sequences.dim() != 2 or len(sequences) < 2:
+    return texts, source
+
+
+def pack_rows(tokenizer, texts: list[str], lengths: list[int], seq_len: int) -> torch.Tensor:
+    """Texts packed into rows of the longest of ``lengths`` that still gives 2 rows (at least ``seq_len``).
+
+    Rows are split into training and held-out rows before anything is cut, so held-out text at every length
+    is text the student never trained on.
+    """
+    from dofla import data
+
+    token_count = len(data.pack_token_sequences(tokenizer, texts, seq_len).view(-1))
+    for length in sorted(lengths, reverse=True):
+        if token_count // length >= 2 or length == seq_len:
+            break
+    rows = token_count // length
+    if rows < 2:
         raise DoflaError(
-            f"the data packs into only {len(sequences)} sequence(s) of {config.seq_len} tokens; at least 2 are "
+            f"the data packs into only {rows} sequence(s) of {seq_len} tokens; at least 2 are "
             "needed: give more text or a shorter --seq-len."
         )
-    return sequences, source
+    return torch.as_tensor(data.pack_token_sequences(tokenizer, texts, length), dtype=torch.long)
 
 
 def perplexity(model, sequences: torch.Tensor, batch_size: int = 4) -> float:
@@ -300,23 +345,23 @@ def held_out_attention_errors(model, sequences: torch.Tensor, batch_size: int = 
 
 def make_plan(config: LinearizeConfig, model, train: torch.Tensor):
     """The conversion plan by ``dofla.dof``: the allocation ``config.allocation``, measured first if it needs it."""
-    estimate = None
-    if ALLOCATIONS[config.allocation].needs_measure:
-        device = next(model.parameters()).device
-        batches = [
-            train[start : start + config.batch_size].to(device)
-            for start in range(0, min(len(train), config.dof_batches * config.batch_size), config.batch_size)
-        ]
-        estimate = dof.estimate(model, batches, num_points=config.dof_points, measure=config.measure)
-    return dof.make_plan(
+    device = next(model.parameters()).device
+    batches = [
+        batch.to(device) for batch in train[: config.dof_batches * config.batch_size].split(config.batch_size)
+    ]
+    return dof.measure_and_plan(
         model,
-        estimate,
-        budget=config.budget,
+        batches,
         variant=config.allocation,
+        measure=config.measure,
+        num_points=config.dof_points,
+        budget=config.budget,
         kind=config.kind,
         feature_map=config.feature_map,
         window=config.window,
         layers=config.layers,
+        cell=config.cell,
+        sinks=config.sinks,
     )
 
 
@@ -377,16 +422,27 @@ def linearize(
         raise DoflaError(
             f"--seq-len {config.seq_len} is beyond the model's context of {limit} tokens; use at most {limit}."
         )
+    lengths = evaluation_lengths(config, limit)
     if sequences is None:
-        sequences, data_source = load_sequences(config, teacher, tokenizer, out_dir / "data_cache")
+        texts, data_source = load_texts_for(config, teacher, tokenizer, out_dir / "data_cache")
+        sequences = pack_rows(tokenizer, texts, lengths, config.seq_len)
     else:
         data_source = f"{len(sequences)} packed sequences given by the caller"
         if sequences.shape[1] > (limit or sequences.shape[1]):
             raise DoflaError(f"sequences of {sequences.shape[1]} tokens exceed the context of {limit}.")
+        if sequences.shape[1] < config.seq_len:
+            raise DoflaError(
+                f"the given sequences have {sequences.shape[1]} tokens, fewer than --seq-len {config.seq_len}."
+            )
     from dofla.data import split_train_heldout
 
-    train, heldout = split_train_heldout(sequences, config.heldout_fraction, config.seed)
-    heldout = heldout[: config.max_heldout_sequences]
+    train_rows, heldout_rows = split_train_heldout(sequences, config.heldout_fraction, config.seed)
+    heldout_rows = heldout_rows[: config.max_heldout_sequences]
+    train = cut_rows(train_rows, config.seq_len)
+    heldout_by_length = {
+        length: cut_rows(heldout_rows, length) for length in lengths if length <= sequences.shape[1]
+    }
+    heldout = heldout_by_length[config.seq_len]
     lap("data")
 
     teacher_ppl = perplexity(teacher, heldout, config.batch_size)

@@ -39,13 +39,26 @@ def register(subparsers) -> None:
         "--window", type=int, default=None, help="sliding window of hybrid layers (default 64)"
     )
     parser.add_argument(
+        "--cell", default=None, help="student cell: linear (default, LoLCATs) | gla (with forgetting) | ..."
+    )
+    parser.add_argument(
+        "--sinks", type=int, default=None, help="first tokens always visible to the window (default 0)"
+    )
+    parser.add_argument(
+        "--eval-lengths",
+        default=None,
+        help="comma-separated held-out lengths beyond --seq-len (default 1024,2048 where the teacher allows)",
+    )
+    parser.add_argument(
         "--loss",
         choices=["softmax", "l2", "output_mse", "direct"],
         default=None,
         help="distillation loss (default softmax)",
     )
-    parser.add_argument("--tokens", default="2M", help="distillation token budget, e.g. 2M, 500k")
-    parser.add_argument("--seq-len", type=int, default=512, help="training sequence length")
+    parser.add_argument(
+        "--tokens", default=None, help="distillation token budget, e.g. 2M, 500k (default 2M)"
+    )
+    parser.add_argument("--seq-len", type=int, default=None, help="training sequence length (default 512)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-2, help="base learning rate (maps may set their own)")
     parser.add_argument(
@@ -90,21 +103,35 @@ def config_from_args(args: argparse.Namespace):
     from dofla.pipeline import LinearizeConfig, parse_tokens
 
     # Options a recipe presets: only those the user gave explicitly override the recipe.
-    recipe_options = ("allocation", "feature_map", "kind", "window", "loss", "lora", "lora_lr", "kl_weight")
+    recipe_options = (
+        "allocation",
+        "feature_map",
+        "kind",
+        "cell",
+        "window",
+        "sinks",
+        "loss",
+        "lora",
+        "lora_lr",
+        "kl_weight",
+        "seq_len",
+        "tokens",
+    )
     explicit = {name: getattr(args, name) for name in recipe_options if getattr(args, name) is not None}
     if args.lora_kl is not None:
         explicit["lora_kl_weight"] = args.lora_kl
+    if "tokens" in explicit:
+        explicit["tokens"] = parse_tokens(explicit["tokens"])
     return LinearizeConfig(
         out_dir=args.out,
         model=args.model,
         recipe=args.recipe,
         budget=args.budget,
         measure=args.measure,
-        tokens=parse_tokens(args.tokens),
-        seq_len=args.seq_len,
         batch_size=args.batch_size,
         lr=args.lr,
         data=args.data,
+        eval_lengths=[int(n) for n in args.eval_lengths.split(",") if n] if args.eval_lengths else None,
         lora_tokens=parse_tokens(args.lora_tokens),
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,

@@ -2,6 +2,7 @@
 
     estimate = dof.estimate(model, batches, measure="dof")          # capture q/k once, measure every head
     plan = dof.make_plan(model, estimate, budget=64, variant="dof")  # allocate, build the ConversionPlan
+    plan = dof.measure_and_plan(model, batches, variant="dof", measure="dof", budget=64)  # both in one call
 
 The package, by concern:
 
@@ -25,6 +26,7 @@ from dofla.dof.allocate import (
     largest_remainder,
     make_plan,
     map_head_measure,
+    measure_and_plan,
     register_allocation,
 )
 from dofla.dof.estimation import (
@@ -79,6 +81,7 @@ __all__ = [
     "make_plan",
     "map_head_measure",
     "markdown_table",
+    "measure_and_plan",
     "measure_points",
     "merge_duplicates",
     "parse_lambda",

@@ -384,3 +384,23 @@ def make_plan(
     )
     plan.validate()
     return plan
+
+
+def measure_and_plan(
+    model: torch.nn.Module,
+    batches: Sequence[torch.Tensor],
+    *,
+    variant: str = "dof",
+    measure: str = "dof",
+    num_points: int = 1024,
+    **plan_options,
+) -> ConversionPlan:
+    """:func:`make_plan` for allocation ``variant``, measuring ``measure`` on calibration batches (B, T) first
+    when the allocation needs a measure (a measure-free allocation such as ``fix`` runs no teacher forward).
+    ``plan_options``: :func:`make_plan`'s keyword arguments (budget, kind, feature_map, window, layers, ...)."""
+    from dofla.dof.estimation import estimate
+
+    measured = None
+    if ALLOCATIONS[variant].needs_measure:
+        measured = estimate(model, batches, num_points=num_points, measure=measure)
+    return make_plan(model, measured, variant=variant, **plan_options)

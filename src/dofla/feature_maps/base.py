@@ -36,6 +36,7 @@ class FeatureMap(nn.Module):
     """
 
     name = "base"
+    nonnegative = True  # normalised linear attention needs phi >= 0; signed maps serve the delta rule only
 
     def __init__(
         self, *, num_heads: int, head_dim: int, feature_dim: int, scaling: float, head_feature_dims=None

@@ -80,6 +80,32 @@ class ReluFeatures(FeatureMap):
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
 
 
+@register_feature_map("projection")
+class ProjectionFeatures(FeatureMap):
+    """phi(x) = x W, signed, W (num_heads, D, F) trainable, initialised to the rectangular identity.
+
+    Not a kernel feature map (features can be negative): it serves cells whose state is an associative
+    memory rather than a normalised sum, such as the gated delta rule, as learned keys and queries of any
+    dimension F (so an allocated per-layer dimension still applies). With F == D it starts as the teacher's
+    own q and k.
+    """
+
+    nonnegative = False
+
+    def __init__(self, **shape) -> None:
+        super().__init__(**shape)  # num_heads, head_dim, feature_dim, scaling, head_feature_dims
+        self.weight = nn.Parameter(
+            torch.eye(self.head_dim, self.feature_dim)
+            .expand(self.num_heads, self.head_dim, self.feature_dim)
+            .clone()
+        )
+
+    def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
+        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
+        features = self.masked(torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.to(grouped.dtype)))
+        return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
+
+
 @register_feature_map("elu1")
 class EluPlusOneFeatures(FeatureMap):
     """phi(x) = elu(x W) + 1 with a trainable W (num_heads, D, F) initialised to the rectangular identity.

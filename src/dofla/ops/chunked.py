@@ -5,6 +5,8 @@ inside a chunk the (C, C) interactions are computed directly; between chunks the
 earlier chunks is a state (F, Dv) per key/value head, as in the recurrent form. Key log scales are handled
 with the running maximum m_t (the same offsets as the recurrent state), so every exponent is <= 0.
 Query heads of a key/value group are kept as a separate axis (B, Hk, G, ...) and read one shared state.
+The softmax part of window and hybrid attention is one function, ``window_part_sums``: a blocked softmax
+over the last ``window`` keys, merged (at a common maximum) with a small block over the sink keys.
 """
 
 from __future__ import annotations
@@ -17,11 +19,16 @@ from dofla.errors import DoflaError
 from dofla.ops._checks import (
     check_hybrid_inputs,
     check_linear_inputs,
+    check_sinks,
+    check_state_window,
+    check_window_inputs,
     compute_dtype,
     mask_absent_keys,
+    present_keys,
     soft_cap,
 )
-from dofla.ops.state import HybridState, LinearState, exp_relative
+from dofla.ops.sinks import SinkUpdate, add_sinks
+from dofla.ops.state import HybridState, LinearState, WindowState, exp_relative
 
 NEGATIVE_INFINITY = float("-inf")
 
@@ -171,22 +178,28 @@ def chunked_linear_attention(
     return (out, state) if return_state else out
 
 
+def _finite_or_zero(maximum: Tensor) -> Tensor:
+    """A softmax maximum to subtract: -inf (nothing visible) becomes 0 so that no -inf - -inf appears."""
+    return torch.where(torch.isfinite(maximum), maximum, torch.zeros_like(maximum))
+
+
 def sliding_window_sums(
     queries: Tensor,
     keys: Tensor,
     values: Tensor,
-    log_scales: Tensor,
+    present: Tensor,
     *,
     scaling: float,
     window: int,
     chunk_size: int,
     softcap: float | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Softmax over the last ``window`` keys (the query's own included), blocked by chunks.
 
     queries (B, Hk, G, T, D), keys (B, Hk, T, D), values (B, Hk, T, Dv) in the compute dtype;
-    log_scales (B, Hk, T): keys with log scale -inf are absent.
-    Returns numerator (B, Hk, G, T, Dv) and denominator (B, Hk, G, T) of exp(score - window max).
+    present (B, Hk, T) bool: the keys the window may see.
+    Returns numerator (B, Hk, G, T, Dv) and denominator (B, Hk, G, T) of exp(score - window max), and the
+    window max (B, Hk, G, T) itself (-inf for a query that sees no key; the sums then are 0).
     """
     batch, num_kv_heads, group, length, head_dim = queries.shape
     value_dim = values.shape[-1]
@@ -206,22 +219,113 @@ def sliding_window_sums(
     visible = (
         (column >= row) & (column <= row + window - 1) & (chunk_start + column - (window - 1) >= 0)
     )  # (N, C, S)
-    absent = F.pad(torch.isneginf(log_scales), (window - 1, pad), value=True).unfold(
-        2, span, size
-    )  # (B,Hk,N,S)
+    absent = F.pad(~present, (window - 1, pad), value=True).unfold(2, span, size)  # (B,Hk,N,S)
     visible = visible & ~absent[:, :, :, None, :]  # (B, Hk, N, C, S)
     scores = soft_cap(
         scaling * (queries @ key_blocks.unsqueeze(2).transpose(-1, -2)), softcap
     )  # (B,Hk,G,N,C,S)
     scores = scores.masked_fill(~visible.unsqueeze(2), NEGATIVE_INFINITY)
     window_max = scores.amax(-1, keepdim=True)  # -inf only for a query whose whole window is absent
-    window_max = torch.where(torch.isfinite(window_max), window_max, torch.zeros_like(window_max))
-    weights = torch.exp(scores - window_max)
+    weights = torch.exp(scores - _finite_or_zero(window_max))
     numerator = weights @ value_blocks.unsqueeze(2)  # (B, Hk, G, N, C, Dv)
     denominator = weights.sum(-1)
     numerator = numerator.reshape(batch, num_kv_heads, group, num_chunks * size, value_dim)[..., :length, :]
     denominator = denominator.reshape(batch, num_kv_heads, group, num_chunks * size)[..., :length]
-    return numerator, denominator
+    window_max = window_max.reshape(batch, num_kv_heads, group, num_chunks * size)[..., :length]
+    return numerator, denominator, window_max
+
+
+def sink_sums(
+    queries: Tensor, sink: SinkUpdate, *, scaling: float, softcap: float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Softmax sums over the sink keys each query has seen: queries (B, Hk, G, T, D) in the compute dtype.
+
+    Returns numerator (B, Hk, G, T, Dv), denominator (B, Hk, G, T) of exp(score - sink max), and the max.
+    """
+    length = queries.shape[3]
+    keys = sink.keys.to(queries.dtype).unsqueeze(2)  # (B, Hk, 1, S, D)
+    scores = soft_cap(scaling * (queries @ keys.transpose(-1, -2)), softcap)  # (B, Hk, G, T, S)
+    token = torch.arange(length, device=queries.device)[:, None]
+    visible = sink.position[:, :, None, :] <= token  # (B, Hk, T, S): sinks of this call only from their token
+    scores = scores.masked_fill(~visible.unsqueeze(2), NEGATIVE_INFINITY)
+    sink_max = scores.amax(-1)  # (B, Hk, G, T)
+    weights = torch.exp(scores - _finite_or_zero(sink_max)[..., None])
+    return weights @ sink.values.to(queries.dtype).unsqueeze(2), weights.sum(-1), sink_max
+
+
+def merge_softmax_sums(
+    first: tuple[Tensor, Tensor, Tensor], second: tuple[Tensor, Tensor, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """Two (numerator (..., Dv), denominator (...), max (...)) softmax sums over disjoint keys -> one
+    numerator and denominator relative to their common maximum (exact rescaling, exponents <= 0)."""
+    top = torch.maximum(first[2], second[2])
+    first_scale, second_scale = exp_relative(first[2], top), exp_relative(second[2], top)
+    numerator = first[0] * first_scale[..., None] + second[0] * second_scale[..., None]
+    return numerator, first[1] * first_scale + second[1] * second_scale
+
+
+def window_part_sums(
+    queries: Tensor,
+    key: Tensor,
+    value: Tensor,
+    present: Tensor,
+    state: WindowState | None,
+    *,
+    scaling: float,
+    window: int,
+    sinks: int,
+    chunk_size: int,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor, Tensor, WindowState]:
+    """The softmax part shared by window and hybrid attention: the last ``window`` keys plus the sinks.
+
+    queries (B, Hk, G, T, D) in the compute dtype; key (B, Hk, T, D), value (B, Hk, T, Dv) as given;
+    present (B, Hk, T) bool; state: the window state before this call (None: nothing seen).
+    Returns numerator (B, Hk, G, T, Dv), denominator (B, Hk, G, T) relative to each query's softmax
+    maximum, is_sink (B, Hk, T) (the keys that became sinks) and the state after the call.
+    """
+    dtype, length = queries.dtype, queries.shape[3]
+    if state is None:
+        state = WindowState.empty_like(key, value, window, sinks)
+    else:
+        check_state_window(state, window, sinks)
+    sink = add_sinks(state.sink_keys, state.sink_values, state.sink_count, key, value, present)
+    present = present & ~sink.is_sink  # sinks are read from the sink buffer only
+
+    # Everything the window can still see: the state's last keys, then this call's keys.
+    all_keys = torch.cat([state.keys.to(key.dtype), key], dim=2)  # (B, Hk, L + T, D)
+    all_values = torch.cat([state.values.to(value.dtype), value], dim=2)
+    all_present = torch.cat([state.key_present, present], dim=2)
+    buffered = state.keys.shape[2]  # L <= window; its positions get dummy queries that are dropped
+    padded_queries = F.pad(queries, (0, 0, buffered, 0))
+    numerator, denominator, window_max = sliding_window_sums(
+        padded_queries,
+        all_keys.to(dtype),
+        all_values.to(dtype),
+        all_present,
+        scaling=scaling,
+        window=window,
+        chunk_size=chunk_size,
+        softcap=softcap,
+    )
+    numerator, denominator = numerator[..., buffered:, :], denominator[..., buffered:]
+    if sinks:
+        window_sums = (numerator, denominator, window_max[..., buffered:])
+        numerator, denominator = merge_softmax_sums(
+            window_sums, sink_sums(queries, sink, scaling=scaling, softcap=softcap)
+        )
+    keep = min(window, all_keys.shape[2])
+    new_state = WindowState(
+        keys=all_keys[:, :, -keep:],
+        values=all_values[:, :, -keep:],
+        key_present=all_present[:, :, -keep:],
+        sink_keys=sink.keys,
+        sink_values=sink.values,
+        sink_count=sink.count,
+        window=window,
+        num_tokens=state.num_tokens + length,
+    )
+    return numerator, denominator, sink.is_sink, new_state
 
 
 def chunked_hybrid_attention(
@@ -234,6 +338,7 @@ def chunked_hybrid_attention(
     scaling: float,
     window: int,
     window_factor: Tensor,
+    sinks: int = 0,
     k_log_scale: Tensor | None = None,
     chunk_size: int = 64,
     initial_state: HybridState | None = None,
@@ -242,16 +347,18 @@ def chunked_hybrid_attention(
     softcap: float | None = None,
     eps: float = 1e-6,
 ):
-    """Sliding-window softmax + linear attention (LoLCATs), chunked; semantics in ``dofla.ops.naive``.
+    """Sliding-window softmax (plus ``sinks`` sink keys) + linear attention (LoLCATs), chunked; semantics in
+    ``dofla.ops.naive``.
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary, features and v as in ``chunked_linear_attention``,
-    window_factor (H,) = gamma. The linear part is linear attention on keys delayed by ``window`` tokens.
-    Returns out (B, H, T, Dv) in v's dtype, or (out, HybridState) when return_state.
+    window_factor (H,) = gamma. The linear part is linear attention on keys delayed by ``window`` tokens
+    (sinks get log scale -inf there, i.e. take no part). Returns out (B, H, T, Dv) in v's dtype, or
+    (out, HybridState) when return_state.
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
     check_hybrid_inputs(query, key, q_features, window, window_factor)
     size = _check_chunk_size(chunk_size)
-    window = int(window)
+    window, sinks = int(window), check_sinks(sinks)
     k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
     batch, num_heads, length, feature_dim = q_features.shape
@@ -261,26 +368,35 @@ def chunked_hybrid_attention(
     else:
         log_scale = k_log_scale.to(dtype)
 
-    # Everything the window can still see: the state's last keys, then this call's keys.
+    # Window part: the state's last keys and sinks, then this call's keys.
+    queries = query.to(dtype).view(batch, num_kv_heads, group, length, head_dim)  # (B, Hk, G, T, D)
+    window_numerator, window_denominator, is_sink, window_state = window_part_sums(
+        queries,
+        key,
+        v,
+        ~torch.isneginf(log_scale),
+        None if initial_state is None else initial_state.window_state(),
+        scaling=scaling,
+        window=window,
+        sinks=sinks,
+        chunk_size=size,
+        softcap=softcap,
+    )
+    if sinks:
+        log_scale = log_scale.masked_fill(is_sink, NEGATIVE_INFINITY)  # sinks never reach the linear part
+
+    # Linear part over the keys that left the window: the state's buffered keys, then this call's.
     if initial_state is None:
-        all_keys, all_values, all_features, all_scales, linear_state = key, v, k_features, log_scale, None
+        all_features, all_values, all_scales, linear_state = k_features, v, log_scale, None
     else:
-        if initial_state.window != window:
-            raise DoflaError(
-                f"the state was built with window {initial_state.window}, this call uses {window}."
-            )
-
-        def joined(buffer: Tensor, new: Tensor) -> Tensor:
-            return torch.cat([buffer.to(new.dtype), new], dim=2)
-
-        all_keys, all_values = joined(initial_state.keys, key), joined(initial_state.values, v)
-        all_features = joined(initial_state.key_features, k_features)
-        all_scales = joined(initial_state.key_log_scales, log_scale)
+        all_features = torch.cat([initial_state.key_features.to(k_features.dtype), k_features], dim=2)
+        all_values = torch.cat([initial_state.values.to(v.dtype), v], dim=2)
+        all_scales = torch.cat([initial_state.key_log_scales.to(dtype), log_scale], dim=2)
         linear_state = initial_state.linear
-    buffered = all_keys.shape[2] - length  # L <= window
+    buffered = all_features.shape[2] - length  # L <= window
 
-    # Linear part: query t sees keys at joined positions <= buffered + t - window, i.e. the joined
-    # sequence delayed by (window - buffered) tokens; delayed-in slots have zero features, log scale -inf.
+    # Query t sees keys at joined positions <= buffered + t - window, i.e. the joined sequence delayed by
+    # (window - buffered) tokens; delayed-in slots have zero features, values and log scale -inf.
     delay = window - buffered
     old_features = F.pad(all_features.to(dtype), (0, 0, delay, 0))[:, :, :length]  # (B, Hk, T, F)
     old_values = F.pad(all_values.to(dtype), (0, 0, delay, 0))[:, :, :length]
@@ -292,25 +408,6 @@ def chunked_hybrid_attention(
     previous_linear_tokens = 0 if initial_state is None else initial_state.linear.num_tokens
     new_linear.num_tokens = previous_linear_tokens + max(0, length - delay)  # delayed-in slots are not keys
 
-    # Window part over the joined keys; the buffered positions get dummy queries that are dropped.
-    queries = F.pad(query.to(dtype), (0, 0, buffered, 0)).view(
-        batch, num_kv_heads, group, buffered + length, head_dim
-    )
-    window_numerator, window_denominator = sliding_window_sums(
-        queries,
-        all_keys.to(dtype),
-        all_values.to(dtype),
-        all_scales.to(dtype),
-        scaling=scaling,
-        window=window,
-        chunk_size=size,
-        softcap=softcap,
-    )
-    window_numerator, window_denominator = (
-        window_numerator[..., buffered:, :],
-        window_denominator[..., buffered:],
-    )
-
     gamma = window_factor.to(dtype).view(1, num_kv_heads, group, 1)  # (1, Hk, G, 1)
     numerator = gamma[..., None] * window_numerator + (1 - gamma[..., None]) * linear_numerator
     denominator = gamma * window_denominator + (1 - gamma) * linear_denominator
@@ -319,13 +416,61 @@ def chunked_hybrid_attention(
     )
     if not return_state:
         return out
-    keep = min(window, all_keys.shape[2])
+    keep = window_state.keys.shape[2]
     state = HybridState(
         linear=new_linear,
-        keys=all_keys[:, :, -keep:],
-        values=all_values[:, :, -keep:],
+        keys=window_state.keys,
+        values=window_state.values,
         key_features=all_features[:, :, -keep:],
         key_log_scales=all_scales[:, :, -keep:],
+        sink_keys=window_state.sink_keys,
+        sink_values=window_state.sink_values,
+        sink_count=window_state.sink_count,
         window=window,
     )
     return out, state
+
+
+def chunked_window_attention(
+    query: Tensor,
+    key: Tensor,
+    v: Tensor,
+    *,
+    scaling: float,
+    window: int,
+    sinks: int = 0,
+    chunk_size: int = 64,
+    initial_state: WindowState | None = None,
+    return_state: bool = False,
+    key_mask: Tensor | None = None,
+    softcap: float | None = None,
+):
+    """Sliding-window softmax attention with ``sinks`` sink keys, chunked; semantics in ``dofla.ops.naive``.
+
+    query (B, H, T, D), key (B, Hk, T, D) after rotary, v (B, Hk, T, Dv), key_mask (B, T) True for real
+    tokens; initial_state: a WindowState from an earlier call of either form. Returns out (B, H, T, Dv) in
+    v's dtype, or (out, WindowState) when return_state.
+    """
+    group = check_window_inputs(query, key, v, window, sinks)
+    size = _check_chunk_size(chunk_size)
+    present = present_keys(key_mask, key)  # (B, Hk, T)
+    if key_mask is not None:
+        v = v.masked_fill(~present[..., None], 0)
+    dtype = compute_dtype(query, key, v)
+    batch, num_heads, length, head_dim = query.shape
+    queries = query.to(dtype).view(batch, key.shape[1], group, length, head_dim)  # (B, Hk, G, T, D)
+    numerator, denominator, _, state = window_part_sums(
+        queries,
+        key,
+        v,
+        present,
+        initial_state,
+        scaling=scaling,
+        window=int(window),
+        sinks=int(sinks),
+        chunk_size=size,
+        softcap=softcap,
+    )
+    denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))  # 0 / 1 if empty
+    out = (numerator / denominator[..., None]).reshape(batch, num_heads, length, v.shape[-1]).to(v.dtype)
+    return (out, state) if return_state else out

@@ -10,12 +10,23 @@ Dividing by ``exp(m_i)`` changes nothing but the size of eps relative to the sum
 the largest-scaled key, so it is independent of how large the log scales are (scale-robust), and it only
 matters when all features of a query are (nearly) orthogonal to those of its keys (e.g. ReLU features).
 
-Hybrid attention (LoLCATs). Keys j in (i - window, i] get ``gamma_h * exp(scaling q_i.k_j - c_i)`` with
-``c_i`` the maximum of ``scaling q_i.k_j`` over that window; older keys j <= i - window get
-``(1 - gamma_h) * phi(q_i).phi(k_j) * exp(s_j - m_i)`` where here ``m_i = max_{j <= i - window} s_j``, the
-running maximum over the keys that have left the window (which is the hybrid state's linear offset).
-``out_i = sum_j a_ij v_j / (sum_j a_ij + eps)``. Both parts are thus normalised by their own maximum, as
-LoLCATs does: the relative scale of the two parts is what gamma and the feature maps learn.
+Hybrid attention (LoLCATs). Query i's softmax set is W_i = the keys j in (i - window, i] plus the sinks
+j <= i (below). Keys in W_i get ``gamma_h * exp(scaling q_i.k_j - c_i)`` with ``c_i`` the maximum of
+``scaling q_i.k_j`` over W_i; the other keys j <= i (older than the window, not sinks) get
+``(1 - gamma_h) * phi(q_i).phi(k_j) * exp(s_j - m_i)`` where here ``m_i`` is the maximum of s_j over those
+linear-part keys (the running maximum over the keys that have left the window, which is the hybrid
+state's linear offset). ``out_i = sum_j a_ij v_j / (sum_j a_ij + eps)``. Both parts are thus normalised by
+their own maximum, as LoLCATs does: the relative scale of the two parts is what gamma and the feature maps
+learn.
+
+Window attention. Plain softmax over W_i: ``out_i = sum_{j in W_i} exp(scaling q_i.k_j - c_i) v_j /
+sum_{j in W_i} exp(scaling q_i.k_j - c_i)`` (no eps; 0 when W_i is empty).
+
+Attention sinks (``sinks`` = S >= 0). The first S present keys of the sequence (without padding: the keys
+at positions 0 .. S-1) are in the softmax set of every query i >= j, however far back, and never in the
+linear part. The count is per batch row and key/value head and runs from the start of the sequence
+across calls (states carry it); absent keys do not count, so left padding gives the unpadded outputs.
+S = 0 is plain sliding-window (hybrid) attention.
 
 Absent keys (padding). ``key_mask`` (B, T), True for real tokens, gives absent keys log scale -inf (and
 zero features and values): they take part nowhere, neither in the linear sums nor in the window. A key
@@ -30,10 +41,14 @@ from torch import Tensor
 from dofla.ops._checks import (
     check_hybrid_inputs,
     check_linear_inputs,
+    check_sinks,
+    check_window_inputs,
     compute_dtype,
     mask_absent_keys,
+    present_keys,
     soft_cap,
 )
+from dofla.ops.sinks import sink_flags
 from dofla.ops.state import exp_relative
 
 
@@ -75,6 +90,35 @@ def linear_attention(
     return out.to(v.dtype)
 
 
+def softmax_part_weights(
+    query: Tensor,
+    keys: Tensor,
+    present: Tensor,
+    *,
+    scaling: float,
+    window: int,
+    sinks: int,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor]:
+    """The window part: query (B, H, T, D), keys (B, H, T, D), present (B, H, T) bool, compute dtype.
+
+    Returns weights (B, H, T, T) = exp(score - c_i) on the softmax set W_i (window and sinks), 0 elsewhere,
+    and is_sink (B, H, T), which keys are sinks.
+    """
+    length = query.shape[2]
+    position = torch.arange(length, device=query.device)
+    query_index, key_index = position[:, None], position[None, :]
+    in_window = (key_index <= query_index) & (key_index > query_index - window)  # (T, T)
+    is_sink, _ = sink_flags(present, torch.zeros_like(present[..., 0], dtype=torch.long), sinks)
+    sink_seen = is_sink[:, :, None, :] & (key_index <= query_index)  # (B, H, T, T)
+    softmax_set = (in_window | sink_seen) & present[:, :, None, :]
+    scores = soft_cap(scaling * (query @ keys.transpose(-1, -2)), softcap)  # (B, H, T, T)
+    scores = torch.where(softmax_set, scores, float("-inf"))
+    window_max = scores.amax(-1, keepdim=True)  # c_i; -inf when W_i is empty
+    window_max = torch.where(torch.isfinite(window_max), window_max, torch.zeros_like(window_max))
+    return torch.exp(scores - window_max), is_sink
+
+
 def hybrid_attention(
     query: Tensor,
     key: Tensor,
@@ -85,12 +129,13 @@ def hybrid_attention(
     scaling: float,
     window: int,
     window_factor: Tensor,
+    sinks: int = 0,
     k_log_scale: Tensor | None = None,
     key_mask: Tensor | None = None,
     softcap: float | None = None,
     eps: float = 1e-6,
 ) -> Tensor:
-    """Sliding-window softmax + linear attention (LoLCATs), quadratic reference.
+    """Sliding-window softmax (plus ``sinks`` attention-sink keys) + linear attention (LoLCATs), quadratic.
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary; features as in ``linear_attention``;
     window_factor (H,) = gamma in (0, 1); softcap: the teacher's logit soft-capping (Gemma-2), applied to
@@ -98,6 +143,7 @@ def hybrid_attention(
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
     check_hybrid_inputs(query, key, q_features, window, window_factor)
+    sinks = check_sinks(sinks)
     k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
     length = q_features.shape[2]
@@ -111,23 +157,54 @@ def hybrid_attention(
     else:
         log_scale = _expand_kv_heads(k_log_scale, group).to(dtype)
 
+    present = ~torch.isneginf(log_scale)  # (B, H, T): absent keys have log scale -inf
+    window_weights, is_sink = softmax_part_weights(
+        query.to(dtype), keys, present, scaling=scaling, window=window, sinks=sinks, softcap=softcap
+    )  # (B, H, T, T), 0 outside the softmax set
+
     position = torch.arange(length, device=q.device)
-    query_index, key_index = position[:, None], position[None, :]
-    in_window = (key_index <= query_index) & (key_index > query_index - window)  # (T, T)
-    left_window = key_index <= query_index - window  # (T, T)
-
-    scores = soft_cap(scaling * (query.to(dtype) @ keys.transpose(-1, -2)), softcap)  # (B, H, T, T)
-    present = ~torch.isneginf(log_scale)[:, :, None, :]  # (B, H, 1, T): absent keys have log scale -inf
-    scores = torch.where(in_window & present, scores, float("-inf"))
-    window_max = scores.amax(-1, keepdim=True)
-    window_max = torch.where(torch.isfinite(window_max), window_max, torch.zeros_like(window_max))
-    window_weights = torch.exp(scores - window_max)  # 0 outside the window
-
-    old_log_weight = torch.where(left_window, log_scale[:, :, None, :], float("-inf"))  # (B, H, T, T)
+    left_window = position[None, :] <= position[:, None] - window  # (T, T)
+    linear_part = left_window & ~is_sink[:, :, None, :]  # (B, H, T, T)
+    old_log_weight = torch.where(linear_part, log_scale[:, :, None, :], float("-inf"))  # (B, H, T, T)
     old_offset = old_log_weight.amax(-1, keepdim=True)  # (B, H, T, 1): -inf while no key has left
     linear_weights = (q @ k.transpose(-1, -2)) * exp_relative(old_log_weight, old_offset)
 
     gamma = window_factor.to(dtype).view(1, num_heads, 1, 1)
     weights = gamma * window_weights + (1 - gamma) * linear_weights  # (B, H, T, T)
     out = (weights @ values) / (weights.sum(-1, keepdim=True) + eps)
+    return out.to(v.dtype)
+
+
+def window_attention(
+    query: Tensor,
+    key: Tensor,
+    v: Tensor,
+    *,
+    scaling: float,
+    window: int,
+    sinks: int = 0,
+    key_mask: Tensor | None = None,
+    softcap: float | None = None,
+) -> Tensor:
+    """Sliding-window softmax attention with ``sinks`` attention-sink keys, quadratic reference.
+
+    query (B, H, T, D), key (B, Hk, T, D) after rotary, v (B, Hk, T, Dv), key_mask (B, T) True for real
+    tokens. Returns (B, H, T, Dv) in v's dtype; a query with no visible key gets 0.
+    """
+    group = check_window_inputs(query, key, v, window, sinks)
+    present = present_keys(key_mask, key)
+    dtype = compute_dtype(query, key, v)
+    keys = _expand_kv_heads(key, group).to(dtype)  # (B, H, T, D)
+    values = _expand_kv_heads(v.masked_fill(~present[..., None], 0), group).to(dtype)  # (B, H, T, Dv)
+    weights, _ = softmax_part_weights(
+        query.to(dtype),
+        keys,
+        _expand_kv_heads(present, group),
+        scaling=scaling,
+        window=int(window),
+        sinks=int(sinks),
+        softcap=softcap,
+    )  # (B, H, T, T)
+    total = weights.sum(-1, keepdim=True)
+    out = (weights @ values) / torch.where(total > 0, total, torch.ones_like(total))
     return out.to(v.dtype)
