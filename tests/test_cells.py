@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dofla.cache import RecurrentCacheLayer
-from dofla.cells import CELLS, GatedLinearAttention, build_student
+from dofla.cells import CELLS, GatedDeltaAttention, GatedLinearAttention, build_student
 from dofla.config import LayerPlan
 from dofla.convert import convert, load_converted, plan_for, save_converted
 from dofla.errors import DoflaError
@@ -16,9 +16,12 @@ B, H, HKV, D = 2, 4, 2, 8
 SHAPE = dict(layer_index=1, num_heads=H, num_kv_heads=HKV, head_dim=D, scaling=D**-0.5)
 
 
-def make_cell(cell="gla", kind="linear", feature_map="learnable_prf", share=True, window=5, **options):
+def make_cell(
+    cell="gla", kind="linear", feature_map="learnable_prf", share=True, window=5, sinks=0, **options
+):
     plan = LayerPlan(
         kind=kind,
+        sinks=sinks,
         cell=cell,
         feature_map=feature_map,
         feature_dim=6,
@@ -31,8 +34,8 @@ def make_cell(cell="gla", kind="linear", feature_map="learnable_prf", share=True
     with torch.no_grad():  # a data-dependent decay that really varies, and short memories
         for parameter in student.parameters():
             parameter.add_(0.3 * torch.randn_like(parameter))
-        if isinstance(student, GatedLinearAttention):
-            student.decay_bias.fill_(1.0)
+        if isinstance(student, GatedLinearAttention | GatedDeltaAttention):
+            student.decay.bias.fill_(1.0)
     return student
 
 
@@ -51,11 +54,18 @@ def test_unknown_cell_lists_the_known_ones():
         LayerPlan(cell="nope").validate(0, H, HKV)
 
 
-@pytest.mark.parametrize(
-    "kind, feature_map, share", [("linear", "hedgehog", True), ("hybrid", "learnable_prf", False)]
-)
-def test_gla_forms_agree_forward_and_gradients(kind, feature_map, share):
-    student = make_cell("gla", kind, feature_map, share)
+FORM_CASES = [
+    ("gla", "linear", "hedgehog", True),
+    ("gla", "hybrid", "learnable_prf", False),
+    ("gated_delta", "linear", "projection", True),
+    ("gated_delta", "hybrid", "hedgehog", True),
+    ("gated_delta", "hybrid", "learnable_prf", False),
+]
+
+
+@pytest.mark.parametrize("cell, kind, feature_map, share", FORM_CASES)
+def test_cell_forms_agree_forward_and_gradients(cell, kind, feature_map, share):
+    student = make_cell(cell, kind, feature_map, share, sinks=2 if kind == "hybrid" else 0)
     query, key, value = qkv()
     results = {}
     for form in ("naive", "chunked", "recurrent"):
@@ -64,7 +74,7 @@ def test_gla_forms_agree_forward_and_gradients(kind, feature_map, share):
         inputs = [query, key, value, *student.trainable_parameters()]
         results[form] = (output.detach(), torch.autograd.grad((output * weights).sum(), inputs))
     reference_output, reference_gradients = results["naive"]
-    assert all(gradient.abs().sum() > 0 for gradient in reference_gradients[-2:])  # the decay is trained
+    assert all(gradient.abs().sum() > 0 for gradient in reference_gradients[3:])  # every parameter learns
     for form in ("chunked", "recurrent"):
         output, gradients = results[form]
         torch.testing.assert_close(output, reference_output, rtol=1e-9, atol=1e-10)
@@ -97,9 +107,17 @@ def test_gla_is_normalised_linear_attention_with_decay():
     torch.testing.assert_close(student(query, key, value, form="naive"), expected, rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("kind", ["linear", "hybrid"])
-def test_gla_prefill_then_decode_equals_one_pass(kind):
-    student = make_cell("gla", kind)
+@pytest.mark.parametrize(
+    "cell, kind, feature_map",
+    [
+        ("gla", "linear", "learnable_prf"),
+        ("gla", "hybrid", "learnable_prf"),
+        ("gated_delta", "hybrid", "projection"),
+        ("window", "hybrid", "hedgehog"),
+    ],
+)
+def test_prefill_then_decode_equals_one_pass(cell, kind, feature_map):
+    student = make_cell(cell, kind, feature_map, sinks=2 if kind == "hybrid" else 0)
     query, key, value = (tensor.detach() for tensor in qkv(length=13))
     full = student(query, key, value)
     layer, pieces = RecurrentCacheLayer(), []
@@ -110,12 +128,13 @@ def test_gla_prefill_then_decode_equals_one_pass(kind):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-12)
     assert layer.state.num_tokens == 13 and layer.nbytes() > 0
     reordered = layer.state.index_select(torch.tensor([1, 0]))
-    torch.testing.assert_close(reordered.log_decay_total[0], layer.state.log_decay_total[1])
+    for got, expected in zip(reordered._tensors(), layer.state._tensors(), strict=True):
+        torch.testing.assert_close(got[0], expected[1])
 
 
 def test_gla_initial_memories_span_the_configured_range():
     student = build_student(LayerPlan(cell="gla", options={"decay_memory": [16, 256]}), **SHAPE)
-    memories = 1 / (1 - torch.sigmoid(student.decay_bias))
+    memories = 1 / (1 - torch.sigmoid(student.decay.bias))
     torch.testing.assert_close(memories, torch.tensor([16.0, 256.0]), rtol=1e-4, atol=0)
     with pytest.raises(DoflaError, match="decay_memory"):
         build_student(LayerPlan(cell="gla", options={"decay_memory": [0.5, 4]}), **SHAPE)
@@ -138,3 +157,35 @@ def test_gla_model_saves_reloads_and_generates(tmp_path):
     torch.testing.assert_close(loaded(tokens).logits, expected, rtol=0, atol=0)
     generated = loaded.generate(tokens[:1, :6], max_new_tokens=5, do_sample=False)
     assert generated.shape == (1, 11)
+
+
+def test_window_cell_is_softmax_over_window_and_sinks_with_no_parameters():
+    student = make_cell("window", "hybrid", window=3, sinks=1)
+    assert list(student.parameters()) == []
+    query, key, value = (tensor.detach() for tensor in qkv(length=8))
+    scores = torch.einsum("bhtd,bhsd->bhts", query, key.repeat_interleave(H // HKV, dim=1)) * D**-0.5
+    position = torch.arange(8)
+    visible = (position[None, :] <= position[:, None]) & (
+        (position[None, :] > position[:, None] - 3) | (position[None, :] < 1)
+    )
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    expected = (weights @ value.repeat_interleave(H // HKV, dim=1)).transpose(1, 2)
+    for form in ("naive", "chunked", "recurrent"):
+        torch.testing.assert_close(student(query, key, value, form=form), expected, rtol=1e-9, atol=1e-10)
+    with pytest.raises(DoflaError, match="window cell needs a window"):
+        build_student(LayerPlan(kind="linear", cell="window"), **SHAPE)
+
+
+def test_delta_cell_with_small_beta_starts_near_the_window():
+    """gamma = 1 - tiny: the hybrid delta cell is (almost) the window softmax, whatever its memory holds."""
+    near = make_cell("gated_delta", "hybrid", "projection", window_factor=1 - 1e-9, sinks=1)
+    window = make_cell("window", "hybrid", window=5, sinks=1)
+    query, key, value = (tensor.detach() for tensor in qkv(length=10))
+    torch.testing.assert_close(near(query, key, value), window(query, key, value), rtol=1e-6, atol=1e-7)
+
+
+def test_sinks_need_a_window_and_unknown_options_are_named():
+    with pytest.raises(DoflaError, match="sink tokens belong to the sliding window"):
+        LayerPlan(kind="linear", sinks=4).validate(0, H, HKV)
+    with pytest.raises(DoflaError, match="beta must lie strictly between 0 and 1"):
+        build_student(LayerPlan(cell="gated_delta", feature_map="projection", options={"beta": 1.5}), **SHAPE)

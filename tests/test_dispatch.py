@@ -60,3 +60,27 @@ def test_student_replaces_teacher_except_when_teacher_forced():
     with dispatch.teacher_forced():
         forced = model(tokens).logits
     torch.testing.assert_close(forced, teacher_logits, rtol=0, atol=1e-6)
+
+
+def test_mask_transform_narrows_the_teachers_softmax_only():
+    model = small_llama()
+    dispatch.install(model)
+    seen = []
+
+    def only_itself(query, key, attention_mask, teacher_kind):  # each token sees itself alone
+        seen.append(teacher_kind)
+        return torch.eye(query.shape[2], key.shape[2], dtype=torch.bool).view(1, 1, query.shape[2], -1)
+
+    attention = model.model.layers[0].self_attn
+    setattr(attention, dispatch.MASK_TRANSFORM_ATTRIBUTE, only_itself)
+    calls = []
+    with dispatch.observe(calls.append):
+        model(torch.randint(0, 64, (2, 5)))
+    assert seen == ["sdpa"]
+    # softmax over one key returns that key's value: (B, Hkv, T, D) repeated per query head, as (B, T, H, D)
+    expected = calls[0].value.repeat_interleave(2, dim=1).transpose(1, 2)
+    torch.testing.assert_close(calls[0].output, expected)
+    # a student replaces the softmax, and the transform is not consulted
+    attention.dofla_student = _ZeroStudent()
+    model(torch.randint(0, 64, (2, 5)))
+    assert seen == ["sdpa"]

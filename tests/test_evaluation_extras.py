@@ -94,3 +94,47 @@ def test_converted_cache_size_is_constant_and_counts_only_states():
         row["cache_bytes_after_decode"] for row in rows
     }
     assert rows[0]["cache_bytes_after_decode"] == rows[1]["cache_bytes_after_decode"] == 2 * per_layer
+
+
+def test_greedy_tokens_through_the_cache_equal_generate():
+    from dofla.evaluation.passkey import greedy_tokens
+
+    for model in (small_llama(), _converted_small_llama()):
+        prompt = torch.randint(3, 64, (1, 20), generator=torch.Generator().manual_seed(2))
+        expected = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, 20:].tolist()
+        with torch.no_grad():
+            assert greedy_tokens(model, prompt, 6) == expected
+            assert greedy_tokens(model, prompt, 6, stop=lambda tokens: len(tokens) == 2) == expected[:2]
+
+
+def _converted_small_llama():
+    from dofla.convert import convert, plan_for
+
+    model = small_llama()
+    return convert(model, plan_for(model, kind="hybrid", feature_map="elu1", feature_dim=8, window=4))
+
+
+def test_passkey_comparison_covers_lengths_depths_and_rows():
+    from dofla.evaluation.passkey import passkey_comparison, passkey_markdown
+    from dofla.models import build_tiny_model, build_tiny_tokenizer
+
+    teacher, tokenizer = build_tiny_model("llama"), build_tiny_tokenizer()  # 512 positions
+    student = build_tiny_model("llama", seed=1)
+    result = passkey_comparison(teacher, student, tokenizer, depths=(0.2, 0.8), trials=1, window=8, sinks=2)
+    assert (
+        result["context_lengths"] == [256, 512] and "beyond the teacher's 512 positions" in result["notes"][0]
+    )
+    assert list(result["rows"]) == ["teacher", "window+sinks2", "student"]
+    for row in result["rows"].values():
+        assert [(r["context_tokens"], r["depth"]) for r in row["results"]] == [
+            (256, 0.2),
+            (256, 0.8),
+            (512, 0.2),
+            (512, 0.8),
+        ]
+        # the 512-token prompts leave room for the answer within the teacher's 512 positions
+        assert all(r["prompt_tokens"] <= 512 - 8 for r in row["results"])
+    table = passkey_markdown(result)
+    assert "| window 8 + 2 sinks |" in table and "512 tokens" in table
+    with pytest.raises(DoflaError, match="1024 tokens is longer than the teacher's maximum of 512"):
+        passkey_comparison(teacher, None, tokenizer, context_lengths=[1024], window=8)

@@ -36,7 +36,10 @@ PLANS = {
     "mixed": mixed_plan,
     "gla": lambda model: plan_for(model, kind="linear", cell="gla", feature_map="hedgehog", feature_dim=8),
     "gla_hybrid": lambda model: plan_for(
-        model, kind="hybrid", cell="gla", feature_map="learnable_prf", feature_dim=8, window=4
+        model, kind="hybrid", cell="gla", feature_map="learnable_prf", feature_dim=8, window=4, sinks=2
+    ),
+    "gated_delta": lambda model: plan_for(
+        model, kind="hybrid", cell="gated_delta", feature_map="projection", feature_dim=8, window=4, sinks=2
     ),
 }
 

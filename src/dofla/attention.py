@@ -76,6 +76,8 @@ class LinearAttention(nn.Module):
     cell_name = "linear"
     CELL_OPTIONS: tuple[str, ...] = ()  # options of plan.options read by the cell itself (subclasses)
     requires_nonnegative_features = True
+    uses_features = True  # False for cells that only run the window (no feature map, no linear part)
+    default_window_factor = DEFAULT_WINDOW_FACTOR
 
     def __init__(
         self,
@@ -102,7 +104,7 @@ class LinearAttention(nn.Module):
         self.share_kv_heads = bool(plan.share_kv_heads)
         self.window = int(plan.window)
         options = dict(plan.options)
-        initial_gamma = float(options.pop("window_factor", DEFAULT_WINDOW_FACTOR))
+        initial_gamma = float(options.pop("window_factor", self.default_window_factor))
         self.chunk_size = int(options.pop("chunk_size", DEFAULT_CHUNK_SIZE))
         self.decode_tokens = int(options.pop("decode_tokens", DEFAULT_DECODE_TOKENS))
         self.cell_options = {name: options.pop(name) for name in self.CELL_OPTIONS if name in options}
@@ -111,21 +113,25 @@ class LinearAttention(nn.Module):
             if "seed" in inspect.signature(FEATURE_MAPS[plan.feature_map].__init__).parameters:
                 options["seed"] = self.layer_index
         map_heads = self.num_kv_heads if self.share_kv_heads else self.num_heads
-        self.feature_map = build_feature_map(
-            plan.feature_map,
-            num_heads=map_heads,
-            head_dim=self.head_dim,
-            feature_dim=int(plan.feature_dim),
-            scaling=self.scaling,
-            head_feature_dims=plan.head_feature_dims,
-            **options,
+        self.feature_map = (
+            None
+            if not self.uses_features
+            else build_feature_map(
+                plan.feature_map,
+                num_heads=map_heads,
+                head_dim=self.head_dim,
+                feature_dim=int(plan.feature_dim),
+                scaling=self.scaling,
+                head_feature_dims=plan.head_feature_dims,
+                **options,
+            )
         )
-        if self.requires_nonnegative_features and not self.feature_map.nonnegative:
+        if self.uses_features and self.requires_nonnegative_features and not self.feature_map.nonnegative:
             raise DoflaError(
                 f"layer {layer_index}: the {self.cell_name} cell normalises by its feature sums and needs a "
                 f"non-negative feature map; {plan.feature_map!r} is signed (use it with the gated_delta cell)."
             )
-        if self.kind == "hybrid":
+        if self.kind == "hybrid" and self.uses_features:
             if not 0.0 < initial_gamma < 1.0:
                 raise DoflaError(
                     f"layer {layer_index}: window_factor must lie strictly between 0 and 1, got {initial_gamma}."
@@ -204,7 +210,9 @@ class LinearAttention(nn.Module):
         if form is None:
             form = "recurrent" if state is not None and length <= self.decode_tokens else "chunked"
         key_mask = key_mask_from_attention_mask(attention_mask, length)
-        q_features, k_features, k_log_scale = self.features(query, key)
+        q_features, k_features, k_log_scale = (
+            self.features(query, key) if self.uses_features else (None, None, None)
+        )
         values = self._state_heads_view(value)  # (B, Hs, T, Dv)
         output, new_state = self._attend(
             form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
@@ -239,6 +247,7 @@ class LinearAttention(nn.Module):
             scaling=scaling,
             window=self.window,
             window_factor=self.window_factor(),
+            sinks=self.sinks,
             softcap=self.softcap,
             **common,
         )
@@ -265,7 +274,7 @@ class LinearAttention(nn.Module):
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         """AdamW groups: the feature map's own (e.g. z at 0.02, alpha at 0.2) and the window factors."""
-        groups = self.feature_map.parameter_groups(base_lr)
+        groups = self.feature_map.parameter_groups(base_lr) if self.feature_map is not None else []
         if self.window_factor_logit is not None and self.window_factor_logit.requires_grad:
             groups.append(
                 {"params": [self.window_factor_logit], "lr": float(base_lr), "name": "window_factor"}

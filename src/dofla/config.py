@@ -68,6 +68,11 @@ class LayerPlan:
             raise DoflaError(f"{where}: hybrid window must be positive, got {self.window}.")
         if int(self.sinks) < 0:
             raise DoflaError(f"{where}: the number of sink tokens must be 0 or more, got {self.sinks}.")
+        if int(self.sinks) > 0 and self.kind != "hybrid":
+            raise DoflaError(
+                f"{where}: sink tokens belong to the sliding window; use kind hybrid or sinks 0 (got "
+                f"{self.sinks} sinks for kind {self.kind})."
+            )
         from dofla.cells import cell_class  # the registry imports the cells, which import this module
 
         cell_class(self.cell)

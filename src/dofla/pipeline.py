@@ -8,6 +8,7 @@ Held-out perplexity is measured on sequences split off before training and never
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shlex
@@ -21,6 +22,8 @@ import torch
 
 from dofla import dof
 from dofla.errors import DoflaError
+from dofla.evaluation.long_context import long_context_markdown, long_context_quality, plot_loss_by_position
+from dofla.evaluation.passkey import passkey_comparison, passkey_markdown
 from dofla.io import write_atomic, write_text_atomic
 
 RECIPES: dict[str, dict[str, Any]] = {
@@ -90,6 +93,8 @@ class LinearizeConfig:
     lora_baseline: bool = False  # also train the same LoRA stage on the unconverted teacher and report it
     kl_weight: float = 0.0
     error_sequences: int = 8
+    passkey_lengths: list[int] | None = None  # None: 256 to 2048 where the teacher's context allows
+    passkey_trials: int = 2  # per length and depth; 0 skips the pass-key test
     eval_lengths: list[int] | None = (
         None  # held-out quality at these lengths too (None: 1024, 2048 if they fit)
     )
@@ -199,6 +204,12 @@ def context_length(model) -> int | None:
 
 
 DEFAULT_EVAL_LENGTHS = (1024, 2048)
+DEFAULT_BASELINE_SINKS = 4  # sink tokens of the window baseline when the student has none
+
+
+def baseline_window(config: LinearizeConfig) -> int:
+    """The no-training baseline's window: the student's own for hybrid students, else the default 64."""
+    return int(config.window)
 
 
 def evaluation_lengths(config: LinearizeConfig, limit: int | None) -> list[int]:
@@ -445,8 +456,6 @@ def linearize(
     heldout = heldout_by_length[config.seq_len]
     lap("data")
 
-    teacher_ppl = perplexity(teacher, heldout, config.batch_size)
-    lap("teacher perplexity")
     baseline_ppl = None
     if config.lora and config.lora_baseline:
         baseline_ppl = lora_adapted_teacher_perplexity(teacher, train, heldout, lora_config_for(config))
@@ -454,6 +463,9 @@ def linearize(
 
     plan = make_plan(config, teacher, train)
     lap("plan (DoF estimate)" if "measure" in plan.metadata else "plan")
+    # The unconverted teacher, for the side-by-side evaluation: conversion works in place and LoRA merges
+    # into the shared projections, so the teacher cannot be recovered from the student afterwards.
+    reference = copy.deepcopy(teacher)
     model = convert(teacher, plan)
 
     run_dir = out_dir / "distill"
@@ -466,8 +478,33 @@ def linearize(
         history.extend(lora_result.history)
         lap("lora")
 
-    student_ppl = perplexity(model, heldout, config.batch_size)
-    lap("student perplexity")
+    quality = long_context_quality(
+        reference,
+        model,
+        heldout_by_length,
+        window=baseline_window(config),
+        sinks=sorted({0, config.sinks or DEFAULT_BASELINE_SINKS}),
+        batch_size=config.batch_size,
+    )
+    at_training_length = quality["by_length"][str(config.seq_len)]["models"]
+    teacher_ppl = at_training_length["teacher"]["perplexity"]
+    student_ppl = at_training_length["student"]["perplexity"]
+    plot_loss_by_position(quality, out_dir / "loss_by_position.png")
+    lap("held-out quality at length (teacher, window baselines, student)")
+    passkeys = None
+    if config.passkey_trials > 0 and tokenizer is not None:
+        passkeys = passkey_comparison(
+            reference,
+            model,
+            tokenizer,
+            context_lengths=config.passkey_lengths,
+            trials=config.passkey_trials,
+            window=baseline_window(config),
+            sinks=config.sinks or DEFAULT_BASELINE_SINKS,
+            seed=config.seed,
+        )
+        lap("pass key")
+    del reference
     layer_errors = held_out_attention_errors(model, heldout[: config.error_sequences], config.batch_size)
     lap("attention error")
 
@@ -497,6 +534,8 @@ def linearize(
         teacher_ppl=teacher_ppl,
         student_ppl=student_ppl,
         lora_teacher_ppl=baseline_ppl,
+        long_context=quality,
+        passkey=passkeys,
         train_sequences=len(train),
         heldout_sequences=len(heldout),
         distill_tokens=distilled.tokens,
@@ -602,6 +641,11 @@ def write_report(result: LinearizeResult, summary: dict, config: LinearizeConfig
             if summary.get("lora_teacher_ppl") is not None
             else []
         ),
+        "",
+        f"At the training length ({config.seq_len} tokens). The table below gives every length, by position.",
+        "",
+        long_context_markdown(summary["long_context"], plot="loss_by_position.png").rstrip(),
+        *(["", passkey_markdown(summary["passkey"]).rstrip()] if summary.get("passkey") else []),
         "",
         "## Plan",
         "",

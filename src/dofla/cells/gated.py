@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,46 +26,28 @@ from torch import Tensor, nn
 from dofla.attention import LinearAttention
 from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
+from dofla.ops.state import BatchedState
 
 DEFAULT_DECAY_MEMORY = (128.0, 2048.0)
 
 
 @dataclass
-class GatedState:
+class GatedState(BatchedState):
     """The inner op's state (LinearState or HybridState) and the cumulative log decay so far, (B, Hs).
 
     The inner state's key log scales include ``-A_j``; a continuation adds ``log_decay_total`` to its own
     running sums so that offsets agree exactly with a single pass over all tokens.
     """
 
-    inner: Any
+    inner: BatchedState
     log_decay_total: Tensor
-
-    def _map(self, function) -> GatedState:
-        return GatedState(self.inner._map(function), function(self.log_decay_total))
-
-    def to(self, device) -> GatedState:
-        return self._map(lambda tensor: tensor.to(device))
-
-    def detach(self) -> GatedState:
-        return self._map(Tensor.detach)
-
-    def index_select(self, batch_indices: Tensor) -> GatedState:
-        return self._map(lambda tensor: tensor.index_select(0, batch_indices.to(tensor.device)))
-
-    def repeat_interleave(self, repeats: int) -> GatedState:
-        return self._map(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
 
     @property
     def num_tokens(self) -> int:
         return self.inner.num_tokens
 
-    def nbytes(self) -> int:
-        total = self.log_decay_total
-        return self.inner.nbytes() + total.numel() * total.element_size()
 
-
-def initial_decay_logits(heads: int, shortest: float, longest: float) -> Tensor:
+def initial_gate_logits(heads: int, shortest: float, longest: float) -> Tensor:
     """(heads,) logits of alpha with memories 1 / (1 - alpha) geometric from ``shortest`` to ``longest``."""
     if not 1.0 < float(shortest) <= float(longest):
         raise DoflaError(
@@ -76,6 +57,31 @@ def initial_decay_logits(heads: int, shortest: float, longest: float) -> Tensor:
     memories = torch.logspace(math.log10(shortest), math.log10(longest), heads, dtype=torch.float64)
     alpha = 1.0 - 1.0 / memories
     return torch.log(alpha / (1.0 - alpha)).float()
+
+
+class TokenGate(nn.Module):
+    """A per-head, per-token gate in (0, 1) from the token's value: sigmoid(v_t . w_h / sqrt(Dv) + b_h).
+
+    w starts at 0, so every token of a head starts with the same gate sigmoid(b_h).
+    """
+
+    def __init__(self, heads: int, value_dim: int, initial_logits: Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(heads, value_dim))  # (Hs, Dv)
+        self.bias = nn.Parameter(initial_logits.clone().float())  # (Hs,)
+
+    def logits(self, values: Tensor) -> Tensor:
+        """values (B, Hs, T, Dv) -> logits (B, Hs, T) in float32 (float64 for float64 values)."""
+        dtype = torch.promote_types(values.dtype, torch.float32)
+        logits = torch.einsum("bhtd,hd->bht", values.to(dtype), self.weight.to(dtype))
+        return logits * values.shape[-1] ** -0.5 + self.bias.to(dtype)[None, :, None]
+
+    def log_gate(self, values: Tensor, key_mask: Tensor | None) -> Tensor:
+        """log gate (B, Hs, T) <= 0; padded tokens (``key_mask`` False) get 0 (a gate of 1: no decay)."""
+        log_gate = F.logsigmoid(self.logits(values))
+        if key_mask is not None:
+            log_gate = log_gate * key_mask[:, None, :].to(log_gate.dtype)
+        return log_gate
 
 
 @register_cell("gla")
@@ -91,21 +97,11 @@ class GatedLinearAttention(LinearAttention):
         super().__init__(plan, **shape)
         shortest, longest = self.cell_options.get("decay_memory", DEFAULT_DECAY_MEMORY)
         heads, value_dim = self.state_heads, self.head_dim
-        self.decay_weight = nn.Parameter(torch.zeros(heads, value_dim))  # (Hs, Dv)
-        self.decay_bias = nn.Parameter(initial_decay_logits(heads, shortest, longest))  # (Hs,)
+        self.decay = TokenGate(heads, value_dim, initial_gate_logits(heads, shortest, longest))
 
     def log_decay(self, values: Tensor, key_mask: Tensor | None) -> Tensor:
-        """values (B, Hs, T, Dv) -> log alpha (B, Hs, T) <= 0, in float32 (float64 for float64 values).
-
-        Padded tokens (``key_mask`` False) do not decay the state: their log alpha is 0.
-        """
-        dtype = torch.promote_types(values.dtype, torch.float32)
-        logits = torch.einsum("bhtd,hd->bht", values.to(dtype), self.decay_weight.to(dtype))
-        logits = logits * values.shape[-1] ** -0.5 + self.decay_bias.to(dtype)[None, :, None]
-        log_alpha = F.logsigmoid(logits)
-        if key_mask is not None:
-            log_alpha = log_alpha * key_mask[:, None, :].to(dtype)
-        return log_alpha
+        """values (B, Hs, T, Dv) -> log alpha (B, Hs, T) <= 0; padded tokens do not decay the state."""
+        return self.decay.log_gate(values, key_mask)
 
     def _attend(
         self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
@@ -131,5 +127,5 @@ class GatedLinearAttention(LinearAttention):
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)
-        groups.append({"params": [self.decay_weight, self.decay_bias], "lr": float(base_lr), "name": "decay"})
+        groups.append({"params": list(self.decay.parameters()), "lr": float(base_lr), "name": "decay"})
         return groups

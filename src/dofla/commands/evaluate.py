@@ -1,28 +1,55 @@
-"""``dofla evaluate``: a converted model against its teacher, side by side."""
+"""``dofla evaluate``: a converted model against its teacher and the teacher's no-training window baseline."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import sys
 from pathlib import Path
+
+DEFAULT_LENGTHS = "512,1024"
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "evaluate",
-        help="compare a converted model with its teacher (perplexity, zero-shot, attention error, pass key)",
-        description="Evaluate a converted model folder (from `dofla convert` or `dofla linearize`) and its teacher "
-        "on the same data, and print both side by side.",
+        help="compare a converted model with its teacher and a sliding-window baseline "
+        "(perplexity by position at several lengths, KL, zero-shot, attention error, pass key)",
+        description="Evaluate a converted model folder (from `dofla convert` or `dofla linearize`) beside its "
+        "teacher and the teacher's softmax restricted to a sliding window (no training), on the same data, "
+        "at each --lengths.",
     )
     parser.add_argument("converted", help="folder written by `dofla convert` or `dofla linearize`")
     parser.add_argument(
         "--teacher", default=None, help="teacher to compare with (default: the one named in the folder)"
     )
+    parser.add_argument("--data", default=None, help="held-out text for perplexity (txt, jsonl, json)")
     parser.add_argument(
-        "--data", default=None, help="text for perplexity and attention error (txt, jsonl, json)"
+        "--lengths",
+        default=None,
+        help=f"comma-separated context lengths for perplexity, e.g. 512,1024,2048 (default {DEFAULT_LENGTHS})",
     )
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--sequences", type=int, default=16, help="number of held-out sequences")
+    parser.add_argument("--seq-len", type=int, default=None, help="one context length (same as --lengths N)")
+    parser.add_argument("--sequences", type=int, default=16, help="held-out sequences per length")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="window of the sliding-window baseline (default: the plan's hybrid window, else 64)",
+    )
+    parser.add_argument(
+        "--sinks", default="0,4", help="comma-separated sink-token counts, one window baseline each"
+    )
+    parser.add_argument(
+        "--error-sequences",
+        type=int,
+        default=4,
+        help="sequences of the shortest length for the per-layer attention error (0: skip it)",
+    )
     parser.add_argument(
         "--tasks", default="", help="comma-separated zero-shot tasks, e.g. piqa,arc_easy,winogrande"
     )
@@ -31,78 +58,247 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--limit", type=int, default=None, help="at most this many items per task")
     parser.add_argument(
-        "--passkey", default="", help="comma-separated context lengths for pass-key retrieval"
+        "--passkey", default="", help="comma-separated context lengths for pass-key retrieval, e.g. 1024,2048"
     )
+    parser.add_argument(
+        "--passkey-depths",
+        default="0.1,0.5,0.9",
+        help="comma-separated depths of the key (0 = start, 1 = end)",
+    )
+    parser.add_argument("--passkey-trials", type=int, default=3, help="keys tried per length and depth")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--plot", default=None, help="write the loss-by-position plot here (.png, .pdf, .svg)"
+    )
     parser.add_argument(
         "--json", dest="json_out", default=None, help="also write the results to this JSON file"
     )
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from dofla.convert import load_converted
-    from dofla.data import load_texts, pack_token_sequences
+def _integers(text: str, option: str, *, minimum: int) -> list[int]:
     from dofla.errors import DoflaError
+
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    try:
+        values = [int(item) for item in items]
+    except ValueError:
+        values = []
+    if not values or any(value < minimum for value in values):
+        raise DoflaError(f"{option} must be comma-separated integers of at least {minimum}, got {text!r}.")
+    if len(set(values)) != len(values):
+        raise DoflaError(f"{option} lists a value twice: {text!r}.")
+    return values
+
+
+def _depths(text: str) -> list[float]:
+    from dofla.errors import DoflaError
+
+    try:
+        values = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not 0.0 <= value <= 1.0 for value in values):
+        raise DoflaError(f"--passkey-depths must be comma-separated numbers between 0 and 1, got {text!r}.")
+    return values
+
+
+def _check_writable(path: str, option: str) -> None:
+    """Refuse an output path that cannot be written, before any model is loaded."""
+    from dofla.errors import DoflaError
+
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise DoflaError(f"{option} {path} is a folder; give a file name.")
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:  # the folders write_atomic would create
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise DoflaError(f"{option} {path} cannot be written: {folder} is not a writable folder.")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise DoflaError(f"{option} {path} exists and is not writable.")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every option is checked before a model is loaded; sets args.length_list, sink_list, passkey_list."""
+    from dofla.errors import DoflaError
+
+    if args.lengths is not None and args.seq_len is not None:
+        raise DoflaError("give either --lengths or --seq-len, not both (--seq-len N is --lengths N).")
+    lengths = args.lengths if args.lengths is not None else args.seq_len
+    args.length_list = _integers(DEFAULT_LENGTHS if lengths is None else lengths, "--lengths", minimum=2)
+    if args.sequences < 1:
+        raise DoflaError(f"--sequences must be at least 1, got {args.sequences}.")
+    if args.batch_size < 1:
+        raise DoflaError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    if args.window is not None and args.window < 1:
+        raise DoflaError(f"--window must be at least 1 token, got {args.window}.")
+    args.sink_list = _integers(args.sinks, "--sinks", minimum=0)
+    if args.error_sequences < 0:
+        raise DoflaError(f"--error-sequences must be 0 or more, got {args.error_sequences}.")
+    args.passkey_list = _integers(args.passkey, "--passkey", minimum=1) if args.passkey.strip() else []
+    args.depth_list = _depths(args.passkey_depths)
+    if args.passkey_trials < 1:
+        raise DoflaError(f"--passkey-trials must be at least 1, got {args.passkey_trials}.")
+    args.task_list = [task for task in args.tasks.split(",") if task]
+    if args.task_list and not args.tasks_dir:
+        raise DoflaError("zero-shot tasks need --tasks-dir, the folder holding the task files.")
+    if args.limit is not None and args.limit < 1:
+        raise DoflaError(f"--limit must be at least 1, got {args.limit}.")
+    if not (args.data or args.task_list or args.passkey_list):
+        raise DoflaError("nothing to evaluate: give --data, --tasks with --tasks-dir, or --passkey.")
+    if args.plot is not None:
+        if not args.data:
+            raise DoflaError("--plot draws the held-out loss by position, which needs --data.")
+        if Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
+            raise DoflaError(f"--plot {args.plot} must end in {', '.join(PLOT_SUFFIXES)}.")
+        _check_writable(args.plot, "--plot")
+    if args.json_out is not None:
+        _check_writable(args.json_out, "--json")
+
+
+def default_window(plan) -> int:
+    """The baseline's window: the largest window of the plan's hybrid layers, else 64."""
+    from dofla.evaluation.long_context import DEFAULT_WINDOW
+
+    windows = [int(layer.window) for layer in plan.layers if layer.kind == "hybrid"]
+    return max(windows) if windows else DEFAULT_WINDOW
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
+    from dofla.convert import load_converted
+    from dofla.data import load_texts
+    from dofla.errors import DoflaError
+    from dofla.evaluation import long_context
     from dofla.evaluation.attention_error import attention_errors
-    from dofla.evaluation.passkey import passkey_retrieval
-    from dofla.evaluation.perplexity import perplexity
-    from dofla.evaluation.zero_shot import evaluate_zero_shot
+    from dofla.evaluation.passkey import passkey_comparison
+    from dofla.evaluation.zero_shot import evaluate_zero_shot, load_task
     from dofla.io import write_text_atomic
     from dofla.models import load_teacher
 
+    texts = load_texts(args.data) if args.data else None
+    for task in args.task_list:  # the task files are read now, not after the models have run
+        load_task(task, args.tasks_dir, limit=1)
     student, tokenizer, plan = load_converted(args.converted, dtype=args.dtype, device=args.device)
     teacher_spec = args.teacher or plan.metadata.get("teacher")
     if not teacher_spec:
         raise DoflaError("the converted folder does not name its teacher; pass --teacher MODEL.")
-    teacher = load_teacher(teacher_spec, dtype=args.dtype, device=args.device).model
-    results: dict[str, dict] = {}
-    if args.data:
-        sequences = pack_token_sequences(tokenizer, load_texts(args.data), args.seq_len)[: args.sequences]
-        results["perplexity"] = {
-            "teacher": perplexity(teacher, sequences)["perplexity"],
-            "student": perplexity(student, sequences)["perplexity"],
-        }
-        results["attention_error"] = {
-            str(layer): values for layer, values in attention_errors(student, sequences.split(4)).items()
-        }
-    tasks = [task for task in args.tasks.split(",") if task]
-    if tasks:
-        if not args.tasks_dir:
-            raise DoflaError("zero-shot tasks need --tasks-dir, the folder holding the task files.")
+    loaded = load_teacher(teacher_spec, dtype=args.dtype, device=args.device)
+    teacher, tokenizer = loaded.model, tokenizer or loaded.tokenizer
+    if tokenizer is None:
+        raise DoflaError(
+            "neither the converted folder nor the teacher has a tokenizer to read the text with."
+        )
+    window = args.window or default_window(plan)
+    for length in args.length_list if texts is not None else []:
+        long_context.check_context(teacher, length)
+    for length in args.passkey_list:
+        long_context.check_context(teacher, length, "a pass-key context")
+
+    results: dict = {"window": window, "sinks": args.sink_list}
+    if texts is not None:
+        sequences = long_context.pack_by_length(tokenizer, texts, args.length_list, args.sequences)
+        for length, packed in sequences.items():
+            if len(packed) < args.sequences:
+                _progress(
+                    f"the data gives only {len(packed)} sequences of {length} tokens ({args.sequences} asked)."
+                )
+        quality = long_context.long_context_quality(
+            teacher,
+            student,
+            sequences,
+            window=window,
+            sinks=args.sink_list,
+            batch_size=args.batch_size,
+            progress=_progress,
+        )
+        results["long_context"] = quality
+        if args.error_sequences:
+            shortest = sequences[min(sequences)][: args.error_sequences]
+            errors = attention_errors(student, shortest.split(args.batch_size))
+            results["attention_error"] = {
+                "length": int(shortest.shape[1]),
+                "sequences": int(shortest.shape[0]),
+                "layers": {str(layer): values for layer, values in errors.items()},
+            }
+    if args.task_list:
         for name, model in (("teacher", teacher), ("student", student)):
             for task, scores in evaluate_zero_shot(
-                model, tokenizer, tasks, args.tasks_dir, limit=args.limit
+                model, tokenizer, args.task_list, args.tasks_dir, limit=args.limit
             ).items():
                 results.setdefault("zero_shot", {}).setdefault(task, {})[name] = scores
-    lengths = [int(length) for length in args.passkey.split(",") if length]
-    if lengths:
-        for name, model in (("teacher", teacher), ("student", student)):
-            rows = passkey_retrieval(model, tokenizer, context_lengths=lengths)
-            results.setdefault("passkey", {})[name] = [vars(row) for row in rows]
-    if not results:
-        raise DoflaError("nothing to evaluate: give --data, --tasks with --tasks-dir, or --passkey.")
+    if args.passkey_list:
+        results["passkey"] = passkey_comparison(
+            teacher,
+            student,
+            tokenizer,
+            context_lengths=args.passkey_list,
+            depths=args.depth_list,
+            trials=args.passkey_trials,
+            window=window,
+            sinks=max(args.sink_list),
+        )
     _print_results(results)
+    if args.plot and "long_context" in results:
+        long_context.plot_loss_by_position(results["long_context"], args.plot)
     if args.json_out:
-        write_text_atomic(Path(args.json_out), json.dumps(results, indent=2) + "\n")
+        write_text_atomic(Path(args.json_out), results_json(results))
     return 0
 
 
-def _print_results(results: dict[str, dict]) -> None:
-    if "perplexity" in results:
-        ppl = results["perplexity"]
-        print(f"perplexity   teacher {ppl['teacher']:.3f}   student {ppl['student']:.3f}")
+def _finite(value, replaced: list):
+    """``value`` with every NaN or infinite number as None (JSON has no such numbers), noted in ``replaced``."""
+    if isinstance(value, dict):
+        return {key: _finite(item, replaced) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item, replaced) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        replaced.append(value)
+        return None
+    return value
+
+
+def results_json(results: dict) -> str:
+    """The results as JSON text; a non-finite number becomes null and a note says so."""
+    replaced: list = []
+    safe = _finite(results, replaced)
+    if replaced:
+        safe["notes"] = ["null stands for a number that was not finite (NaN or infinite)."]
+    return json.dumps(safe, indent=2, allow_nan=False) + "\n"
+
+
+def _print_results(results: dict) -> None:
+    from dofla.evaluation import long_context
+    from dofla.evaluation.passkey import passkey_markdown
+
+    if "long_context" in results:
+        quality = results["long_context"]
+        print(long_context.long_context_markdown(quality))
+        for length, measured in quality["by_length"].items():
+            spent = ", ".join(f"{name} {seconds:.0f}" for name, seconds in measured["seconds"].items())
+            print(f"seconds at {length} tokens ({measured['sequences']} sequences): {spent}")
+        print()
     if "attention_error" in results:
-        print("layer  relative attention error  cosine")
-        for layer, values in results["attention_error"].items():
-            print(f"{layer:>5}  {values['relative_error']:>24.4f}  {values['cosine']:.4f}")
+        measured = results["attention_error"]
+        print(
+            f"attention error per layer (teacher-forced, {measured['sequences']} x {measured['length']} tokens)"
+        )
+        body = [
+            [layer, f"{values['relative_error']:.4f}", f"{values['cosine']:.4f}"]
+            for layer, values in measured["layers"].items()
+        ]
+        print(long_context.aligned_table(["layer", "relative error", "cosine"], body) + "\n")
     for task, by_model in results.get("zero_shot", {}).items():
         teacher, student = by_model["teacher"], by_model["student"]
         print(
             f"{task:<14} acc teacher {teacher['acc']:.4f} student {student['acc']:.4f}   "
             f"acc_norm teacher {teacher['acc_norm']:.4f} student {student['acc_norm']:.4f}   n={teacher['items']}"
         )
-    for name, rows in results.get("passkey", {}).items():
-        summary = ", ".join(f"{r['context_tokens']}@{r['depth']:.1f}: {r['accuracy']:.2f}" for r in rows)
-        print(f"pass key {name}: {summary}")
+    if "passkey" in results:
+        print(passkey_markdown(results["passkey"]))

@@ -47,8 +47,8 @@ def attention_errors(model: torch.nn.Module, batches: Iterable[torch.Tensor]) ->
     model.eval()
     try:
         with dispatch.teacher_forced(), dispatch.observe(observer):
-            for batch in batches:
-                model(input_ids=batch.to(device))
+            for batch in batches:  # the base model only: the output head plays no part in the errors
+                model.base_model(input_ids=batch.to(device), use_cache=False)
     finally:
         model.train(was_training)
     if not squared_norm:

@@ -1,0 +1,186 @@
+"""Held-out quality at length: buckets, streamed KL / top-1, context limits, the evaluate command."""
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import small_llama
+
+from dofla.cli import main
+from dofla.convert import convert, plan_for, save_converted
+from dofla.errors import DoflaError
+from dofla.evaluation import logits as logits_module
+from dofla.evaluation.long_context import (
+    long_context_markdown,
+    long_context_quality,
+    plot_loss_by_position,
+    position_buckets,
+)
+from dofla.evaluation.perplexity import perplexity
+from dofla.models import build_tiny_model, build_tiny_tokenizer, save_tiny_model_folder
+
+
+def _sequences(count, length, seed=0, vocabulary=64):
+    return torch.randint(0, vocabulary, (count, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_bucket_edges():
+    assert position_buckets(1024, 64) == [(1, 64), (64, 128), (128, 256), (256, 512), (512, 1024)]
+    assert position_buckets(100, 64) == [(1, 64), (64, 100)]
+    assert position_buckets(64, 64) == [(1, 64)]
+    assert position_buckets(32, 64) == [(1, 32)]
+    assert position_buckets(9, 1) == [(1, 2), (2, 4), (4, 8), (8, 9)]
+    with pytest.raises(DoflaError, match="at least 2 tokens"):
+        position_buckets(1, 4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])  # plain, final soft-capping, GPT-2 layout
+def test_chunked_head_gives_the_models_own_logits(family, monkeypatch):
+    model = build_tiny_model(family)
+    tokens = torch.randint(0, 128, (2, 7))
+    monkeypatch.setattr(logits_module, "ROW_ELEMENTS", 128 * 3)  # 3 rows per chunk: several chunks
+    with torch.no_grad():
+        hidden = logits_module.final_hidden_states(model, tokens)
+        expected = model(tokens).logits
+    torch.testing.assert_close(
+        logits_module.output_logits(model, hidden), model(tokens).logits, rtol=0, atol=0
+    )
+    # perplexity from the chunked head equals cross-entropy of the full logits
+    nll = torch.nn.functional.cross_entropy(expected[:, :-1].reshape(-1, 128), tokens[:, 1:].reshape(-1))
+    assert perplexity(model, tokens)["nll"] == pytest.approx(float(nll), rel=1e-5)
+
+
+def test_student_equal_to_teacher_has_zero_kl_and_full_agreement(monkeypatch):
+    monkeypatch.setattr(logits_module, "ROW_ELEMENTS", 64 * 5)  # several chunks per batch
+    teacher, student = small_llama(), small_llama()
+    data = {12: _sequences(3, 12), 20: _sequences(2, 20, seed=1)}
+    result = long_context_quality(teacher, student, data, window=4, sinks=(0, 2), batch_size=2)
+    for length, measured in result["by_length"].items():
+        assert [bucket["label"] for bucket in measured["buckets"]][:2] == ["1-3", "4-7"]
+        student_row, teacher_row = measured["models"]["student"], measured["models"]["teacher"]
+        assert student_row["kl"] == pytest.approx(0.0, abs=1e-6) and student_row["top1"] == 1.0
+        assert student_row["perplexity"] == pytest.approx(teacher_row["perplexity"], rel=1e-6)
+        assert all(bucket["kl"] == pytest.approx(0.0, abs=1e-6) for bucket in student_row["buckets"])
+        # the teacher's row is its perplexity on these sequences
+        expected = perplexity(teacher, data[int(length)])["perplexity"]
+        assert teacher_row["perplexity"] == pytest.approx(expected, rel=1e-5)
+        # within the window the baseline is the teacher; beyond it, it is not
+        window_row = measured["models"]["window"]
+        assert window_row["buckets"][0]["kl"] == pytest.approx(0.0, abs=1e-6)
+        assert window_row["buckets"][0]["top1"] == 1.0
+        assert window_row["kl"] > 1e-4 and window_row["top1"] < 1.0
+    assert list(result["by_length"]["12"]["models"]) == ["teacher", "window", "window+sinks2", "student"]
+    json.dumps(result, allow_nan=False)
+
+
+def test_kl_and_top1_match_full_logits():
+    teacher, student = small_llama(seed=0), small_llama(seed=1)
+    data = _sequences(3, 10)
+    result = long_context_quality(teacher, student, {10: data}, window=4, sinks=(), batch_size=2)
+    with torch.no_grad():
+        teacher_log_probs = teacher(data).logits[:, :-1].log_softmax(-1)
+        student_log_probs = student(data).logits[:, :-1].log_softmax(-1)
+    kl = (teacher_log_probs.exp() * (teacher_log_probs - student_log_probs)).sum(-1)  # (N, T-1)
+    agree = (teacher_log_probs.argmax(-1) == student_log_probs.argmax(-1)).double()
+    measured = result["by_length"]["10"]["models"]["student"]
+    assert measured["kl"] == pytest.approx(float(kl.mean()), rel=1e-4)
+    assert measured["top1"] == pytest.approx(float(agree.mean()))
+    assert measured["buckets"][1]["kl"] == pytest.approx(float(kl[:, 3:7].mean()), rel=1e-4)
+
+
+def test_too_long_context_names_both_numbers():
+    teacher = build_tiny_model("llama")  # 512 positions
+    with pytest.raises(DoflaError, match="1024 tokens is longer than the teacher's maximum of 512"):
+        long_context_quality(teacher, None, {1024: torch.zeros(1, 1024, dtype=torch.long)}, window=8)
+
+
+def test_non_finite_student_gives_null_and_a_note(tmp_path):
+    teacher, student = small_llama(), small_llama()
+    with torch.no_grad():
+        student.lm_head.weight[0, 0] = math.nan
+    result = long_context_quality(teacher, student, {8: _sequences(2, 8)}, window=4, sinks=(4,))
+    row = result["by_length"]["8"]["models"]["student"]
+    assert row["perplexity"] is None and row["kl"] is None and result["notes"]
+    assert "n/a" in long_context_markdown(result)
+    plot_loss_by_position(result, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+    json.dumps(result, allow_nan=False)
+
+
+@pytest.fixture(scope="module")
+def converted_folder(tmp_path_factory):
+    """A tiny converted hybrid (window 8) saved with its tokenizer, naming its teacher's folder."""
+    root = tmp_path_factory.mktemp("evaluate")
+    teacher_folder = save_tiny_model_folder("llama", root / "teacher")
+    model = build_tiny_model("llama")
+    convert(model, plan_for(model, kind="hybrid", feature_map="elu1", feature_dim=8, window=8))
+    save_converted(
+        model,
+        root / "student",
+        tokenizer=build_tiny_tokenizer(),
+        extra_metadata={"teacher": str(teacher_folder)},
+    )
+    text = root / "heldout.txt"
+    text.write_text(
+        "\n".join(f"line {index}: the quick brown fox jumps over the lazy dog." for index in range(40))
+    )
+    return root
+
+
+def test_evaluate_command_writes_per_length_per_bucket_json(converted_folder, tmp_path, capsys):
+    root = converted_folder
+    arguments = ["evaluate", str(root / "student"), "--data", str(root / "heldout.txt"), "--lengths", "32,64"]
+    arguments += ["--sequences", "3", "--passkey", "96", "--passkey-trials", "1", "--passkey-depths", "0.5"]
+    arguments += ["--json", str(tmp_path / "out" / "eval.json"), "--plot", str(tmp_path / "loss.png")]
+    assert main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "| window 8 + 4 sinks |" in printed and "ppl 16-31" in printed and "attention error" in printed
+    result = json.loads((tmp_path / "out" / "eval.json").read_text())
+    quality = result["long_context"]
+    assert result["window"] == 8 and quality["sinks"] == [0, 4]
+    assert sorted(quality["by_length"]) == ["32", "64"]
+    measured = quality["by_length"]["64"]
+    assert measured["sequences"] == 3 and measured["predicted_tokens"] == 3 * 63
+    assert [bucket["label"] for bucket in measured["buckets"]] == ["1-7", "8-15", "16-31", "32-63"]
+    assert list(measured["models"]) == ["teacher", "window", "window+sinks4", "student"]
+    for row in measured["models"].values():
+        assert len(row["buckets"]) == 4 and row["perplexity"] > 1
+    assert 0 <= measured["models"]["student"]["top1"] <= 1
+    assert result["attention_error"]["length"] == 32 and sorted(result["attention_error"]["layers"]) == [
+        "0",
+        "1",
+    ]
+    assert list(result["passkey"]["rows"]) == ["teacher", "window+sinks4", "student"]
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--lengths", "32,x"], "--lengths must be comma-separated integers of at least 2"),
+        (["--lengths", "0"], "--lengths must be comma-separated integers of at least 2"),
+        (["--lengths", "32", "--seq-len", "32"], "either --lengths or --seq-len"),
+        (["--sequences", "0"], "--sequences must be at least 1"),
+        (["--sinks", "-1"], "--sinks must be comma-separated integers of at least 0"),
+        (["--window", "0"], "--window must be at least 1"),
+        (["--passkey", "100", "--passkey-depths", "1.5"], "--passkey-depths must be"),
+        (["--json", "FILE/eval.json"], "cannot be written: FILE is not a writable folder"),
+        (["--plot", "loss.txt"], "--plot loss.txt must end in .png"),
+    ],
+)
+def test_evaluate_options_are_checked_before_loading(extra, message, tmp_path, capsys):
+    # the converted folder does not exist: any error about it would mean a model was being loaded
+    (tmp_path / "FILE").write_text("a file, not a folder")
+    extra = [str(tmp_path / item) if item.startswith("FILE") else item for item in extra]
+    arguments = ["evaluate", str(tmp_path / "missing"), "--data", str(tmp_path / "missing.txt"), *extra]
+    assert main(arguments) == 1
+    error = capsys.readouterr().err
+    assert message.replace("FILE", str(tmp_path / "FILE")) in error and error.count("\n") == 1
+
+
+def test_evaluate_refuses_a_length_beyond_the_teacher(converted_folder, capsys):
+    root = converted_folder
+    arguments = ["evaluate", str(root / "student"), "--data", str(root / "heldout.txt"), "--lengths", "1024"]
+    assert main(arguments) == 1
+    assert "1024 tokens is longer than the teacher's maximum of 512 positions" in capsys.readouterr().err

@@ -1,0 +1,119 @@
+"""The no-training window baseline against a brute-force banded softmax, with padding and a cache."""
+
+import pytest
+import torch
+from helpers import small_llama
+from transformers import DynamicCache
+
+from dofla import dispatch
+from dofla.errors import DoflaError
+from dofla.evaluation.window_baseline import restrict_to_window, window_restricted
+
+
+class _BandedSoftmax(torch.nn.Module):
+    """Reference: softmax over keys j with i - window < j <= i or j < sinks, built position by position."""
+
+    def __init__(self, window, sinks):
+        super().__init__()
+        self.window, self.sinks = window, sinks
+
+    def forward(self, query, key, value, attention_mask=None, *, scaling):
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        length = query.shape[2]
+        allowed = torch.zeros(length, length, dtype=torch.bool)
+        for i in range(length):
+            for j in range(i + 1):
+                allowed[i, j] = (j > i - self.window) or (j < self.sinks)
+        scores = (query @ key.transpose(-1, -2)) * scaling  # (B, H, T, T)
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        return (weights @ value).transpose(1, 2)  # (B, T, H, D)
+
+
+def _brute_force_logits(tokens, window, sinks):
+    reference = small_llama()
+    dispatch.install(reference)
+    for layer in reference.model.layers:
+        layer.self_attn.dofla_student = _BandedSoftmax(window, sinks)
+    return reference(tokens).logits
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize(("window", "sinks"), [(3, 0), (4, 2), (1, 1)])
+def test_window_matches_a_brute_force_banded_softmax(attention, window, sinks):
+    tokens = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+    model = small_llama()
+    model.set_attn_implementation(attention)
+    teacher_logits = model(tokens).logits
+    with window_restricted(model, window, sinks):
+        restricted = model(tokens).logits
+    torch.testing.assert_close(restricted, _brute_force_logits(tokens, window, sinks), rtol=1e-4, atol=1e-5)
+    # the first `window` positions see everything they would anyway; later ones differ
+    torch.testing.assert_close(restricted[:, :window], teacher_logits[:, :window], rtol=1e-4, atol=1e-5)
+    assert (restricted[:, -1] - teacher_logits[:, -1]).abs().max() > 1e-3
+    # leaving the block restores the teacher
+    torch.testing.assert_close(model(tokens).logits, teacher_logits, rtol=0, atol=1e-6)
+
+
+def test_a_window_as_long_as_the_sequence_is_the_teacher():
+    tokens = torch.randint(0, 64, (2, 9))
+    model = small_llama()
+    teacher_logits = model(tokens).logits
+    with window_restricted(model, 9, sinks=4):
+        torch.testing.assert_close(model(tokens).logits, teacher_logits, rtol=1e-5, atol=1e-6)
+
+
+def test_left_padded_batch_sees_the_same_window_and_sinks_as_each_sequence_alone():
+    model = small_llama()
+    long, short = torch.randint(3, 64, (12,)), torch.randint(3, 64, (7,))
+    batch = torch.zeros(2, 12, dtype=torch.long)
+    batch[0], batch[1, 5:] = long, short
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    with window_restricted(model, 3, sinks=2):
+        together = model(batch, attention_mask=mask).logits
+        alone = [model(ids[None]).logits[0] for ids in (long, short)]
+    torch.testing.assert_close(together[0], alone[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(together[1, 5:], alone[1], rtol=1e-4, atol=1e-5)
+
+
+def test_decoding_with_a_cache_equals_full_forwards():
+    model = small_llama()
+    tokens = torch.randint(0, 64, (2, 10))
+    with window_restricted(model, 4, sinks=1):
+        full = model(tokens).logits  # (B, T, V)
+        cache = DynamicCache(config=model.config)
+        steps = [model(tokens[:, :6], past_key_values=cache, use_cache=True).logits]
+        steps.append(model(tokens[:, 6:8], past_key_values=cache, use_cache=True).logits)
+        for index in (8, 9):
+            steps.append(model(tokens[:, index : index + 1], past_key_values=cache, use_cache=True).logits)
+        generated = model.generate(tokens, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        greedy = tokens
+        for _ in range(3):
+            greedy = torch.cat([greedy, model(greedy).logits[:, -1:].argmax(-1)], dim=1)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
+    assert torch.equal(generated, greedy)
+
+
+def test_restriction_of_a_mask_by_hand():
+    visible = torch.ones(4, 4, dtype=torch.bool).tril()  # causal
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(restrict_to_window(visible, 2, sinks=1), expected)
+    # left padding: the first real key is the sink, padded keys stay hidden, an empty row stays empty
+    padded = visible & torch.tensor([False, True, True, True])
+    expected = torch.tensor([[0, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(restrict_to_window(padded, 1, sinks=1), expected)
+
+
+def test_bad_window_settings_are_refused():
+    model = small_llama()
+    with pytest.raises(DoflaError, match="at least 1 token"):
+        with window_restricted(model, 0):
+            pass
+    with pytest.raises(DoflaError, match="cannot be negative"):
+        with window_restricted(model, 4, sinks=-1):
+            pass
+    with window_restricted(model, 4):
+        with pytest.raises(DoflaError, match="already inside"):
+            with window_restricted(model, 8):
+                pass
