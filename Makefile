@@ -28,8 +28,8 @@ test: venv
 	$(BIN)/python -m pytest -q tests
 
 lint: venv
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench experiments
+	$(BIN)/ruff format --check src tests bench experiments
 
 bench: venv
 	$(BIN)/python bench/run_all.py

@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dofla import dispatch
 from dofla.convert import convert, plan_for
+from dofla.distill.losses import layerwise_loss_names
 from dofla.distill.teacher_forcing import autocast_for, freeze_teacher, teacher_forced_step
 
 SMOLLM2_135M = dict(
@@ -87,7 +88,7 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--feature-map", default="learnable_prf")
     parser.add_argument("--feature-dim", type=int, default=64)
-    parser.add_argument("--loss", default="softmax", choices=("softmax", "l2", "output_mse"))
+    parser.add_argument("--loss", default="softmax", choices=layerwise_loss_names())
     parser.add_argument("--query-chunk", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--random-weights", action="store_true")

@@ -23,18 +23,18 @@ from pathlib import Path
 
 import torch
 
+from dofla import dof
 from dofla.convert import convert, unconvert
-from dofla.data import split_train_heldout
+from dofla.data import load_texts, pack_token_sequences, sample_teacher_texts, split_train_heldout
 from dofla.distill.trainer import DistillConfig, distill
 from dofla.evaluation.attention_error import attention_errors
+from dofla.evaluation.perplexity import perplexity as measure_perplexity
 from dofla.io import write_text_atomic
-from dofla.pipeline import (
-    LinearizeConfig,
-    load_sequences,
-    make_plan,
-    parse_tokens,
-    perplexity,
-)
+from dofla.pipeline import parse_tokens
+
+
+def perplexity(model, sequences: torch.Tensor, batch_size: int) -> float:
+    return float(measure_perplexity(model, sequences, batch_size=batch_size)["perplexity"])
 
 
 def allocations(measures: list[str]) -> list[tuple[str, str, str]]:
@@ -42,7 +42,8 @@ def allocations(measures: list[str]) -> list[tuple[str, str, str]]:
     return [("Fix", "fix", "dof")] + [(f"DoF ({measure})", "dof", measure) for measure in measures]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -62,31 +63,30 @@ def main() -> int:
     parser.add_argument("--sampled-tokens", type=int, default=128)
     parser.add_argument("--cache-dir", default=None, help="teacher-sample cache (default: OUT/data_cache)")
     parser.add_argument("--out", default="docs/results/distill")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from dofla.models import load_teacher
 
     out = Path(args.out)
-    base = LinearizeConfig(
-        out_dir=str(out),
-        model=args.model,
-        budget=args.budget,
-        feature_map=args.feature_map,
-        loss=args.loss,
-        tokens=parse_tokens(args.tokens),
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        data=args.data,
-        dof_points=args.dof_points,
-        sampled_texts=args.sampled_texts,
-        sampled_tokens=args.sampled_tokens,
-        seed=args.seed,
-        progress=False,
-    )
+    tokens = parse_tokens(args.tokens)
     loaded = load_teacher(args.model)
     teacher, tokenizer = loaded.model.eval(), loaded.tokenizer
-    cache_dir = Path(args.cache_dir) if args.cache_dir else out / "data_cache"
-    sequences, source = load_sequences(base, teacher, tokenizer, cache_dir)
+    if args.data:
+        texts = load_texts(args.data)
+        source = f"{args.data} ({len(texts)} texts)"
+    else:
+        cache_dir = Path(args.cache_dir) if args.cache_dir else out / "data_cache"
+        texts = sample_teacher_texts(
+            teacher,
+            tokenizer,
+            args.sampled_texts,
+            args.sampled_tokens,
+            args.seed,
+            cache_dir,
+            batch_size=min(32, args.sampled_texts),
+        )
+        source = f"{len(texts)} texts of up to {args.sampled_tokens} tokens sampled from the teacher (seed {args.seed})"
+    sequences = pack_token_sequences(tokenizer, texts, args.seq_len)
     train, heldout = split_train_heldout(sequences, 0.15, args.seed)
     heldout = heldout[: args.heldout]
     teacher_ppl = perplexity(teacher, heldout, args.batch_size)
@@ -95,12 +95,20 @@ def main() -> int:
     rows = []
     for label, allocation, measure in allocations([m for m in args.measures.split(",") if m]):
         started = time.perf_counter()
-        base.allocation, base.measure = allocation, measure
-        plan = make_plan(base, teacher, train)
+        calibration = list(train[: 2 * args.batch_size].split(args.batch_size))
+        plan = dof.measure_and_plan(
+            teacher,
+            calibration,
+            variant=allocation,
+            measure=measure,
+            num_points=args.dof_points,
+            budget=args.budget,
+            feature_map=args.feature_map,
+        )
         convert(teacher, plan)
         config = DistillConfig(
             loss=args.loss,
-            tokens=base.tokens,
+            tokens=tokens,
             batch_size=args.batch_size,
             eval_every=0,
             checkpoint_every=0,
@@ -123,7 +131,7 @@ def main() -> int:
         unconvert(teacher)
         print(f"{label}: perplexity {rows[-1]['perplexity']:.3f}", flush=True)
 
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    command = shlex.join(["python", "experiments/allocation_study.py", *argv])
     record = dict(command=command, data=source, teacher_ppl=teacher_ppl, rows=rows, heldout=len(heldout))
     write_text_atomic(out / "allocation_study.json", json.dumps(record, indent=2) + "\n")
     fix = rows[0]["perplexity"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -39,7 +40,7 @@ def layer_rows(result: dof.DofEstimate, adapter, budget: int) -> dict:
     rows = {}
     for lam in result.lambdas:
         allocations = dof.allocate_all(result, adapter, budget=budget, lam=lam)
-        rows[dof._lambda_key(lam)] = {
+        rows[dof.lambda_key(lam)] = {
             "layer_measure": result.layer_measure(lam),
             "head_measure": result.head_measure(lam),
             "dims": {name: allocation.layer_dims for name, allocation in allocations.items()},
@@ -108,9 +109,10 @@ def render_default(path: str) -> str:
     return "\n".join(lines + [f"> {message}\n" for message in default["warnings"]])
 
 
-def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--render-default":
-        print(render_default(sys.argv[2]))
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 2 and argv[0] == "--render-default":
+        print(render_default(argv[1]))
         return 0
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -129,12 +131,13 @@ def main() -> int:
     parser.add_argument("--trace-lambdas", default="2^-4,2^-8", help="λ for dof_trace")
     parser.add_argument("--error-feature-dims", default="16,64", help="prf feature dims for the error")
     parser.add_argument("--error-sequences", type=int, default=4)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parse = lambda text: [dof.parse_lambda(item) for item in text.split(",")]  # noqa: E731
     lambdas, default_lambda = parse(args.sweep_lambdas), [2**-4]
-    results: dict = {"command": shlex.join(["python", *sys.argv]), "torch_threads": torch.get_num_threads()}
+    command = shlex.join(["python", "experiments/dof_study.py", *argv])
+    results: dict = {"command": command, "torch_threads": torch.get_num_threads()}
     md = [f"Command: `{results['command']}`", ""]
 
     start = time.perf_counter()
@@ -168,7 +171,7 @@ def main() -> int:
             f"{args.capture_points} points per head, 2 attention spectra), stable solve "
             f"{default.seconds - captured.seconds:.1f} s; total {total:.1f} s "
             f"({results['torch_threads']} torch threads; machine shared, load average "
-            f"{__import__('os').getloadavg()[0]:.1f})",
+            f"{os.getloadavg()[0]:.1f})",
             f"- heads with DoF/J > {dof.SATURATION_LEVEL}: {default.saturated_fraction():.1%}",
             f"- heads where a plain float64 eigvalsh error (J·ε·μ_max) exceeds λ: "
             f"{timing['plain_eig_unreliable_heads']} of {len(default.heads)}",
@@ -281,7 +284,11 @@ def main() -> int:
             "",
         ]
         md += [f"- F = {dim}: {fmt(error, 3)}" for dim, error in errors.items()]
-        md += ["", "Spearman correlation over the 30 layers of each layer measure with that error:", ""]
+        md += [
+            "",
+            f"Spearman correlation over the {adapter.num_layers} layers of each layer measure with that error:",
+            "",
+        ]
         md += [
             "| measure | " + " | ".join(f"F = {dim}" for dim in errors) + " |",
             "|---|" + "---:|" * len(errors),

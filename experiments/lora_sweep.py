@@ -6,7 +6,7 @@ Usage:
 
 One attention transfer (stage 1 of ``--recipe lolcats``), then every LoRA variant starts from the same
 students and weights, with the same token budget. The held-out sequences are split in two: the first
-32 are the ones ``dofla linearize`` reports on (the *report* split), the next 32 are a *validation*
+ones are those ``dofla linearize`` reports on (the *report* split, 32), the next 32 are a *validation*
 split. Stage 1's best-state selection and the choice of LoRA settings use the validation split only, so
 a separate ``dofla linearize`` run with the chosen settings measures them on data the choice never saw.
 ``--teacher-variants`` also trains the same LoRA settings on the unconverted teacher: the LoRA stage
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dofla.convert import convert
-from dofla.data import split_train_heldout
+from dofla.data import load_texts, pack_token_sequences, split_train_heldout
 from dofla.distill.lora import train_lora
 from dofla.distill.trainer import distill
 from dofla.io import write_text_atomic
@@ -33,7 +33,6 @@ from dofla.models import load_teacher
 from dofla.pipeline import (
     LinearizeConfig,
     distill_config_for,
-    load_sequences,
     lora_config_for,
     make_plan,
     parse_tokens,
@@ -85,7 +84,7 @@ def write_results(out: Path, header: dict, rows: list[dict]) -> None:
     write_text_atomic(out / "lora_sweep.md", "\n".join(lines) + "\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True)
     parser.add_argument("--out", required=True)
@@ -96,7 +95,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names ('' = none)")
     parser.add_argument("--teacher-variants", default="", help="variants also run on the plain teacher")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--report-sequences",
+        type=int,
+        default=None,
+        help="held-out sequences reported on (default: linearize's)",
+    )
+    parser.add_argument("--validation-sequences", type=int, default=32, help="held-out sequences chosen on")
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = LinearizeConfig(
@@ -116,9 +122,10 @@ def main() -> None:
     loaded = load_teacher(config.model)
     teacher, tokenizer = loaded.model, loaded.tokenizer
     teacher.eval()
-    sequences, _ = load_sequences(config, teacher, tokenizer, out / "data_cache")
+    sequences = pack_token_sequences(tokenizer, load_texts(config.data), config.seq_len)
     train, heldout = split_train_heldout(sequences, config.heldout_fraction, config.seed)
-    report, validation = heldout[:32], heldout[32:64]
+    reported = config.max_heldout_sequences if args.report_sequences is None else args.report_sequences
+    report, validation = heldout[:reported], heldout[reported : reported + args.validation_sequences]
     if len(validation) == 0:
         raise SystemExit("not enough held-out data for a validation split; give more text.")
     header = dict(

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from dofla.data import (
-    calibration_batches,
     load_texts,
     pack_token_sequences,
     sample_teacher_texts,
@@ -126,17 +125,6 @@ def test_teacher_samples_are_seeded_and_cached(tmp_path, monkeypatch):
     monkeypatch.undo()
     other = sample_teacher_texts(model, tokenizer, 3, 6, seed=2, cache_dir=tmp_path, batch_size=2)
     assert other != texts and len(list(tmp_path.glob("*.jsonl"))) == 2
-
-
-def test_calibration_batches_from_a_file(tmp_path):
-    (tmp_path / "d.txt").write_text("\n".join(f"line number {index} of text" for index in range(20)))
-    batches = calibration_batches(
-        None, build_tiny_tokenizer(), data=tmp_path / "d.txt", seq_len=16, batch_size=4
-    )
-    assert all(batch.shape[1] == 16 for batch in batches)
-    assert sum(len(batch) for batch in batches) == len(
-        pack_token_sequences(build_tiny_tokenizer(), load_texts(tmp_path / "d.txt"), 16)
-    )
 
 
 def test_perplexity_matches_a_token_by_token_reference():

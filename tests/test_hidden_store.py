@@ -11,17 +11,11 @@ import torch
 from dofla import dispatch
 from dofla.convert import convert, plan_for, students
 from dofla.distill import hidden_store
-from dofla.distill.hidden_store import (
-    MANIFEST_FILE,
-    TeacherStates,
-    shard_name,
-    teacher_forced_step_from_states,
-    write_teacher_states,
-)
-from dofla.distill.teacher_forcing import freeze_teacher, teacher_forced_step
+from dofla.distill.hidden_store import MANIFEST_FILE, TeacherStates, shard_name, write_teacher_states
+from dofla.distill.teacher_forcing import freeze_teacher, teacher_forced_step, teacher_forced_step_from_states
 from dofla.distill.trainer import DistillConfig, distill
 from dofla.errors import DoflaError
-from dofla.models import TINY_FAMILIES, build_tiny_model
+from dofla.models import TINY_FAMILIES, build_tiny_model, get_adapter
 
 LENGTH = 12
 
@@ -67,7 +61,7 @@ def test_layer_losses_from_stored_states_equal_the_full_teacher_forward(family, 
     by_layer = freeze_teacher(model, [1, 2])
     indices = [4, 0, 3]  # rows from three different shards
     batch = sequences[indices]
-    layers = hidden_store.decoder_layer_list(model)
+    layers = get_adapter(model).decoder_layer_list(model)
     first_layer = layers[0]
     layer_zero_calls, attention_layers = [], []
     first_layer.register_forward_pre_hook(lambda module, args: layer_zero_calls.append(1))

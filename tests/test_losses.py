@@ -170,9 +170,11 @@ def test_long_sequence_fits_in_chunks(monkeypatch):
     assert torch.isfinite(loss) and torch.isfinite(k_features.grad).all()
 
 
-def test_kernel_loss_rejects_unknown_kind():
-    with pytest.raises(DoflaError, match="unknown kernel loss 'kl'"):
+def test_kernel_loss_rejects_unknown_and_non_kernel_kinds():
+    with pytest.raises(DoflaError, match="unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax"):
         kernel_loss("kl", **inputs(), scaling=SCALING)
+    with pytest.raises(DoflaError, match="'output_mse' is not a kernel loss; kernel losses are softmax, l2"):
+        kernel_loss("output_mse", **inputs(), scaling=SCALING)
 
 
 def test_output_mse_and_direct_losses():

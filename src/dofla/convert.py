@@ -31,9 +31,11 @@ from dofla import dispatch
 from dofla.attention import LinearAttention
 from dofla.cache import attach_cache_layer
 from dofla.cells import build_student
-from dofla.config import ConversionPlan, LayerPlan
+from dofla.config import ConversionPlan
+from dofla.dof import make_plan
 from dofla.errors import DoflaError
 from dofla.io import save_safetensors_atomic, to_json, write_text_atomic
+from dofla.models.adapters import CACHE_ARGUMENTS
 
 PLAN_FILE = "dofla_plan.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -54,6 +56,7 @@ class Architecture:
     head_dim: int
     attention_modules: list[nn.Module]
     scalings: list[float]
+    softcaps: list[float | None]  # the teacher's logit soft-capping per layer (Gemma 2 and 3)
 
 
 def architecture(model: nn.Module) -> Architecture:
@@ -70,6 +73,7 @@ def architecture(model: nn.Module) -> Architecture:
         head_dim=int(adapter.head_dim),
         attention_modules=modules,
         scalings=[float(adapter.attention_scaling(index, model)) for index in range(len(modules))],
+        softcaps=[adapter.attention_softcap(module) for module in modules],
     )
 
 
@@ -85,41 +89,22 @@ def plan_for(
     cell: str = "linear",
     sinks: int = 0,
 ) -> ConversionPlan:
-    """A plan giving every layer in ``layers`` (default all) the same kind, cell, map and dimension."""
-    facts = architecture(model)
-    selected = list(range(facts.num_layers)) if layers is None else [int(index) for index in layers]
-    outside = [index for index in selected if not 0 <= index < facts.num_layers]
-    if outside:
-        raise DoflaError(
-            f"layer {outside[0]} does not exist: the model has layers 0..{facts.num_layers - 1}."
-        )
-    converted = LayerPlan(
+    """A plan giving every layer in ``layers`` (default all) the same kind, cell, map and dimension: the
+    ``fix`` allocation of :func:`dofla.dof.make_plan`."""
+    return make_plan(
+        model,
+        budget=int(feature_dim),
+        variant="fix",
         kind=kind,
         feature_map=feature_map,
-        feature_dim=int(feature_dim),
+        window=window,
         share_kv_heads=share_kv_heads,
-        window=int(window),
-        options=dict(options or {}),
+        layers=layers,
+        options=options,
         cell=cell,
-        sinks=int(sinks),
-    )
-    plan = ConversionPlan(
-        model_type=facts.model_type,
-        num_layers=facts.num_layers,
-        num_heads=facts.num_heads,
-        num_kv_heads=facts.num_kv_heads,
-        head_dim=facts.head_dim,
-        layers=[
-            LayerPlan(**vars(converted)) if index in selected else LayerPlan(kind="softmax")
-            for index in range(facts.num_layers)
-        ],
+        sinks=sinks,
         metadata={"made_by": "plan_for"},
     )
-    plan.validate()
-    return plan
-
-
-CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")  # GPT-NeoX says layer_past
 
 
 def _attention_cache_argument(module: nn.Module, args: tuple, kwargs: dict):
@@ -188,7 +173,7 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
             num_kv_heads=facts.num_kv_heads,
             head_dim=facts.head_dim,
             scaling=facts.scalings[index],
-            softcap=getattr(module, "attn_logit_softcapping", None),  # Gemma-2 keeps it on the module
+            softcap=facts.softcaps[index],
         )
         built[index] = student.to(parameter.device) if parameter is not None else student
 

@@ -270,27 +270,3 @@ def sample_teacher_texts(
     lines = "".join(json.dumps({"text": text}) + "\n" for text in texts)
     write_text_atomic(cache_path, lines)
     return texts
-
-
-def calibration_batches(
-    model,
-    tokenizer,
-    *,
-    data: str | Path | None = None,
-    seq_len: int = 256,
-    batch_size: int = 4,
-    max_sequences: int | None = None,
-    num_texts: int = 32,
-    max_new_tokens: int = 256,
-    seed: int = 0,
-    cache_dir: str | Path | None = None,
-) -> list[torch.Tensor]:
-    """Input-id batches (B, seq_len) from a user path, or from text sampled from the teacher when ``data`` is None."""
-    if data is not None:
-        texts = load_texts(data)
-    else:
-        texts = sample_teacher_texts(model, tokenizer, num_texts, max_new_tokens, seed, cache_dir)
-    sequences = pack_token_sequences(tokenizer, texts, seq_len)  # (N, T)
-    if max_sequences is not None:
-        sequences = sequences[:max_sequences]
-    return list(sequences.split(batch_size))

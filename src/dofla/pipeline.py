@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dofla import dof
 from dofla.errors import DoflaError
 from dofla.evaluation.long_context import long_context_markdown, long_context_quality, plot_loss_by_position
 from dofla.evaluation.passkey import passkey_comparison, passkey_markdown
@@ -42,7 +43,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         lora_kl_weight=1.0,
     ),
 }
-ALLOCATIONS = ("fix", "dof", "dof_clip", "headwise")  # the last three by dofla.dof
+ALLOCATIONS = dof.ALLOCATIONS
 
 
 @dataclass
@@ -353,49 +354,26 @@ def held_out_attention_errors(model, sequences: torch.Tensor, batch_size: int = 
     return attention_errors(model, sequences.split(batch_size))
 
 
-def with_cell(plan, config: LinearizeConfig):
-    """Give every converted layer of ``plan`` the run's cell and sink tokens (the allocation chose dims)."""
-    for layer in plan.layers:
-        if layer.kind != "softmax":
-            layer.cell, layer.sinks = config.cell, int(config.sinks)
-    plan.validate()
-    return plan
-
-
 def make_plan(config: LinearizeConfig, model, train: torch.Tensor):
-    """The conversion plan: Fix (same dimension everywhere) or allocated by ``dofla.dof``."""
-    from dofla.convert import plan_for
-
-    if config.allocation == "fix":
-        plan = plan_for(
-            model,
-            kind=config.kind,
-            feature_map=config.feature_map,
-            feature_dim=config.budget,
-            layers=config.layers,
-            window=config.window,
-        )
-        plan.metadata.update(allocation="fix", budget=config.budget)
-        return with_cell(plan, config)
-    from dofla import dof
-
+    """The conversion plan by ``dofla.dof``: the allocation ``config.allocation``, measured first if it needs it."""
     device = next(model.parameters()).device
     batches = [
-        train[start : start + config.batch_size].to(device)
-        for start in range(0, min(len(train), config.dof_batches * config.batch_size), config.batch_size)
+        batch.to(device) for batch in train[: config.dof_batches * config.batch_size].split(config.batch_size)
     ]
-    estimate = dof.estimate(model, batches, num_points=config.dof_points, measure=config.measure)
-    plan = dof.make_plan(
+    return dof.measure_and_plan(
         model,
-        estimate,
-        budget=config.budget,
+        batches,
         variant=config.allocation,
+        measure=config.measure,
+        num_points=config.dof_points,
+        budget=config.budget,
         kind=config.kind,
         feature_map=config.feature_map,
         window=config.window,
+        layers=config.layers,
+        cell=config.cell,
+        sinks=config.sinks,
     )
-    plan.metadata.update(allocation=config.allocation, measure=config.measure, budget=config.budget)
-    return with_cell(plan, config)
 
 
 def plan_table(plan) -> list[dict]:
@@ -547,7 +525,7 @@ def _run_stages(
         lap("LoRA baseline (teacher)")
 
     plan = make_plan(config, teacher, train)
-    lap("plan" if config.allocation == "fix" else "plan (DoF estimate)")
+    lap("plan (DoF estimate)" if "measure" in plan.metadata else "plan")
     # The unconverted teacher, for the side-by-side evaluation: conversion works in place and LoRA merges
     # into the shared projections, so the teacher cannot be recovered from the student afterwards.
     reference = copy.deepcopy(teacher)
@@ -738,7 +716,7 @@ def write_report(result: LinearizeResult, summary: dict, config: LinearizeConfig
         "## Plan",
         "",
         f"Allocation `{config.allocation}`"
-        + (f" (measure `{config.measure}`)" if config.allocation != "fix" else "")
+        + (f" (measure `{config.measure}`)" if ALLOCATIONS[config.allocation].needs_measure else "")
         + f", mean feature budget {config.budget}.",
         "",
         "Held-out layer loss: the distillation loss on held-out data. Attention error: "

@@ -35,8 +35,10 @@ def register(subparsers) -> None:
         default=None,
         help="λ, e.g. 2^-4 (repeatable; first is used)",
     )
-    parser.add_argument("--measure", default="dof", help="dof | dof_trace | attention_rank")
-    parser.add_argument("--allocation", default="dof", help="dof | dof_clip | fix | headwise")
+    parser.add_argument("--measure", default="dof", help="a measure of dofla.dof.MEASURES (e.g. dof_trace)")
+    parser.add_argument(
+        "--allocation", default="dof", help="an allocation of dofla.dof.ALLOCATIONS (e.g. headwise)"
+    )
     parser.add_argument("--num-points", type=int, default=1024, help="J, points sampled per head")
     parser.add_argument("--sequences", type=int, default=16, help="calibration sequences")
     parser.add_argument("--seq-len", type=int, default=512)
@@ -63,10 +65,8 @@ def run(args: argparse.Namespace) -> int:
     for text, value in zip(args.lambdas or ["2^-4"], lambdas, strict=True):
         if not math.isfinite(value):
             raise DoflaError(f"--lambda must be a finite positive number like 2^-4, got {text}.")
-    if args.measure not in dof.MEASURES:
-        raise DoflaError(f"unknown measure {args.measure!r}; use one of {', '.join(dof.MEASURES)}.")
-    if args.allocation not in dof.VARIANTS:
-        raise DoflaError(f"unknown allocation {args.allocation!r}; use one of {', '.join(dof.VARIANTS)}.")
+    dof.MEASURES[args.measure]  # unknown names are refused (with the known ones) before the teacher loads
+    dof.ALLOCATIONS[args.allocation].check_budget(args.budget, None)
     check_feature_budget(args.budget)
     check_at_least("--sequences", args.sequences, 1)
     check_at_least("--seq-len", args.seq_len, 2)
@@ -93,11 +93,8 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
     texts = load_texts(args.data) if args.data else None  # a bad file is refused before loading the model
     note(f"loading the teacher {args.model}")
     teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
-    if args.allocation == "dof_clip" and args.budget > teacher.adapter.head_dim:
-        raise DoflaError(
-            f"with dof_clip every layer has at most {teacher.adapter.head_dim} features (the head size), so the "
-            f"mean budget cannot be {args.budget}; lower --budget or use --allocation dof."
-        )
+    measure = dof.MEASURES[args.measure]
+    dof.ALLOCATIONS[args.allocation].check_budget(args.budget, teacher.adapter.head_dim)
     if teacher.tokenizer is None:
         raise DoflaError("the teacher has no tokenizer, which calibration needs.")
     if args.data:
@@ -130,7 +127,7 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
         batches,
         num_points=args.num_points,
         lambdas=lambdas,
-        measure=args.measure,
+        measure=measure.name,
         seed=args.seed,
         progress=True,
         kernel_spectra=True,  # for eigenvalue_decay.png
@@ -145,18 +142,7 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
         **options,
     )
     plan.metadata.update(teacher=args.model, calibration=source, seed=args.seed)
-    head_measure = dof.map_head_measure(estimate.head_measure(), teacher.adapter.num_kv_heads, True)
-    allocations = {
-        variant: dof.allocate_feature_dims(
-            estimate.layer_measure(),
-            variant=variant,
-            head_size=teacher.adapter.head_dim,
-            head_measure=head_measure,
-            **options,
-        )
-        for variant in dof.VARIANTS
-        if not (variant == "dof_clip" and args.budget > teacher.adapter.head_dim)
-    }
+    allocations = dof.allocate_all(estimate, teacher.adapter, **options)
     out = Path(args.out)
     if args.overwrite:
         outputs.remove_known_files(out, DOF_FILES)

@@ -1,11 +1,11 @@
-"""Teacher hidden states computed once, saved to disk and streamed to layer-sharded distillation.
+"""The teacher-state store: the format of teacher hidden states computed once and saved to disk.
 
 A process that trains only converted layers a..b needs, per batch, the teacher's hidden state entering
 layer a; everything after it is computed from there (layers are independent given the teacher's inputs).
 :func:`write_teacher_states` runs the teacher once over the training sequences and stores the hidden state
-entering each ``boundaries`` layer; :class:`TeacherStates` reads rows back by sequence index (memory-mapped);
-:func:`teacher_forced_step_from_states` runs the usual teacher-forced step with the layers below the start
-replaced by pass-throughs, so they are never executed.
+entering each ``boundaries`` layer (captured by :func:`dofla.distill.teacher_forcing.hidden_states_entering`);
+:class:`TeacherStates` reads rows back by sequence index (memory-mapped). Training from them is teacher
+forcing's business (:func:`dofla.distill.teacher_forcing.teacher_forced_step_from_states`).
 
 Store layout (one folder): ``manifest.json`` (teacher fingerprint, sequence shape, boundaries, dtype, a hash
 of the token ids, the shard list, ``complete``), ``tokens.safetensors`` (the token ids themselves, so every
@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from dofla import dispatch
 from dofla.convert import teacher_fingerprint
-from dofla.distill.teacher_forcing import autocast_for, teacher_forced_step
+from dofla.distill.teacher_forcing import hidden_states_entering
 from dofla.errors import DoflaError
 from dofla.io import save_safetensors_atomic, write_text_atomic
 
@@ -61,63 +58,6 @@ def _storage_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if resolved not in STORAGE_DTYPES:
         raise DoflaError(f"teacher states can be stored as float32, bfloat16 or float16, not {dtype}.")
     return resolved
-
-
-def decoder_layer_list(model: nn.Module) -> nn.ModuleList:
-    """The model's own list of decoder layers (``model.layers``, ``transformer.h``, ...), to swap entries in."""
-    from dofla.models import get_adapter
-
-    adapter = get_adapter(model)
-    adapter.decoder_layers(model)  # a clear error where the path is missing
-    layers = model.get_submodule(adapter.family.layers_path)
-    if not isinstance(layers, nn.ModuleList):
-        raise DoflaError(
-            f"`{adapter.family.layers_path}` of this {adapter.family.name} model is a {type(layers).__name__}, "
-            "not a list of decoder layers; load the model as a causal language model (AutoModelForCausalLM)."
-        )
-    return layers
-
-
-def _hidden_states_argument(args: tuple, kwargs: dict) -> torch.Tensor:
-    """The hidden states a decoder layer is called with (first positional argument or ``hidden_states=``)."""
-    return args[0] if args else kwargs["hidden_states"]
-
-
-# ---------------------------------------------------------------------------------------------------- writing
-
-
-class _BoundariesSeen(Exception):
-    """Raised before the last boundary layer runs: the rest of the teacher's forward is unused."""
-
-
-def _capture_boundaries(
-    model: nn.Module, input_ids: torch.Tensor, boundaries: list[int]
-) -> dict[int, torch.Tensor]:
-    """One teacher forward over input_ids (B, T); the hidden state entering each boundary layer, (B, T, hidden)."""
-    layers = decoder_layer_list(model)
-    captured: dict[int, torch.Tensor] = {}
-    last = max(boundaries)
-
-    def hook_for(index: int):
-        def capture(module, args, kwargs):
-            captured[index] = _hidden_states_argument(args, kwargs).detach()
-            if index == last:
-                raise _BoundariesSeen
-
-        return capture
-
-    handles = [
-        layers[index].register_forward_pre_hook(hook_for(index), with_kwargs=True) for index in boundaries
-    ]
-    try:
-        with torch.no_grad(), dispatch.teacher_forced(), autocast_for(input_ids.device):
-            model(input_ids=input_ids, use_cache=False)
-    except _BoundariesSeen:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return captured
 
 
 def _read_manifest(folder: Path) -> dict | None:
@@ -227,7 +167,7 @@ def write_teacher_states(
                         "folder or delete this one."
                     )
             stop = min(start + batch_size, count)
-            captured = _capture_boundaries(model, sequences[start:stop].to(device), boundaries)
+            captured = hidden_states_entering(model, sequences[start:stop].to(device), boundaries)
             tensors = {
                 tensor_key(layer): captured[layer].to(storage) for layer in boundaries
             }  # (B, T, hidden)
@@ -353,74 +293,3 @@ class TeacherStates:
 
 def open_teacher_states(store: TeacherStates | str | Path) -> TeacherStates:
     return store if isinstance(store, TeacherStates) else TeacherStates(store)
-
-
-# ---------------------------------------------------------------------------------------------------- training
-
-
-class PassThroughLayer(nn.Module):
-    """Stands in for a decoder layer that is not run: returns the hidden states it is given.
-
-    transformers 5 decoder layers (all supported families) return the hidden-state tensor itself.
-    """
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return hidden_states
-
-
-@contextmanager
-def starting_at_layer(model: nn.Module, layer: int, hidden_states: torch.Tensor) -> Iterator[None]:
-    """Within this block the model's forward skips decoder layers below ``layer`` and feeds ``layer`` with
-    hidden_states (B, T, hidden) instead.
-
-    The embeddings still run (cheap), so position embeddings and attention masks come from the model's own
-    forward; the skipped layers are swapped for :class:`PassThroughLayer` and put back afterwards.
-    """
-    layers = decoder_layer_list(model)
-    if not 0 <= layer < len(layers):
-        raise DoflaError(f"layer {layer} does not exist: the model has layers 0..{len(layers) - 1}.")
-    originals = [layers[index] for index in range(layer)]
-
-    def swap_in(module, args, kwargs):
-        current = _hidden_states_argument(args, kwargs)
-        if current.shape != hidden_states.shape:
-            raise DoflaError(
-                f"the stored hidden states have shape {tuple(hidden_states.shape)} but layer {layer} receives "
-                f"{tuple(current.shape)}; give the token ids the states were computed for."
-            )
-        stored = hidden_states.to(current.device, current.dtype)
-        if args:
-            return (stored, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": stored}
-
-    handle = layers[layer].register_forward_pre_hook(swap_in, with_kwargs=True)
-    for index in range(layer):
-        layers[index] = PassThroughLayer()
-    try:
-        yield
-    finally:
-        handle.remove()
-        for index, original in enumerate(originals):
-            layers[index] = original
-
-
-def teacher_forced_step_from_states(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    start_layer: int,
-    start_states: torch.Tensor,
-    students: dict[int, nn.Module],
-    loss_kind: str,
-    **options,
-) -> dict[int, float]:
-    """:func:`dofla.distill.teacher_forcing.teacher_forced_step` starting from the teacher's stored hidden
-    states (B, T, hidden) entering ``start_layer``; layers below it are not run. ``options``: that
-    function's keyword arguments (backward, query_chunk, loss_weight). Returns {layer: loss}."""
-    below = sorted(index for index in students if index < start_layer)
-    if below:
-        raise DoflaError(
-            f"layers {below} come before the stored start layer {start_layer}; train them from a store with a "
-            f"boundary at or below {below[0]}."
-        )
-    with starting_at_layer(model, start_layer, start_states):
-        return teacher_forced_step(model, input_ids, students, loss_kind, **options)

@@ -22,13 +22,6 @@ from dofla.distill.teacher_forcing import autocast_for
 from dofla.distill.trainer import batch_indices, learning_rate_factor
 from dofla.errors import DoflaError
 
-# Attention projection names per model type (the Linear modules inside each attention module).
-ATTENTION_PROJECTIONS = {
-    "gpt2": ["c_attn", "c_proj"],
-    "gpt_neox": ["query_key_value", "dense"],
-}
-DEFAULT_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-
 
 @dataclass
 class LoraConfig:
@@ -82,16 +75,19 @@ class LoraResult:
 
 
 def attention_projection_names(model: nn.Module) -> list[str]:
-    """The q/k/v/o projection module names of this model's family (only those that exist in it)."""
-    model_type = model.config.get_text_config(decoder=True).model_type
-    names = ATTENTION_PROJECTIONS.get(model_type, DEFAULT_PROJECTIONS)
+    """The q/k/v/o projection module names of this model's family (``dofla.models.FAMILIES``; only those
+    that exist in it)."""
+    from dofla.models import get_adapter
+
+    adapter = get_adapter(model)
+    names = list(adapter.family.lora_targets)
     present = {
         name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Module)
     }
     found = [name for name in names if name in present]
     if not found:
         raise DoflaError(
-            f"no attention projections named {names} in this {model_type} model; pass --lora-targets."
+            f"no attention projections named {names} in this {adapter.model_type} model; pass --lora-targets."
         )
     return found
 

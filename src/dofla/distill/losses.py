@@ -8,11 +8,18 @@ and for hybrid layers the window softmax part weighted by gamma plus the linear 
 Both kernels are thus normalised per query row, so the L2 loss and the cross-entropy compare the same
 objects, and neither depends on the arbitrary per-token scale of the feature maps.
 
-* ``kernel_l2_loss``: ``sum_j (P_ij - A_ij)^2`` averaged over rows (B, H, i).
-* ``softmax_loss``: ``-sum_j P_ij log A_ij`` averaged over rows (the cross-entropy; its minimum over A
-  is the teacher's row entropy, so the value is not 0 at a perfect fit).
-* ``output_mse_loss``: mean squared error of the attention outputs before the output projection.
-* ``direct_loss``: next-token cross-entropy of the whole model, optionally + KL to the teacher's logits.
+Every loss is registered in :data:`LOSSES` by name, at one of three scopes:
+
+* ``kernel`` (a row function over the two kernels, run through :func:`kernel_loss`):
+  ``softmax``: ``-sum_j P_ij log A_ij`` averaged over rows (the cross-entropy; its minimum over A is the
+  teacher's row entropy, so the value is not 0 at a perfect fit); ``l2``: ``sum_j (P_ij - A_ij)^2``.
+* ``layer`` (a function of one student and its teacher-forced attention call):
+  ``output_mse``: mean squared error of the attention outputs before the output projection.
+* ``model`` (the whole model end to end): ``direct``: next-token cross-entropy, optionally + KL to the
+  teacher's logits.
+
+Adding a loss is one function decorated with :func:`register_loss` (and its test); :func:`layer_loss`
+and the trainer look it up by name.
 
 The two kernel losses are computed in log space over chunks of queries (each chunk against the keys it
 can see only); for long sequences each chunk is recomputed in the backward pass (activation
@@ -23,6 +30,9 @@ Teacher rows are plain causal softmax over the given keys: sliding-window or sof
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -30,14 +40,54 @@ from torch.utils.checkpoint import checkpoint
 
 from dofla.errors import DoflaError
 from dofla.ops._checks import soft_cap
+from dofla.registry import Registry
 
-LAYER_LOSSES = ("softmax", "l2", "output_mse")
-LOSSES = (*LAYER_LOSSES, "direct")
+SCOPES = ("kernel", "layer", "model")
 DEFAULT_QUERY_CHUNK = 128
 # Above this many (B * H * T * T) pairs the chunks are recomputed in the backward pass instead of stored.
 CHECKPOINT_ELEMENTS = 2**25
 # On GPUs kernel launches, not caches, set the pace: chunks grow to about this many (B * H * C * T) pairs.
 CUDA_CHUNK_ELEMENTS = 2**26
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A registered loss and its scope (what its function takes):
+
+    - "kernel": ``rows(teacher P (B, H, C, T), student_log (B, H, C, T), normaliser (B, H, C, 1),
+      allowed (B, 1, C, T)) -> (B, H, C)``, the loss of each query row (see :func:`_row_logs`);
+    - "layer": ``function(student, call, *, key_mask, query_chunk) -> 0-dim``, one converted layer;
+    - "model": ``function(logits, labels, teacher_logits, *, kl_weight, temperature) -> 0-dim``, end to end.
+    """
+
+    name: str
+    function: Callable[..., Tensor]
+    scope: str
+
+    @property
+    def layerwise(self) -> bool:
+        """Trained layer by layer from one teacher-forced forward (kernel and layer scopes)."""
+        return self.scope != "model"
+
+
+LOSSES: Registry[Loss] = Registry("loss")
+
+
+def register_loss(name: str, *, scope: str = "layer"):
+    """Function decorator: make ``function`` the loss ``name`` of ``scope`` ("kernel", "layer" or "model")."""
+    if scope not in SCOPES:
+        raise ValueError(f"a loss scope is one of {', '.join(SCOPES)}, not {scope!r}")
+
+    def register(function):
+        LOSSES.add(name, Loss(name, function, scope))
+        return function
+
+    return register
+
+
+def layerwise_loss_names() -> list[str]:
+    """The registered losses trained layer by layer (for the stored-teacher-state and benchmark options)."""
+    return [name for name, loss in LOSSES.items() if loss.layerwise]
 
 
 def _expand_heads(tensor: Tensor | None, num_heads: int) -> Tensor | None:
@@ -106,16 +156,23 @@ def _row_logs(
     return teacher, student_log, normaliser, allowed, row_weight
 
 
-def _chunk_loss(kind: str, start: int, *tensors_and_options) -> Tensor:
-    """Sum over the chunk's present rows of the row loss (a 0-dim tensor)."""
+def _chunk_loss(rows: Callable[..., Tensor], start: int, *tensors_and_options) -> Tensor:
+    """Sum over the chunk's present rows of the row loss ``rows`` (a 0-dim tensor)."""
     teacher, student_log, normaliser, allowed, row_weight = _row_logs(start, *tensors_and_options)
-    if kind == "softmax":
-        # -sum_j P_ij (log a_ij - log sum_j a_ij), with sum_j P_ij = 1 over the allowed keys
-        rows = normaliser[..., 0] - (teacher * student_log).sum(-1)  # (B, H, C)
-    else:
-        student = torch.where(allowed, torch.exp(student_log - normaliser), torch.zeros_like(teacher))
-        rows = (teacher - student).pow(2).sum(-1)
-    return (rows * row_weight).sum()
+    return (rows(teacher, student_log, normaliser, allowed) * row_weight).sum()
+
+
+@register_loss("softmax", scope="kernel")
+def cross_entropy_rows(teacher: Tensor, student_log: Tensor, normaliser: Tensor, allowed: Tensor) -> Tensor:
+    """-sum_j P_ij log A_ij per row (B, H, C), with sum_j P_ij = 1 over the allowed keys."""
+    return normaliser[..., 0] - (teacher * student_log).sum(-1)
+
+
+@register_loss("l2", scope="kernel")
+def l2_rows(teacher: Tensor, student_log: Tensor, normaliser: Tensor, allowed: Tensor) -> Tensor:
+    """sum_j (P_ij - A_ij)^2 per row (B, H, C)."""
+    student = torch.where(allowed, torch.exp(student_log - normaliser), torch.zeros_like(teacher))
+    return (teacher - student).pow(2).sum(-1)
 
 
 def kernel_loss(
@@ -133,7 +190,8 @@ def kernel_loss(
     query_chunk: int = DEFAULT_QUERY_CHUNK,
     softcap: float | None = None,
 ) -> Tensor:
-    """Kernel loss ``kind`` ("softmax" or "l2") of one layer, averaged over present query rows and heads.
+    """The kernel-scope loss ``kind`` (e.g. "softmax", "l2") of one layer, averaged over present query rows
+    and heads.
 
     query (B, H, T, D) and key (B, Hkv, T, D) as the teacher saw them (after rotary); q_features
     (B, H, T, F), k_features (B, Hs, T, F), k_log_scale (B, Hs, T) or None from ``student.features``;
@@ -141,8 +199,7 @@ def kernel_loss(
     gamma (H,). ``softcap``: the teacher's logit soft-capping (Gemma-2), on the teacher's rows and the
     student's window scores. Computed in float32 (float64 for float64 inputs), ``query_chunk`` rows at a time.
     """
-    if kind not in ("softmax", "l2"):
-        raise DoflaError(f"unknown kernel loss {kind!r}; use softmax or l2.")
+    rows_loss = _kernel_rows(kind)
     if (window is None) != (window_factor is None):
         raise DoflaError("hybrid kernel losses need both window and window_factor.")
     batch, num_heads, length, _ = query.shape
@@ -177,11 +234,19 @@ def kernel_loss(
             softcap,
         )
         if use_checkpoint:
-            total = total + checkpoint(_chunk_loss, kind, start, *arguments, use_reentrant=False)
+            total = total + checkpoint(_chunk_loss, rows_loss, start, *arguments, use_reentrant=False)
         else:
-            total = total + _chunk_loss(kind, start, *arguments)
+            total = total + _chunk_loss(rows_loss, start, *arguments)
     rows = present.sum() * num_heads
     return total / rows.clamp_min(1)
+
+
+def _kernel_rows(kind: str) -> Callable[..., Tensor]:
+    loss = LOSSES[kind]
+    if loss.scope != "kernel":
+        kernels = [name for name, entry in LOSSES.items() if entry.scope == "kernel"]
+        raise DoflaError(f"{kind!r} is not a kernel loss; kernel losses are {', '.join(kernels)}.")
+    return loss.function
 
 
 def output_mse_loss(student_output: Tensor, teacher_output: Tensor, key_mask: Tensor | None = None) -> Tensor:
@@ -197,6 +262,7 @@ def output_mse_loss(student_output: Tensor, teacher_output: Tensor, key_mask: Te
     return (difference * weights).sum() / count.clamp_min(1)
 
 
+@register_loss("direct", scope="model")
 def direct_loss(
     logits: Tensor,
     labels: Tensor,
@@ -222,25 +288,45 @@ def direct_loss(
     return loss
 
 
+@register_loss("output_mse", scope="layer")
+def output_mse_layer_loss(
+    student, call, *, key_mask: Tensor | None = None, query_chunk: int = DEFAULT_QUERY_CHUNK
+) -> Tensor:
+    """:func:`output_mse_loss` of the student's attention output against the teacher's on one call."""
+    output = student(
+        call.query, call.key, call.value, call.attention_mask, scaling=call.scaling
+    )  # (B, T, H, Dv)
+    return output_mse_loss(output, call.output, key_mask)
+
+
 def layer_loss(kind: str, student, call, *, key_mask: Tensor | None = None, query_chunk: int = 128) -> Tensor:
-    """The loss ``kind`` of one converted layer on one teacher-forced attention call.
+    """The registered loss ``kind`` of one converted layer on one teacher-forced attention call.
 
     student: a :class:`dofla.attention.LinearAttention`; call: the :class:`dofla.dispatch.AttentionCall`
     of its layer (the teacher's q, k, v and softmax output). Inputs are detached: gradients reach this
     layer's student only.
     """
-    query, key, value = call.query.detach(), call.key.detach(), call.value.detach()
-    if kind == "output_mse":
-        output = student(query, key, value, call.attention_mask, scaling=call.scaling)  # (B, T, H, Dv)
-        return output_mse_loss(output, call.output.detach(), key_mask)
-    if kind not in ("softmax", "l2"):
-        raise DoflaError(f"unknown layer loss {kind!r}; use one of {', '.join(LAYER_LOSSES)}.")
-    q_features, k_features, k_log_scale = student.features(query, key)
+    loss = LOSSES[kind]
+    if not loss.layerwise:
+        raise DoflaError(
+            f"{kind!r} trains the whole model end to end, not one layer; layer losses are "
+            f"{', '.join(layerwise_loss_names())}."
+        )
+    call = replace(
+        call,
+        query=call.query.detach(),
+        key=call.key.detach(),
+        value=call.value.detach(),
+        output=call.output.detach(),
+    )
+    if loss.scope == "layer":
+        return loss.function(student, call, key_mask=key_mask, query_chunk=query_chunk)
+    q_features, k_features, k_log_scale = student.features(call.query, call.key)
     hybrid = student.kind == "hybrid"
     return kernel_loss(
         kind,
-        query,
-        key,
+        call.query,
+        call.key,
         q_features,
         k_features,
         k_log_scale,

@@ -30,10 +30,15 @@ from torch import nn
 from dofla import dispatch
 from dofla.distill import distributed
 from dofla.distill.checkpoint import check_state, latest_checkpoint, load_checkpoint, save_checkpoint
-from dofla.distill.hidden_store import TeacherStates, open_teacher_states, teacher_forced_step_from_states
-from dofla.distill.losses import LOSSES, direct_loss
+from dofla.distill.hidden_store import TeacherStates, open_teacher_states
+from dofla.distill.losses import LOSSES, layerwise_loss_names
 from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
-from dofla.distill.teacher_forcing import autocast_for, freeze_teacher, teacher_forced_step
+from dofla.distill.teacher_forcing import (
+    autocast_for,
+    freeze_teacher,
+    teacher_forced_step,
+    teacher_forced_step_from_states,
+)
 from dofla.errors import DoflaError
 from dofla.io import to_json, write_text_atomic
 from dofla.outputs import remove_known_files
@@ -88,8 +93,7 @@ class DistillConfig:
     progress: bool = True
 
     def validate(self) -> None:
-        if self.loss not in LOSSES:
-            raise DoflaError(f"unknown loss {self.loss!r}; use one of {', '.join(LOSSES)}.")
+        LOSSES[self.loss]  # an unknown name is refused with the registered ones
         if self.tokens <= 0:
             raise DoflaError(f"the token budget must be positive, got {self.tokens}; pass e.g. --tokens 2M.")
         if self.batch_size <= 0:
@@ -195,7 +199,7 @@ def _step_loss(
     start_states: the teacher's stored hidden states (B, T, hidden) entering ``start_layer``; the layer-wise
     forward then starts there instead of at the embeddings.
     """
-    if config.loss != "direct":
+    if LOSSES[config.loss].layerwise:
         options = dict(backward=backward, query_chunk=config.query_chunk, loss_weight=loss_weight)
         if start_states is None:
             layer_losses = teacher_forced_step(model, input_ids, students, config.loss, **options)
@@ -210,7 +214,7 @@ def _step_loss(
             teacher_logits = model(input_ids=input_ids, use_cache=False).logits
     with torch.set_grad_enabled(backward), autocast_for(input_ids.device):
         logits = model(input_ids=input_ids, use_cache=False).logits
-        loss = direct_loss(
+        loss = LOSSES[config.loss].function(
             logits,
             input_ids,
             teacher_logits,
@@ -226,10 +230,11 @@ def _stored_start(store, model, sequences: torch.Tensor, students, config: Disti
     """Open and check a teacher-state store for ``sequences``; None where no store is given."""
     if store is None:
         return None
-    if config.loss == "direct":
+    if not LOSSES[config.loss].layerwise:
         raise DoflaError(
-            f"{name}: stored teacher states serve the layer-wise losses (softmax, l2, output_mse); the direct "
-            "loss runs the whole model end to end. Drop the stored states or choose a layer-wise loss."
+            f"{name}: stored teacher states serve the layer-wise losses ({', '.join(layerwise_loss_names())}); "
+            f"the {config.loss} loss runs the whole model end to end. Drop the stored states or choose a "
+            "layer-wise loss."
         )
     states = open_teacher_states(store)
     return _StoredStart(states, states.check(model, sequences, min(students)))

@@ -8,17 +8,16 @@ import torch
 from torch import Tensor, nn
 
 from dofla.errors import DoflaError
+from dofla.registry import Registry
 
-FEATURE_MAPS: dict[str, type[FeatureMap]] = {}
+FEATURE_MAPS: Registry[type[FeatureMap]] = Registry("feature map")
 
 
 def register_feature_map(name: str):
     """Class decorator: make a FeatureMap subclass buildable by ``name``."""
 
     def register(cls):
-        if name in FEATURE_MAPS and FEATURE_MAPS[name] is not cls:
-            raise ValueError(f"feature map {name!r} is already registered by {FEATURE_MAPS[name].__name__}")
-        FEATURE_MAPS[name] = cls
+        FEATURE_MAPS.add(name, cls)
         cls.name = name
         return cls
 
@@ -114,8 +113,7 @@ def build_feature_map(
     **options,
 ) -> FeatureMap:
     """Build the registered map ``name``; ``options`` are that map's own keyword arguments."""
-    if name not in FEATURE_MAPS:
-        raise DoflaError(f"unknown feature map {name!r}; known maps: {', '.join(sorted(FEATURE_MAPS))}.")
+    cls = FEATURE_MAPS[name]
     if int(feature_dim) <= 0:
         raise DoflaError(
             f"feature_dim must be positive, got {feature_dim}; give each head at least one feature."
@@ -133,7 +131,6 @@ def build_feature_map(
                 f"head_feature_dims {dims} must lie in 1..feature_dim ({feature_dim}); raise feature_dim to the "
                 "largest head's dimension."
             )
-    cls = FEATURE_MAPS[name]
     named = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD
     shape = {"self", "num_heads", "head_dim", "feature_dim", "scaling", "head_feature_dims"}
     accepted = {

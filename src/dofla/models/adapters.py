@@ -1,7 +1,9 @@
 """The architecture table: one adapter per supported family, built from a model or its config.
 
-An adapter knows where a family keeps its attention modules and reads the shape facts dofla needs
-(heads, key/value heads, head size, scaling, rotary, sliding windows) from the config. The attention
+All per-family knowledge lives in :data:`FAMILIES`: where a family keeps its decoder layers and their
+attention modules, the projections LoRA adapts, the keyword its attention takes the cache under (GPT-NeoX
+says ``layer_past``) and where it keeps its logit soft-capping. An adapter reads the shape facts dofla
+needs (heads, key/value heads, head size, scaling, rotary, sliding windows) from the config. The attention
 computation itself is never re-implemented: dofla hooks the attention interface (``dofla.dispatch``).
 """
 
@@ -16,25 +18,45 @@ from dofla.errors import DoflaError
 
 @dataclass(frozen=True)
 class Family:
-    """Where a family keeps its decoder layers and, inside each, its attention module."""
+    """What dofla needs to know about one model family.
+
+    layers_path: the decoder-layer list from the model's root; attention_attribute: the attention module
+    inside each decoder layer; lora_targets: the attention's projection modules (q/k/v/o or fused) by name
+    suffix; cache_argument: the keyword the attention forward takes its cache under; softcap_attribute:
+    the attention module's logit soft-capping attribute (None where the family has none).
+    """
 
     name: str
     layers_path: str
     attention_attribute: str
     uses_rotary: bool
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    cache_argument: str = "past_key_values"
+    softcap_attribute: str | None = None
 
 
+_GEMMA = dict(softcap_attribute="attn_logit_softcapping")
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama", "model.layers", "self_attn", True),
     "qwen2": Family("Qwen2", "model.layers", "self_attn", True),
     "qwen3": Family("Qwen3", "model.layers", "self_attn", True),
     "mistral": Family("Mistral", "model.layers", "self_attn", True),
-    "gemma2": Family("Gemma 2", "model.layers", "self_attn", True),
-    "gemma3_text": Family("Gemma 3 (text)", "model.layers", "self_attn", True),
-    "gpt2": Family("GPT-2", "transformer.h", "attn", False),
-    "gpt_neox": Family("GPT-NeoX / Pythia", "gpt_neox.layers", "attention", True),
+    "gemma2": Family("Gemma 2", "model.layers", "self_attn", True, **_GEMMA),
+    "gemma3_text": Family("Gemma 3 (text)", "model.layers", "self_attn", True, **_GEMMA),
+    "gpt2": Family("GPT-2", "transformer.h", "attn", False, lora_targets=("c_attn", "c_proj")),
+    "gpt_neox": Family(
+        "GPT-NeoX / Pythia",
+        "gpt_neox.layers",
+        "attention",
+        True,
+        lora_targets=("query_key_value", "dense"),
+        cache_argument="layer_past",
+    ),
 }
 """model_type -> family. Gemma 3 is supported through its text-only causal LM (``gemma3_text``)."""
+
+CACHE_ARGUMENTS: tuple[str, ...] = tuple(dict.fromkeys(family.cache_argument for family in FAMILIES.values()))
+"""Every keyword a supported family's attention takes its cache under."""
 
 
 def supported_model_types() -> str:
@@ -77,6 +99,23 @@ class ArchitectureAdapter:
                 "model (AutoModelForCausalLM)."
             ) from None
 
+    def decoder_layer_list(self, model: nn.Module) -> nn.ModuleList:
+        """The model's own list of decoder layers, to swap entries in (model surgery)."""
+        self.decoder_layers(model)  # a clear error where the path is missing
+        layers = model.get_submodule(self.family.layers_path)
+        if not isinstance(layers, nn.ModuleList):
+            raise DoflaError(
+                f"`{self.family.layers_path}` of this {self.family.name} model is a {type(layers).__name__}, "
+                "not a list of decoder layers; load the model as a causal language model (AutoModelForCausalLM)."
+            )
+        return layers
+
+    def attention_softcap(self, module: nn.Module) -> float | None:
+        """The logit soft-capping of one attention module (Gemma 2 and 3 keep it on the module), or None."""
+        if self.family.softcap_attribute is None:
+            return None
+        return getattr(module, self.family.softcap_attribute, None)
+
     def attention_modules(self, model: nn.Module) -> list[nn.Module]:
         """The per-layer attention modules, in layer order."""
         return [getattr(layer, self.family.attention_attribute) for layer in self.decoder_layers(model)]
@@ -118,14 +157,16 @@ def _rotary_fraction(config, family: Family) -> float:
     return float(fraction or 1.0)
 
 
-def _default_scalings(config, model_type: str, head_dim: int, num_layers: int) -> list[float]:
-    if model_type in ("gemma2", "gemma3_text") and getattr(config, "query_pre_attn_scalar", None):
+def _default_scalings(config, head_dim: int, num_layers: int) -> list[float]:
+    """The logit scale per layer from the config's own settings (Gemma's query_pre_attn_scalar, GPT-2's
+    scale_attn_weights and scale_attn_by_inverse_layer_idx; other families have none of them)."""
+    if getattr(config, "query_pre_attn_scalar", None):
         base = float(config.query_pre_attn_scalar) ** -0.5
-    elif model_type == "gpt2" and not getattr(config, "scale_attn_weights", True):
+    elif not getattr(config, "scale_attn_weights", True):
         base = 1.0
     else:
         base = head_dim**-0.5
-    if model_type == "gpt2" and getattr(config, "scale_attn_by_inverse_layer_idx", False):
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):
         return [base / (index + 1) for index in range(num_layers)]
     return [base] * num_layers
 
@@ -158,5 +199,5 @@ def get_adapter(model_or_config) -> ArchitectureAdapter:
         rotary_fraction=_rotary_fraction(config, family),
         layer_kinds=kinds,
         sliding_window=window,
-        default_scalings=_default_scalings(config, model_type, head_dim, num_layers),
+        default_scalings=_default_scalings(config, head_dim, num_layers),
     )

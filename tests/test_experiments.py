@@ -1,0 +1,106 @@
+"""Smoke runs of every script in experiments/ on a tiny model folder and a small text: each runs end to end
+through the public stages it composes and writes the outputs its documentation names."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dofla.models import save_tiny_model_folder
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+
+def experiment(name: str):
+    """experiments/NAME.py as a module (the folder is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"experiment_{name}", EXPERIMENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama folder (2 layers, 4 query / 2 key-value heads) and about 6k characters of text."""
+    root = tmp_path_factory.mktemp("experiments")
+    folder = save_tiny_model_folder("llama", root / "tiny-llama")
+    text = root / "text.txt"
+    text.write_text(
+        "\n".join(f"Line {i}: the river bends past hill {i % 7} and mill {i % 5}." for i in range(120))
+    )
+    return str(folder), str(text)
+
+
+def test_dof_study(tiny, tmp_path):
+    folder, text = tiny
+    arguments = ["--model", folder, "--data", text, "--out", str(tmp_path), "--sequences", "2"]
+    arguments += ["--seq-len", "32", "--budget", "4", "--points", "32", "--capture-points", "64"]
+    arguments += ["--big-j-layers", "0,1", "--error-feature-dims", "4", "--error-sequences", "2"]
+    assert experiment("dof_study").main(arguments) == 0
+    results = json.loads((tmp_path / "dof_study.json").read_text())
+    assert set(results) >= {"default", "sweep", "big_j", "measures", "error"}
+    assert set(results["measures"]) == {"dof_trace", "attention_rank"}
+    assert "2^-4" in results["sweep"]["J=32,subset seed 0"]
+    assert "over the 2 layers" in (tmp_path / "dof_study.md").read_text()
+    assert "Command: `python experiments/dof_study.py" in experiment("dof_study").render_default(
+        str(tmp_path / "dof_study.json")
+    )
+
+
+def test_allocation_study(tiny, tmp_path):
+    folder, text = tiny
+    arguments = ["--model", folder, "--data", text, "--out", str(tmp_path), "--budget", "4"]
+    arguments += ["--tokens", "128", "--seq-len", "16", "--batch-size", "2", "--dof-points", "32"]
+    arguments += ["--heldout", "2", "--measures", "dof,dof_trace"]
+    assert experiment("allocation_study").main(arguments) == 0
+    record = json.loads((tmp_path / "allocation_study.json").read_text())
+    assert [row["allocation"] for row in record["rows"]] == ["Fix", "DoF (dof)", "DoF (dof_trace)"]
+    assert all(sum(row["feature_dims"]) == 4 * 2 for row in record["rows"])  # mean budget 4 over 2 layers
+    assert "| Fix |" in (tmp_path / "allocation_study.md").read_text()
+
+
+def test_lora_sweep(tiny, tmp_path):
+    folder, text = tiny
+    arguments = ["--model", folder, "--data", text, "--out", str(tmp_path), "--tokens", "64"]
+    arguments += ["--lora-tokens", "64", "--batch-size", "2", "--seq-len", "16", "--variants", "lr1e-3"]
+    arguments += ["--teacher-variants", "lr1e-3", "--report-sequences", "2", "--validation-sequences", "2"]
+    experiment("lora_sweep").main(arguments)
+    rows = json.loads((tmp_path / "lora_sweep.json").read_text())["variants"]
+    assert [row["name"] for row in rows] == ["teacher+lr1e-3", "lr1e-3"]
+    assert "Best student on the validation split: `lr1e-3`" in (tmp_path / "lora_sweep.md").read_text()
+
+
+def test_recipes_script_and_summary(tiny, tmp_path, capsys):
+    """recipes.sh's dofla command lines, recorded by a stand-in DOFLA and run here in-process (three fresh
+    interpreters would take most of a minute), then summarize_results.py over the run folders."""
+    from dofla.cli import main
+
+    folder, text = tiny
+    calls = tmp_path / "calls.jsonl"
+    recorder = tmp_path / "record-dofla"
+    recorder.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
+    recorder.chmod(0o755)
+    options = ["--seq-len", "64", "--batch-size", "4", "--budget", "4", "--eval-every", "0"]
+    subprocess.run(
+        ["bash", str(EXPERIMENTS / "recipes.sh"), text, str(tmp_path / "runs"), "256", *options],
+        env=dict(os.environ, MODEL=folder, DOFLA=str(recorder)),
+        check=True,
+    )
+    for line in calls.read_text().splitlines():
+        assert main(json.loads(line)) == 0
+    runs = sorted(path.parent.name for path in (tmp_path / "runs").glob("*/result.json"))
+    assert runs == ["dof-paper", "fix", "lolcats"]
+    capsys.readouterr()
+    assert experiment("summarize_results").main([str(tmp_path / "runs")]) == 0
+    table = capsys.readouterr().out
+    assert "| dof-paper | linear | learnable_prf | dof (dof) |" in table
+    assert "| lolcats | hybrid | hedgehog | fix | output_mse | 256 |" in table
