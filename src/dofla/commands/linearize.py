@@ -26,7 +26,9 @@ def register(subparsers) -> None:
     )
     add_model_arguments(parser)
     parser.add_argument("--out", required=True, help="output folder (model/, report.md, checkpoints)")
-    parser.add_argument("--recipe", choices=["dof-paper", "lolcats"], default=None, help="preset recipe")
+    parser.add_argument(
+        "--recipe", default=None, help="preset recipe: dof-paper | lolcats | gated-delta | gla (see README)"
+    )
     parser.add_argument(
         "--budget", type=int, default=64, help="mean feature dimension per layer (default 64)"
     )
