@@ -62,17 +62,20 @@ def test_student_replaces_teacher_except_when_teacher_forced():
     torch.testing.assert_close(forced, teacher_logits, rtol=0, atol=1e-6)
 
 
-def test_mask_transform_narrows_the_teachers_softmax_only():
+def test_softmax_override_replaces_the_teachers_softmax_only():
     model = small_llama()
     dispatch.install(model)
     seen = []
 
-    def only_itself(query, key, attention_mask, teacher_kind):  # each token sees itself alone
-        seen.append(teacher_kind)
-        return torch.eye(query.shape[2], key.shape[2], dtype=torch.bool).view(1, 1, query.shape[2], -1)
+    def only_itself(module, query, key, value, attention_mask, *, teacher_kind, **kwargs):
+        seen.append(teacher_kind)  # each token sees itself alone: the teacher's softmax under an eye mask
+        mask = torch.eye(query.shape[2], key.shape[2], dtype=torch.bool).view(1, 1, query.shape[2], -1)
+        return dispatch.teacher_attention(
+            module, query, key, value, mask, teacher_kind=teacher_kind, **kwargs
+        )
 
     attention = model.model.layers[0].self_attn
-    setattr(attention, dispatch.MASK_TRANSFORM_ATTRIBUTE, only_itself)
+    setattr(attention, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE, only_itself)
     calls = []
     with dispatch.observe(calls.append):
         model(torch.randint(0, 64, (2, 5)))
@@ -80,7 +83,7 @@ def test_mask_transform_narrows_the_teachers_softmax_only():
     # softmax over one key returns that key's value: (B, Hkv, T, D) repeated per query head, as (B, T, H, D)
     expected = calls[0].value.repeat_interleave(2, dim=1).transpose(1, 2)
     torch.testing.assert_close(calls[0].output, expected)
-    # a student replaces the softmax, and the transform is not consulted
+    # a student replaces the softmax, and the override is not called
     attention.dofla_student = _ZeroStudent()
     model(torch.randint(0, 64, (2, 5)))
     assert seen == ["sdpa"]

@@ -138,3 +138,18 @@ def test_passkey_comparison_covers_lengths_depths_and_rows():
     assert "| window 8 + 2 sinks |" in table and "512 tokens" in table
     with pytest.raises(DoflaError, match="1024 tokens is longer than the teacher's maximum of 512"):
         passkey_comparison(teacher, None, tokenizer, context_lengths=[1024], window=8)
+
+
+def test_passkey_answer_ends_with_five_digits_or_the_end_of_a_number():
+    from dofla.evaluation.passkey import _answer_is_out
+    from dofla.models import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()  # one token per character
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    assert _answer_is_out(tokenizer, ids(" 12345"))
+    assert _answer_is_out(tokenizer, ids(" 12."))
+    assert not _answer_is_out(tokenizer, ids(" 1234"))
+    assert not _answer_is_out(tokenizer, ids(" the"))

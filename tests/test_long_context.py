@@ -164,6 +164,7 @@ def test_evaluate_command_writes_per_length_per_bucket_json(converted_folder, tm
         (["--sequences", "0"], "--sequences must be at least 1"),
         (["--sinks", "-1"], "--sinks must be comma-separated integers of at least 0"),
         (["--window", "0"], "--window must be at least 1"),
+        (["--threads", "0"], "--threads must be at least 1"),
         (["--passkey", "100", "--passkey-depths", "1.5"], "--passkey-depths must be"),
         (["--json", "FILE/eval.json"], "lies under FILE, which is a file"),
         (["--plot", "loss.txt"], "--plot loss.txt must end in .png"),

@@ -7,7 +7,8 @@ from transformers import DynamicCache
 
 from dofla import dispatch
 from dofla.errors import DoflaError
-from dofla.evaluation.window_baseline import restrict_to_window, window_restricted
+from dofla.evaluation import window_baseline
+from dofla.evaluation.window_baseline import banded_window_attention, restrict_to_window, window_restricted
 
 
 class _BandedSoftmax(torch.nn.Module):
@@ -38,9 +39,11 @@ def _brute_force_logits(tokens, window, sinks):
     return reference(tokens).logits
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize(("attention", "band_block"), [("sdpa", 256), ("sdpa", 4), ("eager", 4)])
 @pytest.mark.parametrize(("window", "sinks"), [(3, 0), (4, 2), (1, 1)])
-def test_window_matches_a_brute_force_banded_softmax(attention, window, sinks):
+def test_window_matches_a_brute_force_banded_softmax(attention, band_block, window, sinks, monkeypatch):
+    # band_block 4 < 11 tokens: plain SDPA calls take the banded form; 256: the masked teacher SDPA
+    monkeypatch.setattr(window_baseline, "BAND_BLOCK", band_block)
     tokens = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(1))
     model = small_llama()
     model.set_attn_implementation(attention)
@@ -93,6 +96,37 @@ def test_decoding_with_a_cache_equals_full_forwards():
             greedy = torch.cat([greedy, model(greedy).logits[:, -1:].argmax(-1)], dim=1)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
     assert torch.equal(generated, greedy)
+
+
+@pytest.mark.parametrize(
+    ("window", "sinks", "block"), [(5, 0, 8), (5, 3, 8), (1, 2, 4), (40, 1, 16), (3, 10, 8)]
+)
+def test_banded_form_equals_the_masked_softmax_forward_and_gradients(window, sinks, block):
+    generator = torch.Generator().manual_seed(window + sinks)
+    query = torch.randn(2, 4, 37, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    key = torch.randn(2, 2, 37, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    value = torch.randn(2, 2, 37, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(2, 37, 4, 6, generator=generator, dtype=torch.float64)
+
+    def reference(query, key, value):  # the masked SDPA the teacher runs without the banded form
+        mask = restrict_to_window(torch.ones(37, 37, dtype=torch.bool).tril(), window, sinks)
+        key, value = key.repeat_interleave(2, 1), value.repeat_interleave(2, 1)
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=0.3
+        )
+        return output.transpose(1, 2)
+
+    outputs, gradients = [], []
+    for function in (
+        reference,
+        lambda q, k, v: banded_window_attention(q, k, v, window, sinks, 0.3, block=block),
+    ):
+        output = function(query, key, value)
+        outputs.append(output)
+        gradients.append(torch.autograd.grad((output * upstream).sum(), (query, key, value)))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-10, atol=1e-12)
+    for banded, masked in zip(gradients[1], gradients[0], strict=True):
+        torch.testing.assert_close(banded, masked, rtol=1e-10, atol=1e-12)
 
 
 def test_restriction_of_a_mask_by_hand():

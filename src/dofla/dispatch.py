@@ -6,8 +6,8 @@ they run the teacher's own softmax attention (SDPA or the model file's eager fun
 attention module carries a replacement under :data:`STUDENT_ATTRIBUTE`, and they let observers see
 each call (capture for DoF, teacher-forced distillation). One mechanism serves every family
 that uses the attention interface (Llama, Qwen2/3, Mistral, Gemma2/3, GPT-2, GPT-NeoX).
-A module may also carry a mask transform under :data:`MASK_TRANSFORM_ATTRIBUTE`, which narrows what
-its softmax sees (the sliding-window baseline of :mod:`dofla.evaluation.window_baseline`).
+A module may also carry a function under :data:`SOFTMAX_OVERRIDE_ATTRIBUTE` that runs instead of its
+softmax (the sliding-window baseline of :mod:`dofla.evaluation.window_baseline`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from transformers.modeling_utils import AttentionInterface
 from dofla.errors import DoflaError
 
 STUDENT_ATTRIBUTE = "dofla_student"
-# A callable (query, key, attention_mask, teacher_kind) -> attention_mask applied before the teacher's softmax.
-MASK_TRANSFORM_ATTRIBUTE = "dofla_mask_transform"
+# A callable with teacher_attention's signature, run in place of the teacher's softmax (evaluation baselines).
+SOFTMAX_OVERRIDE_ATTRIBUTE = "dofla_softmax_override"
 _PREFIX = "dofla_"
 
 
@@ -85,16 +85,13 @@ def _make_dispatcher(teacher_kind: str) -> Callable:
         if student is not None and not _STATE.teacher_forced:
             output, weights = student(query, key, value, attention_mask, scaling=scaling), None
         else:
-            transform = getattr(module, MASK_TRANSFORM_ATTRIBUTE, None)
-            teacher_mask = (
-                attention_mask if transform is None else transform(query, key, attention_mask, teacher_kind)
-            )
-            output, weights = teacher_attention(
+            softmax = getattr(module, SOFTMAX_OVERRIDE_ATTRIBUTE, None) or teacher_attention
+            output, weights = softmax(
                 module,
                 query,
                 key,
                 value,
-                teacher_mask,
+                attention_mask,
                 teacher_kind=teacher_kind,
                 scaling=scaling,
                 dropout=dropout,

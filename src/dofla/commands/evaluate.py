@@ -66,6 +66,12 @@ def register(subparsers) -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's choice; 1 is faster when other jobs keep the cores busy)",
+    )
+    parser.add_argument(
         "--plot", default=None, help="write the loss-by-position plot here (.png, .pdf, .svg)"
     )
     parser.add_argument(
@@ -132,6 +138,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     args.task_list = [task for task in args.tasks.split(",") if task]
     if args.task_list and not args.tasks_dir:
         raise DoflaError("zero-shot tasks need --tasks-dir, the folder holding the task files.")
+    if args.threads is not None and args.threads < 1:
+        raise DoflaError(f"--threads must be at least 1, got {args.threads}.")
     if args.limit is not None and args.limit < 1:
         raise DoflaError(f"--limit must be at least 1, got {args.limit}.")
     if not (args.data or args.task_list or args.passkey_list):
@@ -161,6 +169,8 @@ def _progress(message: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)
+    import torch
+
     from dofla.convert import check_teacher, load_converted
     from dofla.data import load_texts
     from dofla.errors import DoflaError
@@ -171,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     from dofla.io import write_json_atomic
     from dofla.models import load_teacher
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     texts = load_texts(args.data) if args.data else None
     for task in args.task_list:  # the task files are read now, not after the models have run
         load_task(task, args.tasks_dir, limit=1)

@@ -2,9 +2,10 @@
 
 The standard synthetic test for whether a model can still read far back: a five-digit key is
 stated once inside repeated filler, and the model must repeat it when asked at the end. Scoring is
-exact match of the greedily generated digits. Deterministic for a seed: every model of a comparison
-gets the same prompts. Each trial is one prefill (only the last position's logits) and at most
-:data:`MAX_NEW_TOKENS` greedy steps through the cache, stopping once five digits are out.
+exact match of the first five digits of the greedy answer (the first number the model writes).
+Deterministic for a seed: every model of a comparison gets the same prompts. Each trial is one
+prefill (only the last position's logits) and at most :data:`MAX_NEW_TOKENS` greedy steps through
+the cache, stopping once five digits are out or a started number has ended.
 """
 
 from __future__ import annotations
@@ -81,10 +82,16 @@ def _digits(tokenizer, tokens: list[int]) -> str:
     return "".join(ch for ch in tokenizer.decode(tokens, skip_special_tokens=True) if ch.isdigit())
 
 
+def _answer_is_out(tokenizer, tokens: list[int]) -> bool:
+    """Five digits are out, or a number has started and the last token ended it (no digit in it)."""
+    digits = _digits(tokenizer, tokens)
+    return len(digits) >= KEY_DIGITS or (bool(digits) and not _digits(tokenizer, tokens[-1:]))
+
+
 def _greedy_digits(model, tokenizer, prompt: torch.Tensor) -> str:
-    """The first five digits the model generates after ``prompt``, stopping as soon as they are out."""
+    """The first five digits of the model's greedy answer after ``prompt`` (decoding stops once it is out)."""
     tokens = greedy_tokens(
-        model, prompt, MAX_NEW_TOKENS, stop=lambda tokens: len(_digits(tokenizer, tokens)) >= KEY_DIGITS
+        model, prompt, MAX_NEW_TOKENS, stop=lambda tokens: _answer_is_out(tokenizer, tokens)
     )
     return _digits(tokenizer, tokens)[:KEY_DIGITS]
 

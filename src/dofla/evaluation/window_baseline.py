@@ -7,8 +7,11 @@ window-plus-sinks cache (StreamingLLM) keeps of the teacher, and what a linear o
 nothing to match. Converted layers keep running their students; only softmax layers are restricted.
 
 The restriction is a boolean key mask intersected with the mask transformers builds (causal, padding,
-the model's own sliding windows), so padded batches and ``generate()`` with a cache work unchanged.
-Attention stays quadratic (masked SDPA or the model's eager function): this is for evaluation only.
+the model's own sliding windows), so padded batches and ``generate()`` with a cache work unchanged;
+the teacher's own attention function (masked SDPA, or the model's eager one) then runs, quadratic in
+the length. A plain uncached SDPA call longer than :data:`BAND_BLOCK` tokens (held-out perplexity)
+takes :func:`banded_window_attention` instead, which computes only the scores the mask keeps and is
+checked against the masked form.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 from dofla import dispatch
 from dofla.errors import DoflaError
@@ -57,26 +61,97 @@ def restrict_to_window(visible: torch.Tensor, window: int, sinks: int = 0) -> to
     return visible & in_window
 
 
-def _window_mask_transform(window: int, sinks: int):
-    # Every layer of one forward gets the same mask: build it once. The entry holds the mask object itself,
-    # so its identity cannot be reused by another tensor while it is remembered.
-    last: dict = {}
+BAND_BLOCK = 256  # queries per block of the banded form
 
-    def transform(query, key, attention_mask, teacher_kind):
+
+def banded_window_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    window: int,
+    sinks: int,
+    scaling: float,
+    block: int = BAND_BLOCK,
+) -> torch.Tensor:
+    """Causal softmax over the last ``window`` keys plus the first ``sinks``, for an uncached, unpadded call.
+
+    query (B, H, T, D), key and value (B, Hkv, T, D) (key/value heads shared by H / Hkv query heads).
+    Returns (B, T, H, Dv). Equal to the teacher's SDPA under the :func:`restrict_to_window` mask, but each
+    block of ``block`` queries attends only to the keys it may see (the sinks and the block's band), so
+    the cost grows with T * (block + window + sinks) instead of T^2.
+    """
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, T, D)
+    length = query.shape[2]
+    outputs = []
+    for start in range(0, length, block):
+        end = min(length, start + block)
+        first = max(0, start - window + 1)  # the oldest key a query of this block may see in its window
+        sink_end = min(sinks, first)  # sinks inside the band are in it already
+        positions = torch.cat([torch.arange(sink_end), torch.arange(first, end)]).to(query.device)  # (K,)
+        block_key = torch.cat([key[:, :, :sink_end], key[:, :, first:end]], dim=2)  # (B, H, K, D)
+        block_value = torch.cat([value[:, :, :sink_end], value[:, :, first:end]], dim=2)
+        query_positions = torch.arange(start, end, device=query.device)[:, None]  # (Tb, 1)
+        visible = (positions <= query_positions) & (
+            (positions > query_positions - window) | (positions < sinks)
+        )
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, start:end], block_key, block_value, attn_mask=visible, scale=scaling
+            )
+        )  # (B, H, Tb, Dv)
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+class _WindowedSoftmax:
+    """Runs in place of a layer's softmax (dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE) with the window restriction."""
+
+    def __init__(self, window: int, sinks: int) -> None:
+        self.window, self.sinks = window, sinks
+        # Every layer of one forward gets the same mask: build it once. The entry holds the mask object
+        # itself, so its identity cannot be reused by another tensor while it is remembered.
+        self.last: dict = {}
+
+    def __call__(
+        self, module, query, key, value, attention_mask, *, teacher_kind, scaling, dropout=0.0, **kwargs
+    ):
+        length = query.shape[2]
+        causal = kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False
+        plain = attention_mask is None and key.shape[2] == length and causal and not dropout
+        # what else SDPA would take into account; the banded form does not
+        altered = any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "cache"))
+        if teacher_kind == "sdpa" and plain and not altered and length > BAND_BLOCK:
+            output = banded_window_attention(
+                query, key, value, self.window, self.sinks, scaling, block=BAND_BLOCK
+            )
+            return output, None
+        mask = self.restricted_mask(query, key, attention_mask, teacher_kind)
+        return dispatch.teacher_attention(
+            module,
+            query,
+            key,
+            value,
+            mask,
+            teacher_kind=teacher_kind,
+            scaling=scaling,
+            dropout=dropout,
+            **kwargs,
+        )
+
+    def restricted_mask(self, query, key, attention_mask, teacher_kind) -> torch.Tensor:
+        """The mask transformers gave, narrowed to the window and sinks (bool, or additive for eager)."""
         signature = (query.shape[2], key.shape[2], teacher_kind, query.dtype, query.device)
-        if last.get("signature") == signature and last.get("mask") is attention_mask:
-            return last["restricted"]
+        if self.last.get("signature") == signature and self.last.get("mask") is attention_mask:
+            return self.last["restricted"]
         visible = visible_keys(attention_mask, query.shape[2], key.shape[2]).to(query.device)
-        restricted = restrict_to_window(visible, window, sinks)  # (B or 1, 1, T, S)
+        restricted = restrict_to_window(visible, self.window, self.sinks)  # (B or 1, 1, T, S)
         if teacher_kind == "eager":  # the model files' eager attention adds the mask to the scores
             hidden = torch.finfo(query.dtype).min
             restricted = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
                 ~restricted, hidden
             )
-        last.update(signature=signature, mask=attention_mask, restricted=restricted)
+        self.last.update(signature=signature, mask=attention_mask, restricted=restricted)
         return restricted
-
-    return transform
 
 
 @contextmanager
@@ -94,14 +169,14 @@ def window_restricted(model: torch.nn.Module, window: int, sinks: int = 0) -> It
 
     dispatch.install(model)
     modules = list(get_adapter(model).attention_modules(model))
-    taken = [module for module in modules if getattr(module, dispatch.MASK_TRANSFORM_ATTRIBUTE, None)]
+    taken = [module for module in modules if getattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE, None)]
     if taken:
         raise DoflaError("this model is already inside window_restricted; leave that block first.")
-    transform = _window_mask_transform(int(window), int(sinks))
+    softmax = _WindowedSoftmax(int(window), int(sinks))
     for module in modules:
-        setattr(module, dispatch.MASK_TRANSFORM_ATTRIBUTE, transform)
+        setattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE, softmax)
     try:
         yield model
     finally:
         for module in modules:
-            delattr(module, dispatch.MASK_TRANSFORM_ATTRIBUTE)
+            delattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE)
