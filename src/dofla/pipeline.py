@@ -186,17 +186,18 @@ class LinearizeResult:
 
 def demo_config(out_dir: str | Path) -> LinearizeConfig:
     """The ``make demo`` run, sized for a 2-core CPU: the embedded SmolLM2-135M with every layer converted to
-    the long-context recipe's cell (``gated-delta``: a gated delta rule memory mixed per head with a 64-token
-    window that keeps 4 sink tokens), key dimensions allocated by DoF (mean 64); attention-output MSE on 12k
+    the long-context recipe's cell (``gla``: linear attention with a learned decay sharing one normalisation
+    with a 64-token window that keeps 4 sink tokens), Hedgehog feature dimensions allocated by DoF (mean 32);
+    attention-output MSE on 12k
     tokens of 512-token sequences, then LoRA (lr 3e-3, KL 1 to the teacher) on 10k tokens, and the same LoRA
     stage on the unconverted teacher for reference. Held-out text is evaluated at 512 and 1,024 tokens beside
     the teacher and its no-training window baselines. Data: text sampled from the teacher itself (32 texts,
     cached) unless ``data`` is set; sampled texts are too short for 1,024-token rows, so that length is then
     skipped (the report says so)."""
-    config = LinearizeConfig(out_dir=str(out_dir), recipe="gated-delta")
+    config = LinearizeConfig(out_dir=str(out_dir), recipe="gla")
     config.apply_recipe()
     settings = dict(
-        budget=64,
+        budget=32,
         allocation="dof",
         tokens=12_000,
         seq_len=512,
