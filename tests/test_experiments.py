@@ -104,3 +104,18 @@ def test_recipes_script_and_summary(tiny, tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| dof-paper | linear | learnable_prf | dof (dof) |" in table
     assert "| lolcats | hybrid | hedgehog | fix | output_mse | 256 |" in table
+
+
+def test_cells_at_length(tiny, tmp_path):
+    folder, text = tiny
+    arguments = ["--model", folder, "--data", text, "--out", str(tmp_path), "--tokens", "128"]
+    arguments += ["--seq-len", "16", "--eval-length", "32", "--window", "4", "--sinks", "2", "--heldout", "2"]
+    arguments += ["--variants", "gla:hedgehog:8:0.9,gated_delta:projection:8:0.9", "--batch-size", "2"]
+    assert experiment("cells_at_length").main(arguments) == 0
+    results = json.loads((tmp_path / "cells_at_length.json").read_text())
+    assert len(results["variants"]) == 2
+    for measured in results["variants"].values():
+        models = measured["trained"]["by_length"]["32"]["models"]
+        assert set(models) == {"teacher", "window", "window+sinks2", "student"}
+    assert "window+sinks2" in results["baselines"]["by_length"]["32"]["models"]
+    assert "## gla hedgehog 8, gamma0 0.9: untrained" in (tmp_path / "cells_at_length.md").read_text()
