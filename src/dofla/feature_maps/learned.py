@@ -100,33 +100,29 @@ class ProjectionFeatures(FeatureMap):
             .clone()
         )
 
+    def activation(self, projection: Tensor) -> Tensor:
+        """The map applied to x W (B, Hm, G, T, F); the identity here."""
+        return projection
+
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
-        features = self.masked(torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.to(grouped.dtype)))
+        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.to(grouped.dtype))
+        features = self.masked(self.activation(projection))
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
 
 
 @register_feature_map("elu1")
-class EluPlusOneFeatures(FeatureMap):
+class EluPlusOneFeatures(ProjectionFeatures):
     """phi(x) = elu(x W) + 1 with a trainable W (num_heads, D, F) initialised to the rectangular identity.
 
     With F == D this starts as the classic elu(x) + 1 of Katharopoulos et al.; extra columns start at 0
     (constant feature 1), missing ones drop coordinates.
     """
 
-    def __init__(self, **shape) -> None:
-        super().__init__(**shape)  # num_heads, head_dim, feature_dim, scaling, head_feature_dims
-        self.weight = nn.Parameter(
-            torch.eye(self.head_dim, self.feature_dim)
-            .expand(self.num_heads, self.head_dim, self.feature_dim)
-            .clone()
-        )
+    nonnegative = True
 
-    def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
-        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
-        projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.to(grouped.dtype))
-        features = self.masked(F.elu(projection) + 1)
-        return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
+    def activation(self, projection: Tensor) -> Tensor:
+        return F.elu(projection) + 1
 
 
 def dct_matrix(size: int) -> Tensor:
