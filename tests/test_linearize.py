@@ -196,3 +196,27 @@ def test_the_demo_command_line_of_the_makefile_parses():
 
     args = build_parser().parse_args(["demo", "--data", "text.txt", "--out", "o"])
     assert (args.data, args.out, args.resume) == ("text.txt", "o", False)
+
+
+def test_long_context_recipe_evaluates_every_length_beside_the_window_baselines(tmp_path):
+    """The gla recipe (window + sinks, a decay cell) at a short training length, measured at 2x that length."""
+    teacher = tiny_teacher()
+    data = torch.randint(0, VOCAB, (12, 2 * LENGTH), generator=torch.Generator().manual_seed(3))
+    settings = dict(
+        recipe="gla", window=4, eval_lengths=[2 * LENGTH], lora_tokens=2 * LENGTH, passkey_trials=0
+    )
+    settings["overrides"] = ["seq_len", "window", "budget"]  # set explicitly: the recipe keeps its hands off
+    result = linearize(config(tmp_path, **settings), teacher=teacher, sequences=data)
+    summary = json.loads((tmp_path / "run" / "result.json").read_text())
+    plan = load_converted(result.out_dir)[2]
+    assert {(layer.cell, layer.sinks, layer.window) for layer in plan.layers} == {("gla", 4, 4)}
+    by_length = summary["long_context"]["by_length"]
+    assert sorted(by_length, key=int) == [str(LENGTH), str(2 * LENGTH)]
+    for measured in by_length.values():
+        assert set(measured["models"]) == {"teacher", "window", "window+sinks4", "student"}
+        assert measured["models"]["student"]["kl"] is not None
+    # held-out rows were split off before cutting: the training-length pieces are the long rows cut in two
+    assert summary["heldout_sequences"] == 2 * by_length[str(2 * LENGTH)]["sequences"]
+    assert by_length[str(LENGTH)]["models"]["student"]["perplexity"] == pytest.approx(result.student_ppl)
+    report = result.report_path.read_text()
+    assert "window 64" not in report and "window 4 + 4 sinks" in report.replace("`", "")
