@@ -251,6 +251,11 @@ NOT_LOADED = "no-such-model"  # a refusal naming the option, not this missing mo
         (["--loss", "direct", "--kl-weight", "-1"], "the KL weight must be zero or positive"),
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--lora-targets", "q_proj,,v_proj"], "--lora-targets must be comma-separated module names"),
+        (["--eval-lengths", "1024,x"], "--eval-lengths must be comma-separated token counts"),
+        (["--sinks", "-1"], "--sinks must be at least 0, got -1"),
+        (["--cell", "nope"], "unknown cell 'nope'"),
+        (["--recipe", "nope"], "unknown recipe 'nope'"),
+        (["--heldout-sequences", "0"], "--heldout-sequences must be at least 1, got 0"),
     ],
 )
 def test_linearize_options_are_checked_before_loading(tmp_path, capsys, arguments, message):

@@ -148,8 +148,15 @@ class LinearizeConfig:
                 setattr(self, name, value)
 
     def validate(self) -> None:
-        if self.allocation not in ALLOCATIONS:
-            raise DoflaError(f"unknown allocation {self.allocation!r}; use one of {', '.join(ALLOCATIONS)}.")
+        """Everything that can be checked before a model is loaded: names against their registries, ranges."""
+        from dofla.cells import cell_class
+        from dofla.config import LayerPlan
+        from dofla.feature_maps import FEATURE_MAPS
+
+        ALLOCATIONS[self.allocation]  # unknown names are refused with the registered ones
+        cell_class(self.cell)
+        FEATURE_MAPS[self.feature_map]
+        LayerPlan(kind=self.kind, window=self.window, sinks=self.sinks, cell=self.cell).validate(0, 1, 1)
         if self.budget <= 0:
             raise DoflaError(f"the feature budget must be positive, got {self.budget}.")
         if self.tokens <= 0:

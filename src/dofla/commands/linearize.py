@@ -58,6 +58,18 @@ def register(subparsers) -> None:
         help="comma-separated held-out lengths beyond --seq-len (default 1024,2048 where the teacher allows)",
     )
     parser.add_argument(
+        "--heldout-sequences",
+        type=int,
+        default=32,
+        help="held-out rows of the longest length, never trained on (default 32)",
+    )
+    parser.add_argument(
+        "--passkey-trials",
+        type=int,
+        default=2,
+        help="pass-key trials per length and depth in the report (0: no pass-key test)",
+    )
+    parser.add_argument(
         "--loss",
         choices=["softmax", "l2", "output_mse", "direct"],
         default=None,
@@ -123,6 +135,21 @@ def token_count(option: str, text: str) -> int:
     return tokens
 
 
+def evaluation_lengths(text: str | None) -> list[int] | None:
+    """--eval-lengths like 1024,2048; refused (one sentence) unless comma-separated integers of at least 2."""
+    from dofla.errors import DoflaError
+
+    if text is None:
+        return None
+    try:
+        lengths = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 2:
+        raise DoflaError(f"--eval-lengths must be comma-separated token counts like 1024,2048, got {text!r}.")
+    return lengths
+
+
 def lora_targets(text: str | None) -> list[str] | None:
     from dofla.errors import DoflaError
 
@@ -147,6 +174,8 @@ def config_from_args(args: argparse.Namespace):
     for option in ("eval_every", "checkpoint_every", "patience"):
         check_at_least(f"--{option.replace('_', '-')}", getattr(args, option), 0)
     check_device_and_dtype(args)
+    check_at_least("--heldout-sequences", args.heldout_sequences, 1)
+    check_at_least("--passkey-trials", args.passkey_trials, 0)
 
     # Options a recipe presets: only those the user gave explicitly override the recipe.
     recipe_options = (
@@ -181,7 +210,9 @@ def config_from_args(args: argparse.Namespace):
         batch_size=args.batch_size,
         lr=args.lr,
         data=args.data,
-        eval_lengths=[int(n) for n in args.eval_lengths.split(",") if n] if args.eval_lengths else None,
+        eval_lengths=evaluation_lengths(args.eval_lengths),
+        max_heldout_sequences=args.heldout_sequences,
+        passkey_trials=args.passkey_trials,
         lora_tokens=token_count("--lora-tokens", args.lora_tokens),
         lora_rank=args.lora_rank,
         lora_alpha=args.lora_alpha,
