@@ -220,3 +220,21 @@ def test_long_context_recipe_evaluates_every_length_beside_the_window_baselines(
     assert by_length[str(LENGTH)]["models"]["student"]["perplexity"] == pytest.approx(result.student_ppl)
     report = result.report_path.read_text()
     assert "window 64" not in report and "window 4 + 4 sinks" in report.replace("`", "")
+
+
+def test_rows_fall_back_to_the_longest_length_the_data_fills(tmp_path):
+    from dofla.pipeline import cut_rows, pack_rows
+
+    class Tokenizer:  # one token per character, no end-of-text token
+        eos_token_id = None
+
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [[ord(c) % 50 for c in text] for text in texts]}
+
+    rows = pack_rows(
+        Tokenizer(), ["x" * 300], [16, 64, 256], 16
+    )  # 300 tokens: one row of 256 is too few, four of 64 do
+    assert rows.shape == (4, 64)
+    assert cut_rows(rows, 16).shape == (16, 16) and torch.equal(cut_rows(rows, 16)[:4].reshape(-1), rows[0])
+    with pytest.raises(DoflaError, match="at least 2 are needed"):
+        pack_rows(Tokenizer(), ["x" * 20], [16, 64], 16)
