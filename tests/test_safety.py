@@ -256,6 +256,7 @@ NOT_LOADED = "no-such-model"  # a refusal naming the option, not this missing mo
         (["--cell", "nope"], "unknown cell 'nope'"),
         (["--recipe", "nope"], "unknown recipe 'nope'"),
         (["--heldout-sequences", "0"], "--heldout-sequences must be at least 1, got 0"),
+        (["--cell", "gla", "--loss", "softmax"], "use a layer loss such as output_mse"),
     ],
 )
 def test_linearize_options_are_checked_before_loading(tmp_path, capsys, arguments, message):

@@ -151,12 +151,14 @@ class LinearizeConfig:
         """Everything that can be checked before a model is loaded: names against their registries, ranges."""
         from dofla.cells import cell_class
         from dofla.config import LayerPlan
+        from dofla.distill.losses import check_kernel_loss
         from dofla.feature_maps import FEATURE_MAPS
 
         ALLOCATIONS[self.allocation]  # unknown names are refused with the registered ones
         cell_class(self.cell)
         FEATURE_MAPS[self.feature_map]
         LayerPlan(kind=self.kind, window=self.window, sinks=self.sinks, cell=self.cell).validate(0, 1, 1)
+        check_kernel_loss(self.loss, self.cell, self.sinks)
         if self.budget <= 0:
             raise DoflaError(f"the feature budget must be positive, got {self.budget}.")
         if self.tokens <= 0:

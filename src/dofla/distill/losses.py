@@ -299,6 +299,16 @@ def output_mse_layer_loss(
     return output_mse_loss(output, call.output, key_mask)
 
 
+def check_kernel_loss(kind: str, cell: str, sinks: int) -> None:
+    """Kernel losses compare attention weights as the plain ``linear`` cell forms them (no decay, no memory,
+    no sinks); for any other cell they would train the wrong weights, so they are refused."""
+    if LOSSES[kind].scope == "kernel" and (cell != "linear" or int(sinks) > 0):
+        raise DoflaError(
+            f"the {kind!r} loss compares the plain linear cell's attention weights; with cell {cell!r} and "
+            f"{sinks} sink tokens use a layer loss such as output_mse."
+        )
+
+
 def layer_loss(kind: str, student, call, *, key_mask: Tensor | None = None, query_chunk: int = 128) -> Tensor:
     """The registered loss ``kind`` of one converted layer on one teacher-forced attention call.
 
@@ -321,6 +331,7 @@ def layer_loss(kind: str, student, call, *, key_mask: Tensor | None = None, quer
     )
     if loss.scope == "layer":
         return loss.function(student, call, key_mask=key_mask, query_chunk=query_chunk)
+    check_kernel_loss(kind, student.cell_name, student.sinks)
     q_features, k_features, k_log_scale = student.features(call.query, call.key)
     hybrid = student.kind == "hybrid"
     return kernel_loss(
