@@ -27,8 +27,6 @@ from dofla.ops import (
 )
 
 FORMS = ("naive", "chunked", "recurrent")
-# Options of a LayerPlan that belong to this module, not to the feature map.
-MODULE_OPTIONS = ("window_factor", "chunk_size", "decode_tokens")
 DEFAULT_WINDOW_FACTOR = 0.1  # LoLCATs: gamma = sigmoid(w) starts near 0.1
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_DECODE_TOKENS = 4  # calls with at most this many new tokens and a state run the recurrent form

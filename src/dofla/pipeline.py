@@ -14,7 +14,7 @@ import shlex
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -818,11 +818,3 @@ def write_report(result: LinearizeResult, summary: dict, config: LinearizeConfig
         "",
     ]
     return write_text_atomic(result.report_path, "\n".join(lines))
-
-
-def config_from_dict(data: dict[str, Any]) -> LinearizeConfig:
-    known = {item.name for item in fields(LinearizeConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise DoflaError(f"unknown linearize settings {unknown}.")
-    return LinearizeConfig(**data)
