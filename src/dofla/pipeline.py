@@ -187,12 +187,10 @@ def demo_config(out_dir: str | Path) -> LinearizeConfig:
     """The ``make demo`` run, sized for a 2-core CPU: the embedded SmolLM2-135M with every layer converted to
     the long-context recipe's cell (``gla``: linear attention with a learned decay sharing one normalisation
     with a 64-token window that keeps 4 sink tokens), Hedgehog feature dimensions allocated by DoF (mean 32);
-    attention-output MSE on 12k
-    tokens of 512-token sequences, then LoRA (lr 3e-3, KL 1 to the teacher) on 10k tokens, and the same LoRA
-    stage on the unconverted teacher for reference. Held-out text is evaluated at 512 and 1,024 tokens beside
-    the teacher and its no-training window baselines. Data: text sampled from the teacher itself (32 texts,
-    cached) unless ``data`` is set; sampled texts are too short for 1,024-token rows, so that length is then
-    skipped (the report says so)."""
+    attention-output MSE on 12k tokens of 512-token sequences, then LoRA (lr 3e-3, KL 1 to the teacher) on 10k
+    tokens, and the same LoRA stage on the unconverted teacher for reference. Held-out text is evaluated at
+    512 and 1,024 tokens beside the teacher and its no-training window baselines. Data: text sampled from the
+    teacher itself (32 texts, cached, joined into 1,024-token rows) unless ``data`` is set."""
     config = LinearizeConfig(out_dir=str(out_dir), recipe="gla")
     config.apply_recipe()
     settings = dict(
@@ -250,11 +248,6 @@ def context_length(model) -> int | None:
 
 DEFAULT_EVAL_LENGTHS = (1024, 2048)
 DEFAULT_BASELINE_SINKS = 4  # sink tokens of the window baseline when the student has none
-
-
-def baseline_window(config: LinearizeConfig) -> int:
-    """The no-training baseline's window: the student's own for hybrid students, else the default 64."""
-    return int(config.window)
 
 
 def evaluation_lengths(config: LinearizeConfig, limit: int | None) -> list[int]:
@@ -595,12 +588,14 @@ def _run_stages(
         lap("lora")
 
     check_finite_model(model, heldout[: config.batch_size], what="the trained student")  # never save NaN
+    # the no-training baseline: the teacher's softmax cut to the student's window (without and with sinks)
+    baseline_sinks = config.sinks or DEFAULT_BASELINE_SINKS
     quality = long_context_quality(
         reference,
         model,
         heldout_by_length,
-        window=baseline_window(config),
-        sinks=sorted({0, config.sinks or DEFAULT_BASELINE_SINKS}),
+        window=config.window,
+        sinks=sorted({0, baseline_sinks}),
         batch_size=config.batch_size,
     )
     at_training_length = quality["by_length"][str(config.seq_len)]["models"]
@@ -616,8 +611,8 @@ def _run_stages(
             tokenizer,
             context_lengths=config.passkey_lengths,
             trials=config.passkey_trials,
-            window=baseline_window(config),
-            sinks=config.sinks or DEFAULT_BASELINE_SINKS,
+            window=config.window,
+            sinks=baseline_sinks,
             seed=config.seed,
         )
         lap("pass key")
