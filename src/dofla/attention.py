@@ -207,6 +207,8 @@ class LinearAttention(nn.Module):
         state = None if cache_layer is None else cache_layer.state
         if form is None:
             form = "recurrent" if state is not None and length <= self.decode_tokens else "chunked"
+        if form == "naive" and state is not None:
+            raise DoflaError("the naive form cannot continue from a cache state; use chunked or recurrent.")
         key_mask = key_mask_from_attention_mask(attention_mask, length)
         q_features, k_features, k_log_scale = (
             self.features(query, key) if self.uses_features else (None, None, None)
@@ -223,8 +225,6 @@ class LinearAttention(nn.Module):
         self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
     ):
         """Run one form; returns out (B, H, T, Dv) and the new state (None for the naive form)."""
-        if form == "naive" and state is not None:
-            raise DoflaError("the naive form cannot continue from a cache state; use chunked or recurrent.")
         common = dict(k_log_scale=k_log_scale, key_mask=key_mask)
         if self.kind == "linear":
             if form == "naive":

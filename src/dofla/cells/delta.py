@@ -68,11 +68,6 @@ def _window_part(cell: LinearAttention, form, query, keys, values, key_mask, sca
     )
 
 
-def _check_continuation(form: str, state) -> None:
-    if form == "naive" and state is not None:
-        raise DoflaError("the naive form cannot continue from a cache state; use chunked or recurrent.")
-
-
 @register_cell("gated_delta")
 class GatedDeltaAttention(LinearAttention):
     """Gated delta rule memory, alone or mixed with the sliding window (see the module docstring).
@@ -99,7 +94,6 @@ class GatedDeltaAttention(LinearAttention):
     def _attend(
         self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
     ):
-        _check_continuation(form, state)
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
         q = F.normalize(q_features, dim=-1)  # (B, H, T, K)
         k = F.normalize(k_features, dim=-1)  # (B, Hs, T, K); a map's log scale cancels here
@@ -154,6 +148,5 @@ class WindowAttention(LinearAttention):
     def _attend(
         self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
     ):
-        _check_continuation(form, state)
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
         return _window_part(self, form, query, keys, values, key_mask, scaling, state)
