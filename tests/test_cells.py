@@ -189,3 +189,17 @@ def test_sinks_need_a_window_and_unknown_options_are_named():
         LayerPlan(kind="linear", sinks=4).validate(0, H, HKV)
     with pytest.raises(DoflaError, match="beta must lie strictly between 0 and 1"):
         build_student(LayerPlan(cell="gated_delta", feature_map="projection", options={"beta": 1.5}), **SHAPE)
+
+
+@pytest.mark.parametrize("cell, feature_map", [("linear", "hedgehog"), ("gated_delta", "projection")])
+def test_the_naive_form_refuses_to_continue_a_state(cell, feature_map):
+    student = make_cell(cell, "hybrid", feature_map)
+    query, key, value = (tensor.detach() for tensor in qkv(length=6))
+    layer = RecurrentCacheLayer()
+    layer.update(key, value)
+    student.pending_cache_layer = layer
+    student(query, key, value)  # fills the state
+    layer.update(key, value)
+    student.pending_cache_layer = layer
+    with pytest.raises(DoflaError, match="naive form cannot continue from a cache state"):
+        student(query, key, value, form="naive")
