@@ -49,3 +49,19 @@ def check_feature_budget(budget: int) -> None:
         raise DoflaError(
             f"--budget must be a positive number of features per layer, at most {MAX_FEATURE_DIM}; got {budget}."
         )
+
+
+def integer_list(text: str, option: str, *, minimum: int) -> list[int]:
+    """An option like 512,1024: distinct integers of at least ``minimum``, else one sentence saying so."""
+    from dofla.errors import DoflaError
+
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    try:
+        values = [int(item) for item in items]
+    except ValueError:
+        values = []
+    if not values or any(value < minimum for value in values):
+        raise DoflaError(f"{option} must be comma-separated integers of at least {minimum}, got {text!r}.")
+    if len(set(values)) != len(values):
+        raise DoflaError(f"{option} lists a value twice: {text!r}.")
+    return values

@@ -85,21 +85,6 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _integers(text: str, option: str, *, minimum: int) -> list[int]:
-    from dofla.errors import DoflaError
-
-    items = [item.strip() for item in str(text).split(",") if item.strip()]
-    try:
-        values = [int(item) for item in items]
-    except ValueError:
-        values = []
-    if not values or any(value < minimum for value in values):
-        raise DoflaError(f"{option} must be comma-separated integers of at least {minimum}, got {text!r}.")
-    if len(set(values)) != len(values):
-        raise DoflaError(f"{option} lists a value twice: {text!r}.")
-    return values
-
-
 def _depths(text: str) -> list[float]:
     from dofla.errors import DoflaError
 
@@ -114,24 +99,24 @@ def _depths(text: str) -> list[float]:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Every option is checked before a model is loaded; sets args.length_list, sink_list, passkey_list."""
-    from dofla.commands._common import check_device_and_dtype
+    from dofla.commands._common import check_device_and_dtype, integer_list
     from dofla.errors import DoflaError
     from dofla.outputs import check_output_file
 
     if args.lengths is not None and args.seq_len is not None:
         raise DoflaError("give either --lengths or --seq-len, not both (--seq-len N is --lengths N).")
     lengths = args.lengths if args.lengths is not None else args.seq_len
-    args.length_list = _integers(DEFAULT_LENGTHS if lengths is None else lengths, "--lengths", minimum=2)
+    args.length_list = integer_list(DEFAULT_LENGTHS if lengths is None else lengths, "--lengths", minimum=2)
     if args.sequences < 1:
         raise DoflaError(f"--sequences must be at least 1, got {args.sequences}.")
     if args.batch_size < 1:
         raise DoflaError(f"--batch-size must be at least 1, got {args.batch_size}.")
     if args.window is not None and args.window < 1:
         raise DoflaError(f"--window must be at least 1 token, got {args.window}.")
-    args.sink_list = _integers(args.sinks, "--sinks", minimum=0)
+    args.sink_list = integer_list(args.sinks, "--sinks", minimum=0)
     if args.error_sequences < 0:
         raise DoflaError(f"--error-sequences must be 0 or more, got {args.error_sequences}.")
-    args.passkey_list = _integers(args.passkey, "--passkey", minimum=1) if args.passkey.strip() else []
+    args.passkey_list = integer_list(args.passkey, "--passkey", minimum=1) if args.passkey.strip() else []
     args.depth_list = _depths(args.passkey_depths)
     if args.passkey_trials < 1:
         raise DoflaError(f"--passkey-trials must be at least 1, got {args.passkey_trials}.")

@@ -12,6 +12,7 @@ from dofla.commands._common import (
     check_at_least,
     check_device_and_dtype,
     check_feature_budget,
+    integer_list,
 )
 
 
@@ -135,21 +136,6 @@ def token_count(option: str, text: str) -> int:
     return tokens
 
 
-def evaluation_lengths(text: str | None) -> list[int] | None:
-    """--eval-lengths like 1024,2048; refused (one sentence) unless comma-separated integers of at least 2."""
-    from dofla.errors import DoflaError
-
-    if text is None:
-        return None
-    try:
-        lengths = [int(item) for item in text.split(",") if item.strip()]
-    except ValueError:
-        lengths = []
-    if not lengths or min(lengths) < 2:
-        raise DoflaError(f"--eval-lengths must be comma-separated token counts like 1024,2048, got {text!r}.")
-    return lengths
-
-
 def lora_targets(text: str | None) -> list[str] | None:
     from dofla.errors import DoflaError
 
@@ -210,7 +196,9 @@ def config_from_args(args: argparse.Namespace):
         batch_size=args.batch_size,
         lr=args.lr,
         data=args.data,
-        eval_lengths=evaluation_lengths(args.eval_lengths),
+        eval_lengths=None
+        if args.eval_lengths is None
+        else integer_list(args.eval_lengths, "--eval-lengths", minimum=2),
         max_heldout_sequences=args.heldout_sequences,
         passkey_trials=args.passkey_trials,
         lora_tokens=token_count("--lora-tokens", args.lora_tokens),
