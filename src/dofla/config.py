@@ -9,6 +9,17 @@ from typing import Any
 
 from dofla.errors import DoflaError
 
+MAX_FEATURE_DIM = 8192  # features per head: far beyond any useful size, well below an out-of-memory crash
+
+
+def check_feature_budget(budget: int) -> None:
+    """--budget: a positive number of features per layer, at most :data:`MAX_FEATURE_DIM`."""
+    if not 0 < budget <= MAX_FEATURE_DIM:
+        raise DoflaError(
+            f"--budget must be a positive number of features per layer, at most {MAX_FEATURE_DIM}; got {budget}."
+        )
+
+
 LAYER_KINDS = ("softmax", "linear", "hybrid")
 PLAN_VERSION = 1
 

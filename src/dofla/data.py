@@ -168,6 +168,55 @@ def pack_token_sequences(tokenizer, texts: list[str], seq_len: int, *, add_eos: 
     return torch.tensor(token_ids[: count * seq_len], dtype=torch.long).view(count, seq_len)  # (N, T)
 
 
+def pack_rows(tokenizer, texts: list[str], lengths: list[int], seq_len: int) -> torch.Tensor:
+    """Texts packed into rows of the longest of ``lengths`` that still gives 2 rows (at least ``seq_len``).
+
+    Rows are split into training and held-out rows before anything is cut (:func:`cut_rows`), so held-out
+    text at every length is text the student never trained on.
+    """
+    token_count = len(pack_token_sequences(tokenizer, texts, seq_len).view(-1))
+    for length in sorted(lengths, reverse=True):
+        if token_count // length >= 2 or length == seq_len:
+            break
+    rows = token_count // length
+    if rows < 2:
+        raise DoflaError(
+            f"the data packs into only {rows} sequence(s) of {seq_len} tokens; at least 2 are "
+            "needed: give more text or a shorter --seq-len."
+        )
+    return torch.as_tensor(pack_token_sequences(tokenizer, texts, length), dtype=torch.long)
+
+
+def cut_rows(rows: torch.Tensor, length: int) -> torch.Tensor:
+    """(N, L) -> (N * (L // length), length): each row cut into consecutive pieces, the remainder dropped."""
+    pieces = rows.shape[1] // length
+    return rows[:, : pieces * length].reshape(-1, length)
+
+
+def parse_tokens(text: str | int) -> int:
+    """'2M' -> 2_000_000, '500k' -> 500_000, '1e6' -> 1_000_000, 1234 -> 1234."""
+    if isinstance(text, int):
+        return text
+    value = str(text).strip().lower().replace("_", "")
+    multiplier = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000, "b": 1_000_000_000}.get(value[-1:], 1)
+    number = value[:-1] if multiplier != 1 else value
+    try:
+        tokens = int(float(number) * multiplier)
+    except ValueError as error:
+        raise DoflaError(f"cannot read the token count {text!r}; write e.g. 2M, 500k or 100000.") from error
+    return tokens
+
+
+def context_length(model) -> int | None:
+    """The longest sequence the model's config allows, if it says."""
+    config = model.config.get_text_config(decoder=True)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def split_train_heldout(
     sequences: torch.Tensor, heldout_fraction: float, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-MAX_FEATURE_DIM = 8192  # features per head: far beyond any useful size, well below an out-of-memory crash
+from dofla.config import check_feature_budget  # noqa: F401  (the commands check --budget with it)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,15 +40,6 @@ def check_at_least(option: str, value: int | float, minimum: int | float) -> Non
 
     if not value >= minimum:  # also refuses NaN
         raise DoflaError(f"{option} must be at least {minimum}, got {value}.")
-
-
-def check_feature_budget(budget: int) -> None:
-    from dofla.errors import DoflaError
-
-    if not 0 < budget <= MAX_FEATURE_DIM:
-        raise DoflaError(
-            f"--budget must be a positive number of features per layer, at most {MAX_FEATURE_DIM}; got {budget}."
-        )
 
 
 def integer_list(text: str, option: str, *, minimum: int) -> list[int]:

@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dofla.convert import load_converted
-    from dofla.pipeline import demo_config, linearize
+    from dofla.pipeline import linearize
+    from dofla.recipes import demo_config
 
     config = demo_config(Path(args.out))
     config.overwrite = args.overwrite
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"continuing the demo run in {args.out} (pass --overwrite to start over)")
         config.resume = True
     if args.data:
-        config.data = args.data
+        config.data.path = args.data
     result = linearize(config)
     print(f"\nreport: {result.report_path}")
     print(f"held-out perplexity: teacher {result.teacher_ppl:.2f}, student {result.student_ppl:.2f}")

@@ -1,0 +1,87 @@
+"""Recipes (partial run configs, overlaid on the defaults) and the ``make demo`` run.
+
+A recipe is a nested dict by section, like a config file that sets only some values: resolving a config
+(:meth:`dofla.run_config.LinearizeConfig.from_dict`) starts from the defaults, sets the recipe's values,
+then the explicit ones, so what a user sets always wins. Add one with ``RECIPES.add(name, {...})``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dofla.registry import Registry
+from dofla.run_config import LinearizeConfig
+
+RECIPES: Registry[dict[str, Any]] = Registry("recipe")
+
+# the DoF paper: learnable PRF per layer, DoF-allocated dimensions, softmax-CE loss, no LoRA
+RECIPES.add(
+    "dof-paper",
+    dict(
+        plan=dict(kind="linear", allocation="dof"),
+        student=dict(feature_map="learnable_prf"),
+        distill=dict(loss="softmax"),
+        lora=dict(enabled=False),
+    ),
+)
+# LoLCATs: Hedgehog + sliding window 64, attention-output MSE, then LoRA on q/k/v/o. The LoRA
+# learning rate and KL weight come from experiments/lora_sweep.py (docs/results/recipes/lora_sweep/).
+RECIPES.add(
+    "lolcats",
+    dict(
+        plan=dict(kind="hybrid", allocation="fix", window=64),
+        student=dict(feature_map="hedgehog"),
+        distill=dict(loss="output_mse"),
+        lora=dict(enabled=True, lr=3e-3, kl_weight=1.0),
+    ),
+)
+
+
+def long_context_recipe(
+    cell: str, feature_map: str, cell_options: dict[str, Any], **plan: Any
+) -> dict[str, Any]:
+    """Long context: a 64-token window that keeps the first 4 tokens (attention sinks) beside a cell with a
+    bounded state, trained at 1,024 tokens, starting close to the window alone (the no-training
+    baseline), then LoRA."""
+    return dict(
+        plan=dict(kind="hybrid", allocation="fix", window=64, sinks=4, **plan),
+        student=dict(cell=cell, feature_map=feature_map, cell_options=cell_options),
+        data=dict(seq_len=1024),
+        distill=dict(loss="output_mse"),
+        lora=dict(enabled=True, lr=3e-3, kl_weight=1.0),
+    )
+
+
+# a gated delta rule memory over learned keys, mixed per head with the window
+RECIPES.add(
+    "gated-delta", long_context_recipe("gated_delta", "projection", {"window_factor": 0.95}, budget=64)
+)
+# LoLCATs' shared normalisation with forgetting (gla): the demo's cell
+RECIPES.add("gla", long_context_recipe("gla", "hedgehog", {"window_factor": 0.999}))
+
+DEMO_COMMAND = "dofla demo  (dofla.pipeline.linearize(dofla.recipes.demo_config(out)))"
+
+
+def demo_config(out_dir: str | Path) -> LinearizeConfig:
+    """The ``make demo`` run, sized for a 2-core CPU: the embedded SmolLM2-135M with every layer converted to
+    the long-context recipe's cell (``gla``: linear attention with a learned decay sharing one normalisation
+    with a 64-token window that keeps 4 sink tokens), Hedgehog feature dimensions allocated by DoF (mean 32);
+    attention-output MSE on 12k tokens of 512-token sequences, then LoRA (lr 3e-3, KL 1 to the teacher) on 10k
+    tokens, and the same LoRA stage on the unconverted teacher for reference. Held-out text is evaluated at
+    512 and 1,024 tokens beside the teacher and its no-training window baselines. Data: text sampled from the
+    teacher itself (32 texts, cached, joined into 1,024-token rows) unless ``data.path`` is set."""
+    return LinearizeConfig.from_dict(
+        dict(
+            out_dir=str(out_dir),
+            recipe="gla",
+            command=DEMO_COMMAND,
+            data=dict(
+                seq_len=512, heldout_fraction=0.1, heldout_sequences=8, sampled_texts=32, sampled_tokens=128
+            ),
+            plan=dict(budget=32, allocation="dof", dof_points=256, dof_batches=1),
+            distill=dict(tokens=12_000, batch_size=2, eval_every=6, checkpoint_every=3),
+            lora=dict(tokens=10_000, baseline=True),
+            evaluate=dict(lengths=[1024], passkey_lengths=[256, 1024], passkey_trials=1),
+        )
+    )

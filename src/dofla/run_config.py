@@ -1,0 +1,589 @@
+"""The configuration of a ``dofla linearize`` run: one section per stage, saved to and read from TOML.
+
+:class:`LinearizeConfig` (the root) holds the run-level settings (``out_dir``, ``recipe``, ``seed``...) and
+one dataclass per stage: ``teacher``, ``data``, ``plan``, ``student``, ``distill``, ``lora``, ``evaluate``.
+Each field is declared with :func:`option`: its default, its help text and, where it differs from
+``--field-name``, its command-line flag. ``dofla linearize`` generates its flags from these fields
+(:mod:`dofla.commands._config_flags`) and checks ranges and registry names from them (:meth:`validate`),
+so a new option is one field here plus the stage code that reads it.
+
+Resolution, lowest first: the defaults, the recipe (a partial config by section,
+:data:`dofla.recipes.RECIPES`), then the explicit settings (a config file, then command-line flags):
+explicit settings always win. :meth:`LinearizeConfig.from_dict` resolves a nested dict,
+:func:`load_config` a TOML file; :func:`save_config` writes the full resolved config, which every run
+leaves in its folder (``config.toml``) and which loads back to the same config.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dofla.errors import DoflaError
+
+CONFIG_FILE = "config.toml"  # the resolved config in a run folder
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    factory: Callable[[], Any] | None = None,
+    flag: str | None = None,
+    minimum: int | float | None = None,
+    choices: Callable[[], Mapping] | None = None,
+    tokens: bool = False,
+    cli: bool = True,
+) -> Any:
+    """A config field. flag: its command-line flag when not ``--field-name`` (no dashes: a positional);
+    minimum: the smallest value (of each item, for a list); choices: the registry its value is a name in;
+    tokens: a token count that may be written like 2M or 500k; cli: False for fields without a flag."""
+    metadata = dict(help=help, flag=flag, minimum=minimum, choices=choices, tokens=tokens, cli=cli)
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# The registries a name is looked up in (imported late: they pull in torch).
+def _allocations():
+    from dofla.dof import ALLOCATIONS
+
+    return ALLOCATIONS
+
+
+def _measures():
+    from dofla.dof import MEASURES
+
+    return MEASURES
+
+
+def _cells():
+    from dofla.cells import CELLS
+
+    return CELLS
+
+
+def _feature_maps():
+    from dofla.feature_maps import FEATURE_MAPS
+
+    return FEATURE_MAPS
+
+
+def _losses():
+    from dofla.distill.losses import LOSSES
+
+    return LOSSES
+
+
+def _recipes():
+    from dofla.recipes import RECIPES
+
+    return RECIPES
+
+
+# ----------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class TeacherSettings:
+    """The softmax teacher and where it runs."""
+
+    model: str = option(
+        "smollm2-135m",
+        "teacher: a Hugging Face model folder, a .gguf file, a hub id, or 'smollm2-135m' (embedded default)",
+        flag="model",
+    )
+    dtype: str | None = option(None, "float32 (CPU default) | bfloat16 (CUDA default) | float16")
+    device: str | None = option(None, "cpu | cuda | cuda:N (default: cuda if available)")
+
+
+@dataclass
+class DataSettings:
+    """The text, its packing and the held-out split (made before anything is cut, never trained on)."""
+
+    path: str | None = option(
+        None,
+        "txt, jsonl or a datasets folder (default: text sampled from the teacher, cached)",
+        flag="--data",
+    )
+    seq_len: int = option(512, "training sequence length", minimum=2)
+    heldout_fraction: float = option(0.1, "share of the packed rows held out before training")
+    heldout_sequences: int = option(32, "held-out rows of the longest length, never trained on", minimum=1)
+    sampled_texts: int = option(64, "without --data: texts sampled from the teacher", minimum=1)
+    sampled_tokens: int = option(256, "without --data: new tokens per sampled text", minimum=1)
+
+
+@dataclass
+class PlanSettings:
+    """What each layer becomes: the kind, the window, and the feature dimensions by allocation."""
+
+    budget: int = option(64, "mean feature dimension per layer")
+    allocation: str = option("dof", "how feature dimensions are shared between layers", choices=_allocations)
+    measure: str = option("dof", "statistical measure an allocation shares dimensions by", choices=_measures)
+    kind: str = option("linear", "attention kind: linear | hybrid (linear + sliding window)")
+    window: int = option(64, "sliding window of hybrid layers")
+    sinks: int = option(0, "first tokens always visible to the window", minimum=0)
+    layers: list[int] | None = option(None, "comma-separated layers to convert (default: all)", minimum=0)
+    dof_points: int = option(1024, "points per head captured for the DoF estimate", minimum=1)
+    dof_batches: int = option(2, "training batches the DoF estimate captures from", minimum=1)
+
+
+@dataclass
+class StudentSettings:
+    """The student module of each converted layer."""
+
+    cell: str = option("linear", "student cell", choices=_cells)
+    feature_map: str = option("learnable_prf", "feature map", choices=_feature_maps)
+    cell_options: dict[str, Any] = option(
+        factory=dict, help="the cell's own options as KEY=VALUE,... (e.g. window_factor=0.95)"
+    )
+
+
+@dataclass
+class DistillSettings:
+    """Stage 1, attention transfer (the same names as :class:`dofla.distill.trainer.DistillConfig`)."""
+
+    loss: str = option("softmax", "distillation loss", choices=_losses)
+    tokens: int = option(2_000_000, "distillation token budget, e.g. 2M or 500k", tokens=True)
+    batch_size: int = option(4, "sequences per step (also of LoRA, DoF capture and evaluation)", minimum=1)
+    lr: float = option(1e-2, "base learning rate (feature maps may set their own)")
+    eval_every: int = option(50, "steps between held-out evaluations (0: only at the end)", minimum=0)
+    checkpoint_every: int = option(50, "steps between checkpoints (0: none)", minimum=0)
+    patience: int = option(0, "evaluations without improvement before stopping early (0: off)", minimum=0)
+    kl_weight: float = option(0.0, "--loss direct: weight of KL to the teacher's logits")
+
+
+@dataclass
+class LoraSettings:
+    """Stage 2, LoRA on next-token loss, merged (the same names as :class:`dofla.distill.lora.LoraConfig`)."""
+
+    enabled: bool = option(False, "stage 2: LoRA on next-token loss, merged into the weights", flag="--lora")
+    tokens: int = option(200_000, "LoRA token budget, e.g. 200k", flag="--lora-tokens", tokens=True)
+    rank: int = option(8, "LoRA rank", flag="--lora-rank", minimum=1)
+    alpha: int = option(16, "LoRA alpha", flag="--lora-alpha", minimum=1)
+    targets: list[str] | None = option(
+        None, "comma-separated module names (default: the family's q/k/v/o)", flag="--lora-targets"
+    )
+    lr: float = option(1e-3, "LoRA learning rate", flag="--lora-lr")
+    kl_weight: float = option(
+        0.0, "weight of KL to the teacher's logits added to the next-token loss", flag="--lora-kl"
+    )
+    baseline: bool = option(
+        False,
+        "also train the same LoRA stage on the unconverted teacher and report its perplexity (the LoRA stage "
+        "adapts to the training text too; this separates the two effects)",
+        flag="--lora-baseline",
+    )
+
+
+@dataclass
+class EvaluateSettings:
+    """What the report measures on held-out data after training."""
+
+    lengths: list[int] | None = option(
+        None,
+        "comma-separated held-out lengths beyond --seq-len (default: 1024,2048 where the teacher allows)",
+        flag="--eval-lengths",
+        minimum=2,
+    )
+    passkey_lengths: list[int] | None = option(
+        None,
+        "comma-separated pass-key context lengths (default: 256 to 2048 where the teacher allows)",
+        minimum=1,
+    )
+    passkey_trials: int = option(2, "pass-key trials per length and depth (0: no pass-key test)", minimum=0)
+    error_sequences: int = option(8, "held-out sequences of the per-layer attention error", minimum=0)
+
+
+SECTIONS: dict[str, type] = dict(
+    teacher=TeacherSettings,
+    data=DataSettings,
+    plan=PlanSettings,
+    student=StudentSettings,
+    distill=DistillSettings,
+    lora=LoraSettings,
+    evaluate=EvaluateSettings,
+)
+
+
+# ------------------------------------------------------------------------------------------------ the root
+
+
+@dataclass
+class LinearizeConfig:
+    """Every setting of ``dofla linearize`` (saved as the run's config.toml and in result.json).
+
+    Build one with :meth:`from_dict` (or :func:`load_config`) so a recipe fills only what was not set;
+    constructed directly, list the dotted names you set in ``overrides`` to keep a recipe off them.
+    """
+
+    out_dir: str = option(help="output folder (model/, report.md, checkpoints)", flag="--out")
+    recipe: str | None = option(None, "preset recipe (see README)", choices=_recipes)
+    seed: int = option(0, "seed of sampling, splitting, initialisation and training")
+    resume: bool = option(False, "continue an interrupted run in --out")
+    overwrite: bool = option(
+        False,
+        "replace dofla's own earlier run (model, report, checkpoints) in --out (files dofla did not write are "
+        "never touched)",
+    )
+    progress: bool = option(True, "progress bars")
+    command: str | None = option(None, "the command line recorded in the report", cli=False)
+    teacher: TeacherSettings = field(default_factory=TeacherSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    plan: PlanSettings = field(default_factory=PlanSettings)
+    student: StudentSettings = field(default_factory=StudentSettings)
+    distill: DistillSettings = field(default_factory=DistillSettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    evaluate: EvaluateSettings = field(default_factory=EvaluateSettings)
+    # dotted names set explicitly ("distill.tokens"): a recipe never changes them; not a setting itself
+    overrides: list[str] = field(default_factory=list, compare=False, metadata=dict(config=False))
+
+    @classmethod
+    def from_dict(cls, settings: Mapping[str, Any], source: str = "the settings") -> LinearizeConfig:
+        """Defaults, then the recipe ``settings["recipe"]`` names, then ``settings`` (nested by section).
+
+        Values are checked against the fields' types; an unknown key is refused naming the valid ones.
+        ``source`` names where the settings came from in errors (e.g. the file).
+        """
+        values = checked_settings(settings, source)
+        if values.get("out_dir") is None:
+            raise DoflaError("no output folder: pass --out DIR or set out_dir at the top of the config file.")
+        explicit = sorted(flatten(values))
+        sections = {name: SECTIONS[name](**values.pop(name, {})) for name in SECTIONS}
+        config = cls(**values, **sections, overrides=explicit)
+        config.apply_recipe()
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting, nested by section (what config.toml and result.json hold)."""
+        data = {}
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name in SECTIONS:
+                data[item.name] = {sub.name: copy.deepcopy(getattr(value, sub.name)) for sub in fields(value)}
+            elif item.metadata.get("config", True):
+                data[item.name] = copy.deepcopy(value)
+        return data
+
+    def get(self, key: str) -> Any:
+        """The value of a dotted name: ``config.get("distill.tokens")``."""
+        owner, name = self._owner(key)
+        return getattr(owner, name)
+
+    def set(self, key: str, value: Any) -> None:
+        owner, name = self._owner(key)
+        setattr(owner, name, value)
+
+    def _owner(self, key: str) -> tuple[Any, str]:
+        section, _, name = key.rpartition(".")
+        return (getattr(self, section) if section else self), name
+
+    def apply_recipe(self) -> None:
+        """Set the recipe's values, except those named in ``overrides`` (idempotent)."""
+        if self.recipe is None:
+            return
+        recipe = checked_settings(_recipes()[self.recipe], f"recipe {self.recipe!r}")
+        for key, value in flatten(recipe).items():
+            if key not in self.overrides:
+                self.set(key, copy.deepcopy(value))
+
+    def distill_config(self):
+        """The trainer's :class:`~dofla.distill.trainer.DistillConfig`: the ``distill`` section's values."""
+        from dofla.distill.trainer import DistillConfig
+
+        return same_named(DistillConfig, self.distill, seed=self.seed, progress=self.progress)
+
+    def lora_config(self):
+        """The LoRA stage's :class:`~dofla.distill.lora.LoraConfig`: the ``lora`` section's values."""
+        from dofla.distill.lora import LoraConfig
+
+        return same_named(
+            LoraConfig, self.lora, batch_size=self.distill.batch_size, seed=self.seed, progress=self.progress
+        )
+
+    def validate(self) -> None:
+        """Everything that can be checked before a model is loaded, in one sentence each."""
+        from dofla.config import LayerPlan, check_feature_budget
+        from dofla.distill.losses import check_kernel_loss
+        from dofla.models.loading import resolve_device, resolve_dtype
+
+        for setting in settings_of(type(self)):
+            check_setting(setting, self.get(setting.key))
+        check_feature_budget(self.plan.budget)
+        plan = LayerPlan(
+            kind=self.plan.kind, window=self.plan.window, sinks=self.plan.sinks, cell=self.student.cell
+        )
+        plan.validate(0, 1, 1)
+        check_kernel_loss(self.distill.loss, self.student.cell, self.plan.sinks)
+        if self.distill.tokens <= 0:
+            raise DoflaError(
+                f"the token budget must be positive, got {self.distill.tokens}; pass e.g. --tokens 2M."
+            )
+        if not 0 < self.data.heldout_fraction < 1:
+            raise DoflaError(f"the held-out fraction must lie in (0, 1), got {self.data.heldout_fraction}.")
+        resolve_dtype(self.teacher.dtype, resolve_device(self.teacher.device))
+        self.distill_config().validate()
+        if self.lora.enabled:
+            self.lora_config().validate()
+        if self.resume and self.overwrite:
+            raise DoflaError(
+                "--resume continues the run in --out and --overwrite discards it; pass only one."
+            )
+
+
+def same_named(cls: type, section: Any, **extra: Any) -> Any:
+    """``cls(...)`` from the fields of ``section`` that ``cls`` also has, plus ``extra``."""
+    names = {item.name for item in fields(cls)}
+    values = {item.name: copy.deepcopy(getattr(section, item.name)) for item in fields(section)}
+    return cls(**{name: value for name, value in values.items() if name in names}, **extra)
+
+
+# ------------------------------------------------------------------------------------ settings, one by one
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field of the tree: ``key`` is its dotted name ("lora.rank"), ``flag`` its command-line flag."""
+
+    key: str
+    field: dataclasses.Field
+    hint: Any  # the field's type, e.g. int or list[int] | None
+
+    @property
+    def flag(self) -> str:
+        return self.field.metadata.get("flag") or "--" + self.field.name.replace("_", "-")
+
+    @property
+    def where(self) -> str:
+        """How errors name it: the flag, and its place in a config file."""
+        section, _, name = self.key.rpartition(".")
+        return f"{self.flag} ({name} in [{section}])" if section else f"{self.flag} ({name})"
+
+    @property
+    def default(self) -> Any:
+        if self.field.default_factory is not dataclasses.MISSING:
+            return self.field.default_factory()
+        return self.field.default
+
+
+def settings_of(cls: type = LinearizeConfig) -> list[Setting]:
+    """Every setting of the tree, run-level ones first, then each section's in order."""
+    found = []
+    for item in fields(cls):
+        if item.name in SECTIONS:
+            hints = typing.get_type_hints(SECTIONS[item.name])
+            found += [
+                Setting(f"{item.name}.{sub.name}", sub, hints[sub.name])
+                for sub in fields(SECTIONS[item.name])
+            ]
+        elif item.metadata.get("config", True):
+            found.append(Setting(item.name, item, typing.get_type_hints(cls)[item.name]))
+    return found
+
+
+def flatten(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """{"distill": {"tokens": 5}, "seed": 1} -> {"distill.tokens": 5, "seed": 1}."""
+    flat = {}
+    for key, value in settings.items():
+        if key in SECTIONS:
+            flat.update({f"{key}.{name}": item for name, item in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested settings, later layers winning key by key (sections merged, not replaced)."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key in SECTIONS and isinstance(value, Mapping):
+                merged[key] = {**merged.get(key, {}), **value}
+            else:
+                merged[key] = value
+    return merged
+
+
+def checked_settings(settings: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """``settings`` with each value checked against its field's type (ints may be given for floats, token
+    counts as '2M'); an unknown section or key is refused with the valid ones."""
+    by_key = {setting.key: setting for setting in settings_of()}
+    top = [key for key in by_key if "." not in key]
+    checked: dict[str, Any] = {}
+    for key, value in settings.items():
+        if key in SECTIONS:
+            if not isinstance(value, Mapping):
+                raise DoflaError(f"[{key}] in {source} must be a table of settings, got {value!r}.")
+            valid = [name for name in by_key if name.startswith(f"{key}.")]
+            for name in value:
+                if f"{key}.{name}" not in by_key:
+                    names = ", ".join(sorted(entry.split(".", 1)[1] for entry in valid))
+                    raise DoflaError(f"unknown setting {name!r} in [{key}] of {source}; valid ones: {names}.")
+            checked[key] = {name: typed(by_key[f"{key}.{name}"], item) for name, item in value.items()}
+        elif key in top:
+            checked[key] = typed(by_key[key], value)
+        else:
+            raise DoflaError(
+                f"unknown setting {key!r} at the top of {source}; valid ones: {', '.join(sorted(top))} and the "
+                f"sections {', '.join(f'[{name}]' for name in SECTIONS)}."
+            )
+    return checked
+
+
+def unwrap(hint: Any) -> tuple[Any, bool]:
+    """(the type without None, whether None is allowed): ``list[int] | None`` -> (list[int], True)."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union) and type(None) in typing.get_args(hint):
+        return next(arg for arg in typing.get_args(hint) if arg is not type(None)), True
+    return hint, False
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _describe(hint: Any) -> str:
+    kind, optional = unwrap(hint)
+    origin = typing.get_origin(kind)
+    if origin is list:
+        text = f"a list of {typing.get_args(kind)[0].__name__}"
+    elif origin is dict:
+        text = "a table"
+    else:
+        text = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+    return text + (" (or left out)" if optional else "")
+
+
+def typed(setting: Setting, value: Any) -> Any:
+    """``value`` for ``setting`` if its type fits (an int given for a float becomes a float), else an error."""
+    kind, optional = unwrap(setting.hint)
+    if value is None and optional:
+        return None
+    if setting.field.metadata.get("tokens") and isinstance(value, str):
+        return token_count(setting.flag, value)
+    origin = typing.get_origin(kind)
+    if origin is list:
+        item = typing.get_args(kind)[0]
+        if isinstance(value, (list, tuple)) and all(_is(entry, item) for entry in value):
+            return [item(entry) for entry in value]
+    elif origin is dict:
+        if isinstance(value, Mapping):
+            return dict(value)
+    elif _is(value, kind):
+        return kind(value)
+    raise DoflaError(f"{setting.where} must be {_describe(setting.hint)}, got {value!r}.")
+
+
+def check_setting(setting: Setting, value: Any) -> None:
+    """A value's range (``minimum``) and, for a name, its registry; one sentence if it is refused."""
+    minimum = setting.field.metadata.get("minimum")
+    if minimum is not None and value is not None:
+        for item in value if isinstance(value, list) else [value]:
+            if not item >= minimum:  # also refuses NaN
+                raise DoflaError(f"{setting.flag} must be at least {minimum}, got {item}.")
+    choices = setting.field.metadata.get("choices")
+    if choices is not None and value is not None:
+        registry = choices()
+        if value not in registry:
+            kind = getattr(registry, "kind", setting.field.name.replace("_", " "))
+            raise DoflaError(f"unknown {kind} {value!r}; choose one of: {', '.join(sorted(registry))}.")
+
+
+def token_count(option: str, text: str | int) -> int:
+    """A token budget like 2M, 500k or 100000; refused (one sentence) unless a positive finite count."""
+    from dofla.data import parse_tokens
+
+    try:
+        tokens = parse_tokens(text)
+    except (OverflowError, DoflaError):  # 'inf' overflows int(); 'nan' and words are not numbers
+        tokens = None
+    if tokens is None or tokens <= 0:
+        raise DoflaError(
+            f"{option} must be a positive number of tokens like 2M, 500k or 100000, got {text!r}."
+        )
+    return tokens
+
+
+# ------------------------------------------------------------------------------------------------- TOML
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_value(value: Any) -> str:
+    """One TOML value of the simple types a config holds: bool, int, float, str, list, table."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, str):
+        return json.dumps(value).replace("\x7f", "\\u007f")  # a JSON string is a TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    if isinstance(value, Mapping):
+        items = [f"{_toml_key(key)} = {_toml_value(item)}" for key, item in value.items() if item is not None]
+        return "{" + ", ".join(items) + "}"
+    raise DoflaError(f"cannot write {value!r} ({type(value).__name__}) to TOML.")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else json.dumps(key)
+
+
+def to_toml(config: LinearizeConfig) -> str:
+    """The whole resolved config as TOML; a setting that is None (its automatic choice) is left out."""
+    data = config.to_dict()
+    lines = ["# dofla linearize run configuration (load it with: dofla linearize --config FILE)", ""]
+    lines += [
+        f"{key} = {_toml_value(value)}"
+        for key, value in data.items()
+        if key not in SECTIONS and value is not None
+    ]
+    for section in SECTIONS:
+        lines += ["", f"[{section}]"]
+        lines += [
+            f"{key} = {_toml_value(value)}" for key, value in data[section].items() if value is not None
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def save_config(config: LinearizeConfig, path: str | Path) -> Path:
+    """Write the resolved config as TOML, atomically."""
+    from dofla.io import write_text_atomic
+
+    return write_text_atomic(path, to_toml(config))
+
+
+def read_settings(path: str | Path) -> dict[str, Any]:
+    """The settings a TOML file holds, as a nested dict (not yet resolved)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as stream:
+            return tomllib.load(stream)
+    except OSError as error:
+        raise DoflaError(f"cannot read the config file {path}: {error.strerror or error}.") from error
+    except tomllib.TOMLDecodeError as error:
+        raise DoflaError(f"the config file {path} is not valid TOML: {error}.") from error
+
+
+def load_config(path: str | Path, **changes: Any) -> LinearizeConfig:
+    """The config a TOML file describes (a run's config.toml gives that run's config); ``changes`` (nested
+    like the file) win over it."""
+    return LinearizeConfig.from_dict(merge(read_settings(path), changes), source=str(path))
