@@ -25,12 +25,17 @@ import torch
 
 from dofla import dof
 from dofla.convert import convert, unconvert
-from dofla.data import load_texts, pack_token_sequences, sample_teacher_texts, split_train_heldout
+from dofla.data import (
+    load_texts,
+    pack_token_sequences,
+    parse_tokens,
+    sample_teacher_texts,
+    split_train_heldout,
+)
 from dofla.distill.trainer import DistillConfig, distill
 from dofla.evaluation.attention_error import attention_errors
 from dofla.evaluation.perplexity import perplexity as measure_perplexity
 from dofla.io import write_text_atomic
-from dofla.pipeline import parse_tokens
 
 
 def perplexity(model, sequences: torch.Tensor, batch_size: int) -> float:

@@ -27,12 +27,11 @@ from pathlib import Path
 import torch
 
 from dofla.convert import convert, plan_for, unconvert
-from dofla.data import load_texts, pack_token_sequences, split_train_heldout
+from dofla.data import cut_rows, load_texts, pack_token_sequences, parse_tokens, split_train_heldout
 from dofla.distill.trainer import DistillConfig, distill
 from dofla.evaluation.long_context import long_context_markdown, long_context_quality
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
-from dofla.pipeline import cut_rows, parse_tokens
 
 DEFAULT_VARIANTS = "linear:hedgehog:32:0.1,gla:hedgehog:32:0.999,gated_delta:projection:64:0.95"
 

@@ -25,19 +25,13 @@ from pathlib import Path
 import torch
 
 from dofla.convert import convert
-from dofla.data import load_texts, pack_token_sequences, split_train_heldout
+from dofla.data import load_texts, pack_token_sequences, parse_tokens, split_train_heldout
 from dofla.distill.lora import train_lora
 from dofla.distill.trainer import distill
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
-from dofla.pipeline import (
-    LinearizeConfig,
-    distill_config_for,
-    lora_config_for,
-    make_plan,
-    parse_tokens,
-    perplexity,
-)
+from dofla.pipeline import make_plan, perplexity
+from dofla.run_config import LinearizeConfig
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
@@ -105,26 +99,25 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = LinearizeConfig(
-        out_dir=str(out),
-        model=args.model,
-        recipe="lolcats",
-        data=args.data,
-        tokens=parse_tokens(args.tokens),
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        lora_tokens=parse_tokens(args.lora_tokens),
-        progress=False,
+    config = LinearizeConfig.from_dict(
+        dict(
+            out_dir=str(out),
+            recipe="lolcats",
+            progress=False,
+            teacher=dict(model=args.model),
+            data=dict(path=args.data, seq_len=args.seq_len),
+            distill=dict(tokens=parse_tokens(args.tokens), batch_size=args.batch_size),
+            lora=dict(tokens=parse_tokens(args.lora_tokens)),
+        )
     )
-    config.apply_recipe()
     config.validate()
     torch.manual_seed(config.seed)
-    loaded = load_teacher(config.model)
+    loaded = load_teacher(config.teacher.model)
     teacher, tokenizer = loaded.model, loaded.tokenizer
     teacher.eval()
-    sequences = pack_token_sequences(tokenizer, load_texts(config.data), config.seq_len)
-    train, heldout = split_train_heldout(sequences, config.heldout_fraction, config.seed)
-    reported = config.max_heldout_sequences if args.report_sequences is None else args.report_sequences
+    sequences = pack_token_sequences(tokenizer, load_texts(config.data.path), config.data.seq_len)
+    train, heldout = split_train_heldout(sequences, config.data.heldout_fraction, config.seed)
+    reported = config.data.heldout_sequences if args.report_sequences is None else args.report_sequences
     report, validation = heldout[:reported], heldout[reported : reported + args.validation_sequences]
     if len(validation) == 0:
         raise SystemExit("not enough held-out data for a validation split; give more text.")
@@ -138,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         train_sequences=len(train),
     )
     rows: list[dict] = []
-    header.update(distill_tokens=0, lora_tokens=config.lora_tokens)
+    header.update(distill_tokens=0, lora_tokens=config.lora.tokens)
     header.update(stage1_report_ppl=float("nan"), stage1_validation_ppl=float("nan"))
     if args.teacher_variants:
         teacher_snapshot = {name: tensor.detach().clone() for name, tensor in teacher.state_dict().items()}
@@ -150,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.variants:
         return
     model = convert(teacher, make_plan(config, teacher, train))
-    distilled = distill(model, train, validation, distill_config_for(config), None)  # no run folder
+    distilled = distill(model, train, validation, config.distill_config(), None)  # no run folder
     header.update(
         distill_tokens=distilled.tokens,
         stage1_report_ppl=perplexity(model, report, args.batch_size),
@@ -168,7 +161,7 @@ def run_variant(model, name, train, report, validation, config, header, rows, pr
     """Train LoRA variant ``name`` on ``model``; append its row; return the merged model."""
     lr, kl_weight, targets = VARIANTS[name]
     started = time.perf_counter()
-    lora = dataclasses.replace(lora_config_for(config), lr=lr, kl_weight=kl_weight, targets=targets)
+    lora = dataclasses.replace(config.lora_config(), lr=lr, kl_weight=kl_weight, targets=targets)
     model, _ = train_lora(model, train, lora)
     seconds = time.perf_counter() - started
     rows.append(
@@ -177,8 +170,8 @@ def run_variant(model, name, train, report, validation, config, header, rows, pr
             lr=lr,
             kl_weight=kl_weight,
             targets=targets,
-            validation_ppl=perplexity(model, validation, config.batch_size),
-            report_ppl=perplexity(model, report, config.batch_size),
+            validation_ppl=perplexity(model, validation, config.distill.batch_size),
+            report_ppl=perplexity(model, report, config.distill.batch_size),
             seconds=seconds,
         )
     )

@@ -23,6 +23,25 @@ def read_runs(folder: Path) -> dict[str, dict]:
     return runs
 
 
+def flat_config(config: dict) -> dict:
+    """The settings this table shows, from result.json's config: nested by section (dofla.run_config), or
+    flat in runs written before the sections."""
+    if "plan" not in config:
+        return config
+    plan, lora = config["plan"], config["lora"]
+    return dict(
+        allocation=plan["allocation"],
+        measure=plan["measure"],
+        kind=plan["kind"],
+        feature_map=config["student"]["feature_map"],
+        loss=config["distill"]["loss"],
+        lora=lora["enabled"],
+        lora_tokens=lora["tokens"],
+        lora_lr=lora["lr"],
+        lora_kl_weight=lora["kl_weight"],
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     folder = Path(argv[0])
@@ -36,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, result in runs.items():
-        config = result["config"]
+        config = flat_config(result["config"])
         allocation = config["allocation"] + (
             f" ({config['measure']})" if config["allocation"] != "fix" else ""
         )

@@ -10,9 +10,11 @@ import torch
 from test_distill import VOCAB, tiny_converted
 
 from dofla.convert import load_converted, unconvert
-from dofla.data import split_train_heldout
+from dofla.data import parse_tokens, split_train_heldout
 from dofla.errors import DoflaError
-from dofla.pipeline import LinearizeConfig, demo_config, linearize, parse_tokens, perplexity
+from dofla.pipeline import linearize, perplexity
+from dofla.recipes import demo_config
+from dofla.run_config import CONFIG_FILE, LinearizeConfig, LoraSettings, PlanSettings, load_config, merge
 
 LENGTH = 32
 
@@ -26,28 +28,26 @@ def sequences(count=24, seed=0):
 
 
 def config(tmp_path, **changes):
+    """A tiny run's config; ``changes`` nested by section like a config file (what they set, a recipe keeps)."""
     settings = dict(
         out_dir=str(tmp_path / "run"),
-        model="tiny-llama",
-        allocation="fix",
-        budget=8,
-        tokens=4 * LENGTH * 8,
-        seq_len=LENGTH,
-        eval_every=4,
-        checkpoint_every=4,
-        heldout_fraction=0.25,
         progress=False,
         command="dofla linearize tiny --test",
+        teacher=dict(model="tiny-llama"),
+        data=dict(seq_len=LENGTH, heldout_fraction=0.25),
+        plan=dict(allocation="fix", budget=8),
+        distill=dict(tokens=4 * LENGTH * 8, eval_every=4, checkpoint_every=4),
     )
-    settings.update(changes)
-    return LinearizeConfig(**settings)
+    return LinearizeConfig.from_dict(merge(settings, changes))
 
 
 def test_linearize_saves_evaluates_and_reports(tmp_path):
     teacher = tiny_teacher()
     data = sequences()
-    result = linearize(config(tmp_path), teacher=teacher, sequences=data)
+    settings = config(tmp_path)
+    result = linearize(settings, teacher=teacher, sequences=data)
     run = tmp_path / "run"
+    assert load_config(run / CONFIG_FILE) == settings  # the run's resolved settings, reloadable exactly
     assert result.report_path == run / "report.md" and result.out_dir == run / "model"
     report = result.report_path.read_text()
     assert (
@@ -83,12 +83,14 @@ def test_resume_after_a_finished_run_gives_the_same_students(tmp_path):
 
 
 def test_lolcats_recipe_runs_hybrid_output_mse_then_lora(tmp_path):
-    cfg = config(tmp_path, recipe="lolcats", lora_tokens=4 * LENGTH * 4, lora_lr=1e-3, budget=8)
+    cfg = config(tmp_path, recipe="lolcats", lora=dict(tokens=4 * LENGTH * 4))
     result = linearize(cfg, teacher=tiny_teacher(), sequences=sequences())
+    settings = json.loads((tmp_path / "run" / "result.json").read_text())["config"]
+    assert settings["plan"]["kind"] == "hybrid" and settings["distill"]["loss"] == "output_mse"
+    assert settings["plan"]["allocation"] == "fix" and settings["plan"]["budget"] == 8  # set here: kept
+    assert settings["lora"]["enabled"] is True
+    assert (settings["lora"]["lr"], settings["lora"]["kl_weight"]) == (3e-3, 1.0)
     summary = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert summary["config"]["kind"] == "hybrid" and summary["config"]["loss"] == "output_mse"
-    assert summary["config"]["lora"] is True
-    assert (summary["config"]["lora_lr"], summary["config"]["lora_kl_weight"]) == (3e-3, 1.0)
     assert "- LoRA stage: 512 tokens, rank 8, alpha 16, lr 0.003, KL weight" in result.report_path.read_text()
     _, _, plan = load_converted(result.out_dir)
     assert {layer.kind for layer in plan.layers} == {"hybrid"} and plan.layers[0].feature_map == "hedgehog"
@@ -96,11 +98,10 @@ def test_lolcats_recipe_runs_hybrid_output_mse_then_lora(tmp_path):
 
 
 def test_lora_baseline_is_reported_and_leaves_the_student_unchanged(tmp_path):
-    changes = dict(recipe="lolcats", lora_tokens=4 * LENGTH * 4, budget=8)
+    changes = dict(recipe="lolcats", lora=dict(tokens=4 * LENGTH * 4))
     plain = linearize(config(tmp_path / "a", **changes), teacher=tiny_teacher(), sequences=sequences())
-    result = linearize(
-        config(tmp_path / "b", lora_baseline=True, **changes), teacher=tiny_teacher(), sequences=sequences()
-    )
+    with_baseline = merge(changes, dict(lora=dict(baseline=True)))
+    result = linearize(config(tmp_path / "b", **with_baseline), teacher=tiny_teacher(), sequences=sequences())
     summary = json.loads((tmp_path / "b" / "run" / "result.json").read_text())
     # the baseline trains on a restored copy: the student comes out exactly as without it
     assert result.student_ppl == pytest.approx(plain.student_ppl, rel=1e-6)
@@ -116,10 +117,10 @@ def test_lora_baseline_is_reported_and_leaves_the_student_unchanged(tmp_path):
 @pytest.mark.parametrize(
     "changes, data, message",
     [
-        (dict(seq_len=512), sequences(), "--seq-len 512 is beyond the model's context of 128"),
-        (dict(tokens=0), sequences(), "token budget must be positive, got 0"),
+        (dict(data=dict(seq_len=512)), sequences(), "--seq-len 512 is beyond the model's context of 128"),
+        (dict(distill=dict(tokens=0)), sequences(), "token budget must be positive, got 0"),
         (dict(), sequences(1), "sequence"),
-        (dict(allocation="random"), sequences(), "unknown allocation 'random'"),
+        (dict(plan=dict(allocation="random")), sequences(), "unknown allocation 'random'"),
         (dict(recipe="nope"), sequences(), "unknown recipe 'nope'"),
     ],
 )
@@ -136,7 +137,7 @@ def test_parse_tokens_and_demo_config(tmp_path):
     with pytest.raises(DoflaError, match="cannot read the token count 'lots'"):
         parse_tokens("lots")
     demo = demo_config(tmp_path)
-    assert demo.model == "smollm2-135m" and demo.tokens > 0 and demo.out_dir == str(tmp_path)
+    assert demo.teacher.model == "smollm2-135m" and demo.distill.tokens > 0 and demo.out_dir == str(tmp_path)
 
 
 def test_command_parses_arguments():
@@ -147,11 +148,18 @@ def test_command_parses_arguments():
     args = parser.parse_args(
         ["linearize", "smollm2-135m", "--budget", "32", "--tokens", "1M", "--out", "x", "--recipe", "lolcats"]
     )
-    assert args.func is command.run and args.budget == 32 and args.tokens == "1M" and args.recipe == "lolcats"
+    given = vars(args)
+    assert args.func is command.run and given["plan.budget"] == "32" and given["distill.tokens"] == "1M"
+    assert (given["recipe"], given["teacher.model"]) == ("lolcats", "smollm2-135m")
+    assert command.config_from_args(args).distill.tokens == 1_000_000
 
 
 def test_dof_allocation_gives_a_plan_with_the_mean_budget(tmp_path):
-    cfg = config(tmp_path, allocation="dof", budget=8, dof_points=32, tokens=4 * LENGTH * 2, eval_every=0)
+    cfg = config(
+        tmp_path,
+        plan=dict(allocation="dof", budget=8, dof_points=32),
+        distill=dict(tokens=4 * LENGTH * 2, eval_every=0),
+    )
     result = linearize(cfg, teacher=tiny_teacher(), sequences=sequences())
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     dims = [layer["feature_dim"] for layer in plan["layers"]]
@@ -162,33 +170,36 @@ def test_dof_allocation_gives_a_plan_with_the_mean_budget(tmp_path):
 
 def test_explicit_options_win_over_the_recipe():
     from dofla.cli import build_parser
-    from dofla.pipeline import LinearizeConfig
+    from dofla.commands.linearize import config_from_args
 
+    # built directly: the names in overrides are kept from the recipe
     config = LinearizeConfig(
-        out_dir="x", recipe="dof-paper", allocation="fix", lora=True, overrides=["allocation", "lora"]
+        out_dir="x",
+        recipe="dof-paper",
+        plan=PlanSettings(allocation="fix"),
+        lora=LoraSettings(enabled=True),
+        overrides=["plan.allocation", "lora.enabled"],
     )
     config.apply_recipe()
-    assert (config.allocation, config.lora, config.loss, config.feature_map) == (
-        "fix",
-        True,
-        "softmax",
-        "learnable_prf",
-    )
+    assert (config.plan.allocation, config.lora.enabled) == ("fix", True)
+    assert (config.distill.loss, config.student.feature_map) == ("softmax", "learnable_prf")
     args = build_parser().parse_args(
         ["linearize", "--out", "x", "--recipe", "lolcats", "--allocation", "dof"]
     )
-    assert args.allocation == "dof" and args.kind is None and args.lora is None
-    from dofla.commands.linearize import config_from_args
-
+    assert (
+        vars(args)["plan.allocation"] == "dof"
+        and "plan.kind" not in vars(args)
+        and "lora.enabled" not in vars(args)
+    )
     recipe = config_from_args(args)
-    recipe.apply_recipe()
-    assert (recipe.allocation, recipe.lora_lr, recipe.lora_kl_weight) == ("dof", 3e-3, 1.0)
+    assert (recipe.plan.allocation, recipe.lora.lr, recipe.lora.kl_weight) == ("dof", 3e-3, 1.0)
     args = build_parser().parse_args(
         ["linearize", "--out", "x", "--recipe", "lolcats", "--lora-lr", "1e-4", "--lora-kl", "0"]
     )
     explicit = config_from_args(args)
-    explicit.apply_recipe()
-    assert (explicit.lora_lr, explicit.lora_kl_weight, explicit.kind) == (1e-4, 0.0, "hybrid")
+    assert (explicit.lora.lr, explicit.lora.kl_weight, explicit.plan.kind) == (1e-4, 0.0, "hybrid")
+    args = build_parser().parse_args(["linearize", "--out", "x", "--recipe", "lolcats", "--no-lora"])
+    assert config_from_args(args).lora.enabled is False  # a recipe's switch can be turned off too
 
 
 def test_the_demo_command_line_of_the_makefile_parses():
@@ -202,10 +213,12 @@ def test_long_context_recipe_evaluates_every_length_beside_the_window_baselines(
     """The gla recipe (window + sinks, a decay cell) at a short training length, measured at 2x that length."""
     teacher = tiny_teacher()
     data = torch.randint(0, VOCAB, (12, 2 * LENGTH), generator=torch.Generator().manual_seed(3))
-    settings = dict(
-        recipe="gla", window=4, eval_lengths=[2 * LENGTH], lora_tokens=2 * LENGTH, passkey_trials=0
+    settings = dict(  # seq_len, window and budget are set explicitly: the recipe keeps its hands off them
+        recipe="gla",
+        plan=dict(window=4),
+        evaluate=dict(lengths=[2 * LENGTH], passkey_trials=0),
+        lora=dict(tokens=2 * LENGTH),
     )
-    settings["overrides"] = ["seq_len", "window", "budget"]  # set explicitly: the recipe keeps its hands off
     result = linearize(config(tmp_path, **settings), teacher=teacher, sequences=data)
     summary = json.loads((tmp_path / "run" / "result.json").read_text())
     plan = load_converted(result.out_dir)[2]
@@ -223,7 +236,7 @@ def test_long_context_recipe_evaluates_every_length_beside_the_window_baselines(
 
 
 def test_rows_fall_back_to_the_longest_length_the_data_fills(tmp_path):
-    from dofla.pipeline import cut_rows, pack_rows
+    from dofla.data import cut_rows, pack_rows
 
     class Tokenizer:  # one token per character, no end-of-text token
         eos_token_id = None

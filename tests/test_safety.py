@@ -250,7 +250,7 @@ NOT_LOADED = "no-such-model"  # a refusal naming the option, not this missing mo
         (["--lr", "nan"], "learning rate must be a positive number, got nan"),
         (["--loss", "direct", "--kl-weight", "-1"], "the KL weight must be zero or positive"),
         (["--device", "tpu"], "unknown device 'tpu'"),
-        (["--lora-targets", "q_proj,,v_proj"], "--lora-targets must be comma-separated module names"),
+        (["--lora-targets", "q_proj,,v_proj"], "--lora-targets must be comma-separated names"),
         (["--eval-lengths", "1024,x"], "--eval-lengths must be comma-separated integers of at least 2"),
         (["--sinks", "-1"], "--sinks must be at least 0, got -1"),
         (["--cell", "nope"], "unknown cell 'nope'"),

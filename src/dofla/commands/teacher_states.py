@@ -82,11 +82,10 @@ def run(args: argparse.Namespace) -> int:
 def _write_states(args: argparse.Namespace, boundaries: list[int]) -> int:
     from pathlib import Path
 
-    from dofla.data import load_texts, pack_token_sequences, split_train_heldout
+    from dofla.data import context_length, load_texts, pack_token_sequences, split_train_heldout
     from dofla.distill.hidden_store import write_teacher_states
     from dofla.errors import DoflaError
     from dofla.models import load_teacher
-    from dofla.pipeline import context_length
 
     teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
     if teacher.tokenizer is None:
