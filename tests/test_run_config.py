@@ -1,0 +1,244 @@
+"""The run configuration tree: TOML round trip, recipes overlaid under explicit settings, flags generated from
+the fields, one-sentence refusals of unknown keys and wrong types, and the demo's settings unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dofla.cli import build_parser
+from dofla.commands.linearize import config_from_args
+from dofla.errors import DoflaError
+from dofla.recipes import RECIPES, demo_config
+from dofla.run_config import (
+    SECTIONS,
+    LinearizeConfig,
+    load_config,
+    save_config,
+    settings_of,
+    to_toml,
+)
+
+
+def parse(*arguments: str) -> LinearizeConfig:
+    return config_from_args(build_parser().parse_args(["linearize", *arguments]))
+
+
+def every_type_set() -> LinearizeConfig:
+    """A config where every kind of value is set away from its default, None included where allowed."""
+    return LinearizeConfig.from_dict(
+        dict(
+            out_dir="runs/x y",
+            recipe="gated-delta",
+            seed=3,
+            command='dofla linearize "quoted" \\ back',
+            teacher=dict(model="some/folder", dtype="bfloat16"),
+            data=dict(path="text é.jsonl", heldout_fraction=0.25),
+            plan=dict(layers=[0, 2], budget=16),
+            student=dict(cell_options={"window_factor": 0.5, "decay_memory": True, "name": "x"}),
+            distill=dict(tokens="3k", lr=1),
+            lora=dict(targets=["q_proj", "v_proj"], baseline=True),
+            evaluate=dict(lengths=[1024], passkey_lengths=[64]),
+        )
+    )
+
+
+@pytest.mark.parametrize("name", ["demo", "every type", *sorted(RECIPES)])
+def test_a_saved_config_loads_back_the_same(tmp_path, name):
+    if name == "demo":
+        config = demo_config(tmp_path)
+    elif name == "every type":
+        config = every_type_set()
+        assert (config.distill.tokens, config.distill.lr) == (
+            3000,
+            1.0,
+        )  # '3k' read, an int given for a float
+    else:
+        config = LinearizeConfig.from_dict(dict(out_dir=str(tmp_path), recipe=name))
+    path = save_config(config, tmp_path / "config.toml")
+    again = load_config(path)
+    assert again == config and again.to_dict() == config.to_dict()
+    assert to_toml(again) == path.read_text()
+
+
+def test_recipes_fill_only_what_is_not_set_explicitly(tmp_path):
+    lolcats = LinearizeConfig.from_dict(dict(out_dir="x", recipe="lolcats"))
+    assert (lolcats.plan.kind, lolcats.student.feature_map, lolcats.distill.loss) == (
+        "hybrid",
+        "hedgehog",
+        "output_mse",
+    )
+    assert (lolcats.lora.enabled, lolcats.lora.lr, lolcats.lora.kl_weight) == (True, 3e-3, 1.0)
+    # an explicit value wins even when it equals the default the recipe would replace
+    explicit = LinearizeConfig.from_dict(dict(out_dir="x", recipe="lolcats", plan=dict(kind="linear")))
+    assert explicit.plan.kind == "linear" and explicit.plan.window == 64
+    # from a file, and from flags over the file over the recipe
+    (tmp_path / "run.toml").write_text(
+        'out_dir = "from-file"\nrecipe = "lolcats"\n[lora]\nlr = 1e-4\n[distill]\ntokens = "2k"\nloss = "l2"\n'
+    )
+    from_file = load_config(tmp_path / "run.toml")
+    assert (from_file.lora.lr, from_file.distill.tokens, from_file.distill.loss) == (1e-4, 2000, "l2")
+    assert from_file.lora.kl_weight == 1.0  # not in the file: the recipe's
+    flags = parse("--config", str(tmp_path / "run.toml"), "--tokens", "5k", "--out", "from-flags")
+    assert (flags.distill.tokens, flags.out_dir, flags.lora.lr, flags.distill.loss) == (
+        5000,
+        "from-flags",
+        1e-4,
+        "l2",
+    )
+    other_recipe = parse("--config", str(tmp_path / "run.toml"), "--recipe", "dof-paper")
+    assert other_recipe.recipe == "dof-paper" and other_recipe.lora.enabled is False
+    assert other_recipe.distill.loss == "l2" and other_recipe.out_dir == "from-file"
+
+
+def test_every_setting_has_a_flag_and_every_documented_flag_still_works():
+    parser = next(
+        action for action in build_parser()._subparsers._group_actions if action.dest == "command"
+    ).choices["linearize"]
+    flags = {option for action in parser._actions for option in action.option_strings}
+    positionals = {action.dest for action in parser._actions if not action.option_strings}
+    without_flag = []
+    for setting in settings_of():
+        if not setting.field.metadata.get("cli", True):
+            without_flag.append(setting.key)
+        elif setting.flag.startswith("--"):
+            assert setting.flag in flags, setting.key
+        else:
+            assert setting.key in positionals, setting.key
+    assert without_flag == ["command"]  # recorded by the command itself
+    documented = (
+        "--out --recipe --budget --allocation --measure --feature-map --kind --window --cell --sinks "
+        "--eval-lengths --heldout-sequences --passkey-trials --loss --tokens --seq-len --batch-size --lr --data "
+        "--lora --lora-tokens --lora-rank --lora-alpha --lora-targets --lora-lr --lora-kl --lora-baseline "
+        "--kl-weight --eval-every --checkpoint-every --patience --seed --resume --overwrite --no-progress "
+        "--dtype --device --config"
+    )
+    assert set(documented.split()) <= flags
+
+
+def test_flags_read_every_kind_of_value():
+    config = parse(
+        "tiny-model",
+        "--out",
+        "o",
+        "--tokens",
+        "2M",
+        "--lora-tokens",
+        "200k",
+        "--layers",
+        "0,1",
+        "--lora-targets",
+        "q_proj, v_proj",
+        "--cell-options",
+        "window_factor=0.9,name=abc",
+        "--lr",
+        "1e-3",
+        "--no-progress",
+        "--lora",
+    )
+    assert (
+        config.teacher.model == "tiny-model"
+        and config.distill.tokens == 2_000_000
+        and config.lora.tokens == 200_000
+    )
+    assert config.plan.layers == [0, 1] and config.lora.targets == ["q_proj", "v_proj"]
+    assert config.student.cell_options == {"window_factor": 0.9, "name": "abc"}
+    assert (config.distill.lr, config.progress, config.lora.enabled) == (1e-3, False, True)
+    assert parse("--out", "o").teacher.model == "smollm2-135m"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[distill]\ntoknes = 5\n", "unknown setting 'toknes' in [distill] of"),
+        (
+            "[distill]\ntoknes = 5\n",
+            "valid ones: batch_size, checkpoint_every, eval_every, kl_weight, loss, lr",
+        ),
+        ("[model]\nname = 'x'\n", "unknown setting 'model' at the top of"),
+        ("lora = 3\n", "[lora] in"),
+        (
+            "[distill]\nbatch_size = 1.5\n",
+            "--batch-size (batch_size in [distill]) must be an integer, got 1.5",
+        ),
+        ("[distill]\ntokens = 'lots'\n", "--tokens must be a positive number of tokens like 2M"),
+        ("[plan]\nlayers = [0, 'a']\n", "--layers (layers in [plan]) must be a list of int"),
+        ("[lora]\nenabled = 'yes'\n", "--lora (enabled in [lora]) must be true or false"),
+        ("out_dir = 'x'\n[distill]\n", None),
+        ("[data]\n", "no output folder: pass --out DIR or set out_dir"),
+        ("out_dir = 'x'\n[distill\n", "is not valid TOML"),
+    ],
+)
+def test_a_config_file_with_a_mistake_is_one_sentence(tmp_path, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    if message is None:
+        assert load_config(path).out_dir == "x"
+        return
+    with pytest.raises(DoflaError) as error:
+        load_config(path)
+    assert message in str(error.value)
+    if "unknown setting" in message:
+        assert str(path) in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(plan=dict(sinks=-1)), "--sinks must be at least 0, got -1"),
+        (dict(plan=dict(layers=[0, -2])), "--layers must be at least 0, got -2"),
+        (dict(student=dict(feature_map="nope")), "unknown feature map 'nope'; choose one of:"),
+        (dict(distill=dict(loss="kl")), "unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax."),
+        (dict(plan=dict(measure="nope")), "unknown measure 'nope'"),
+        (dict(data=dict(heldout_fraction=1.0)), "the held-out fraction must lie in (0, 1), got 1.0"),
+        (dict(resume=True, overwrite=True), "pass only one"),
+        (dict(lora=dict(enabled=True, lr=0)), "--lora-lr must be a positive number, got 0"),
+    ],
+)
+def test_validation_names_the_setting(settings, message):
+    config = LinearizeConfig.from_dict(dict(out_dir="x", **settings))
+    with pytest.raises(DoflaError) as error:
+        config.validate()
+    assert message in str(error.value)
+
+
+def test_the_trainers_settings_come_from_their_sections_by_name():
+    from dofla.distill.lora import LoraConfig
+    from dofla.distill.trainer import DistillConfig
+
+    distill_names = {item.name for item in dataclasses.fields(DistillConfig)}
+    lora_names = {item.name for item in dataclasses.fields(LoraConfig)}
+    assert {item.name for item in dataclasses.fields(SECTIONS["distill"])} <= distill_names
+    assert {item.name for item in dataclasses.fields(SECTIONS["lora"])} - lora_names == {
+        "enabled",
+        "baseline",
+    }
+    config = every_type_set()
+    distill, lora = config.distill_config(), config.lora_config()
+    assert (distill.tokens, distill.lr, distill.seed, distill.progress) == (3000, 1.0, 3, True)
+    assert (lora.targets, lora.batch_size, lora.seed, lora.lr) == (["q_proj", "v_proj"], 4, 3, 3e-3)
+
+
+# The demo's settings before the config tree (dofla.pipeline.demo_config, flat), by their new names.
+OLD_DEMO = {
+    "out_dir": "OUT", "teacher.model": "smollm2-135m", "recipe": "gla", "plan.budget": 32,
+    "plan.allocation": "dof", "plan.measure": "dof", "student.feature_map": "hedgehog", "plan.kind": "hybrid",
+    "student.cell": "gla", "plan.window": 64, "plan.sinks": 4, "student.cell_options": {"window_factor": 0.999},
+    "plan.layers": None, "distill.loss": "output_mse", "distill.tokens": 12000, "data.seq_len": 512,
+    "distill.batch_size": 2, "distill.lr": 0.01, "distill.eval_every": 6, "distill.checkpoint_every": 3,
+    "distill.patience": 0, "data.path": None, "data.heldout_fraction": 0.1, "data.heldout_sequences": 8,
+    "plan.dof_points": 256, "plan.dof_batches": 1, "data.sampled_texts": 32, "data.sampled_tokens": 128,
+    "lora.enabled": True, "lora.tokens": 10000, "lora.rank": 8, "lora.alpha": 16, "lora.targets": None,
+    "lora.lr": 0.003, "lora.kl_weight": 1.0, "lora.baseline": True, "distill.kl_weight": 0.0,
+    "evaluate.error_sequences": 8, "evaluate.passkey_lengths": [256, 1024], "evaluate.passkey_trials": 1,
+    "evaluate.lengths": [1024], "seed": 0, "teacher.dtype": None, "teacher.device": None, "resume": False,
+    "overwrite": False, "progress": True,
+}  # fmt: skip
+
+
+def test_the_demo_resolves_to_the_same_settings_as_before():
+    demo = demo_config("OUT")
+    assert {
+        setting.key: demo.get(setting.key) for setting in settings_of() if setting.key != "command"
+    } == OLD_DEMO
