@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from dofla import dof
+from dofla.config import ConversionPlan
+from dofla.distill import distributed
 from dofla.errors import DoflaError
 from dofla.evaluation.long_context import long_context_markdown, long_context_quality, plot_loss_by_position
 from dofla.evaluation.passkey import passkey_comparison, passkey_markdown
@@ -484,8 +486,12 @@ def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences
 
 def linearize(
     config: LinearizeConfig, *, teacher=None, tokenizer=None, sequences: torch.Tensor | None = None
-) -> LinearizeResult:
+) -> LinearizeResult | None:
     """Run the whole pipeline as ``config`` says; returns where things are and the two perplexities.
+
+    Under ``torchrun`` (several processes) distillation is data-parallel: rank 0 prepares the data and the
+    plan and shares them, every rank trains on its slice of each batch, and rank 0 alone evaluates, saves
+    and returns the result (the other ranks return None).
 
     teacher/tokenizer: an already loaded model (else ``dofla.models.load_teacher(config.model)``);
     sequences (N, T): already packed token ids (else read from ``config.data`` or sampled from the teacher).
@@ -497,14 +503,23 @@ def linearize(
     config.validate()
     inputs = [config.data] + ([config.model] if teacher is None else [])
     outputs.check_output_folder(config.out_dir, RUN_KIND, inputs=inputs)
-    with outputs.output_lock(config.out_dir):
-        out_dir = open_run_folder(config)
-        return _run_stages(config, out_dir, teacher=teacher, tokenizer=tokenizer, sequences=sequences)
+    with distributed.process_group_from_environment(config.device) as world_size:
+        if config.batch_size % world_size:
+            raise DoflaError(
+                f"--batch-size {config.batch_size} is not divisible by the {world_size} processes; "
+                f"use a multiple of {world_size}."
+            )
+        if distributed.rank_and_world_size()[0] != 0:  # a helper rank: trains its slice, writes nothing
+            out_dir = Path(config.out_dir).expanduser().resolve()
+            return _run_stages(config, out_dir, teacher=teacher, tokenizer=tokenizer, sequences=sequences)
+        with outputs.output_lock(config.out_dir):
+            out_dir = open_run_folder(config)
+            return _run_stages(config, out_dir, teacher=teacher, tokenizer=tokenizer, sequences=sequences)
 
 
 def _run_stages(
     config: LinearizeConfig, out_dir: Path, *, teacher, tokenizer, sequences: torch.Tensor | None
-) -> LinearizeResult:
+) -> LinearizeResult | None:
     """The stages of :func:`linearize`, in its checked and locked ``out_dir``."""
     from dofla.convert import check_finite_model, convert, save_converted, students, teacher_fingerprint
     from dofla.distill.lora import train_lora
@@ -536,9 +551,14 @@ def _run_stages(
             f"--seq-len {config.seq_len} is beyond the model's context of {limit} tokens; use at most {limit}."
         )
     lengths = evaluation_lengths(config, limit)
-    if sequences is None:
-        texts, data_source = load_texts_for(config, teacher, tokenizer, out_dir / "data_cache")
-        sequences = pack_rows(tokenizer, texts, lengths, config.seq_len)
+    rank, processes = distributed.rank_and_world_size()
+    if sequences is None:  # under torchrun rank 0 reads (or samples) the text and shares the packed rows
+        texts, data_source = (
+            load_texts_for(config, teacher, tokenizer, out_dir / "data_cache") if rank == 0 else ([], "")
+        )
+        sequences = distributed.share_tensor(
+            pack_rows(tokenizer, texts, lengths, config.seq_len) if rank == 0 else None
+        )
     else:
         data_source = f"{len(sequences)} packed sequences given by the caller"
         if sequences.shape[1] > (limit or sequences.shape[1]):
@@ -566,11 +586,13 @@ def _run_stages(
     lap("data")
 
     baseline_ppl = None
-    if config.lora and config.lora_baseline:
+    if config.lora and config.lora_baseline and rank == 0:
         baseline_ppl = lora_adapted_teacher_perplexity(teacher, train, heldout, lora_config_for(config))
         lap("LoRA baseline (teacher)")
 
-    plan = make_plan(config, teacher, train)
+    plan = make_plan(config, teacher, train) if rank == 0 else None
+    if distributed.is_distributed():  # rank 0 measured the plan; every rank converts by the same one
+        plan = ConversionPlan.from_dict(distributed.share_json(plan.to_dict() if rank == 0 else None))
     lap("plan (DoF estimate)" if "measure" in plan.metadata else "plan")
     # The unconverted teacher, for the side-by-side evaluation: conversion works in place and LoRA merges
     # into the shared projections, so the teacher cannot be recovered from the student afterwards.
@@ -580,6 +602,8 @@ def _run_stages(
     run_dir = out_dir / "distill"
     distilled = distill(model, train, heldout, distill_config_for(config), run_dir, resume=config.resume)
     lap("distill")
+    if rank != 0:  # rank 0 evaluates and saves; the students are the same on every rank
+        return None
     history = list(distilled.history)
 
     if config.lora:
@@ -654,6 +678,7 @@ def _run_stages(
         train_sequences=len(train),
         heldout_sequences=len(heldout),
         distill_tokens=distilled.tokens,
+        distill_processes=processes,
         distill_steps=distilled.steps,
         skipped_steps=distilled.skipped_steps,
         stopped_early=distilled.stopped_early,
