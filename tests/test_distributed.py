@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -90,3 +92,42 @@ def test_layer_sharded_training_equals_all_layers_at_once():
         torch.testing.assert_close(shards[index].state_dict(), student.state_dict(), rtol=1e-6, atol=1e-7)
     with pytest.raises(DoflaError, match=r"layers \[5\] are not converted layers"):
         distill(tiny_converted(), token_data(), token_data(8, seed=1), config, layers=[5])
+
+
+def test_linearize_on_two_processes_from_the_command_line_equals_one_process(tmp_path, capsys):
+    """`dofla linearize --nproc 2` runs torchrun (gloo): the saved students equal a one-process run's."""
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from dofla.cli import main
+    from dofla.models.tiny import save_tiny_model_folder
+
+    teacher = save_tiny_model_folder("llama", tmp_path / "teacher")
+    text = tmp_path / "text.txt"
+    text.write_text(
+        "\n".join(f"Line {i} of the text tells of rivers, hills and {i % 7} towns." for i in range(80))
+    )
+    run = ["linearize", str(teacher), "--data", str(text), "--allocation", "fix", "--budget", "4"]
+    run += ["--seq-len", "32", "--tokens", "1024", "--batch-size", "4", "--eval-every", "2", "--no-progress"]
+    run += ["--eval-lengths", "32", "--passkey-trials", "0"]
+
+    assert main([*run, "--out", str(tmp_path / "ddp"), "--nproc", "3"]) == 1  # checked before any work
+    assert "--batch-size 4 is not divisible by --nproc 3" in capsys.readouterr().err
+
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dofla", *run, "--out", str(tmp_path / "ddp"), "--nproc", "2"]
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert finished.stdout.count("held-out perplexity") == 1  # rank 0 alone reports
+    assert main([*run, "--out", str(tmp_path / "single")]) == 0
+
+    ddp = load_file(tmp_path / "ddp" / "model" / "model.safetensors")
+    single = load_file(tmp_path / "single" / "model" / "model.safetensors")
+    students = [name for name in single if "dofla_student" in name]
+    assert students and ddp.keys() == single.keys()
+    for name in students:
+        torch.testing.assert_close(ddp[name], single[name], rtol=1e-4, atol=1e-5)
+    for run_name, processes in (("ddp", 2), ("single", 1)):
+        summary = json.loads((tmp_path / run_name / "result.json").read_text())
+        assert summary["distill_processes"] == processes and summary["distill_steps"] == 1024 // (4 * 32)

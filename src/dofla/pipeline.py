@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from dofla import dof, report
+from dofla.config import ConversionPlan
+from dofla.distill import distributed
 from dofla.errors import DoflaError
 from dofla.run_config import CONFIG_FILE, LinearizeConfig, save_config
 
@@ -86,8 +88,12 @@ class Timings(dict):
 
 def linearize(
     config: LinearizeConfig, *, teacher=None, tokenizer=None, sequences: torch.Tensor | None = None
-) -> LinearizeResult:
+) -> LinearizeResult | None:
     """Run the whole pipeline as ``config`` says; returns where things are and the two perplexities.
+
+    Under ``torchrun`` (several processes) distillation is data-parallel: rank 0 prepares the data and the
+    plan and shares them, every rank trains on its slice of each batch, and rank 0 alone evaluates, saves
+    and returns the result (the other ranks return None).
 
     teacher/tokenizer: an already loaded model (else ``dofla.models.load_teacher(config.teacher.model)``);
     sequences (N, T): already packed token ids (else read from ``config.data.path`` or sampled from the
@@ -100,16 +106,25 @@ def linearize(
     config.validate()
     inputs = [config.data.path] + ([config.teacher.model] if teacher is None else [])
     outputs.check_output_folder(config.out_dir, RUN_KIND, inputs=inputs)
-    with outputs.output_lock(config.out_dir):
-        out_dir = open_run_folder(config)
-        save_config(config, out_dir / CONFIG_FILE)
-        return run_stages(config, out_dir, teacher=teacher, tokenizer=tokenizer, sequences=sequences)
+    with distributed.process_group_from_environment(config.teacher.device) as world_size:
+        if config.distill.batch_size % world_size:
+            raise DoflaError(
+                f"--batch-size {config.distill.batch_size} is not divisible by the {world_size} processes; "
+                f"use a multiple of {world_size}."
+            )
+        if distributed.rank_and_world_size()[0] != 0:  # a helper rank: trains its slice, writes nothing
+            out_dir = Path(config.out_dir).expanduser().resolve()
+            return run_stages(config, out_dir, teacher=teacher, tokenizer=tokenizer, sequences=sequences)
+        with outputs.output_lock(config.out_dir):
+            out_dir = open_run_folder(config)
+            save_config(config, out_dir / CONFIG_FILE)
+            return run_stages(config, out_dir, teacher=teacher, tokenizer=tokenizer, sequences=sequences)
 
 
 def run_stages(
     config: LinearizeConfig, out_dir: Path, *, teacher, tokenizer, sequences: torch.Tensor | None
-) -> LinearizeResult:
-    """The stages of :func:`linearize`, in its checked and locked ``out_dir``."""
+) -> LinearizeResult | None:
+    """The stages of :func:`linearize`, in its checked and locked ``out_dir`` (None on a helper rank)."""
     from dofla.convert import check_finite_model, convert, save_converted, students, teacher_fingerprint
     from dofla.distill.lora import train_lora
     from dofla.distill.trainer import distill
@@ -123,14 +138,17 @@ def run_stages(
     data = prepare_data(config, teacher, tokenizer, sequences, out_dir / "data_cache")
     timings.lap("data")
 
+    rank, processes = distributed.rank_and_world_size()
     baseline_ppl = None
-    if config.lora.enabled and config.lora.baseline:
+    if config.lora.enabled and config.lora.baseline and rank == 0:
         baseline_ppl = lora_adapted_teacher_perplexity(
             teacher, data.train, data.heldout, config.lora_config()
         )
         timings.lap("LoRA baseline (teacher)")
 
-    plan = make_plan(config, teacher, data.train)
+    plan = make_plan(config, teacher, data.train) if rank == 0 else None
+    if distributed.is_distributed():  # rank 0 measured the plan; every rank converts by the same one
+        plan = ConversionPlan.from_dict(distributed.share_json(plan.to_dict() if rank == 0 else None))
     timings.lap("plan (DoF estimate)" if "measure" in plan.metadata else "plan")
     # The unconverted teacher, for the side-by-side evaluation: conversion works in place and LoRA merges
     # into the shared projections, so the teacher cannot be recovered from the student afterwards.
@@ -141,6 +159,8 @@ def run_stages(
         model, data.train, data.heldout, distill_config, out_dir / "distill", resume=config.resume
     )
     timings.lap("distill")
+    if rank != 0:  # rank 0 evaluates and saves; the students are the same on every rank
+        return None
     history = list(distilled.history)
     if config.lora.enabled:
         model, lora_result = train_lora(model, data.train, config.lora_config())
@@ -182,6 +202,7 @@ def run_stages(
         table=table,
         timings=result.timings,
         lora_teacher_ppl=baseline_ppl,
+        processes=processes,
     )
     report.write_run_outputs(out_dir, result, summary, config, plan, history)
     return result
@@ -258,9 +279,12 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
             f"--seq-len {seq_len} is beyond the model's context of {limit} tokens; use at most {limit}."
         )
     lengths = evaluation_lengths(config, limit)
-    if sequences is None:
-        texts, source = load_texts_for(config, model, tokenizer, cache_dir)
-        sequences = pack_rows(tokenizer, texts, lengths, seq_len)
+    rank = distributed.rank_and_world_size()[0]
+    if sequences is None:  # under torchrun rank 0 reads (or samples) the text and shares the packed rows
+        texts, source = load_texts_for(config, model, tokenizer, cache_dir) if rank == 0 else ([], "")
+        sequences = distributed.share_tensor(
+            pack_rows(tokenizer, texts, lengths, seq_len) if rank == 0 else None
+        )
     else:
         source = f"{len(sequences)} packed sequences given by the caller"
         if sequences.shape[1] > (limit or sequences.shape[1]):

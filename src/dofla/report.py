@@ -45,6 +45,7 @@ def run_summary(
     table: list[dict],
     timings: dict[str, float],
     lora_teacher_ppl: float | None,
+    processes: int = 1,
 ) -> dict[str, Any]:
     """The data of result.json: the resolved config (by section) and every number the run measured."""
     errors = evaluation.layer_errors
@@ -59,6 +60,7 @@ def run_summary(
         train_sequences=len(data.train),
         heldout_sequences=len(data.heldout),
         distill_tokens=distilled.tokens,
+        distill_processes=processes,
         distill_steps=distilled.steps,
         skipped_steps=distilled.skipped_steps,
         stopped_early=distilled.stopped_early,

@@ -24,6 +24,13 @@ def register(subparsers) -> None:
         ),
     )
     add_config_arguments(parser)
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="train data-parallel on N local processes (launches torchrun; same as "
+        "`torchrun --nproc-per-node N -m dofla linearize ...`)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -37,10 +44,46 @@ def config_from_args(args: argparse.Namespace):
     return LinearizeConfig.from_dict(settings, source=args.config or "the command line")
 
 
+def without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` without ``option VALUE`` / ``option=VALUE``."""
+    kept, skip = [], False
+    for argument in argv:
+        if skip:
+            skip = False
+        elif argument == option:
+            skip = True
+        elif not argument.startswith(option + "="):
+            kept.append(argument)
+    return kept
+
+
+def launch(args: argparse.Namespace, config) -> int:
+    """Run this same command on ``--nproc`` local processes under ``torchrun`` (data-parallel distillation)."""
+    import subprocess
+
+    from dofla.distill.distributed import torchrun_command
+    from dofla.errors import DoflaError
+
+    if config.distill.batch_size % args.nproc:
+        raise DoflaError(
+            f"--batch-size {config.distill.batch_size} is not divisible by --nproc {args.nproc}; "
+            f"use a multiple of {args.nproc}."
+        )
+    return subprocess.call(torchrun_command(args.nproc, without_option(sys.argv[1:], "--nproc")))
+
+
 def run(args: argparse.Namespace) -> int:
+    from dofla.commands._common import check_at_least
+    from dofla.distill.distributed import environment_world_size
     from dofla.pipeline import linearize
 
-    result = linearize(config_from_args(args))
+    check_at_least("--nproc", args.nproc, 1)
+    config = config_from_args(args)
+    if args.nproc > 1 and environment_world_size() == 1:
+        return launch(args, config)
+    result = linearize(config)
+    if result is None:  # a helper rank under torchrun: rank 0 prints the result
+        return 0
     print(f"held-out perplexity: teacher {result.teacher_ppl:.3f}, student {result.student_ppl:.3f}")
     if result.lora_teacher_ppl is not None:
         print(f"teacher after the same LoRA stage: {result.lora_teacher_ppl:.3f}")
