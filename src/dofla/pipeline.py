@@ -126,7 +126,6 @@ def run_stages(
 ) -> LinearizeResult | None:
     """The stages of :func:`linearize`, in its checked and locked ``out_dir`` (None on a helper rank)."""
     from dofla.convert import check_finite_model, convert, save_converted, students, teacher_fingerprint
-    from dofla.distill.lora import train_lora
     from dofla.distill.trainer import distill
 
     timings = Timings()
@@ -137,7 +136,6 @@ def run_stages(
     teacher_weights = teacher_fingerprint(teacher) if config.lora.enabled else None  # LoRA changes them
     data = prepare_data(config, teacher, tokenizer, sequences, out_dir / "data_cache")
     timings.lap("data")
-
     rank, processes = distributed.rank_and_world_size()
     baseline_ppl = None
     if config.lora.enabled and config.lora.baseline and rank == 0:
@@ -145,29 +143,23 @@ def run_stages(
             teacher, data.train, data.heldout, config.lora_config()
         )
         timings.lap("LoRA baseline (teacher)")
-
-    plan = make_plan(config, teacher, data.train) if rank == 0 else None
-    if distributed.is_distributed():  # rank 0 measured the plan; every rank converts by the same one
-        plan = ConversionPlan.from_dict(distributed.share_json(plan.to_dict() if rank == 0 else None))
+    plan = shared_plan(config, teacher, data.train)
     timings.lap("plan (DoF estimate)" if "measure" in plan.metadata else "plan")
     # The unconverted teacher, for the side-by-side evaluation: conversion works in place and LoRA merges
     # into the shared projections, so the teacher cannot be recovered from the student afterwards.
     reference = copy.deepcopy(teacher)
     model = convert(teacher, plan)
-    distill_config = config.distill_config()
     distilled = distill(
-        model, data.train, data.heldout, distill_config, out_dir / "distill", resume=config.resume
+        model, data.train, data.heldout, config.distill_config(), out_dir / "distill", resume=config.resume
     )
     timings.lap("distill")
     if rank != 0:  # rank 0 evaluates and saves; the students are the same on every rank
         return None
     history = list(distilled.history)
     if config.lora.enabled:
-        model, lora_result = train_lora(model, data.train, config.lora_config())
-        history.extend(lora_result.history)
+        model, history = lora_stage(config, model, data.train, history)
         timings.lap("lora")
     check_finite_model(model, data.heldout[: config.distill.batch_size], what="the trained student")  # no NaN
-
     evaluation = evaluate_student(config, reference, model, tokenizer, data, timings)
     del reference
     model_dir = save_converted(
@@ -179,7 +171,38 @@ def run_stages(
         teacher_weights=teacher_weights,
     )
     timings.lap("save")
+    return write_results(
+        config,
+        out_dir,
+        model_dir,
+        plan,
+        data,
+        distilled,
+        evaluation,
+        history=history,
+        timings=dict(timings),
+        converted_layers=sorted(students(model)),
+        baseline_ppl=baseline_ppl,
+        processes=processes,
+    )
 
+
+def write_results(
+    config: LinearizeConfig,
+    out_dir: Path,
+    model_dir: Path,
+    plan: ConversionPlan,
+    data: RunData,
+    distilled,
+    evaluation: Evaluation,
+    *,
+    history: list[dict],
+    timings: dict[str, float],
+    converted_layers: list[int],
+    baseline_ppl: float | None,
+    processes: int,
+) -> LinearizeResult:
+    """The run's :class:`LinearizeResult`, and its plan.json, result.json, plots and report.md."""
     table = report.plan_table(plan)
     result = LinearizeResult(
         out_dir=model_dir,
@@ -188,7 +211,7 @@ def run_stages(
         student_ppl=evaluation.student_ppl,
         run_dir=out_dir,
         plan_table=table,
-        timings=dict(timings),
+        timings=timings,
         data_source=data.source,
         train_tokens=distilled.tokens,
         lora_teacher_ppl=baseline_ppl,
@@ -198,7 +221,7 @@ def run_stages(
         data,
         distilled,
         evaluation,
-        converted_layers=sorted(students(model)),
+        converted_layers=converted_layers,
         table=table,
         timings=result.timings,
         lora_teacher_ppl=baseline_ppl,
@@ -371,6 +394,23 @@ def make_plan(config: LinearizeConfig, model, train: torch.Tensor):
         sinks=plan.sinks,
         options=dict(config.student.cell_options),
     )
+
+
+def shared_plan(config: LinearizeConfig, model, train: torch.Tensor) -> ConversionPlan:
+    """:func:`make_plan` on rank 0; under torchrun the other ranks receive it, so all convert alike."""
+    rank = distributed.rank_and_world_size()[0]
+    plan = make_plan(config, model, train) if rank == 0 else None
+    if distributed.is_distributed():
+        plan = ConversionPlan.from_dict(distributed.share_json(plan.to_dict() if rank == 0 else None))
+    return plan
+
+
+def lora_stage(config: LinearizeConfig, model, train: torch.Tensor, history: list[dict]):
+    """Stage 2, LoRA merged into the weights: (the model, ``history`` with the stage's records added)."""
+    from dofla.distill.lora import train_lora
+
+    model, result = train_lora(model, train, config.lora_config())
+    return model, [*history, *result.history]
 
 
 def perplexity(model, sequences: torch.Tensor, batch_size: int = 4) -> float:

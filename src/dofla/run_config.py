@@ -325,10 +325,6 @@ class LinearizeConfig:
         )
         plan.validate(0, 1, 1)
         check_kernel_loss(self.distill.loss, self.student.cell, self.plan.sinks)
-        if self.distill.tokens <= 0:
-            raise DoflaError(
-                f"the token budget must be positive, got {self.distill.tokens}; pass e.g. --tokens 2M."
-            )
         if not 0 < self.data.heldout_fraction < 1:
             raise DoflaError(f"the held-out fraction must lie in (0, 1), got {self.data.heldout_fraction}.")
         resolve_dtype(self.teacher.dtype, resolve_device(self.teacher.device))

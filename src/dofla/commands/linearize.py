@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     check_at_least("--nproc", args.nproc, 1)
     config = config_from_args(args)
     if args.nproc > 1 and environment_world_size() == 1:
+        config.validate()  # refused here, not once per process
         return launch(args, config)
     result = linearize(config)
     if result is None:  # a helper rank under torchrun: rank 0 prints the result
