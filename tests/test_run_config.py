@@ -76,6 +76,7 @@ def test_recipes_fill_only_what_is_not_set_explicitly(tmp_path):
     # from a file, and from flags over the file over the recipe
     (tmp_path / "run.toml").write_text(
         'out_dir = "from-file"\nrecipe = "lolcats"\n[lora]\nlr = 1e-4\n[distill]\ntokens = "2k"\nloss = "l2"\n'
+        '[teacher]\nmodel = "file-model"\n'
     )
     from_file = load_config(tmp_path / "run.toml")
     assert (from_file.lora.lr, from_file.distill.tokens, from_file.distill.loss) == (1e-4, 2000, "l2")
@@ -87,6 +88,8 @@ def test_recipes_fill_only_what_is_not_set_explicitly(tmp_path):
         1e-4,
         "l2",
     )
+    assert flags.teacher.model == "file-model"  # the positional was not given: the file's
+    assert parse("cli-model", "--config", str(tmp_path / "run.toml")).teacher.model == "cli-model"
     other_recipe = parse("--config", str(tmp_path / "run.toml"), "--recipe", "dof-paper")
     assert other_recipe.recipe == "dof-paper" and other_recipe.lora.enabled is False
     assert other_recipe.distill.loss == "l2" and other_recipe.out_dir == "from-file"
