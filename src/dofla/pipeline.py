@@ -91,9 +91,11 @@ def linearize(
 ) -> LinearizeResult | None:
     """Run the whole pipeline as ``config`` says; returns where things are and the two perplexities.
 
-    Under ``torchrun`` (several processes) distillation is data-parallel: rank 0 prepares the data and the
-    plan and shares them, every rank trains on its slice of each batch, and rank 0 alone evaluates, saves
-    and returns the result (the other ranks return None).
+    Under ``torchrun`` (several processes) rank 0 prepares the data and the plan and shares them; then, by
+    ``distill.sharding``, every rank trains all layers on its slice of each batch ("data") or its own block
+    of converted layers on whole batches, optionally from stored teacher states ("layers"; rank 0 then
+    gathers every block's students); rank 0 alone runs LoRA, evaluates, saves and returns the result (the
+    other ranks return None).
 
     teacher/tokenizer: an already loaded model (else ``dofla.models.load_teacher(config.teacher.model)``);
     sequences (N, T): already packed token ids (else read from ``config.data.path`` or sampled from the
@@ -107,7 +109,9 @@ def linearize(
     inputs = [config.data.path] + ([config.teacher.model] if teacher is None else [])
     outputs.check_output_folder(config.out_dir, RUN_KIND, inputs=inputs)
     with distributed.process_group_from_environment(config.teacher.device) as world_size:
-        if config.distill.batch_size % world_size:
+        if layer_sharding(config):
+            check_layer_sharding_early(config, world_size)
+        elif config.distill.batch_size % world_size:
             raise DoflaError(
                 f"--batch-size {config.distill.batch_size} is not divisible by the {world_size} processes; "
                 f"use a multiple of {world_size}."
@@ -126,17 +130,19 @@ def run_stages(
 ) -> LinearizeResult | None:
     """The stages of :func:`linearize`, in its checked and locked ``out_dir`` (None on a helper rank)."""
     from dofla.convert import check_finite_model, convert, save_converted, students, teacher_fingerprint
-    from dofla.distill.trainer import distill
 
     timings = Timings()
     torch.manual_seed(config.seed)
+    rank, processes = distributed.rank_and_world_size()
     teacher, tokenizer = load_teacher_for(config, teacher, tokenizer)
     timings.lap("load teacher")
     check_teacher_for_run(config, teacher, tokenizer, sequences)
+    if layer_sharding(config):  # the layers the plan will convert, before the data and the plan
+        check_layer_sharding(config, config.plan.layers or range(get_num_layers(teacher)), processes)
     teacher_weights = teacher_fingerprint(teacher) if config.lora.enabled else None  # LoRA changes them
     data = prepare_data(config, teacher, tokenizer, sequences, out_dir / "data_cache")
+    stores = checked_layer_stores(config, teacher, data) if config.distill.teacher_states else None
     timings.lap("data")
-    rank, processes = distributed.rank_and_world_size()
     baseline_ppl = None
     if config.lora.enabled and config.lora.baseline and rank == 0:
         baseline_ppl = lora_adapted_teacher_perplexity(
@@ -149,11 +155,9 @@ def run_stages(
     # into the shared projections, so the teacher cannot be recovered from the student afterwards.
     reference = copy.deepcopy(teacher)
     model = convert(teacher, plan)
-    distilled = distill(
-        model, data.train, data.heldout, config.distill_config(), out_dir / "distill", resume=config.resume
-    )
+    distilled = distill_stage(config, model, data, out_dir, stores)
     timings.lap("distill")
-    if rank != 0:  # rank 0 evaluates and saves; the students are the same on every rank
+    if rank != 0:  # rank 0 evaluates and saves; it holds every rank's trained students
         return None
     history = list(distilled.history)
     if config.lora.enabled:
@@ -250,9 +254,12 @@ def open_run_folder(config: LinearizeConfig) -> Path:
         if (out_dir / "model").exists():
             outputs.remove_tree_if_ours(out_dir / "model", MODEL_KIND)
         outputs.remove_known_files(out_dir, RUN_FILES)
-        discard_run(run_dir)
+        for folder in [run_dir, *sorted(run_dir.glob("rank-*"))]:  # layer sharding's other ranks too
+            discard_run(folder)
     finished = [name for name in ("model", *RESULT_FILES) if (out_dir / name).exists()]
-    check_run_folder(run_dir, config.resume)
+    processes = distributed.rank_and_world_size()[1] if layer_sharding(config) else 1
+    for rank in range(processes):  # with layer sharding every rank resumes from its own checkpoints
+        check_run_folder(rank_run_dir(out_dir, rank), config.resume)
     if finished and not config.resume:
         raise DoflaError(
             f"{out_dir} holds an earlier run ({finished[0]}); pass --resume to continue it, --overwrite to "
@@ -405,12 +412,128 @@ def shared_plan(config: LinearizeConfig, model, train: torch.Tensor) -> Conversi
     return plan
 
 
+def distill_stage(config: LinearizeConfig, model, data: RunData, out_dir: Path, stores):
+    """Stage 1, attention transfer (:func:`dofla.distill.trainer.distill`), sharded as ``distill.sharding``
+    says under torchrun. Layer sharding: every rank trains its block of the converted layers (from the
+    teacher-state ``stores`` (train, heldout) where given) in its own run folder, then every block's
+    students are sent to the other ranks. Returns the :class:`~dofla.distill.trainer.DistillResult`."""
+    from dofla.convert import students
+    from dofla.distill.trainer import distill
+
+    rank, processes = distributed.rank_and_world_size()
+    settings = config.distill_config()
+    if not layer_sharding(config):
+        return distill(model, data.train, data.heldout, settings, out_dir / "distill", resume=config.resume)
+    blocks = check_layer_sharding(config, students(model), processes)  # the plan's converted layers
+    train_states, heldout_states = stores or (None, None)
+    distilled = distill(
+        model,
+        data.train,
+        data.heldout,
+        settings,
+        rank_run_dir(out_dir, rank),
+        resume=config.resume,
+        layers=blocks[rank],
+        teacher_states=train_states,
+        heldout_teacher_states=heldout_states,
+        data_parallel=False,
+    )
+    distributed.gather_students(students(model), blocks)
+    return distilled
+
+
 def lora_stage(config: LinearizeConfig, model, train: torch.Tensor, history: list[dict]):
     """Stage 2, LoRA merged into the weights: (the model, ``history`` with the stage's records added)."""
     from dofla.distill.lora import train_lora
 
     model, result = train_lora(model, train, config.lora_config())
     return model, [*history, *result.history]
+
+
+# ------------------------------------------------------------------------------------------ layer sharding
+
+
+def layer_sharding(config: LinearizeConfig) -> bool:
+    return config.distill.sharding == "layers"
+
+
+def rank_run_dir(out_dir: Path, rank: int) -> Path:
+    """A rank's distillation folder (config, log, checkpoints): distill/ for rank 0, distill/rank-R for the
+    other ranks of a layer-sharded run."""
+    return out_dir / "distill" if rank == 0 else out_dir / "distill" / f"rank-{rank}"
+
+
+def get_num_layers(model) -> int:
+    from dofla.models import get_adapter
+
+    return get_adapter(model).num_layers
+
+
+def check_layer_sharding(config: LinearizeConfig, layers, processes: int) -> list[list[int]]:
+    """The contiguous blocks of converted ``layers`` that the ``processes`` ranks train, in rank order.
+
+    Refuses, one sentence each, more processes than layers and a ``distill.teacher_states`` store without a
+    boundary at each block's first layer. Cheap: called before launching, after loading the teacher and
+    after the plan (which decides the converted layers).
+    """
+    blocks = distributed.layer_blocks(layers, processes)
+    if config.distill.teacher_states is not None:
+        firsts = [block[0] for block in blocks]
+        for states in open_layer_stores(config):
+            if not set(firsts) <= set(states.boundaries):
+                raise DoflaError(
+                    f"the teacher states in {states.folder} start at layers {states.boundaries}, but the "
+                    f"{processes} processes train layers {' | '.join(_span(block) for block in blocks)}; write "
+                    f"them with `dofla teacher-states ... --boundaries {','.join(map(str, firsts))}`."
+                )
+    return blocks
+
+
+def _span(block: list[int]) -> str:
+    return f"{block[0]}-{block[-1]}" if len(block) > 1 else str(block[0])
+
+
+def check_layer_sharding_early(config: LinearizeConfig, processes: int) -> None:
+    """What :func:`check_layer_sharding` can tell before the teacher is loaded: with ``plan.layers`` or a
+    teacher-state store (whose manifest names the teacher's layer count) the converted layers are known."""
+    if config.plan.layers is not None:
+        check_layer_sharding(config, config.plan.layers, processes)
+    elif config.distill.teacher_states is not None:
+        train_states = open_layer_stores(config)[0]
+        check_layer_sharding(config, range(int(train_states.manifest["num_layers"])), processes)
+
+
+def open_layer_stores(config: LinearizeConfig):
+    """The (train, heldout) :class:`~dofla.distill.hidden_store.TeacherStates` of ``distill.teacher_states``."""
+    from dofla.distill.hidden_store import MANIFEST_FILE, TeacherStates
+
+    folder = Path(config.distill.teacher_states).expanduser()
+    for part in ("train", "heldout"):
+        if not (folder / part / MANIFEST_FILE).is_file():
+            raise DoflaError(
+                f"--teacher-states {folder} has no {part}/ store; give the folder that `dofla teacher-states "
+                "... --out DIR` wrote (it holds train/ and heldout/)."
+            )
+    return TeacherStates(folder / "train"), TeacherStates(folder / "heldout")
+
+
+def checked_layer_stores(config: LinearizeConfig, teacher, data: RunData):
+    """The (train, heldout) stores, refused (before the plan and training) when written by another teacher
+    or for other rows than this run's: other text, --seq-len, evaluation lengths, split or seed."""
+    from dofla.distill.hidden_store import tokens_hash
+
+    stores = open_layer_stores(config)
+    for states, rows, name in zip(stores, (data.train, data.heldout), ("train", "heldout"), strict=True):
+        stored = (states.manifest["num_sequences"], states.manifest["sequence_length"])
+        if stored != tuple(rows.shape) or tokens_hash(rows) != states.manifest["tokens_sha256"]:
+            raise DoflaError(
+                f"the teacher states in {states.folder} were computed for other {name} rows ({stored[0]} x "
+                f"{stored[1]} tokens, this run has {rows.shape[0]} x {rows.shape[1]}); write them with `dofla "
+                "teacher-states` from the same --data, --seq-len, --eval-lengths, --heldout-fraction, "
+                "--heldout-sequences and --seed as this run."
+            )
+        states.check(teacher, rows, min(states.boundaries))  # the teacher's fingerprint
+    return stores
 
 
 def perplexity(model, sequences: torch.Tensor, batch_size: int = 4) -> float:

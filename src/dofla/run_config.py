@@ -149,6 +149,13 @@ class StudentSettings:
     )
 
 
+# how several processes share distillation (dofla.distill.distributed)
+SHARDINGS = dict(
+    data="each process trains every layer on its slice of each batch; gradients are averaged",
+    layers="each process trains its own contiguous block of converted layers on whole batches",
+)
+
+
 @dataclass
 class DistillSettings:
     """Stage 1, attention transfer (the same names as :class:`dofla.distill.trainer.DistillConfig`)."""
@@ -161,6 +168,17 @@ class DistillSettings:
     checkpoint_every: int = option(50, "steps between checkpoints (0: none)", minimum=0)
     patience: int = option(0, "evaluations without improvement before stopping early (0: off)", minimum=0)
     kl_weight: float = option(0.0, "--loss direct: weight of KL to the teacher's logits")
+    sharding: str = option(
+        "data",
+        "how --nproc / torchrun processes share distillation: data (each a slice of every batch) | layers "
+        "(each its own block of converted layers, on whole batches)",
+        choices=lambda: SHARDINGS,
+    )
+    teacher_states: str | None = option(
+        None,
+        "with --sharding layers: a `dofla teacher-states` folder (train/, heldout/) with a boundary at each "
+        "process's first layer; each process starts its forward there instead of at the embeddings",
+    )
 
 
 @dataclass
@@ -331,6 +349,16 @@ class LinearizeConfig:
         self.distill_config().validate()
         if self.lora.enabled:
             self.lora_config().validate()
+        if self.distill.teacher_states is not None and self.distill.sharding != "layers":
+            raise DoflaError(
+                "--teacher-states starts each process's forward at its first layer, which only layer sharding "
+                "has; add --sharding layers or drop --teacher-states."
+            )
+        if self.distill.sharding == "layers" and not _losses()[self.distill.loss].layerwise:
+            raise DoflaError(
+                f"--sharding layers trains each process's layers on their own, which the {self.distill.loss} "
+                "loss (the whole model end to end) cannot; choose a layer-wise --loss or --sharding data."
+            )
         if self.resume and self.overwrite:
             raise DoflaError(
                 "--resume continues the run in --out and --overwrite discards it; pass only one."

@@ -28,7 +28,7 @@ def register(subparsers) -> None:
         "--nproc",
         type=int,
         default=1,
-        help="train data-parallel on N local processes (launches torchrun; same as "
+        help="distil on N local processes, sharded as --sharding says (launches torchrun; same as "
         "`torchrun --nproc-per-node N -m dofla linearize ...`)",
     )
     parser.set_defaults(func=run)
@@ -58,13 +58,16 @@ def without_option(argv: list[str], option: str) -> list[str]:
 
 
 def launch(args: argparse.Namespace, config) -> int:
-    """Run this same command on ``--nproc`` local processes under ``torchrun`` (data-parallel distillation)."""
+    """Run this same command on ``--nproc`` local processes under ``torchrun`` (sharded distillation)."""
     import subprocess
 
     from dofla.distill.distributed import torchrun_command
     from dofla.errors import DoflaError
+    from dofla.pipeline import check_layer_sharding_early, layer_sharding
 
-    if config.distill.batch_size % args.nproc:
+    if layer_sharding(config):
+        check_layer_sharding_early(config, args.nproc)
+    elif config.distill.batch_size % args.nproc:
         raise DoflaError(
             f"--batch-size {config.distill.batch_size} is not divisible by --nproc {args.nproc}; "
             f"use a multiple of {args.nproc}."

@@ -4,6 +4,7 @@ once, for layer-sharded distillation (each process then trains its own layers fr
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from dofla.commands._common import add_model_arguments, check_at_least, check_device_and_dtype
 
@@ -15,11 +16,13 @@ def register(subparsers) -> None:
         "teacher-states",
         help="store the teacher's hidden states entering some layers, for layer-sharded distillation",
         description=(
-            "Packs --data into sequences of --seq-len tokens, splits off held-out sequences as `dofla linearize` "
-            "does (same --heldout-fraction and --seed), and writes OUT/train and OUT/heldout: the hidden state "
+            "Packs --data and splits off held-out sequences exactly as `dofla linearize` does with the same "
+            "--seq-len, --eval-lengths, --heldout-fraction, --max-heldout (its --heldout-sequences) and --seed, "
+            "and writes OUT/train and OUT/heldout: the hidden state "
             "entering each --boundaries layer for every sequence, with the token ids. A process training layers "
             "a..b reads them with dofla.distill.hidden_store.TeacherStates and passes them to distill(..., "
-            "teacher_states=...). Rerunning an interrupted command finishes it."
+            "teacher_states=...); `dofla linearize --sharding layers --teacher-states OUT` does so on every "
+            "process. Rerunning an interrupted command finishes it."
         ),
     )
     add_model_arguments(parser)
@@ -40,6 +43,12 @@ def register(subparsers) -> None:
         choices=("float32", "bfloat16", "float16"),
         help="precision of the stored states (bfloat16 halves the disk)",
     )
+    parser.add_argument(
+        "--eval-lengths",
+        default=None,
+        help="as linearize's --eval-lengths (the text is packed at the longest before it is cut to --seq-len; "
+        "default: 1024,2048 where the teacher allows)",
+    )
     parser.add_argument("--heldout-fraction", type=float, default=0.1, help="share of sequences held out")
     parser.add_argument("--max-heldout", type=int, default=32, help="at most this many held-out sequences")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train / held-out split")
@@ -47,7 +56,7 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def parse_boundaries(text: str) -> list[int]:
+def parse_boundaries(text: str, option: str = "--boundaries") -> list[int]:
     """'0,8,16' -> [0, 8, 16]."""
     from dofla.errors import DoflaError
 
@@ -56,7 +65,7 @@ def parse_boundaries(text: str) -> list[int]:
     except ValueError:
         boundaries = []
     if not boundaries:
-        raise DoflaError(f"--boundaries must be comma-separated layer numbers like 0,8,16, got {text!r}.")
+        raise DoflaError(f"{option} must be comma-separated numbers like 0,8,16, got {text!r}.")
     return boundaries
 
 
@@ -79,10 +88,28 @@ def run(args: argparse.Namespace) -> int:
         return _write_states(args, boundaries)
 
 
-def _write_states(args: argparse.Namespace, boundaries: list[int]) -> int:
-    from pathlib import Path
+def _run_data(args: argparse.Namespace, teacher):
+    """The training and held-out rows `dofla linearize` would make from the same data settings."""
+    from dofla.pipeline import prepare_data
+    from dofla.run_config import LinearizeConfig
 
-    from dofla.data import context_length, load_texts, pack_token_sequences, split_train_heldout
+    lengths = None if args.eval_lengths is None else parse_boundaries(args.eval_lengths, "--eval-lengths")
+    settings = dict(
+        out_dir=args.out,
+        seed=args.seed,
+        data=dict(
+            path=args.data,
+            seq_len=args.seq_len,
+            heldout_fraction=args.heldout_fraction,
+            heldout_sequences=args.max_heldout,
+        ),
+        evaluate=dict(lengths=lengths),
+    )
+    config = LinearizeConfig.from_dict(settings, source="dofla teacher-states")
+    return prepare_data(config, teacher.model, teacher.tokenizer, None, Path(args.out) / "data_cache")
+
+
+def _write_states(args: argparse.Namespace, boundaries: list[int]) -> int:
     from dofla.distill.hidden_store import write_teacher_states
     from dofla.errors import DoflaError
     from dofla.models import load_teacher
@@ -90,14 +117,8 @@ def _write_states(args: argparse.Namespace, boundaries: list[int]) -> int:
     teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
     if teacher.tokenizer is None:
         raise DoflaError("the teacher has no tokenizer, which packing --data needs.")
-    limit = context_length(teacher.model)
-    if limit is not None and args.seq_len > limit:
-        raise DoflaError(
-            f"--seq-len {args.seq_len} is beyond the model's context of {limit} tokens; use at most {limit}."
-        )
-    sequences = pack_token_sequences(teacher.tokenizer, load_texts(args.data), args.seq_len)  # (N, T)
-    train, heldout = split_train_heldout(sequences, args.heldout_fraction, args.seed)
-    heldout = heldout[: args.max_heldout]
+    data = _run_data(args, teacher)
+    train, heldout = data.train, data.heldout  # (N, T), (M, T)
     out = Path(args.out)
     for name, part in (("train", train), ("heldout", heldout)):
         write_teacher_states(

@@ -1,14 +1,20 @@
-"""Data-parallel distillation on ``torch.distributed`` (``torchrun``; gloo on CPUs, nccl on GPUs).
+"""Distillation on ``torch.distributed`` (``torchrun``; gloo on CPUs, nccl on GPUs), sharded two ways.
 
-Each rank takes its slice of every batch (``distill`` does the slicing) and the students' gradients are
-averaged across ranks before clipping, so all ranks take the same step and end with the same students as
-one process running the whole batch (up to the order of float additions). Without an initialised process
-group every function here is the identity.
+Data sharding: each rank takes its slice of every batch (``distill`` does the slicing) and the students'
+gradients are averaged across ranks before clipping, so all ranks take the same step and end with the same
+students as one process running the whole batch (up to the order of float additions).
+
+Layer sharding: each rank trains its own contiguous block of converted layers (:func:`layer_blocks`) on
+whole batches; only numbers cross ranks during training (the loss weighted by layers, the squared gradient
+norm), and :func:`gather_students` sends every block's trained students to the other ranks at the end.
+
+Without an initialised process group every function here is the identity.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -56,6 +62,58 @@ def mean_across_ranks(value: float) -> float:
     return float(tensor) / dist.get_world_size()
 
 
+def sum_across_ranks(value: float) -> float:
+    """The sum of a Python number over ranks (NaN anywhere makes it NaN everywhere)."""
+    if not is_distributed():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return float(tensor)
+
+
+def min_across_ranks(value: int | None) -> int | None:
+    """The smallest of the ranks' integers (None where a rank has none; None if no rank has one)."""
+    if not is_distributed():
+        return value
+    tensor = torch.tensor([math.inf if value is None else value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return None if math.isinf(float(tensor)) else int(tensor)
+
+
+# ------------------------------------------------------------------------------------------ layer sharding
+
+
+def layer_blocks(layers: Iterable[int], parts: int) -> list[list[int]]:
+    """``layers`` (sorted) cut into ``parts`` contiguous blocks, one per rank, whose sizes differ by at most
+    one (the first blocks are the larger). More parts than layers is refused."""
+    layers = sorted(layers)
+    if parts > len(layers):
+        raise DoflaError(
+            f"layer sharding gives each process its own converted layers, but there are {parts} processes "
+            f"for {len(layers)} converted layers {layers}; use at most {len(layers)} processes."
+        )
+    size, extra = divmod(len(layers), parts)
+    blocks, start = [], 0
+    for part in range(parts):
+        stop = start + size + (part < extra)
+        blocks.append(layers[start:stop])
+        start = stop
+    return blocks
+
+
+def gather_students(students: dict[int, torch.nn.Module], blocks: list[list[int]]) -> None:
+    """Give every rank the trained students of every block: each layer's student tensors (parameters and
+    buffers, in ``state_dict`` order, the same on every rank) are broadcast in place from the rank that owns
+    its block (``blocks[rank]``). Nothing is pickled."""
+    if not is_distributed():
+        return
+    for owner, block in enumerate(blocks):
+        for layer in block:
+            with torch.no_grad():
+                for tensor in students[layer].state_dict().values():
+                    dist.broadcast(tensor, src=owner)
+
+
 # ---------------------------------------------------------------------- several processes from the CLI
 
 
@@ -85,36 +143,44 @@ def process_group_from_environment(device: str | None = None, timeout_hours: flo
         dist.destroy_process_group()
 
 
-def share_tensor(tensor: torch.Tensor | None) -> torch.Tensor:
-    """Rank 0's ``tensor`` on every rank (others pass None). Shape and dtype travel first, then the values."""
+def share_tensor(tensor: torch.Tensor | None, src: int = 0) -> torch.Tensor:
+    """Rank ``src``'s ``tensor`` on every rank (others pass None). Shape and dtype travel first, then the
+    values."""
     if not is_distributed():
         assert tensor is not None
         return tensor
     rank = dist.get_rank()
     dtypes = [torch.int64, torch.int32, torch.float32, torch.float64, torch.uint8]
     header = torch.zeros(9, dtype=torch.int64)  # dtype index, ndim, up to 7 sizes
-    if rank == 0:
+    if rank == src:
         if tensor.dtype not in dtypes or tensor.dim() > 7:
             raise DoflaError(
                 f"cannot share a {tensor.dtype} tensor of {tensor.dim()} dimensions across ranks."
             )
         header[0], header[1] = dtypes.index(tensor.dtype), tensor.dim()
         header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-    dist.broadcast(header, src=0)
+    dist.broadcast(header, src=src)
     shape = header[2 : 2 + int(header[1])].tolist()
-    values = tensor.contiguous().cpu() if rank == 0 else torch.empty(shape, dtype=dtypes[int(header[0])])
-    dist.broadcast(values, src=0)
+    values = tensor.contiguous().cpu() if rank == src else torch.empty(shape, dtype=dtypes[int(header[0])])
+    dist.broadcast(values, src=src)
     return values
 
 
-def share_json(value=None):
-    """Rank 0's JSON-able ``value`` on every rank (sent as UTF-8 text, never pickled)."""
+def share_json(value=None, src: int = 0):
+    """Rank ``src``'s JSON-able ``value`` on every rank (sent as UTF-8 text, never pickled)."""
     if not is_distributed():
         return value
     payload = None
-    if dist.get_rank() == 0:
+    if dist.get_rank() == src:
         payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
-    return json.loads(bytes(share_tensor(payload).tolist()).decode())
+    return json.loads(bytes(share_tensor(payload, src).tolist()).decode())
+
+
+def gather_json(value) -> list:
+    """Every rank's JSON-able ``value``, in rank order, on every rank (``[value]`` without a group)."""
+    if not is_distributed():
+        return [value]
+    return [share_json(value if dist.get_rank() == source else None, source) for source in range(dist.get_world_size())]
 
 
 def torchrun_command(nproc: int, argv: list[str]) -> list[str]:

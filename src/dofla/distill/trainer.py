@@ -9,8 +9,12 @@ the ``direct`` loss trains the students end to end on next-token cross-entropy (
 Layer-sharded runs can start each forward from teacher hidden states stored on disk
 (:mod:`dofla.distill.hidden_store`) instead of running the teacher's earlier layers.
 
-Under ``torch.distributed`` (e.g. ``torchrun``, gloo on CPUs) every rank takes its slice of each batch and
-gradients are averaged, so the result equals a single-process run up to float rounding.
+Under ``torch.distributed`` (e.g. ``torchrun``, gloo on CPUs) the work is sharded one of two ways
+(:mod:`dofla.distill.distributed`): by data (``data_parallel=True``: every rank takes its slice of each batch
+and gradients are averaged) or by layers (``data_parallel=False``: every rank trains its own ``layers`` on
+whole batches, in its own ``run_dir``; the loss, weighted by layers, and the gradient norm are combined
+across ranks, so every rank logs, clips, skips and stops early as one process training all layers would).
+Either way the result equals a single-process run up to float rounding.
 """
 
 from __future__ import annotations
@@ -282,6 +286,7 @@ def distill(
     layers: list[int] | None = None,
     teacher_states: TeacherStates | str | Path | None = None,
     heldout_teacher_states: TeacherStates | str | Path | None = None,
+    data_parallel: bool = True,
 ) -> DistillResult:
     """Train the students of converted ``model`` on train (N, T) token ids; evaluate on heldout (M, T).
 
@@ -297,16 +302,34 @@ def distill(
     ``train`` by :func:`~dofla.distill.hidden_store.write_teacher_states` with a boundary at or below the
     first trained layer; each layer-wise forward then starts from the stored hidden states and the layers
     below are not run. ``heldout_teacher_states`` does the same for validation. The students end as
-    without the stores (up to float rounding). Returns a :class:`DistillResult`.
+    without the stores (up to float rounding).
+
+    ``data_parallel`` (only matters under an initialised process group): True slices every batch across
+    ranks and averages gradients (rank 0 alone writes ``run_dir``); False is layer sharding: each rank
+    passes its own ``layers`` and its own ``run_dir`` (which it writes: config, log, checkpoints), trains on
+    whole batches, and the ranks share only numbers: the mean loss over all ranks' layers (for the log,
+    the non-finite policy and early stopping) and the global gradient norm (clipping scales every rank's
+    gradients by the same factor, as clipping all layers together in one process does). Returns a
+    :class:`DistillResult` (the same history on every rank; ``val_layer_losses`` holds every rank's layers).
     """
     config.validate()
     _check_sequences("training", train, 1)
     _check_sequences("held-out", heldout, 1)
     rank, world_size = distributed.rank_and_world_size()
-    if config.batch_size % world_size:
+    layer_sharded = world_size > 1 and not data_parallel
+    if layer_sharded and not LOSSES[config.loss].layerwise:
+        raise DoflaError(
+            f"layer sharding trains each process's layers on their own, which the {config.loss} loss (the whole "
+            f"model end to end) cannot; choose a layer-wise loss ({', '.join(layerwise_loss_names())}) or "
+            "data sharding."
+        )
+    if world_size > 1 and not layer_sharded and config.batch_size % world_size:
         raise DoflaError(f"batch size {config.batch_size} must be divisible by the {world_size} processes.")
+    writes = rank == 0 or layer_sharded  # layer sharding: every rank keeps its own run_dir
     device = next(model.parameters()).device
     students = freeze_teacher(model, layers)
+    # layer sharding: each rank's mean is weighted by its layer count to give the mean over all layers
+    all_layers = distributed.sum_across_ranks(len(students)) if layer_sharded else len(students)
     model.eval()  # no dropout: the students learn the teacher's deterministic attention
     trainable = _trainable(model)
     groups = [group for index in sorted(students) for group in students[index].parameter_groups(config.lr)]
@@ -361,12 +384,12 @@ def distill(
         policy.skipped, history = state["skipped"], state["history"]
         best_val = state["best_val"] if state["best_val"] is not None else math.inf
         evals_since_best = state["evals_since_best"]
-    if run_dir is not None and rank == 0:
+    if run_dir is not None and writes:
         write_text_atomic(run_dir / CONFIG_FILE, to_json(asdict(config), indent=2) + "\n")
         write_text_atomic(run_dir / LOG_FILE, "".join(to_json(record) + "\n" for record in history))
 
     def save(at_step: int) -> None:
-        if checkpoints is None or rank != 0:
+        if checkpoints is None or not writes:
             return
         if not all(torch.isfinite(parameter).all() for parameter in trainable.values()):
             warnings.warn(
@@ -391,7 +414,7 @@ def distill(
 
     def log(record: dict) -> None:
         history.append(record)
-        if run_dir is not None and rank == 0:
+        if run_dir is not None and writes:
             with open(run_dir / LOG_FILE, "a") as stream:
                 stream.write(to_json(record) + "\n")
 
@@ -406,7 +429,15 @@ def distill(
     )
     started = time.perf_counter()
     tokens_per_step = config.batch_size * sequence_length
-    local = config.batch_size // world_size
+    local = config.batch_size if layer_sharded else config.batch_size // world_size
+    shard = 0 if layer_sharded else rank  # which slice of the batch this rank trains
+
+    def combined(value: float) -> float:
+        """A loss over this rank's layers (or slice) -> the loss over all layers (or the whole batch)."""
+        if layer_sharded:
+            return distributed.sum_across_ranks(value * len(students)) / all_layers
+        return distributed.mean_across_ranks(value)
+
     while step < total_steps and not stopped_early:
         # ---- one optimisation step
         step_started = time.perf_counter()
@@ -414,16 +445,19 @@ def distill(
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
         indices = batch_indices(step, config.batch_size, len(train), config.seed)
-        mine = indices[rank * local : (rank + 1) * local]
-        batch = train[mine].to(device)  # (B / world, T)
+        mine = indices[shard * local : (shard + 1) * local]
+        batch = train[mine].to(device)  # (B / world, T) data-parallel, else (B, T)
         options = _start_options(train_stored, mine, device)
         optimizer.zero_grad(set_to_none=True)
         loss, layer_losses = _step_loss(model, students, batch, config, backward=True, **options)
-        loss = distributed.mean_across_ranks(loss)
-        distributed.average_gradients(trainable.values())
-        grad_norm = torch.nn.utils.clip_grad_norm_(list(trainable.values()), config.grad_clip)
+        loss = combined(loss)
+        if layer_sharded:
+            grad_norm = clip_global_norm(list(trainable.values()), config.grad_clip)
+        else:
+            distributed.average_gradients(trainable.values())
+            grad_norm = torch.nn.utils.clip_grad_norm_(list(trainable.values()), config.grad_clip)
 
-        def bad_layer(layer_losses=layer_losses, batch=batch) -> int | None:
+        def local_bad_layer(layer_losses=layer_losses, batch=batch) -> int | None:
             bad = [layer for layer, value in layer_losses.items() if not math.isfinite(value)]
             if bad:
                 return min(bad)
@@ -431,6 +465,9 @@ def distill(
             if layer is not None or config.loss != "direct":
                 return layer
             return first_nonfinite_output_layer(model, batch)
+
+        def bad_layer(local_bad_layer=local_bad_layer) -> int | None:  # called on every rank alike
+            return distributed.min_across_ranks(local_bad_layer()) if layer_sharded else local_bad_layer()
 
         if policy.accept(step + 1, loss, float(grad_norm), bad_layer, lambda: _kept_checkpoint(checkpoints)):
             optimizer.step()
@@ -447,7 +484,9 @@ def distill(
         # ---- held-out validation and early stopping
         if (config.eval_every and step % config.eval_every == 0) or step == total_steps:
             val_loss, val_layers = evaluate(model, students, heldout, config, heldout_stored)
-            val_loss = distributed.mean_across_ranks(val_loss)
+            val_loss = combined(val_loss)
+            if layer_sharded:
+                val_layers = gathered_layer_losses(val_layers)
             if val_loss < best_val:
                 best_val, evals_since_best = val_loss, 0
                 best_state = {name: parameter.detach().clone() for name, parameter in trainable.items()}
@@ -469,6 +508,8 @@ def distill(
             for name, parameter in trainable.items():
                 parameter.copy_(best_state[name])
     final_val, final_layers = evaluate(model, students, heldout, config, heldout_stored)
+    if layer_sharded:
+        final_val, final_layers = combined(final_val), gathered_layer_losses(final_layers)
     return DistillResult(
         steps=step,
         tokens=step * tokens_per_step,
@@ -480,6 +521,22 @@ def distill(
         stopped_early=stopped_early,
         skipped_steps=policy.skipped,
     )
+
+
+def clip_global_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the gradients of every rank's parameters by their joint norm, as if all were in one process
+    (layer sharding); returns that norm. Each rank adds its squared norm to the others'."""
+    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    total = torch.tensor(math.sqrt(distributed.sum_across_ranks(float(local) ** 2)), dtype=torch.float32)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+def gathered_layer_losses(layer_losses: dict[int, float]) -> dict[int, float]:
+    """Every rank's per-layer losses in one dict, on every rank (layer sharding)."""
+    gathered = distributed.gather_json({str(layer): value for layer, value in layer_losses.items()})
+    return {int(layer): value for part in gathered for layer, value in sorted(part.items())}
 
 
 def _kept_checkpoint(checkpoints: Path | None) -> str:
