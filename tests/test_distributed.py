@@ -1,9 +1,11 @@
-"""Data-parallel distillation with torch.distributed (gloo, 2 CPU processes) equals the single-process run."""
+"""Distillation sharded by data or by layers with torch.distributed (gloo, 2 CPU processes) equals the
+single-process run."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,12 +17,33 @@ from safetensors.torch import load_file, save_file
 TESTS = Path(__file__).parent
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_file: str) -> None:
+CLIP = (
+    1e-3  # below every step's gradient norm (about 3e-3): clipping acts on each step of the layer-sharded run
+)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _student_weights(model) -> dict[str, torch.Tensor]:
+    from dofla.convert import students
+
+    return {
+        f"{i}.{n}": p.detach().contiguous()
+        for i, s in students(model).items()
+        for n, p in s.named_parameters()
+    }
+
+
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+    """Data-parallel distillation, then layer-sharded distillation interrupted at step 6 and resumed."""
     sys.path.insert(0, str(TESTS))
     import torch.distributed as dist
     from test_distill import quick_config, tiny_converted, token_data
 
     from dofla.convert import students
+    from dofla.distill import distributed
     from dofla.distill.trainer import distill
 
     torch.set_num_threads(1)
@@ -28,40 +51,88 @@ def _worker(rank: int, world_size: int, init_file: str, out_file: str) -> None:
     try:
         model = tiny_converted()
         distill(model, token_data(), token_data(8, seed=1), quick_config())
-        weights = {
-            f"{i}.{n}": p.detach().contiguous()
-            for i, s in students(model).items()
-            for n, p in s.named_parameters()
-        }
-        save_file(weights, f"{out_file}.{rank}")
+        save_file(_student_weights(model), f"{out_dir}/data.{rank}.safetensors")
+
+        config = quick_config(grad_clip=CLIP)
+        blocks = distributed.layer_blocks(students(tiny_converted()), world_size)
+        run_dir = Path(out_dir) / f"rank-{rank}"  # each rank its own log and checkpoints
+        options = dict(layers=blocks[rank], data_parallel=False)
+
+        def interrupt(step, record):
+            if step == 6:  # after the checkpoint of step 4, on every rank alike
+                raise _Interrupted
+
+        try:
+            distill(
+                tiny_converted(),
+                token_data(),
+                token_data(8, seed=1),
+                config,
+                run_dir,
+                on_step=interrupt,
+                **options,
+            )
+        except _Interrupted:
+            pass
+        model, steps = tiny_converted(), []
+        result = distill(
+            model,
+            token_data(),
+            token_data(8, seed=1),
+            config,
+            run_dir,
+            resume=True,
+            on_step=lambda step, record: steps.append(step),
+            **options,
+        )
+        distributed.gather_students(students(model), blocks)
+        save_file(_student_weights(model), f"{out_dir}/layers.{rank}.safetensors")
+        (Path(out_dir) / f"result.{rank}.json").write_text(
+            json.dumps(
+                dict(first_step=steps[0], val_layers=sorted(result.val_layer_losses), history=result.history)
+            )
+        )
     finally:
         dist.destroy_process_group()
 
 
-def test_two_process_data_parallel_equals_single_process(tmp_path):
+def test_two_processes_sharded_by_data_or_by_layers_equal_single_process(tmp_path):
+    """Data sharding (slices of each batch, averaged gradients) and layer sharding (a layer per rank, whole
+    batches, clipping by the joint gradient norm, each rank resuming from its own checkpoints after an
+    interruption) both end with the students of one process training everything."""
     from test_distill import quick_config, tiny_converted, token_data
 
-    from dofla.convert import students
     from dofla.distill.trainer import distill
 
-    out_file = str(tmp_path / "weights.safetensors")
     mp.start_processes(
-        _worker, args=(2, str(tmp_path / "init"), out_file), nprocs=2, join=True, start_method="spawn"
+        _worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
     )
-    rank0, rank1 = load_file(f"{out_file}.0"), load_file(f"{out_file}.1")
-    model = tiny_converted()
-    distill(model, token_data(), token_data(8, seed=1), quick_config())
-    single = {f"{i}.{n}": p.detach() for i, s in students(model).items() for n, p in s.named_parameters()}
-    assert rank0.keys() == single.keys()
-    for name, tensor in single.items():
-        torch.testing.assert_close(rank0[name], rank1[name], rtol=0, atol=0)  # all ranks take the same steps
-        torch.testing.assert_close(rank0[name], tensor, rtol=1e-4, atol=1e-5)
-    # and training moved the students (the comparison is not between two untouched initialisations)
-    assert any(
-        not torch.equal(tensor, tiny_converted().state_dict()[key])
-        for key, tensor in model.state_dict().items()
-        if "dofla_student" in key
-    )
+    for sharding, config in (("data", quick_config()), ("layers", quick_config(grad_clip=CLIP))):
+        rank0, rank1 = (load_file(tmp_path / f"{sharding}.{rank}.safetensors") for rank in (0, 1))
+        model = tiny_converted()
+        result = distill(model, token_data(), token_data(8, seed=1), config)
+        single = _student_weights(model)
+        assert rank0.keys() == single.keys()
+        for name, tensor in single.items():
+            torch.testing.assert_close(rank0[name], rank1[name], rtol=0, atol=0)  # all ranks end alike
+            torch.testing.assert_close(rank0[name], tensor, rtol=1e-4, atol=1e-5)
+        # and training moved the students (the comparison is not between two untouched initialisations)
+        assert any(
+            not torch.equal(tensor, _student_weights(tiny_converted())[name])
+            for name, tensor in single.items()
+        )
+    assert all(record["grad_norm"] > CLIP for record in result.history if "grad_norm" in record)  # clipped
+    for rank in (0, 1):
+        sharded = json.loads((tmp_path / f"result.{rank}.json").read_text())
+        assert sharded["first_step"] == 5  # resumed from the checkpoint of step 4
+        assert sharded["val_layers"] == [0, 1]  # every rank reports every layer's held-out loss
+        losses = [(r["step"], r["loss"]) for r in sharded["history"] if "loss" in r]
+        expected = [(r["step"], r["loss"]) for r in result.history if "loss" in r]
+        assert [step for step, _ in losses] == [step for step, _ in expected]
+        torch.testing.assert_close(
+            [loss for _, loss in losses], [loss for _, loss in expected], rtol=1e-4, atol=0
+        )
+        assert (tmp_path / f"rank-{rank}" / "log.jsonl").is_file()
 
 
 def test_layer_sharded_training_equals_all_layers_at_once():
@@ -94,40 +165,101 @@ def test_layer_sharded_training_equals_all_layers_at_once():
         distill(tiny_converted(), token_data(), token_data(8, seed=1), config, layers=[5])
 
 
-def test_linearize_on_two_processes_from_the_command_line_equals_one_process(tmp_path, capsys):
-    """`dofla linearize --nproc 2` runs torchrun (gloo): the saved students equal a one-process run's."""
-    import subprocess
-
-    from safetensors.torch import load_file
-
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny teacher folder, its text, the `dofla linearize` arguments of a short run, and that run's saved
+    model on one process (the reference of the multi-process runs)."""
     from dofla.cli import main
     from dofla.models.tiny import save_tiny_model_folder
 
-    teacher = save_tiny_model_folder("llama", tmp_path / "teacher")
-    text = tmp_path / "text.txt"
+    folder = tmp_path_factory.mktemp("tiny_run")
+    teacher = save_tiny_model_folder("llama", folder / "teacher")
+    text = folder / "text.txt"
     text.write_text(
         "\n".join(f"Line {i} of the text tells of rivers, hills and {i % 7} towns." for i in range(80))
     )
     run = ["linearize", str(teacher), "--data", str(text), "--allocation", "fix", "--budget", "4"]
     run += ["--seq-len", "32", "--tokens", "1024", "--batch-size", "4", "--eval-every", "2", "--no-progress"]
     run += ["--eval-lengths", "32", "--passkey-trials", "0"]
+    assert main([*run, "--out", str(folder / "single")]) == 0
+    return folder, run, load_file(folder / "single" / "model" / "model.safetensors")
 
-    assert main([*run, "--out", str(tmp_path / "ddp"), "--nproc", "3"]) == 1  # checked before any work
-    assert "--batch-size 4 is not divisible by --nproc 3" in capsys.readouterr().err
 
+def _run_processes(arguments: list[str]) -> subprocess.CompletedProcess:
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "dofla", *run, "--out", str(tmp_path / "ddp"), "--nproc", "2"]
+    command = [sys.executable, "-m", "dofla", *arguments]
     finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert finished.stdout.count("held-out perplexity") == 1  # rank 0 alone reports
-    assert main([*run, "--out", str(tmp_path / "single")]) == 0
+    return finished
 
-    ddp = load_file(tmp_path / "ddp" / "model" / "model.safetensors")
-    single = load_file(tmp_path / "single" / "model" / "model.safetensors")
+
+def _assert_same_students(out_dir: Path, single: dict[str, torch.Tensor]) -> None:
+    saved = load_file(out_dir / "model" / "model.safetensors")
     students = [name for name in single if "dofla_student" in name]
-    assert students and ddp.keys() == single.keys()
+    assert students and saved.keys() == single.keys()
     for name in students:
-        torch.testing.assert_close(ddp[name], single[name], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(saved[name], single[name], rtol=1e-4, atol=1e-5)
+
+
+def test_linearize_on_two_processes_from_the_command_line_equals_one_process(tiny_run, capsys):
+    """`dofla linearize --nproc 2` runs torchrun (gloo): the saved students equal a one-process run's."""
+    from dofla.cli import main
+
+    folder, run, single = tiny_run
+    assert main([*run, "--out", str(folder / "ddp"), "--nproc", "3"]) == 1  # checked before any work
+    assert "--batch-size 4 is not divisible by --nproc 3" in capsys.readouterr().err
+
+    _run_processes([*run, "--out", str(folder / "ddp"), "--nproc", "2"])
+    _assert_same_students(folder / "ddp", single)
     for run_name, processes in (("ddp", 2), ("single", 1)):
-        summary = json.loads((tmp_path / run_name / "result.json").read_text())
+        summary = json.loads((folder / run_name / "result.json").read_text())
         assert summary["distill_processes"] == processes and summary["distill_steps"] == 1024 // (4 * 32)
+
+
+def test_layer_sharded_linearize_from_the_command_line_equals_one_process(tiny_run, capsys):
+    """`--nproc 2 --sharding layers --teacher-states DIR`: each rank trains one of the two layers on whole
+    batches from the stored states entering it, keeps its own log and checkpoints, and rank 0 gathers both;
+    the saved students equal the one-process run's. (Without a store the same path runs the teacher from
+    the embeddings: the library test above.)"""
+    from dofla.cli import main
+
+    folder, run, single = tiny_run
+    teacher, text = run[1], run[3]
+    states = ["teacher-states", teacher, "--data", text, "--seq-len", "32", "--eval-lengths", "32"]
+    assert main([*states, "--boundaries", "0,1", "--out", str(folder / "states"), "--no-progress"]) == 0
+    other = [*states[:-4], "--seq-len", "16", "--eval-lengths", "16", "--boundaries", "1"]
+    assert main([*other, "--out", str(folder / "other_states"), "--no-progress"]) == 0
+    capsys.readouterr()
+
+    # refused before any work, in one sentence: more processes than converted layers (with or without a
+    # store), a store without a boundary at each process's first layer, a store for other rows
+    sharded = [*run, "--sharding", "layers"]
+    refusals = [
+        (["--nproc", "3"], "3 processes for 2 converted layers [0, 1]; use at most 2 processes"),
+        (["--nproc", "3", "--teacher-states", str(folder / "states")], "3 processes for 2 converted layers"),
+        (
+            ["--nproc", "2", "--teacher-states", str(folder / "other_states")],
+            r"start at layers [1], but the 2 processes train layers 0 | 1; write them with `dofla "
+            "teacher-states ... --boundaries 0,1`",
+        ),
+        (
+            ["--layers", "1", "--teacher-states", str(folder / "other_states")],
+            "computed for other train rows (",
+        ),
+    ]
+    for extra, message in refusals:
+        assert main([*sharded, *extra, "--out", str(folder / "refused")]) == 1
+        assert message in " ".join(capsys.readouterr().err.split())
+    assert main([*run, "--teacher-states", str(folder / "states"), "--out", str(folder / "refused")]) == 1
+    assert "add --sharding layers" in capsys.readouterr().err
+
+    stored = ["--teacher-states", str(folder / "states")]
+    _run_processes([*sharded, *stored, "--out", str(folder / "stored"), "--nproc", "2"])
+    _assert_same_students(folder / "stored", single)
+    for rank_dir in (folder / "stored" / "distill", folder / "stored" / "distill" / "rank-1"):
+        assert (rank_dir / "checkpoints" / "latest.json").is_file()  # every rank resumes from its own
+        log = [json.loads(line) for line in (rank_dir / "log.jsonl").read_text().splitlines()]
+        assert log[-1]["val_layers"].keys() == {"0", "1"}  # every rank logs the loss of all layers
+    summary = json.loads((folder / "stored" / "result.json").read_text())
+    assert summary["distill_processes"] == 2 and summary["config"]["distill"]["sharding"] == "layers"

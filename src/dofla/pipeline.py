@@ -494,13 +494,34 @@ def _span(block: list[int]) -> str:
 
 
 def check_layer_sharding_early(config: LinearizeConfig, processes: int) -> None:
-    """What :func:`check_layer_sharding` can tell before the teacher is loaded: with ``plan.layers`` or a
-    teacher-state store (whose manifest names the teacher's layer count) the converted layers are known."""
+    """What :func:`check_layer_sharding` can tell before the teacher is loaded: the converted layers are
+    known from ``plan.layers``, a teacher-state store's manifest or a local teacher folder's config.json."""
     if config.plan.layers is not None:
         check_layer_sharding(config, config.plan.layers, processes)
-    elif config.distill.teacher_states is not None:
-        train_states = open_layer_stores(config)[0]
-        check_layer_sharding(config, range(int(train_states.manifest["num_layers"])), processes)
+        return
+    if config.distill.teacher_states is not None:
+        count = int(open_layer_stores(config)[0].manifest["num_layers"])
+    else:
+        count = _local_layer_count(config.teacher.model)
+    if count is not None:
+        check_layer_sharding(config, range(count), processes)
+
+
+def _local_layer_count(model: str) -> int | None:
+    """The decoder layer count in a local Hugging Face folder's config.json; None for other teachers (their
+    count is checked once they are loaded)."""
+    folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    from dofla.models import get_adapter
+
+    try:
+        settings = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError):  # loading the teacher will say what is wrong with the folder
+        return None
+    return get_adapter(settings).num_layers
 
 
 def open_layer_stores(config: LinearizeConfig):

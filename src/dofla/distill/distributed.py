@@ -180,7 +180,10 @@ def gather_json(value) -> list:
     """Every rank's JSON-able ``value``, in rank order, on every rank (``[value]`` without a group)."""
     if not is_distributed():
         return [value]
-    return [share_json(value if dist.get_rank() == source else None, source) for source in range(dist.get_world_size())]
+    return [
+        share_json(value if dist.get_rank() == source else None, source)
+        for source in range(dist.get_world_size())
+    ]
 
 
 def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
