@@ -253,6 +253,7 @@ NEW_SINCE = {"distill.sharding": "data", "distill.teacher_states": None}  # opti
 
 def test_the_demo_resolves_to_the_same_settings_as_before():
     demo = demo_config("OUT")
-    assert {
-        setting.key: demo.get(setting.key) for setting in settings_of() if setting.key != "command"
-    } == {**OLD_DEMO, **NEW_SINCE}
+    assert {setting.key: demo.get(setting.key) for setting in settings_of() if setting.key != "command"} == {
+        **OLD_DEMO,
+        **NEW_SINCE,
+    }

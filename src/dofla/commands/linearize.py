@@ -63,7 +63,7 @@ def launch(args: argparse.Namespace, config) -> int:
 
     from dofla.distill.distributed import torchrun_command
     from dofla.errors import DoflaError
-    from dofla.pipeline import check_layer_sharding_early, layer_sharding
+    from dofla.distill.sharding import check_layer_sharding_early, layer_sharding
 
     if layer_sharding(config):
         check_layer_sharding_early(config, args.nproc)

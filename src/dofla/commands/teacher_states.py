@@ -17,7 +17,7 @@ def register(subparsers) -> None:
         help="store the teacher's hidden states entering some layers, for layer-sharded distillation",
         description=(
             "Packs --data and splits off held-out sequences exactly as `dofla linearize` does with the same "
-            "--seq-len, --eval-lengths, --heldout-fraction, --max-heldout (its --heldout-sequences) and --seed, "
+            "--seq-len, --eval-lengths, --heldout-fraction, --heldout-sequences and --seed, "
             "and writes OUT/train and OUT/heldout: the hidden state "
             "entering each --boundaries layer for every sequence, with the token ids. A process training layers "
             "a..b reads them with dofla.distill.hidden_store.TeacherStates and passes them to distill(..., "
@@ -50,7 +50,14 @@ def register(subparsers) -> None:
         "default: 1024,2048 where the teacher allows)",
     )
     parser.add_argument("--heldout-fraction", type=float, default=0.1, help="share of sequences held out")
-    parser.add_argument("--max-heldout", type=int, default=32, help="at most this many held-out sequences")
+    parser.add_argument(
+        "--max-heldout",
+        "--heldout-sequences",
+        dest="max_heldout",
+        type=int,
+        default=32,
+        help="at most this many held-out rows of the longest length (linearize's --heldout-sequences)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the train / held-out split")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
