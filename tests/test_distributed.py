@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -217,7 +218,18 @@ def test_linearize_on_two_processes_from_the_command_line_equals_one_process(tin
         assert summary["distill_processes"] == processes and summary["distill_steps"] == 1024 // (4 * 32)
 
 
-def test_layer_sharded_linearize_from_the_command_line_equals_one_process(tiny_run, capsys):
+def test_layer_blocks_are_contiguous_and_as_even_as_possible():
+    from dofla.distill.distributed import layer_blocks
+    from dofla.errors import DoflaError
+
+    assert layer_blocks(range(30), 3) == [list(range(0, 10)), list(range(10, 20)), list(range(20, 30))]
+    assert layer_blocks([7, 2, 5, 3, 9], 2) == [[2, 3, 5], [7, 9]]
+    assert layer_blocks([4], 1) == [[4]]
+    with pytest.raises(DoflaError, match=r"3 processes for 2 converted layers \[0, 1\]; use at most 2"):
+        layer_blocks([0, 1], 3)
+
+
+def test_layer_sharded_linearize_from_the_command_line_equals_one_process(tiny_run, capsys, monkeypatch):
     """`--nproc 2 --sharding layers --teacher-states DIR`: each rank trains one of the two layers on whole
     batches from the stored states entering it, keeps its own log and checkpoints, and rank 0 gathers both;
     the saved students equal the one-process run's. (Without a store the same path runs the teacher from
@@ -263,3 +275,17 @@ def test_layer_sharded_linearize_from_the_command_line_equals_one_process(tiny_r
         assert log[-1]["val_layers"].keys() == {"0", "1"}  # every rank logs the loss of all layers
     summary = json.loads((folder / "stored" / "result.json").read_text())
     assert summary["distill_processes"] == 2 and summary["config"]["distill"]["sharding"] == "layers"
+
+    # --resume needs every rank's checkpoint and --overwrite clears every rank's run, before any work
+    from dofla import pipeline
+    from dofla.errors import DoflaError
+    from dofla.run_config import LinearizeConfig
+
+    monkeypatch.setattr(pipeline.distributed, "rank_and_world_size", lambda: (0, 2))  # rank 0 of 2
+    settings = dict(out_dir=str(folder / "stored"), distill=dict(sharding="layers"))
+    rank1 = folder / "stored" / "distill" / "rank-1"
+    shutil.rmtree(rank1 / "checkpoints")
+    with pytest.raises(DoflaError, match="rank-1/checkpoints to continue from"):
+        pipeline.open_run_folder(LinearizeConfig.from_dict(dict(settings, resume=True)))
+    pipeline.open_run_folder(LinearizeConfig.from_dict(dict(settings, overwrite=True)))
+    assert not (rank1 / "log.jsonl").exists() and not (folder / "stored" / "distill" / "log.jsonl").exists()
