@@ -62,8 +62,8 @@ def launch(args: argparse.Namespace, config) -> int:
     import subprocess
 
     from dofla.distill.distributed import torchrun_command
-    from dofla.errors import DoflaError
     from dofla.distill.sharding import check_layer_sharding_early, layer_sharding
+    from dofla.errors import DoflaError
 
     if layer_sharding(config):
         check_layer_sharding_early(config, args.nproc)

@@ -124,8 +124,9 @@ def environment_world_size() -> int:
 
 @contextmanager
 def process_group_from_environment(device: str | None = None, timeout_hours: float = 24.0) -> Iterator[int]:
-    """Join the process group ``torchrun`` describes (gloo on CPUs, nccl on GPUs) for the block; yields the
-    world size. Without ``torchrun`` (or when a group is already up, e.g. in tests) it does nothing.
+    """Join the process group ``torchrun`` describes (gloo for CPU tensors, nccl for CUDA ones) for the
+    block; yields the world size. Without ``torchrun`` (or when a group is already up, e.g. in tests) it
+    does nothing.
 
     The long timeout lets rank 0 prepare data and the plan (a DoF estimate can take a while) while the
     other ranks wait for them.
@@ -136,7 +137,9 @@ def process_group_from_environment(device: str | None = None, timeout_hours: flo
     cuda = torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=timeout_hours))
+    # the numbers and shared data travel as CPU tensors (gloo), the students' tensors on the GPU (nccl)
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(hours=timeout_hours))
     try:
         yield dist.get_world_size()
     finally:
