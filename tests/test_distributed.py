@@ -46,6 +46,7 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     from dofla.convert import students
     from dofla.distill import distributed
     from dofla.distill.trainer import distill
+    from dofla.errors import DoflaError
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -58,6 +59,19 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         blocks = distributed.layer_blocks(students(tiny_converted()), world_size)
         run_dir = Path(out_dir) / f"rank-{rank}"  # each rank its own log and checkpoints
         options = dict(layers=blocks[rank], data_parallel=False)
+
+        try:  # every rank training every layer is refused on every rank, before any step
+            distill(
+                tiny_converted(),
+                token_data(),
+                token_data(8, seed=1),
+                config,
+                data_parallel=False,
+                layers=[0, 1],
+            )
+            refused = None
+        except DoflaError as error:
+            refused = str(error)
 
         def interrupt(step, record):
             if step == 6:  # after the checkpoint of step 4, on every rank alike
@@ -90,7 +104,12 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         save_file(_student_weights(model), f"{out_dir}/layers.{rank}.safetensors")
         (Path(out_dir) / f"result.{rank}.json").write_text(
             json.dumps(
-                dict(first_step=steps[0], val_layers=sorted(result.val_layer_losses), history=result.history)
+                dict(
+                    refused=refused,
+                    first_step=steps[0],
+                    val_layers=sorted(result.val_layer_losses),
+                    history=result.history,
+                )
             )
         )
     finally:
@@ -125,6 +144,7 @@ def test_two_processes_sharded_by_data_or_by_layers_equal_single_process(tmp_pat
     assert all(record["grad_norm"] > CLIP for record in result.history if "grad_norm" in record)  # clipped
     for rank in (0, 1):
         sharded = json.loads((tmp_path / f"result.{rank}.json").read_text())
+        assert "layers [0, 1] are on several ([[0, 1], [0, 1]])" in sharded["refused"]
         assert sharded["first_step"] == 5  # resumed from the checkpoint of step 4
         assert sharded["val_layers"] == [0, 1]  # every rank reports every layer's held-out loss
         losses = [(r["step"], r["loss"]) for r in sharded["history"] if "loss" in r]

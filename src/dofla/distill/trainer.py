@@ -328,6 +328,8 @@ def distill(
     writes = rank == 0 or layer_sharded  # layer sharding: every rank keeps its own run_dir
     device = next(model.parameters()).device
     students = freeze_teacher(model, layers)
+    if layer_sharded:
+        check_disjoint_layers(sorted(students) if layers is not None else None)
     # layer sharding: each rank's mean is weighted by its layer count to give the mean over all layers
     all_layers = distributed.sum_across_ranks(len(students)) if layer_sharded else len(students)
     model.eval()  # no dropout: the students learn the teacher's deterministic attention
@@ -536,7 +538,24 @@ def clip_global_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.T
 def gathered_layer_losses(layer_losses: dict[int, float]) -> dict[int, float]:
     """Every rank's per-layer losses in one dict, on every rank (layer sharding)."""
     gathered = distributed.gather_json({str(layer): value for layer, value in layer_losses.items()})
-    return {int(layer): value for part in gathered for layer, value in sorted(part.items())}
+    return dict(sorted((int(layer), value) for part in gathered for layer, value in part.items()))
+
+
+def check_disjoint_layers(layers: list[int] | None) -> None:
+    """Layer sharding: refuse, on every rank alike, a rank without its own ``layers`` or two ranks sharing one
+    (each would count in the loss and the gradient norm twice)."""
+    owned = distributed.gather_json(layers)
+    if any(part is None for part in owned):
+        raise DoflaError(
+            f"layer sharding needs each process's own layers (distill(..., layers=...)); rank "
+            f"{owned.index(None)} gave none: pass dofla.distill.distributed.layer_blocks(...)[rank]."
+        )
+    shared = sorted({layer for part in owned for layer in part if sum(layer in other for other in owned) > 1})
+    if shared:
+        raise DoflaError(
+            f"layer sharding needs each layer on one process, but layers {shared} are on several ({owned}); "
+            "pass dofla.distill.distributed.layer_blocks(...)[rank]."
+        )
 
 
 def _kept_checkpoint(checkpoints: Path | None) -> str:
