@@ -39,23 +39,36 @@ def orthogonal_gaussian_directions(num_heads: int, head_dim: int, num_features: 
 class _PositiveRandomFeatures(FeatureMap):
     """Shared forward of ``prf`` and ``learnable_prf``; subclasses provide directions and log weights."""
 
+    def __init__(self, **shape) -> None:
+        super().__init__(**shape)
+        self._half_log_counts: dict = {}  # (dtype, device) -> (num_heads, 1, 1, 1): built once, not per call
+
     def directions(self) -> Tensor:  # (num_heads, D, F)
         raise NotImplementedError
+
+    def half_log_feature_counts(self, like: Tensor) -> Tensor:
+        """0.5 * log(M_h) per map head, (num_heads, 1, 1, 1) in ``like``'s dtype and device."""
+        key = (like.dtype, like.device)
+        if key not in self._half_log_counts:
+            counts = torch.tensor(self.head_feature_dims, dtype=torch.float64)
+            self._half_log_counts[key] = (0.5 * counts.log()).to(**dict(zip(("dtype", "device"), key)))[
+                :, None, None, None
+            ]
+        return self._half_log_counts[key]
 
     def log_feature_weights(self) -> Tensor | None:  # (num_heads, F) added to the log-features, or None
         return None
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
-        projection = torch.einsum(
-            "bhgtd,hdf->bhgtf", grouped, self.directions().to(grouped.dtype)
-        )  # (B, Hm, G, T, F)
+        batch, heads, group, length, dim = grouped.shape
+        projection = torch.matmul(
+            grouped.reshape(batch, heads, group * length, dim), self.directions().to(grouped.dtype)
+        ).view(batch, heads, group, length, -1)  # (B, Hm, G, T, F)
         squared_norm = grouped.square().sum(-1, keepdim=True)  # (B, Hm, G, T, 1)
-        features_per_head = torch.tensor(self.head_feature_dims, dtype=grouped.dtype, device=x.device)
         log_features = (
-            math.sqrt(self.scaling) * projection
-            - 0.5 * self.scaling * squared_norm
-            - 0.5 * torch.log(features_per_head)[None, :, None, None, None]  # 1/M_h normalisation
+            torch.add(projection, squared_norm, alpha=-0.5 * math.sqrt(self.scaling)) * math.sqrt(self.scaling)
+            - self.half_log_feature_counts(grouped)  # 1/M_h normalisation
         )
         log_weights = self.log_feature_weights()
         if log_weights is not None:  # K_hat = sum_m alpha_m phi_m phi_m: sqrt(alpha_m) on each side

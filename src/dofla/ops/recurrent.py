@@ -29,16 +29,23 @@ def update_linear_state(state: LinearState, k_features: Tensor, v: Tensor, log_s
     log_offset = torch.maximum(state.log_offset, log_scale)  # (B, Hk)
     decay = exp_relative(state.log_offset, log_offset)  # (B, Hk), <= 1
     weighted_key = k_features * exp_relative(log_scale, log_offset)[..., None]  # (B, Hk, F)
-    kv = state.kv * decay[..., None, None] + weighted_key[..., :, None] * v[..., None, :]  # (B, Hk, F, Dv)
-    normalizer = state.normalizer * decay[..., None] + weighted_key  # (B, Hk, F)
+    kv = torch.addcmul(
+        state.kv * decay[..., None, None], weighted_key[..., :, None], v[..., None, :]
+    )  # (B, Hk, F, Dv)
+    normalizer = torch.addcmul(weighted_key, state.normalizer, decay[..., None])  # (B, Hk, F)
     return LinearState(kv, normalizer, log_offset, state.num_tokens + 1)
 
 
 def _read_linear_state(state: LinearState, q_features: Tensor) -> tuple[Tensor, Tensor]:
     """q_features (B, Hk, G, F) -> numerator (B, Hk, G, Dv), denominator (B, Hk, G), relative to the offset."""
-    numerator = torch.einsum("bhgf,bhfd->bhgd", q_features, state.kv)
-    denominator = torch.einsum("bhgf,bhf->bhg", q_features, state.normalizer)
+    numerator = q_features @ state.kv  # (B, Hk, G, Dv)
+    denominator = (q_features @ state.normalizer[..., None]).squeeze(-1)  # (B, Hk, G)
     return numerator, denominator
+
+
+def _stack_tokens(outputs: list[Tensor]) -> Tensor:
+    """Per-token outputs (B, Hk, G, Dv) -> (B, Hk, G, T, Dv); one token (decoding) needs no copy."""
+    return outputs[0].unsqueeze(3) if len(outputs) == 1 else torch.stack(outputs, dim=3)
 
 
 def _log_scale_or_zeros(k_log_scale: Tensor | None, k_features: Tensor, dtype: torch.dtype) -> Tensor:
@@ -79,7 +86,7 @@ def recurrent_linear_attention(
         state = update_linear_state(state, k[:, :, t], values[:, :, t], log_scale[:, :, t])
         numerator, denominator = _read_linear_state(state, q[:, :, :, t])
         outputs.append(numerator / (denominator[..., None] + eps))  # (B, Hk, G, Dv)
-    out = torch.stack(outputs, dim=3).reshape(batch, num_heads, length, value_dim)
+    out = _stack_tokens(outputs).reshape(batch, num_heads, length, value_dim)
     return out.to(v.dtype), state
 
 
@@ -231,7 +238,7 @@ def recurrent_hybrid_attention(
         numerator = gamma[..., None] * window_numerator + (1 - gamma[..., None]) * linear_numerator
         denominator = gamma * window_denominator + (1 - gamma) * linear_denominator  # (B, Hk, G)
         outputs.append(numerator / (denominator[..., None] + eps))
-    out = torch.stack(outputs, dim=3).reshape(batch, num_heads, length, value_dim)
+    out = _stack_tokens(outputs).reshape(batch, num_heads, length, value_dim)
     new_state = HybridState(
         linear=linear,
         keys=window_state.keys,
@@ -284,5 +291,5 @@ def recurrent_window_attention(
         numerator, denominator = read_window(state, queries[:, :, :, t], scaling=scaling, softcap=softcap)
         denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))  # 0 if empty
         outputs.append(numerator / denominator[..., None])  # (B, Hk, G, Dv)
-    out = torch.stack(outputs, dim=3).reshape(batch, num_heads, length, v.shape[-1])
+    out = _stack_tokens(outputs).reshape(batch, num_heads, length, v.shape[-1])
     return out.to(v.dtype), state
