@@ -193,7 +193,9 @@ class LinearAttention(nn.Module):
         )
         features = features.view(batch, kv_heads, group + 1, length, features.shape[-1])
         q_features = features[:, :, :group].reshape(batch, num_heads, length, features.shape[-1])
-        k_log_scale = None if log_scale is None else log_scale.view(batch, kv_heads, group + 1, length)[:, :, group]
+        k_log_scale = (
+            None if log_scale is None else log_scale.view(batch, kv_heads, group + 1, length)[:, :, group]
+        )
         return q_features, features[:, :, group], k_log_scale
 
     def take_cache_layer(self):

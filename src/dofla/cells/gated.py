@@ -73,7 +73,7 @@ class TokenGate(nn.Module):
     def logits(self, values: Tensor) -> Tensor:
         """values (B, Hs, T, Dv) -> logits (B, Hs, T) in float32 (float64 for float64 values)."""
         dtype = torch.promote_types(values.dtype, torch.float32)
-        logits = torch.einsum("bhtd,hd->bht", values.to(dtype), self.weight.to(dtype))
+        logits = (values.to(dtype) @ self.weight.to(dtype)[:, :, None]).squeeze(-1)  # (B, Hs, T)
         return logits * values.shape[-1] ** -0.5 + self.bias.to(dtype)[None, :, None]
 
     def log_gate(self, values: Tensor, key_mask: Tensor | None) -> Tensor:

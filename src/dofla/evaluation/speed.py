@@ -243,7 +243,13 @@ def time_prefill(model, batch_size: int, context: int, seed: int = 0) -> dict[st
 
 @torch.no_grad()
 def time_decode(
-    model, cache, batch_size: int, *, steps: int | None = None, target_seconds: float = 4.0, max_steps: int = 64
+    model,
+    cache,
+    batch_size: int,
+    *,
+    steps: int | None = None,
+    target_seconds: float = 4.0,
+    max_steps: int = 64,
 ) -> dict[str, float]:
     """Greedy decode steps from ``cache``: one warm-up step, then ``steps`` timed steps (or as many as fit
     in about ``target_seconds``, at least 2). Returns tokens/s, seconds per step, steps and cache bytes."""

@@ -51,9 +51,8 @@ class _PositiveRandomFeatures(FeatureMap):
         key = (like.dtype, like.device)
         if key not in self._half_log_counts:
             counts = torch.tensor(self.head_feature_dims, dtype=torch.float64)
-            self._half_log_counts[key] = (0.5 * counts.log()).to(**dict(zip(("dtype", "device"), key)))[
-                :, None, None, None
-            ]
+            half_log = (0.5 * counts.log()).to(dtype=like.dtype, device=like.device)
+            self._half_log_counts[key] = half_log[:, None, None, None]
         return self._half_log_counts[key]
 
     def log_feature_weights(self) -> Tensor | None:  # (num_heads, F) added to the log-features, or None
@@ -67,7 +66,8 @@ class _PositiveRandomFeatures(FeatureMap):
         ).view(batch, heads, group, length, -1)  # (B, Hm, G, T, F)
         squared_norm = grouped.square().sum(-1, keepdim=True)  # (B, Hm, G, T, 1)
         log_features = (
-            torch.add(projection, squared_norm, alpha=-0.5 * math.sqrt(self.scaling)) * math.sqrt(self.scaling)
+            torch.add(projection, squared_norm, alpha=-0.5 * math.sqrt(self.scaling))
+            * math.sqrt(self.scaling)
             - self.half_log_feature_counts(grouped)  # 1/M_h normalisation
         )
         log_weights = self.log_feature_weights()

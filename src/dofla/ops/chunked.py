@@ -179,8 +179,8 @@ def chunked_linear_attention(
 
 
 def _finite_or_zero(maximum: Tensor) -> Tensor:
-    """A softmax maximum to subtract: -inf (nothing visible) becomes 0 so that no -inf - -inf appears."""
-    return torch.where(torch.isfinite(maximum), maximum, torch.zeros_like(maximum))
+    """A softmax maximum to subtract: -inf (nothing visible) becomes finite so that no -inf - -inf appears."""
+    return maximum.clamp_min(torch.finfo(maximum.dtype).min)  # as in exp_relative: -inf - it stays -inf
 
 
 def sliding_window_sums(
