@@ -32,6 +32,13 @@ def bench_script(name: str):
     return module
 
 
+def weighted_gradients(outputs, weights, inputs):
+    """Gradients of sum(output * weight) over the outputs that are not None, with respect to ``inputs``."""
+    present = [tensor for tensor in outputs if tensor is not None]
+    total = sum((tensor * weight).sum() for tensor, weight in zip(present, weights, strict=True))
+    return torch.autograd.grad(total, inputs)
+
+
 @pytest.fixture
 def one_thread():
     """A tiny model's operators are too small to share between threads (and waiting threads of a busy
@@ -65,13 +72,9 @@ def test_decode_features_in_one_call_equal_separate_query_and_key_calls(share, f
             torch.randn(t.shape, generator=generator, dtype=t.dtype) for t in separate if t is not None
         ]
 
-        def gradients(outputs):
-            total = sum(
-                (t * w).sum() for t, w in zip([t for t in outputs if t is not None], weights, strict=True)
-            )
-            return torch.autograd.grad(total, (query, key, *student.feature_map.parameters()))
-
-        for got, expected in zip(gradients(joint), gradients(separate), strict=True):
+        inputs = (query, key, *student.feature_map.parameters())
+        joint_gradients = weighted_gradients(joint, weights, inputs)
+        for got, expected in zip(joint_gradients, weighted_gradients(separate, weights, inputs), strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
