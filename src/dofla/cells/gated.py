@@ -122,7 +122,7 @@ class GatedLinearAttention(LinearAttention):
             scaling,
             None if state is None else state.inner,
         )
-        new_state = None if inner is None else GatedState(inner, total[..., -1])
+        new_state = None if inner is None else GatedState(inner, total[..., -1].clone())
         return output, new_state
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
