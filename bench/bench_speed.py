@@ -269,7 +269,7 @@ def plot(rows: list[dict], models: list[str], args, path: Path) -> None:
     panels += [
         ("decode", max(args.batches), "peak_bytes", f"peak MiB above model (decode, B={max(args.batches)})")
     ]
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), layout="constrained")
     for axis, (phase, batch, key, title) in zip(axes, panels, strict=True):
         for model in models:
             points = [
@@ -285,8 +285,14 @@ def plot(rows: list[dict], models: list[str], args, path: Path) -> None:
         axis.set_xlabel("context (tokens)")
         axis.set_title(title, fontsize=10)
         axis.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    figure.tight_layout()
+    handles = {
+        label: handle
+        for axis in axes
+        for handle, label in zip(*axis.get_legend_handles_labels(), strict=True)
+    }
+    if handles:
+        figure.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8)
+        figure.subplots_adjust(bottom=0.22)
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
