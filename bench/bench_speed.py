@@ -291,8 +291,9 @@ def plot(rows: list[dict], models: list[str], args, path: Path) -> None:
         for handle, label in zip(*axis.get_legend_handles_labels(), strict=True)
     }
     if handles:
-        figure.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8)
-        figure.subplots_adjust(bottom=0.22)
+        figure.legend(
+            handles.values(), handles.keys(), loc="outside lower center", ncol=len(handles), fontsize=8
+        )
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
