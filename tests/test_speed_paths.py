@@ -181,3 +181,19 @@ def test_profile_decode_prints_top_operators_per_model(capsys, one_thread):
     for title in ("teacher: decode step, batch 2", "linear: decode step, batch 2", "linear: prefill of 32"):
         assert title in printed
     assert "aten calls per step and layer" in printed and "Self CPU" in printed
+
+
+@pytest.mark.parametrize("name", ["prf", "learnable_prf"])
+def test_prf_batch_of_one_takes_the_fused_product_and_agrees_with_a_larger_batch(name):
+    from dofla.feature_maps import build_feature_map
+
+    feature_map = build_feature_map(
+        name, num_heads=2, head_dim=8, feature_dim=6, scaling=8**-0.5, head_feature_dims=[6, 4]
+    ).double()
+    x = torch.randn(3, 4, 5, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    batched, batched_scale = feature_map(x, is_query=False)
+    for row in range(3):
+        alone, alone_scale = feature_map(x[row : row + 1], is_query=False)
+        torch.testing.assert_close(alone, batched[row : row + 1], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(alone_scale, batched_scale[row : row + 1], rtol=1e-12, atol=1e-12)
+    assert torch.all(batched[:, 2:, :, 4:] == 0)  # the second map head has 4 features: the rest exactly 0

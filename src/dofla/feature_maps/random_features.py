@@ -75,15 +75,18 @@ class _PositiveRandomFeatures(FeatureMap):
         # log phi_m(x) = root w_m.x + bias_m - scaling |x|^2 / 2. The last term is the same for every feature
         # of a token, so it cancels in phi (divided by its per-token maximum) and only enters the keys' log
         # scale: one fused matrix product and three passes over the (T, F) features, whatever the length.
-        directions = (self.directions().to(grouped.dtype) * root).repeat(batch, 1, 1)  # (B * Hm, D, F)
-        bias = self.feature_bias(grouped).unsqueeze(1).repeat(batch, 1, 1)  # (B * Hm, 1, F)
-        log_features = torch.baddbmm(
-            bias, grouped.reshape(batch * heads, group * length, dim), directions
-        )  # (B * Hm, G * T, F)
+        directions = self.directions().to(grouped.dtype) * root  # (Hm, D, F)
+        bias = self.feature_bias(grouped)  # (Hm, F)
+        if batch == 1:  # one fused product
+            rows = grouped.reshape(heads, group * length, dim)
+            log_features = torch.baddbmm(bias.unsqueeze(1), rows, directions)  # (Hm, G * T, F)
+        else:  # broadcasting over the batch (repeating the directions costs more small operators)
+            rows = grouped.reshape(batch, heads, group * length, dim)
+            log_features = torch.matmul(rows, directions) + bias[:, None, :]  # (B, Hm, G * T, F)
         # Per-token maximum, kept differentiable: phi * exp(log_scale) = exp(log_features) has its exact gradient
         # (the two paths through token_max cancel), and where the normalisation does not cancel (the hybrid's
         # linear part) the gradient is still that of the function computed.
-        token_max = log_features.amax(-1, keepdim=True)  # (B * Hm, G * T, 1)
+        token_max = log_features.amax(-1, keepdim=True)  # (B, Hm, G * T, 1)
         features = torch.exp(log_features - token_max).view(x.shape[:3] + (self.feature_dim,))
         if is_query:
             return features.to(x.dtype), None
