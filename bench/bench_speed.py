@@ -4,7 +4,8 @@ One run measures the softmax teacher (SDPA, DynamicCache) and each student conve
 untrained plan (speed does not depend on the weights), at the same settings, and prints ratios against
 the teacher of the same run:
 - prefill tokens/s at batch 1 and each context (one timed prefill after a warm-up);
-- decode tokens/s at each batch and context: the teacher's KV cache is filled with random keys and values
+- decode tokens/s at each batch and context, over ``--steps`` (16) greedy steps after one warm-up step
+  (every row of the batch counts): the teacher's KV cache is filled with random keys and values
   of the right shape (a real prefill at 16k would take minutes; decoding cost does not depend on the
   values); a student's state comes from a real prefill of a short prompt (at least twice its window)
   with its token counter moved on to the context (its state and step do not grow with length);
@@ -134,7 +135,7 @@ def measure_model(model, name: str, args, log) -> list[dict]:
                     else:
                         cache = student_cache_at(model, batch, context, fill_tokens=max(128, 2 * args.window))
                     result = time_decode(
-                        model, cache, batch, steps=args.steps, target_seconds=args.seconds_per_row
+                        model, cache, batch, steps=args.steps or None, target_seconds=args.seconds_per_row
                     )
                 del cache
             except (RuntimeError, MemoryError) as error:
@@ -311,9 +312,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--feature-dim", type=int, default=64)
     parser.add_argument("--window", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=None, help="decode steps per row (default: by time)")
     parser.add_argument(
-        "--seconds-per-row", type=float, default=4.0, help="decode time per row when no --steps"
+        "--steps", type=int, default=16, help="timed decode steps per row after one warm-up step (0: by time)"
+    )
+    parser.add_argument(
+        "--seconds-per-row", type=float, default=4.0, help="decode time per row with --steps 0"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="1k context only, batch 1 and 2, 2 decode steps")
@@ -321,7 +324,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", default=str(REPOSITORY / "docs" / "results" / "speed" / "speed.png"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.contexts, args.batches, args.steps = "1024", "1,2", args.steps or 2
+        args.contexts, args.batches, args.steps = "1024", "1,2", 2
     args.contexts = [int(c) for c in str(args.contexts).split(",")]
     args.batches = [int(b) for b in str(args.batches).split(",")]
     names = [name.strip() for name in args.cells.split(",") if name.strip()]
@@ -369,7 +372,8 @@ def main(argv=None) -> int:
         f"model: {'tiny random Llama' if args.tiny else args.teacher}; students untrained, F={args.feature_dim}, "
         f"window {args.window}; teacher decode from a synthetic (random) KV cache of the context length; "
         f"student decode from a real prefill of {max(128, 2 * args.window)} tokens with the token count set to "
-        f"the context (state size and step work do not depend on it); plot: {plot_path.name}\n"
+        f"the context (state size and step work do not depend on it); decode: "
+        f"{args.steps or 'timed'} steps after 1 warm-up step; plot: {plot_path.name}\n"
     )
     print(tables(rows, models, args))
     return 0
