@@ -184,7 +184,7 @@ def test_profile_decode_prints_top_operators_per_model(capsys, one_thread):
 
 
 @pytest.mark.parametrize("name", ["prf", "learnable_prf"])
-def test_prf_batch_of_one_takes_the_fused_product_and_agrees_with_a_larger_batch(name):
+def test_prf_rows_alone_agree_with_the_batch_and_missing_features_are_zero(name):
     from dofla.feature_maps import build_feature_map
 
     feature_map = build_feature_map(

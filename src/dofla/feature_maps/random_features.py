@@ -41,58 +41,46 @@ class _PositiveRandomFeatures(FeatureMap):
 
     def __init__(self, **shape) -> None:
         super().__init__(**shape)
-        self._half_log_counts: dict = {}  # (dtype, device) -> (num_heads, 1, 1, 1): built once, not per call
+        self._log_counts: dict = {}  # (dtype, device) -> log(M_h), (num_heads,): built once, not per call
 
     def directions(self) -> Tensor:  # (num_heads, D, F)
         raise NotImplementedError
 
-    def half_log_feature_counts(self, like: Tensor) -> Tensor:
-        """0.5 * log(M_h) per map head, (num_heads, 1, 1, 1) in ``like``'s dtype and device."""
+    def log_feature_counts(self, like: Tensor) -> Tensor:
+        """log(M_h) per map head, (num_heads,) in ``like``'s dtype and device."""
         key = (like.dtype, like.device)
-        if key not in self._half_log_counts:
-            counts = torch.tensor(self.head_feature_dims, dtype=torch.float64)
-            half_log = (0.5 * counts.log()).to(dtype=like.dtype, device=like.device)
-            self._half_log_counts[key] = half_log[:, None, None, None]
-        return self._half_log_counts[key]
+        if key not in self._log_counts:
+            counts = torch.tensor(self.head_feature_dims, dtype=like.dtype, device=like.device)
+            self._log_counts[key] = torch.log(counts)
+        return self._log_counts[key]
 
     def log_feature_weights(self) -> Tensor | None:  # (num_heads, F) added to the log-features, or None
         return None
 
-    def feature_bias(self, like: Tensor) -> Tensor:
-        """(num_heads, F): log(alpha_m) / 2 - log(M_h) / 2, -inf for the features a head does not have."""
-        bias = -self.half_log_feature_counts(like).view(-1, 1).expand(self.num_heads, self.feature_dim)
-        log_weights = self.log_feature_weights()
-        if log_weights is not None:  # K_hat = sum_m alpha_m phi_m phi_m: sqrt(alpha_m) on each side
-            bias = torch.add(bias, log_weights.to(like.dtype), alpha=0.5)
-        if self.has_headwise_dims:
-            bias = bias.masked_fill(~self.feature_mask, float("-inf"))
-        return bias
-
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
-        batch, heads, group, length, dim = grouped.shape
-        root = math.sqrt(self.scaling)
-        # log phi_m(x) = root w_m.x + bias_m - scaling |x|^2 / 2. The last term is the same for every feature
-        # of a token, so it cancels in phi (divided by its per-token maximum) and only enters the keys' log
-        # scale: one fused matrix product and three passes over the (T, F) features, whatever the length.
-        directions = self.directions().to(grouped.dtype) * root  # (Hm, D, F)
-        bias = self.feature_bias(grouped)  # (Hm, F)
-        if batch == 1:  # one fused product
-            rows = grouped.reshape(heads, group * length, dim)
-            log_features = torch.baddbmm(bias.unsqueeze(1), rows, directions)  # (Hm, G * T, F)
-        else:  # broadcasting over the batch (repeating the directions costs more small operators)
-            rows = grouped.reshape(batch, heads, group * length, dim)
-            log_features = torch.matmul(rows, directions) + bias[:, None, :]  # (B, Hm, G * T, F)
+        projection = torch.einsum(
+            "bhgtd,hdf->bhgtf", grouped, self.directions().to(grouped.dtype)
+        )  # (B, Hm, G, T, F)
+        squared_norm = grouped.square().sum(-1, keepdim=True)  # (B, Hm, G, T, 1)
+        log_features = (
+            math.sqrt(self.scaling) * projection
+            - 0.5 * self.scaling * squared_norm
+            - 0.5 * self.log_feature_counts(grouped)[None, :, None, None, None]  # 1/M_h normalisation
+        )
+        log_weights = self.log_feature_weights()
+        if log_weights is not None:  # K_hat = sum_m alpha_m phi_m phi_m: sqrt(alpha_m) on each side
+            log_features = log_features + 0.5 * log_weights.to(grouped.dtype)[None, :, None, None, :]
+        if self.has_headwise_dims:
+            log_features = log_features.masked_fill(~self.feature_mask[None, :, None, None, :], float("-inf"))
         # Per-token maximum, kept differentiable: phi * exp(log_scale) = exp(log_features) has its exact gradient
         # (the two paths through token_max cancel), and where the normalisation does not cancel (the hybrid's
         # linear part) the gradient is still that of the function computed.
-        token_max = log_features.amax(-1, keepdim=True)  # (B, Hm, G * T, 1)
-        features = torch.exp(log_features - token_max).view(x.shape[:3] + (self.feature_dim,))
+        token_max = log_features.amax(-1, keepdim=True)  # (B, Hm, G, T, 1)
+        features = torch.exp(log_features - token_max).reshape(x.shape[:3] + (self.feature_dim,))
         if is_query:
             return features.to(x.dtype), None
-        squared_norm = torch.linalg.vector_norm(grouped, dim=-1).square()  # (B, Hm, G, T)
-        log_scale = torch.add(token_max.view(squared_norm.shape), squared_norm, alpha=-0.5 * self.scaling)
-        return features.to(x.dtype), log_scale.reshape(x.shape[:3])
+        return features.to(x.dtype), token_max.reshape(x.shape[:3])
 
 
 @register_feature_map("prf")
