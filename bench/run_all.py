@@ -16,9 +16,12 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS = {
     "ops": ["bench_ops.py"],
     "decode_memory": ["bench_decode_memory.py"],
-    "generation": ["bench_generation.py", "--contexts", "1024,4096"],
     "distill": ["bench_distill.py"],
+    # every cell vs the teacher at 1k-16k, batch 1 and 8 (about 15 min; supersedes bench_generation.py on
+    # the CPU, which stays for GPU runs: `bench/run_all.py generation` still runs it)
+    "speed": ["bench_speed.py"],
 }
+OPTIONAL = {"generation": ["bench_generation.py", "--contexts", "1024,4096"]}
 
 
 def main() -> int:
@@ -27,7 +30,8 @@ def main() -> int:
     selected = sys.argv[1:] or list(BENCHMARKS)
     failures = 0
     for name in selected:
-        command = [sys.executable, str(HERE / BENCHMARKS[name][0]), *BENCHMARKS[name][1:]]
+        script, *options = {**BENCHMARKS, **OPTIONAL}[name]
+        command = [sys.executable, str(HERE / script), *options]
         load = "load average before the run (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
         print(f"== {name}: {' '.join(command)}", flush=True)
         completed = subprocess.run(command, capture_output=True, text=True)

@@ -26,6 +26,15 @@ SECTIONS = [
         "Prefill and decode tokens/s and cache size; untrained students (speed does not depend on the weights).",
     ),
     (
+        "Speed at length: every student cell vs the teacher, prefill and batched decode (CPU)",
+        "bench/results/speed.md",
+        "`python bench/bench_speed.py` (part of `make bench`). Targets (ratios to the teacher of the same run): "
+        "decode at 16k, batch 8 ≥ 10×; decode at 4k, batch 1 ≥ 1.3×; prefill at 16k ≥ 4×; state at 16k ≤ 1/50 "
+        "of the KV cache, constant in length; the 32/96 allocation within 5% of fix. Plot: "
+        "`docs/results/speed/speed.png`; what the steps spend their time on, before and after the hot-path "
+        "work: `docs/results/speed/README.md`.",
+    ),
+    (
         "Whole-model generation on one H100, Llama-1B shape (random weights, bf16)",
         "bench/results/gpu_generation_llama1b.md",
         "Pure-PyTorch chunked/recurrent forms (no custom kernels).",

@@ -167,9 +167,36 @@ class LinearAttention(nn.Module):
                 f"layer {self.layer_index}: expected {self.num_heads} query and {self.num_kv_heads} key/value "
                 f"heads, got {query.shape[1]} and {key.shape[1]}."
             )
-        q_features, _ = self.feature_map(query, is_query=True)
-        k_features, k_log_scale = self.feature_map(self._state_heads_view(key), is_query=False)
-        return q_features, k_features, k_log_scale
+        if query.shape[2] > self.decode_tokens:
+            q_features, _ = self.feature_map(query, is_query=True)
+            k_features, k_log_scale = self.feature_map(self._state_heads_view(key), is_query=False)
+            return q_features, k_features, k_log_scale
+        return self._joint_features(query, key)
+
+    def _joint_features(self, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``features`` in one feature-map call for queries and keys together (decoding, where a step's cost
+        is its number of small operators). Every map treats each token and head alike, whether query or key;
+        a query's log scale is dropped (it cancels), as the map does for ``is_query=True``."""
+        batch, num_heads, length, head_dim = query.shape
+        if not self.share_kv_heads:  # one map per query head: keys repeated, queries and keys along time
+            both = torch.cat([query, self._state_heads_view(key)], dim=2)  # (B, H, 2T, D)
+            features, log_scale = self.feature_map(both, is_query=False)
+            k_log_scale = None if log_scale is None else log_scale[:, :, length:]
+            return features[:, :, :length], features[:, :, length:], k_log_scale
+        kv_heads = self.num_kv_heads
+        group = num_heads // kv_heads
+        both = torch.cat(
+            [query.view(batch, kv_heads, group, length, head_dim), key.unsqueeze(2)], dim=2
+        )  # (B, Hkv, G + 1, T, D): map head h reads its G queries and its key
+        features, log_scale = self.feature_map(
+            both.view(batch, kv_heads * (group + 1), length, head_dim), is_query=False
+        )
+        features = features.view(batch, kv_heads, group + 1, length, features.shape[-1])
+        q_features = features[:, :, :group].reshape(batch, num_heads, length, features.shape[-1])
+        k_log_scale = (
+            None if log_scale is None else log_scale.view(batch, kv_heads, group + 1, length)[:, :, group]
+        )
+        return q_features, features[:, :, group], k_log_scale
 
     def take_cache_layer(self):
         """The cache layer for this call, at most once per module forward."""

@@ -73,7 +73,7 @@ class TokenGate(nn.Module):
     def logits(self, values: Tensor) -> Tensor:
         """values (B, Hs, T, Dv) -> logits (B, Hs, T) in float32 (float64 for float64 values)."""
         dtype = torch.promote_types(values.dtype, torch.float32)
-        logits = torch.einsum("bhtd,hd->bht", values.to(dtype), self.weight.to(dtype))
+        logits = (values.to(dtype) @ self.weight.to(dtype)[:, :, None]).squeeze(-1)  # (B, Hs, T)
         return logits * values.shape[-1] ** -0.5 + self.bias.to(dtype)[None, :, None]
 
     def log_gate(self, values: Tensor, key_mask: Tensor | None) -> Tensor:
@@ -122,7 +122,7 @@ class GatedLinearAttention(LinearAttention):
             scaling,
             None if state is None else state.inner,
         )
-        new_state = None if inner is None else GatedState(inner, total[..., -1])
+        new_state = None if inner is None else GatedState(inner, total[..., -1].clone())
         return output, new_state
 
     def parameter_groups(self, base_lr: float) -> list[dict]:

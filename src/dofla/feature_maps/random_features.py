@@ -39,8 +39,20 @@ def orthogonal_gaussian_directions(num_heads: int, head_dim: int, num_features: 
 class _PositiveRandomFeatures(FeatureMap):
     """Shared forward of ``prf`` and ``learnable_prf``; subclasses provide directions and log weights."""
 
+    def __init__(self, **shape) -> None:
+        super().__init__(**shape)
+        self._log_counts: dict = {}  # (dtype, device) -> log(M_h), (num_heads,): built once, not per call
+
     def directions(self) -> Tensor:  # (num_heads, D, F)
         raise NotImplementedError
+
+    def log_feature_counts(self, like: Tensor) -> Tensor:
+        """log(M_h) per map head, (num_heads,) in ``like``'s dtype and device."""
+        key = (like.dtype, like.device)
+        if key not in self._log_counts:
+            counts = torch.tensor(self.head_feature_dims, dtype=like.dtype, device=like.device)
+            self._log_counts[key] = torch.log(counts)
+        return self._log_counts[key]
 
     def log_feature_weights(self) -> Tensor | None:  # (num_heads, F) added to the log-features, or None
         return None
@@ -51,11 +63,10 @@ class _PositiveRandomFeatures(FeatureMap):
             "bhgtd,hdf->bhgtf", grouped, self.directions().to(grouped.dtype)
         )  # (B, Hm, G, T, F)
         squared_norm = grouped.square().sum(-1, keepdim=True)  # (B, Hm, G, T, 1)
-        features_per_head = torch.tensor(self.head_feature_dims, dtype=grouped.dtype, device=x.device)
         log_features = (
             math.sqrt(self.scaling) * projection
             - 0.5 * self.scaling * squared_norm
-            - 0.5 * torch.log(features_per_head)[None, :, None, None, None]  # 1/M_h normalisation
+            - 0.5 * self.log_feature_counts(grouped)[None, :, None, None, None]  # 1/M_h normalisation
         )
         log_weights = self.log_feature_weights()
         if log_weights is not None:  # K_hat = sum_m alpha_m phi_m phi_m: sqrt(alpha_m) on each side

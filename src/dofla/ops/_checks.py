@@ -176,3 +176,8 @@ def mask_absent_keys(
     k_features = k_features.masked_fill(~present[..., None], 0)
     v = v.masked_fill(~present[..., None], 0)
     return k_features, v, k_log_scale
+
+
+def stack_tokens(outputs: list[Tensor]) -> Tensor:
+    """Per-token outputs (B, Hk, G, Dv) of a token loop -> (B, Hk, G, T, Dv); one token (decoding) needs no copy."""
+    return outputs[0].unsqueeze(3) if len(outputs) == 1 else torch.stack(outputs, dim=3)

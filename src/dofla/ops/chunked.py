@@ -31,6 +31,7 @@ from dofla.ops.sinks import SinkUpdate, add_sinks
 from dofla.ops.state import HybridState, LinearState, WindowState, exp_relative
 
 NEGATIVE_INFINITY = float("-inf")
+SCAN_ABOVE_CHUNKS = 16  # more chunks than this: the states entering them by a scan, not an (N, N) product
 
 
 def _check_chunk_size(chunk_size: int) -> int:
@@ -58,30 +59,35 @@ def linear_attention_sums(
         q, k, v = F.pad(q, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
         if log_scale is not None:
             log_scale = F.pad(log_scale, (0, pad), value=NEGATIVE_INFINITY)
-    q_chunks = q.view(batch, num_kv_heads, group, num_chunks, size, feature_dim)  # (B, Hk, G, N, C, F)
+    # The G query heads of a key/value head are rows of one matrix per chunk (B, Hk, N, G * C, F), so that
+    # every product reads the chunk's keys, values and states as they are (broadcasting them over G would
+    # copy them G times); values carry a column of ones, so one product gives numerator and denominator.
+    q_chunks = (
+        q.view(batch, num_kv_heads, group, num_chunks, size, feature_dim)
+        .transpose(2, 3)
+        .reshape(batch, num_kv_heads, num_chunks, group * size, feature_dim)
+    )  # (B, Hk, N, G * C, F)
     k_chunks = k.view(batch, num_kv_heads, num_chunks, size, feature_dim)  # (B, Hk, N, C, F)
-    v_chunks = v.view(batch, num_kv_heads, num_chunks, size, value_dim)  # (B, Hk, N, C, Dv)
+    v_chunks = torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1).view(
+        batch, num_kv_heads, num_chunks, size, value_dim + 1
+    )  # (B, Hk, N, C, Dv + 1)
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # [query r, key u]: u <= r
-    scores = q_chunks @ k_chunks.unsqueeze(2).transpose(-1, -2)  # (B, Hk, G, N, C, C)
+    scores = (q_chunks @ k_chunks.transpose(-1, -2)).view(
+        batch, num_kv_heads, num_chunks, group, size, size
+    )  # (B, Hk, N, G, C, C)
 
     if log_scale is None:
         if state is not None:
             raise ValueError("linear_attention_sums needs explicit log scales when continuing from a state")
         intra = scores.masked_fill(~causal, 0.0)
-        kv_chunks = k_chunks.transpose(-1, -2) @ v_chunks  # (B, Hk, N, F, Dv)
-        normalizer_chunks = k_chunks.sum(-2)  # (B, Hk, N, F)
-        kv_inclusive = kv_chunks.cumsum(2)
-        normalizer_inclusive = normalizer_chunks.cumsum(2)
-        kv_entering = kv_inclusive - kv_chunks  # state before each chunk, (B, Hk, N, F, Dv)
-        normalizer_entering = normalizer_inclusive - normalizer_chunks
-        inter_numerator = q_chunks @ kv_entering.unsqueeze(2)  # (B, Hk, G, N, C, Dv)
-        inter_denominator = (q_chunks @ normalizer_entering.unsqueeze(2).unsqueeze(-1)).squeeze(-1)
-        final = LinearState(
-            kv_inclusive[:, :, -1],
-            normalizer_inclusive[:, :, -1],
-            torch.zeros(batch, num_kv_heads, dtype=q.dtype, device=q.device),
-            length,
-        )
+        sum_chunks = k_chunks.transpose(-1, -2) @ v_chunks  # (B, Hk, N, F, Dv + 1): kv and normalizer
+        inclusive = sum_chunks.cumsum(2)
+        states = torch.cat(
+            [torch.zeros_like(inclusive[:, :, :1]), inclusive], dim=2
+        )  # (B, Hk, N + 1, F, Dv + 1)
+        inter = q_chunks @ states[:, :, :-1]  # (B, Hk, N, G * C, Dv + 1)
+        final_offset = torch.zeros(batch, num_kv_heads, dtype=q.dtype, device=q.device)
+        previous_tokens = 0
     else:
         if state is None:
             initial_offset = torch.full(
@@ -100,43 +106,84 @@ def linear_attention_sums(
         key_log_weight = torch.where(
             causal, scale_chunks[..., None, :], NEGATIVE_INFINITY
         )  # (B, Hk, N, C, C)
-        intra = scores * exp_relative(key_log_weight, max_chunks[..., :, None]).unsqueeze(2)
+        intra = scores * exp_relative(key_log_weight, max_chunks[..., :, None]).unsqueeze(3)
 
         # Each chunk's own sums relative to the offset at its end, then mixed into the state entering
         # chunk n: sum_{c < n} chunk_c * exp(end_c - entering_n) (+ initial state * exp(offset_0 - entering_n)).
         weighted_keys = (
             k_chunks * exp_relative(scale_chunks, chunk_end[..., None])[..., None]
         )  # (B, Hk, N, C, F)
-        kv_chunks = weighted_keys.transpose(-1, -2) @ v_chunks  # (B, Hk, N, F, Dv)
-        normalizer_chunks = weighted_keys.sum(-2)  # (B, Hk, N, F)
-        state_index = torch.arange(num_chunks + 1, device=q.device)[:, None]
-        chunk_index = torch.arange(num_chunks, device=q.device)[None, :]
-        mix_log = torch.where(
-            chunk_index < state_index, chunk_end[..., None, :], NEGATIVE_INFINITY
-        )  # (B,Hk,N+1,N)
-        mix = exp_relative(mix_log, entering[..., None])
-        kv_states = torch.einsum("bhnc,bhcfd->bhnfd", mix, kv_chunks)  # (B, Hk, N + 1, F, Dv)
-        normalizer_states = torch.einsum("bhnc,bhcf->bhnf", mix, normalizer_chunks)  # (B, Hk, N + 1, F)
-        if state is not None:
-            carry = exp_relative(initial_offset[..., None], entering)  # (B, Hk, N + 1)
-            kv_states = kv_states + carry[..., None, None] * state.kv.to(q.dtype)[:, :, None]
-            normalizer_states = (
-                normalizer_states + carry[..., None] * state.normalizer.to(q.dtype)[:, :, None]
-            )
+        sum_chunks = weighted_keys.transpose(-1, -2) @ v_chunks  # (B, Hk, N, F, Dv + 1): kv and normalizer
+        if num_chunks <= SCAN_ABOVE_CHUNKS:
+            states = _mix_chunk_states(sum_chunks, entering, state)
+        else:
+            states = _scan_chunk_states(sum_chunks, entering, state)  # (B, Hk, N + 1, F, Dv + 1)
 
-        inter_scale = exp_relative(entering[..., :-1, None], max_chunks).unsqueeze(2)  # (B, Hk, 1, N, C)
-        inter_numerator = (q_chunks @ kv_states[:, :, None, :-1]) * inter_scale[..., None]
-        inter_denominator = (q_chunks @ normalizer_states[:, :, None, :-1, :, None]).squeeze(-1) * inter_scale
+        inter_scale = exp_relative(entering[..., :-1, None], max_chunks)  # (B, Hk, N, C)
+        inter = (q_chunks @ states[:, :, :-1]).view(
+            batch, num_kv_heads, num_chunks, group, size, value_dim + 1
+        ) * inter_scale[:, :, :, None, :, None]
+        final_offset = entering[..., -1].clone()
         previous_tokens = 0 if state is None else state.num_tokens
-        final = LinearState(
-            kv_states[:, :, -1], normalizer_states[:, :, -1], entering[..., -1], previous_tokens + length
-        )
 
-    numerator = intra @ v_chunks.unsqueeze(2) + inter_numerator  # (B, Hk, G, N, C, Dv)
-    denominator = intra.sum(-1) + inter_denominator  # (B, Hk, G, N, C)
-    numerator = numerator.reshape(batch, num_kv_heads, group, num_chunks * size, value_dim)[..., :length, :]
-    denominator = denominator.reshape(batch, num_kv_heads, group, num_chunks * size)[..., :length]
-    return numerator, denominator, final
+    sums = intra.view(batch, num_kv_heads, num_chunks, group * size, size) @ v_chunks + inter.view(
+        batch, num_kv_heads, num_chunks, group * size, value_dim + 1
+    )  # (B, Hk, N, G * C, Dv + 1)
+    sums = (
+        sums.view(batch, num_kv_heads, num_chunks, group, size, value_dim + 1)
+        .transpose(2, 3)
+        .reshape(batch, num_kv_heads, group, num_chunks * size, value_dim + 1)[..., :length, :]
+    )  # (B, Hk, G, T, Dv + 1)
+    final = LinearState(
+        states[:, :, -1, :, :value_dim].clone(),  # copies: a view would keep all N + 1 states alive
+        states[:, :, -1, :, value_dim].clone(),
+        final_offset,
+        previous_tokens + length,
+    )
+    return sums[..., :value_dim], sums[..., value_dim], final
+
+
+def _mix_chunk_states(sum_chunks: Tensor, entering: Tensor, state: LinearState | None) -> Tensor:
+    """The state entering each chunk as one (N + 1, N) mixing product: few operators, O(N^2) work.
+
+    sum_chunks (B, Hk, N, F, Dv + 1): chunk n's own kv sums and (last column) normalizer, relative to the
+    offset at its end, entering[n + 1]; entering (B, Hk, N + 1) the offsets before each chunk (and after the
+    last). Returns the states (B, Hk, N + 1, F, Dv + 1) relative to ``entering``.
+    """
+    num_chunks, device = sum_chunks.shape[2], sum_chunks.device
+    chunk_end = entering[..., 1:]
+    state_index = torch.arange(num_chunks + 1, device=device)[:, None]
+    chunk_index = torch.arange(num_chunks, device=device)[None, :]
+    mix_log = torch.where(
+        chunk_index < state_index, chunk_end[..., None, :], NEGATIVE_INFINITY
+    )  # (B,Hk,N+1,N)
+    mix = exp_relative(mix_log, entering[..., None])
+    states = torch.einsum("bhnc,bhcfd->bhnfd", mix, sum_chunks)  # (B, Hk, N + 1, F, Dv + 1)
+    if state is not None:
+        carry = exp_relative(entering[..., :1], entering)  # (B, Hk, N + 1)
+        states = states + carry[..., None, None] * _joined_state(state, sum_chunks.dtype)[:, :, None]
+    return states
+
+
+def _scan_chunk_states(sum_chunks: Tensor, entering: Tensor, state: LinearState | None) -> Tensor:
+    """``_mix_chunk_states`` as a scan over chunks, S_{n+1} = S_n exp(entering_n - entering_{n+1}) + chunk_n:
+    O(N) work for long inputs (at 16k tokens the mixing product is 256 x 256 chunks) at N small operators."""
+    batch, num_kv_heads, num_chunks, feature_dim, width = sum_chunks.shape
+    decay = exp_relative(entering[..., :-1], entering[..., 1:])  # (B, Hk, N): <= 1
+    if state is None:
+        current = sum_chunks.new_zeros(batch, num_kv_heads, feature_dim, width)
+    else:
+        current = _joined_state(state, sum_chunks.dtype)
+    states = [current]
+    for n in range(num_chunks):
+        current = torch.addcmul(sum_chunks[:, :, n], current, decay[:, :, n, None, None])
+        states.append(current)
+    return torch.stack(states, dim=2)  # (B, Hk, N + 1, F, Dv + 1)
+
+
+def _joined_state(state: LinearState, dtype: torch.dtype) -> Tensor:
+    """A LinearState's kv (B, Hk, F, Dv) and normalizer (B, Hk, F) as one (B, Hk, F, Dv + 1) tensor."""
+    return torch.cat([state.kv, state.normalizer[..., None]], dim=-1).to(dtype)
 
 
 def chunked_linear_attention(
@@ -179,8 +226,8 @@ def chunked_linear_attention(
 
 
 def _finite_or_zero(maximum: Tensor) -> Tensor:
-    """A softmax maximum to subtract: -inf (nothing visible) becomes 0 so that no -inf - -inf appears."""
-    return torch.where(torch.isfinite(maximum), maximum, torch.zeros_like(maximum))
+    """A softmax maximum to subtract: -inf (nothing visible) becomes finite so that no -inf - -inf appears."""
+    return maximum.clamp_min(torch.finfo(maximum.dtype).min)  # as in exp_relative: -inf - it stays -inf
 
 
 def sliding_window_sums(
@@ -316,9 +363,10 @@ def window_part_sums(
         )
     keep = min(window, all_keys.shape[2])
     new_state = WindowState(
-        keys=all_keys[:, :, -keep:],
-        values=all_values[:, :, -keep:],
-        key_present=all_present[:, :, -keep:],
+        # copies: views of the call's keys would keep every key of a long prefill alive in the state
+        keys=all_keys[:, :, -keep:].clone(),
+        values=all_values[:, :, -keep:].clone(),
+        key_present=all_present[:, :, -keep:].clone(),
         sink_keys=sink.keys,
         sink_values=sink.values,
         sink_count=sink.count,
@@ -421,8 +469,8 @@ def chunked_hybrid_attention(
         linear=new_linear,
         keys=window_state.keys,
         values=window_state.values,
-        key_features=all_features[:, :, -keep:],
-        key_log_scales=all_scales[:, :, -keep:],
+        key_features=all_features[:, :, -keep:].clone(),  # copies, as in window_part_sums
+        key_log_scales=all_scales[:, :, -keep:].clone(),
         sink_keys=window_state.sink_keys,
         sink_values=window_state.sink_values,
         sink_count=window_state.sink_count,

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dofla.errors import DoflaError
-from dofla.ops._checks import check_delta_inputs, check_key_mask, compute_dtype
+from dofla.ops._checks import check_delta_inputs, check_key_mask, compute_dtype, stack_tokens
 from dofla.ops.state import DeltaState
 
 
@@ -104,14 +104,16 @@ def gated_delta_rule(
 def update_delta_state(
     state: DeltaState, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor
 ) -> DeltaState:
-    """One token per head: k (B, Hk, K), v (B, Hk, Dv), log_decay (B, Hk), beta (B, Hk). Returns a new state."""
+    """One token per head: k (B, Hk, K), v (B, Hk, Dv), log_decay (B, Hk), beta (B, Hk). Returns a new state.
+
+    ``a (S - b k (k^T S)) + b k v^T`` is computed as ``a S + k (b (v - a k^T S))^T``: one read, two
+    fused multiply-adds (decoding is bound by its number of small operators).
+    """
     memory = state.kv  # (B, Hk, K, Dv)
-    recalled = torch.einsum("bhk,bhkd->bhd", k, memory)  # k^T S: what S holds for k
-    decay, b = log_decay.exp()[..., None, None], beta[..., None, None]
-    memory = (
-        decay * (memory - b * k[..., :, None] * recalled[..., None, :])
-        + b * k[..., :, None] * v[..., None, :]
-    )
+    decay = log_decay.exp()[..., None]  # (B, Hk, 1)
+    recalled = (k.unsqueeze(-2) @ memory).squeeze(-2)  # (B, Hk, Dv): k^T S, what S holds for k
+    correction = torch.addcmul(v, decay, recalled, value=-1.0) * beta[..., None]  # b (v - a k^T S)
+    memory = torch.addcmul(memory * decay[..., None], k[..., :, None], correction[..., None, :])
     return DeltaState(memory, state.num_tokens + 1)
 
 
@@ -137,8 +139,8 @@ def recurrent_gated_delta_rule(
     outputs = []
     for t in range(length):
         current = update_delta_state(current, k[:, :, t], v_in[:, :, t], log_decay[:, :, t], beta[:, :, t])
-        outputs.append(torch.einsum("bhgk,bhkd->bhgd", queries[:, :, :, t], current.kv))
-    out = torch.stack(outputs, dim=3).reshape(batch, num_heads, length, v.shape[-1])
+        outputs.append(queries[:, :, :, t] @ current.kv)  # (B, Hk, G, Dv)
+    out = stack_tokens(outputs).reshape(batch, num_heads, length, v.shape[-1])
     return out.to(v.dtype), current
 
 

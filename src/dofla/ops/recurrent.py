@@ -19,6 +19,7 @@ from dofla.ops._checks import (
     mask_absent_keys,
     present_keys,
     soft_cap,
+    stack_tokens,
 )
 from dofla.ops.sinks import add_sinks
 from dofla.ops.state import HybridState, LinearState, WindowState, exp_relative
@@ -29,15 +30,17 @@ def update_linear_state(state: LinearState, k_features: Tensor, v: Tensor, log_s
     log_offset = torch.maximum(state.log_offset, log_scale)  # (B, Hk)
     decay = exp_relative(state.log_offset, log_offset)  # (B, Hk), <= 1
     weighted_key = k_features * exp_relative(log_scale, log_offset)[..., None]  # (B, Hk, F)
-    kv = state.kv * decay[..., None, None] + weighted_key[..., :, None] * v[..., None, :]  # (B, Hk, F, Dv)
-    normalizer = state.normalizer * decay[..., None] + weighted_key  # (B, Hk, F)
+    kv = torch.addcmul(
+        state.kv * decay[..., None, None], weighted_key[..., :, None], v[..., None, :]
+    )  # (B, Hk, F, Dv)
+    normalizer = torch.addcmul(weighted_key, state.normalizer, decay[..., None])  # (B, Hk, F)
     return LinearState(kv, normalizer, log_offset, state.num_tokens + 1)
 
 
 def _read_linear_state(state: LinearState, q_features: Tensor) -> tuple[Tensor, Tensor]:
     """q_features (B, Hk, G, F) -> numerator (B, Hk, G, Dv), denominator (B, Hk, G), relative to the offset."""
-    numerator = torch.einsum("bhgf,bhfd->bhgd", q_features, state.kv)
-    denominator = torch.einsum("bhgf,bhf->bhg", q_features, state.normalizer)
+    numerator = q_features @ state.kv  # (B, Hk, G, Dv)
+    denominator = (q_features @ state.normalizer[..., None]).squeeze(-1)  # (B, Hk, G)
     return numerator, denominator
 
 
@@ -79,7 +82,7 @@ def recurrent_linear_attention(
         state = update_linear_state(state, k[:, :, t], values[:, :, t], log_scale[:, :, t])
         numerator, denominator = _read_linear_state(state, q[:, :, :, t])
         outputs.append(numerator / (denominator[..., None] + eps))  # (B, Hk, G, Dv)
-    out = torch.stack(outputs, dim=3).reshape(batch, num_heads, length, value_dim)
+    out = stack_tokens(outputs).reshape(batch, num_heads, length, value_dim)
     return out.to(v.dtype), state
 
 
@@ -125,16 +128,19 @@ def advance_window(
     A sink goes to the sink buffer (and is marked not present in the window); the oldest key drops out
     once the window is full. Returns the new state and is_sink (B, Hk, 1).
     """
-    sink = add_sinks(state.sink_keys, state.sink_values, state.sink_count, key, value, present)
+    if state.sinks:
+        sink = add_sinks(state.sink_keys, state.sink_values, state.sink_count, key, value, present)
+        is_sink, sinks = sink.is_sink, (sink.keys, sink.values, sink.count)
+        present = present & ~is_sink
+    else:  # no sink bookkeeping: a decoding step's cost is its number of small operators
+        is_sink, sinks = torch.zeros_like(present), (state.sink_keys, state.sink_values, state.sink_count)
     keys = torch.cat([state.keys, key.to(state.keys.dtype)], dim=2)  # (B, Hk, L + 1, D)
     values = torch.cat([state.values, value.to(state.values.dtype)], dim=2)
-    key_present = torch.cat([state.key_present, present & ~sink.is_sink], dim=2)
+    key_present = torch.cat([state.key_present, present], dim=2)
     if keys.shape[2] > state.window:
         keys, values, key_present = keys[:, :, 1:], values[:, :, 1:], key_present[:, :, 1:]
-    new_state = WindowState(
-        keys, values, key_present, sink.keys, sink.values, sink.count, state.window, state.num_tokens + 1
-    )
-    return new_state, sink.is_sink
+    new_state = WindowState(keys, values, key_present, *sinks, state.window, state.num_tokens + 1)
+    return new_state, is_sink
 
 
 def read_window(
@@ -149,14 +155,11 @@ def read_window(
         keys = torch.cat([keys, state.sink_keys.to(keys.dtype)], dim=2)
         values = torch.cat([values, state.sink_values.to(values.dtype)], dim=2)
         visible = torch.cat([visible, filled], dim=2)
-    scores = soft_cap(
-        scaling * torch.einsum("bhgd,bhld->bhgl", queries, keys.to(dtype)), softcap
-    )  # (B, Hk, G, L)
+    scores = soft_cap(scaling * (queries @ keys.to(dtype).transpose(-1, -2)), softcap)  # (B, Hk, G, L)
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))  # absent keys
-    window_max = scores.amax(-1, keepdim=True)
-    window_max = torch.where(torch.isfinite(window_max), window_max, torch.zeros_like(window_max))
-    weights = torch.exp(scores - window_max)
-    return torch.einsum("bhgl,bhld->bhgd", weights, values.to(dtype)), weights.sum(-1)
+    # exp_relative: a query that sees no key has max -inf, and all its weights 0
+    weights = exp_relative(scores, scores.amax(-1, keepdim=True))
+    return weights @ values.to(dtype), weights.sum(-1)
 
 
 def recurrent_hybrid_attention(
@@ -231,7 +234,7 @@ def recurrent_hybrid_attention(
         numerator = gamma[..., None] * window_numerator + (1 - gamma[..., None]) * linear_numerator
         denominator = gamma * window_denominator + (1 - gamma) * linear_denominator  # (B, Hk, G)
         outputs.append(numerator / (denominator[..., None] + eps))
-    out = torch.stack(outputs, dim=3).reshape(batch, num_heads, length, value_dim)
+    out = stack_tokens(outputs).reshape(batch, num_heads, length, value_dim)
     new_state = HybridState(
         linear=linear,
         keys=window_state.keys,
@@ -282,7 +285,7 @@ def recurrent_window_attention(
         step = slice(t, t + 1)
         state, _ = advance_window(state, key[:, :, step], v[:, :, step], present[:, :, step])
         numerator, denominator = read_window(state, queries[:, :, :, t], scaling=scaling, softcap=softcap)
-        denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))  # 0 if empty
-        outputs.append(numerator / denominator[..., None])  # (B, Hk, G, Dv)
-    out = torch.stack(outputs, dim=3).reshape(batch, num_heads, length, v.shape[-1])
+        # a visible key contributes exp(0) = 1, so the sum is 0 (nothing seen: output 0) or >= 1
+        outputs.append(numerator / denominator.clamp_min(1.0)[..., None])  # (B, Hk, G, Dv)
+    out = stack_tokens(outputs).reshape(batch, num_heads, length, v.shape[-1])
     return out.to(v.dtype), state

@@ -20,8 +20,10 @@ def exp_relative(log_value: Tensor, log_offset: Tensor) -> Tensor:
     An offset of -inf (nothing seen yet) is treated as 0 so that ``-inf - -inf`` never makes a NaN,
     in the forward or the backward pass.
     """
-    finite_offset = torch.where(torch.isfinite(log_offset), log_offset, torch.zeros_like(log_offset))
-    return torch.exp(log_value - finite_offset)
+    # Clamping -inf to the lowest finite number keeps -inf - offset = -inf (so exp gives 0) and passes no
+    # gradient to a clamped offset: the same as replacing it by 0, in 3 operators instead of 5 (decode is
+    # bound by the number of small operators).
+    return torch.exp(log_value - log_offset.clamp_min(torch.finfo(log_offset.dtype).min))
 
 
 class BatchedState:

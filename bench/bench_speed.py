@@ -1,0 +1,383 @@
+"""Prefill and decode speed, cache/state memory and peak memory at length: every student cell vs the teacher.
+
+One run measures the softmax teacher (SDPA, DynamicCache) and each student converted from it with an
+untrained plan (speed does not depend on the weights), at the same settings, and prints ratios against
+the teacher of the same run:
+- prefill tokens/s at batch 1 and each context (one timed prefill after a warm-up);
+- decode tokens/s at each batch and context, over ``--steps`` (16) greedy steps after one warm-up step
+  (every row of the batch counts): the teacher's KV cache is filled with random keys and values
+  of the right shape (a real prefill at 16k would take minutes; decoding cost does not depend on the
+  values); a student's state comes from a real prefill of a short prompt (at least twice its window)
+  with its token counter moved on to the context (its state and step do not grow with length);
+- cache/state bytes, and peak resident memory above the loaded model during the row;
+- "linear 32/96": the linear cell with layers alternating 32 and 96 features (mean 64, as a DoF
+  allocation), against "linear" (64 everywhere, the ``fix`` allocation) at the same mean dimension.
+A setting that does not fit in memory prints one line and the run goes on with the rest.
+
+    python bench/bench_speed.py                       # full run, about 15 min on the idle 2-core CPU
+    python bench/bench_speed.py --quick               # 1k context, few steps: a check, not a measurement
+    python bench/bench_speed.py --cells linear,window --contexts 1024,4096 --batches 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dofla.convert import convert, plan_for, unconvert
+from dofla.evaluation.speed import (
+    PeakMemory,
+    available_memory_bytes,
+    kv_cache_bytes,
+    release_freed_memory,
+    student_cache_at,
+    synthetic_kv_cache,
+    time_decode,
+    time_prefill,
+)
+
+HERE = Path(__file__).resolve().parent
+REPOSITORY = HERE.parent
+MIB = 2.0**20
+TEACHER = "teacher"
+# name -> (plan_for options, per-layer feature dimensions or None)
+STUDENTS = {
+    "linear": (dict(kind="linear", cell="linear"), None),
+    "linear 32/96": (dict(kind="linear", cell="linear"), (32, 96)),
+    "gla": (dict(kind="linear", cell="gla"), None),
+    "gated_delta": (dict(kind="linear", cell="gated_delta"), None),
+    "window": (dict(kind="hybrid", cell="window"), None),
+    "linear+window": (dict(kind="hybrid", cell="linear"), None),
+}
+DEFAULT_STUDENTS = ("linear", "linear 32/96", "gla", "gated_delta", "window")
+
+
+def student_plan(model, name: str, feature_dim: int, window: int):
+    options, alternating = STUDENTS[name]
+    plan = plan_for(model, feature_dim=feature_dim, window=window, **options)
+    if alternating is not None:
+        for index, layer in enumerate(plan.layers):
+            layer.feature_dim = alternating[index % len(alternating)]
+        plan.metadata["allocation"] = "alternating " + "/".join(str(d) for d in alternating)
+    return plan
+
+
+def build_model(args) -> torch.nn.Module:
+    if args.tiny:
+        from dofla.models import build_tiny_model
+
+        return build_tiny_model("llama", max_position_embeddings=max(args.contexts) + 4096)
+    from dofla.models import load_teacher
+
+    return load_teacher(args.teacher, dtype="float32", device="cpu").model.eval()
+
+
+def out_of_memory(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, MemoryError) or "allocate" in text or "out of memory" in text
+
+
+def fits(needed_bytes: int, what: str, log) -> bool:
+    """Refuse (with one line) a setting whose estimated memory exceeds what the system has available."""
+    available = available_memory_bytes()
+    if available is not None and needed_bytes > 0.9 * available:
+        log(
+            f"  skipped {what}: needs about {needed_bytes / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"
+        )
+        return False
+    return True
+
+
+def measure_model(model, name: str, args, log) -> list[dict]:
+    """Every prefill and decode row of one model (teacher or converted student)."""
+    rows = []
+    is_teacher = name == TEACHER
+    time_prefill(model, 1, min(args.contexts), seed=1)  # warm-up (allocator, threads, lazy init)
+    for context in args.contexts:
+        what = f"{name} prefill {context}"
+        # the teacher's cache plus one layer's (T, T)-free SDPA work and the MLP activations: a loose bound
+        estimate = kv_cache_bytes(model, 1, context) * (2 if is_teacher else 0) + context * 200_000
+        if not fits(estimate, what, log):
+            rows.append(dict(model=name, phase="prefill", batch=1, context=context, error="memory"))
+            continue
+        try:
+            with PeakMemory() as peak:
+                result = time_prefill(model, 1, context)
+        except (RuntimeError, MemoryError) as error:
+            if not out_of_memory(error):
+                raise
+            log(f"  skipped {what}: out of memory ({str(error).splitlines()[0][:120]})")
+            rows.append(dict(model=name, phase="prefill", batch=1, context=context, error="memory"))
+            continue
+        rows.append(
+            dict(model=name, phase="prefill", batch=1, context=context, peak_bytes=peak.extra_bytes, **result)
+        )
+        log(f"  {what}: {result['tokens_per_second']:.0f} tok/s ({result['seconds']:.1f} s)")
+        release_freed_memory()
+    for batch in args.batches:
+        for context in args.contexts:
+            what = f"{name} decode batch {batch} context {context}"
+            estimate = kv_cache_bytes(model, batch, context + 64) * (2 if is_teacher else 0)
+            if not fits(estimate, what, log):
+                rows.append(dict(model=name, phase="decode", batch=batch, context=context, error="memory"))
+                continue
+            try:
+                with PeakMemory() as peak:
+                    if is_teacher:
+                        cache = synthetic_kv_cache(model, batch, context)
+                    else:
+                        cache = student_cache_at(model, batch, context, fill_tokens=max(128, 2 * args.window))
+                    result = time_decode(
+                        model, cache, batch, steps=args.steps or None, target_seconds=args.seconds_per_row
+                    )
+                del cache
+            except (RuntimeError, MemoryError) as error:
+                if not out_of_memory(error):
+                    raise
+                log(f"  skipped {what}: out of memory ({str(error).splitlines()[0][:120]})")
+                rows.append(dict(model=name, phase="decode", batch=batch, context=context, error="memory"))
+                continue
+            release_freed_memory()
+            rows.append(
+                dict(
+                    model=name,
+                    phase="decode",
+                    batch=batch,
+                    context=context,
+                    peak_bytes=peak.extra_bytes,
+                    **result,
+                )
+            )
+            log(
+                f"  {what}: {result['tokens_per_second']:.1f} tok/s ({result['steps']} steps, "
+                f"{result['seconds_per_step'] * 1000:.0f} ms/step)"
+            )
+    return rows
+
+
+def _row(rows, model, phase, batch, context):
+    for row in rows:
+        if (row["model"], row["phase"], row["batch"], row["context"]) == (model, phase, batch, context):
+            return row
+    return None
+
+
+def _ratio(row, teacher, key):
+    if row is None or teacher is None or key not in row or key not in teacher:
+        return "-"
+    return f"{row[key] / teacher[key]:.2f}x"
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / MIB:,.2f}"
+
+
+def tables(rows: list[dict], models: list[str], args) -> str:
+    """The markdown tables: prefill, decode (per batch), memory, and the non-uniform vs fix comparison."""
+    lines = ["### Prefill (batch 1): tokens/s and ratio to the teacher", ""]
+    header = "| model | " + " | ".join(f"{c} tok/s | ratio" for c in args.contexts) + " |"
+    lines += [header, "|---|" + "---:|---:|" * len(args.contexts)]
+    for model in models:
+        cells = []
+        for context in args.contexts:
+            row, teacher = (
+                _row(rows, model, "prefill", 1, context),
+                _row(rows, TEACHER, "prefill", 1, context),
+            )
+            if row is None or "tokens_per_second" not in row:
+                cells += ["does not fit" if row else "-", "-"]
+            else:
+                cells += [f"{row['tokens_per_second']:.0f}", _ratio(row, teacher, "tokens_per_second")]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    for batch in args.batches:
+        lines += ["", f"### Decode, batch {batch}: tokens/s (all rows together) and ratio to the teacher", ""]
+        lines += [header, "|---|" + "---:|---:|" * len(args.contexts)]
+        for model in models:
+            cells = []
+            for context in args.contexts:
+                row = _row(rows, model, "decode", batch, context)
+                teacher = _row(rows, TEACHER, "decode", batch, context)
+                if row is None or "tokens_per_second" not in row:
+                    cells += ["does not fit" if row else "-", "-"]
+                else:
+                    cells += [f"{row['tokens_per_second']:.1f}", _ratio(row, teacher, "tokens_per_second")]
+            lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    big = max(args.batches)
+    memory = [
+        ("decode", big, "cache_bytes", f"decode batch {big}: cache/state MiB (teacher's ÷ student's)"),
+        ("decode", big, "peak_bytes", f"decode batch {big}: peak MiB above the loaded model"),
+        ("prefill", 1, "peak_bytes", "prefill batch 1: peak MiB above the loaded model"),
+    ]
+    for phase, batch, key, title in memory:
+        lines += ["", f"### {title}", "", "| model | " + " | ".join(str(c) for c in args.contexts) + " |"]
+        lines.append("|---|" + "---:|" * len(args.contexts))
+        for model in models:
+            cells = []
+            for context in args.contexts:
+                row, teacher = (
+                    _row(rows, model, phase, batch, context),
+                    _row(rows, TEACHER, phase, batch, context),
+                )
+                if row is None or row.get(key) is None:
+                    cells.append("-")
+                elif key == "cache_bytes" and model != TEACHER and teacher and teacher.get(key):
+                    cells.append(f"{_mib(row[key])} ({teacher[key] / row[key]:.0f}x)")
+                else:
+                    cells.append(_mib(row[key]))
+            lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    settings = [("prefill", 1, c) for c in args.contexts] + [
+        ("decode", b, c) for b in args.batches for c in args.contexts
+    ]
+    if "linear" in models and "linear 32/96" in models:
+        lines += [
+            "",
+            "### Non-uniform allocation (layers alternating 32/96 features) vs fix (64 everywhere)",
+            "",
+        ]
+        lines += ["| setting | fix tok/s | 32/96 tok/s | 32/96 ÷ fix |", "|---|---:|---:|---:|"]
+        for phase, batch, context in settings:
+            fix, mixed = (
+                _row(rows, "linear", phase, batch, context),
+                _row(rows, "linear 32/96", phase, batch, context),
+            )
+            if fix and mixed and "tokens_per_second" in fix and "tokens_per_second" in mixed:
+                lines.append(
+                    f"| {phase} B{batch} {context} | {fix['tokens_per_second']:.1f} | "
+                    f"{mixed['tokens_per_second']:.1f} | {mixed['tokens_per_second'] / fix['tokens_per_second']:.3f} |"
+                )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], models: list[str], args, path: Path) -> None:
+    """tokens/s (prefill, decode per batch) and memory (state, peak) against context, one line per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("prefill", 1, "tokens_per_second", "prefill tok/s (B=1)")]
+    panels += [("decode", b, "tokens_per_second", f"decode tok/s (B={b})") for b in args.batches]
+    panels += [
+        ("decode", max(args.batches), "cache_bytes", f"cache/state MiB (decode, B={max(args.batches)})")
+    ]
+    panels += [
+        ("decode", max(args.batches), "peak_bytes", f"peak MiB above model (decode, B={max(args.batches)})")
+    ]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), layout="constrained")
+    for axis, (phase, batch, key, title) in zip(axes, panels, strict=True):
+        for model in models:
+            points = [
+                (row["context"], row[key] / (MIB if key.endswith("bytes") else 1.0))
+                for row in rows
+                if row["model"] == model and row["phase"] == phase and row["batch"] == batch and row.get(key)
+            ]
+            if points:
+                style = dict(color="black", linewidth=2.5) if model == TEACHER else {}
+                axis.plot(*zip(*points, strict=True), marker="o", label=model, **style)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("context (tokens)")
+        axis.set_title(title, fontsize=10)
+        axis.grid(True, which="both", alpha=0.3)
+    handles = {
+        label: handle
+        for axis in axes
+        for handle, label in zip(*axis.get_legend_handles_labels(), strict=True)
+    }
+    if handles:
+        figure.legend(
+            handles.values(), handles.keys(), loc="outside lower center", ncol=len(handles), fontsize=8
+        )
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--teacher", default="smollm2-135m", help="embedded teacher name (or a path)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama (smoke test)")
+    parser.add_argument("--contexts", default="1024,4096,16384", help="comma-separated context lengths")
+    parser.add_argument("--batches", default="1,8", help="comma-separated decode batch sizes")
+    parser.add_argument(
+        "--cells", default=",".join(DEFAULT_STUDENTS), help=f"students: {', '.join(STUDENTS)}"
+    )
+    parser.add_argument("--feature-dim", type=int, default=64)
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument(
+        "--steps", type=int, default=16, help="timed decode steps per row after one warm-up step (0: by time)"
+    )
+    parser.add_argument(
+        "--seconds-per-row", type=float, default=4.0, help="decode time per row with --steps 0"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="1k context only, batch 1 and 2, 2 decode steps")
+    parser.add_argument("--out", default=str(HERE / "results"), help="folder for speed.json and the plot")
+    parser.add_argument("--plot", default=str(REPOSITORY / "docs" / "results" / "speed" / "speed.png"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.contexts, args.batches, args.steps = "1024", "1,2", 2
+    args.contexts = [int(c) for c in str(args.contexts).split(",")]
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    names = [name.strip() for name in args.cells.split(",") if name.strip()]
+    unknown = [name for name in names if name not in STUDENTS]
+    if unknown:
+        parser.error(f"unknown student {unknown[0]!r}; known: {', '.join(STUDENTS)}")
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.time()
+
+    def log(message: str) -> None:
+        print(f"[{time.time() - started:6.0f} s] {message}", file=sys.stderr, flush=True)
+
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    model = build_model(args)
+    rows = []
+    log(f"{TEACHER}: softmax SDPA, DynamicCache")
+    rows += measure_model(model, TEACHER, args, log)
+    for name in names:
+        plan = student_plan(model, name, args.feature_dim, args.window)
+        convert(model, plan)
+        log(f"{name}: {plan.layers[0].cell} cell, kind {plan.layers[0].kind}")
+        try:
+            rows += measure_model(model, name, args, log)
+        finally:
+            unconvert(model)
+        release_freed_memory(collect=not args.tiny)  # a tiny model leaves nothing worth 0.5 s of collection
+
+    models = [TEACHER, *names]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_path = Path(args.plot)
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    plot(rows, models, args, plot_path)
+    (out / "speed.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str))
+
+    print(f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, float32; load average before the run: {load}; "
+        f"run took {time.time() - started:.0f} s"
+    )
+    print(
+        f"model: {'tiny random Llama' if args.tiny else args.teacher}; students untrained, F={args.feature_dim}, "
+        f"window {args.window}; teacher decode from a synthetic (random) KV cache of the context length; "
+        f"student decode from a real prefill of {max(128, 2 * args.window)} tokens with the token count set to "
+        f"the context (state size and step work do not depend on it); decode: "
+        f"{args.steps or 'timed'} steps after 1 warm-up step; plot: {plot_path.name}\n"
+    )
+    print(tables(rows, models, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

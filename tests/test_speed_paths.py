@@ -1,0 +1,199 @@
+"""The speed work's fast paths against their references (forward and gradients), and the speed benchmarks'
+scripts on a tiny model (timings are never asserted: only that every row and output appears)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ops_helpers import LINEAR_NAMES, assert_matches_reference, make_inputs, relative_error
+
+import dofla.ops.chunked as chunked_module
+from dofla.attention import LinearAttention
+from dofla.config import LayerPlan
+from dofla.ops import chunked_linear_attention, linear_attention
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench_script(name: str):
+    """bench/NAME.py as a module (the folder is scripts, not a package)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def weighted_gradients(outputs, weights, inputs):
+    """Gradients of sum(output * weight) over the outputs that are not None, with respect to ``inputs``."""
+    present = [tensor for tensor in outputs if tensor is not None]
+    total = sum((tensor * weight).sum() for tensor, weight in zip(present, weights, strict=True))
+    return torch.autograd.grad(total, inputs)
+
+
+@pytest.fixture
+def one_thread():
+    """A tiny model's operators are too small to share between threads (and waiting threads of a busy
+    machine slow each one down): the script smoke tests run on one, restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("feature_map", ["learnable_prf", "t2r"])
+def test_decode_features_in_one_call_equal_separate_query_and_key_calls(share, feature_map):
+    plan = LayerPlan(kind="linear", feature_map=feature_map, feature_dim=6, share_kv_heads=share)
+    student = LinearAttention(plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)
+    student = student.double()
+    generator = torch.Generator().manual_seed(0)
+    for length in (1, 3):  # decode steps of up to decode_tokens tokens take the joint call
+        query = torch.randn(2, 4, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+        key = torch.randn(2, 2, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+        joint = student.features(query, key)
+        q_separate, _ = student.feature_map(query, is_query=True)
+        k_separate, log_scale = student.feature_map(student._state_heads_view(key), is_query=False)
+        separate = (q_separate, k_separate, log_scale)
+        for got, expected in zip(joint, separate, strict=True):
+            if expected is None:
+                assert got is None
+            else:
+                torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        weights = [
+            torch.randn(t.shape, generator=generator, dtype=t.dtype) for t in separate if t is not None
+        ]
+
+        inputs = (query, key, *student.feature_map.parameters())
+        joint_gradients = weighted_gradients(joint, weights, inputs)
+        for got, expected in zip(joint_gradients, weighted_gradients(separate, weights, inputs), strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("log_scale_std", [0.0, 30.0])
+def test_chunked_linear_scan_over_many_chunks_matches_the_reference(log_scale_std):
+    """More chunks than SCAN_ABOVE_CHUNKS: the states entering the chunks come from the scan."""
+    inputs = make_inputs(2, 6, 2, 45, 5, log_scale_std=log_scale_std)  # 23 chunks of 2 tokens
+    assert -(-45 // 2) > chunked_module.SCAN_ABOVE_CHUNKS
+    assert_matches_reference(
+        chunked_linear_attention,
+        linear_attention,
+        inputs,
+        LINEAR_NAMES,
+        torch.float32,
+        1e-4,
+        {"chunk_size": 2},
+    )
+
+
+def test_scan_and_mixing_product_give_the_same_continuation_from_a_state(monkeypatch):
+    inputs = make_inputs(1, 4, 2, 60, 5, log_scale_std=20.0)
+    leaves = {name: inputs[name].detach() for name in LINEAR_NAMES}
+    first = {name: tensor[:, :, :17] for name, tensor in leaves.items()}
+    rest = {name: tensor[:, :, 17:] for name, tensor in leaves.items()}
+    _, state = chunked_linear_attention(**first, chunk_size=4, return_state=True)
+    scanned, scanned_state = chunked_linear_attention(
+        **rest, chunk_size=2, initial_state=state, return_state=True
+    )
+    monkeypatch.setattr(chunked_module, "SCAN_ABOVE_CHUNKS", 10**6)
+    mixed, mixed_state = chunked_linear_attention(
+        **rest, chunk_size=2, initial_state=state, return_state=True
+    )
+    expected = linear_attention(**leaves)[:, :, 17:]
+    assert relative_error(scanned, expected) < 1e-12 and relative_error(mixed, expected) < 1e-12
+    torch.testing.assert_close(scanned_state.kv, mixed_state.kv, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(scanned_state.normalizer, mixed_state.normalizer, rtol=1e-10, atol=1e-12)
+
+
+def test_bench_speed_runs_every_cell_on_a_tiny_model_and_skips_what_does_not_fit(
+    tmp_path, capsys, monkeypatch
+):
+    bench = bench_script("bench_speed")
+    arguments = ["--tiny", "--contexts", "32,64", "--batches", "1,2", "--steps", "1", "--window", "8"]
+    arguments += [
+        "--cells",
+        ",".join(bench.STUDENTS),
+        "--out",
+        str(tmp_path),
+        "--plot",
+        str(tmp_path / "s.png"),
+    ]
+    assert bench.main(arguments) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    models = ["teacher", *bench.STUDENTS]
+    assert {row["model"] for row in rows} == set(models)
+    assert len(rows) == len(models) * (2 + 2 * 2)  # prefill at 2 contexts, decode at 2 batches x 2 contexts
+    assert all(row["tokens_per_second"] > 0 and row["cache_bytes"] > 0 for row in rows)
+    teacher = {
+        (r["phase"], r["batch"], r["context"]): r["cache_bytes"] for r in rows if r["model"] == "teacher"
+    }
+    linear = {
+        (r["phase"], r["batch"], r["context"]): r["cache_bytes"] for r in rows if r["model"] == "linear"
+    }
+    assert linear[("decode", 2, 32)] == linear[("decode", 2, 64)]  # the state does not grow with the context
+    assert teacher[("decode", 2, 64)] > teacher[("decode", 2, 32)]
+    assert (tmp_path / "s.png").stat().st_size > 0
+    for model in models:
+        assert f"| {model} |" in printed
+    assert "32/96 ÷ fix" in printed
+
+    # A setting that does not fit: one line for that row, the run goes on and still prints its tables.
+    monkeypatch.setattr(bench, "available_memory_bytes", lambda: 1)
+    assert (
+        bench.main(
+            ["--tiny", "--contexts", "32", "--batches", "1", "--steps", "1", "--cells", "linear"]
+            + ["--out", str(tmp_path), "--plot", str(tmp_path / "t.png")]
+        )
+        == 0
+    )
+    captured = capsys.readouterr()
+    assert "skipped teacher prefill 32: needs about" in captured.err
+    assert "does not fit" in captured.out
+    assert "linear decode batch 1 context 32" in captured.err  # a student's row still ran
+
+
+def test_profile_decode_prints_top_operators_per_model(capsys, one_thread):
+    profile = bench_script("profile_decode")
+    arguments = [
+        "--tiny",
+        "--cells",
+        "linear",
+        "--batches",
+        "2",
+        "--steps",
+        "1",
+        "--fill",
+        "16",
+        "--prefill",
+        "32",
+    ]
+    assert profile.main(arguments) == 0
+    printed = capsys.readouterr().out
+    for title in ("teacher: decode step, batch 2", "linear: decode step, batch 2", "linear: prefill of 32"):
+        assert title in printed
+    assert "aten calls per step and layer" in printed and "Self CPU" in printed
+
+
+@pytest.mark.parametrize("name", ["prf", "learnable_prf"])
+def test_prf_rows_alone_agree_with_the_batch_and_missing_features_are_zero(name):
+    from dofla.feature_maps import build_feature_map
+
+    feature_map = build_feature_map(
+        name, num_heads=2, head_dim=8, feature_dim=6, scaling=8**-0.5, head_feature_dims=[6, 4]
+    ).double()
+    x = torch.randn(3, 4, 5, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    batched, batched_scale = feature_map(x, is_query=False)
+    for row in range(3):
+        alone, alone_scale = feature_map(x[row : row + 1], is_query=False)
+        torch.testing.assert_close(alone, batched[row : row + 1], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(alone_scale, batched_scale[row : row + 1], rtol=1e-12, atol=1e-12)
+    assert torch.all(batched[:, 2:, :, 4:] == 0)  # the second map head has 4 features: the rest exactly 0
