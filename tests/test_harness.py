@@ -241,3 +241,21 @@ def test_public_task_files_load_completely():
     assert len(harness.winogrande_dataset(str(SHARED_DATA))["validation"]) == 1267
     sizes = [harness.mmlu_dataset(str(SHARED_DATA), subject) for subject in harness.mmlu_subjects()]
     assert sum(len(s["test"]) for s in sizes) == 14042 and sum(len(s["dev"]) for s in sizes) == 285
+
+
+def test_lm_eval_cli_finds_the_folders_and_refuses_an_older_converted_folder(folders, tmp_path, capsys):
+    from dofla import lm_eval_cli
+
+    _, teacher, converted = folders
+    argv = ["--model", "hf", "--model_args", f"pretrained={converted},dtype=float32", "--tasks", "dofla_piqa"]
+    assert lm_eval_cli.pretrained_folders(argv) == [str(converted)]
+    assert lm_eval_cli.pretrained_folders([f"--model_args=dtype=float32,pretrained={teacher}"]) == [
+        str(teacher)
+    ]
+    older = tmp_path / "older"
+    older.mkdir()
+    for item in converted.iterdir():
+        (older / item.name).write_bytes(item.read_bytes())
+    (older / "config.json").write_text((teacher / "config.json").read_text())  # the layout before DoflaConfig
+    assert lm_eval_cli.main(["--model_args", f"pretrained={older}", "--tasks", "dofla_piqa"]) == 1
+    assert "would open it as the plain teacher; re-save it first" in capsys.readouterr().err

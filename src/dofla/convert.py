@@ -528,6 +528,20 @@ def _resolve_teacher(teacher, record: dict, dtype, device):
     return loaded.model, loaded.tokenizer
 
 
+def saved_before_auto_config(path: str | Path) -> bool:
+    """Whether a converted folder's config.json is the teacher's own (saved before DoflaConfig): such a folder
+    loads with :func:`load_converted`, but ``AutoModelForCausalLM`` would open it as the plain teacher.
+    Re-save it with ``save_converted(*load_converted(path)[:2] ...)`` (see the README)."""
+    path = Path(path)
+    if not (path / PLAN_FILE).is_file():
+        return False
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") != DoflaConfig.model_type
+
+
 def _teacher_config(path: Path, plan: ConversionPlan):
     """The teacher's config from a folder's config.json: a DoflaConfig's base config, or (folders saved before
     it became one) the teacher's config itself."""

@@ -254,6 +254,7 @@ def _lm_eval_tasks(args, teacher_spec: str, teacher, student, tokenizer) -> dict
     """The tasks through lm-eval on both models, with the lm-eval command lines that give the same numbers."""
     import lm_eval
 
+    from dofla.convert import saved_before_auto_config
     from dofla.evaluation import harness
 
     options = {"limit": args.limit, "batch_size": args.batch_size, "num_fewshot": args.num_fewshot}
@@ -270,6 +271,11 @@ def _lm_eval_tasks(args, teacher_spec: str, teacher, student, tokenizer) -> dict
         },
         "tasks": {},
     }
+    if saved_before_auto_config(args.converted):
+        section["commands"]["student"] = (
+            "(re-save the folder first: it predates dofla's config.json, README 'Loading with transformers') "
+            + section["commands"]["student"]
+        )
     for name, model in (("teacher", teacher), ("student", student)):
         _progress(f"lm-eval tasks on the {name}")
         scores, _ = harness.evaluate_tasks(model, tokenizer, args.task_list, args.tasks_dir, **options)
