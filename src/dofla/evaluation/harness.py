@@ -82,7 +82,9 @@ def check_task_files(names: Sequence[str], tasks_dir: str | Path) -> None:
     (and a missing lm-eval)."""
     import importlib.util
 
-    if names and importlib.util.find_spec("lm_eval") is None:
+    if not names:
+        return
+    if importlib.util.find_spec("lm_eval") is None:
         raise DoflaError(
             "lm-eval tasks need the lm-eval package; install it with `pip install 'dofla[eval]'`."
         )
