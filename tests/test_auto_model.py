@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_generate import PLANS, VOCAB, tiny_model
+from test_generate import FAMILIES, PLANS, VOCAB, tiny_model
 from test_save_load import trained_a_little
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
@@ -42,6 +42,16 @@ def test_auto_model_opens_a_converted_folder_with_the_same_logits(saved):
         torch.testing.assert_close(loaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)
         teacher = unconvert(load_converted(folder)[0])(tokens()).logits
         assert (loaded(tokens()).logits - teacher).abs().max() > 1e-3  # the students run, not the teacher
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_round_trips_through_its_dofla_config(family, tmp_path):
+    model = trained_a_little(convert(tiny_model(family), PLANS["linear"](tiny_model(family))))
+    save_converted(model, tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(loaded).__name__ == f"Dofla{type(unconvert(tiny_model(family))).__name__}"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens()).logits, model(tokens()).logits, rtol=0, atol=0)
 
 
 def test_generate_on_the_auto_loaded_model(saved):
