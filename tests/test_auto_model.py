@@ -108,3 +108,18 @@ def test_unsupported_arguments_and_places_fail_clearly(saved, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(DoflaError, match="hold different plans"):
         AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_import_dofla_stays_light_and_registers_once_transformers_is_imported():
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, dofla\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+        "from transformers import AutoConfig, AutoModelForCausalLM\n"
+        "print(type(AutoConfig.for_model('dofla')).__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "DoflaConfig"
