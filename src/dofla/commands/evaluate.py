@@ -31,7 +31,9 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--seq-len", type=int, default=None, help="one context length (same as --lengths N)")
     parser.add_argument("--sequences", type=int, default=16, help="held-out sequences per length")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass")
+    parser.add_argument(
+        "--batch-size", type=int, default=4, help="sequences per forward pass (perplexity and lm-eval tasks)"
+    )
     parser.add_argument(
         "--window",
         type=int,
@@ -258,15 +260,22 @@ def _lm_eval_tasks(args, teacher_spec: str, teacher, student, tokenizer) -> dict
     from dofla.evaluation import harness
 
     options = {"limit": args.limit, "batch_size": args.batch_size, "num_fewshot": args.num_fewshot}
+    parameter = next(teacher.parameters())
+    loaded_as = {"dtype": str(parameter.dtype).removeprefix("torch."), "device": str(parameter.device)}
     section: dict = {
         "version": lm_eval.__version__,
         **options,
         "commands": {
             "teacher": harness.lm_eval_command(
-                harness.teacher_folder(teacher_spec), args.task_list, args.tasks_dir, **options
+                harness.teacher_folder(teacher_spec), args.task_list, args.tasks_dir, **options, **loaded_as
             ),
             "student": harness.lm_eval_command(
-                Path(args.converted).resolve(), args.task_list, args.tasks_dir, converted=True, **options
+                Path(args.converted).resolve(),
+                args.task_list,
+                args.tasks_dir,
+                converted=True,
+                **options,
+                **loaded_as,
             ),
         },
         "tasks": {},

@@ -315,6 +315,8 @@ def lm_eval_command(
     batch_size: int = 1,
     num_fewshot: int | None = None,
     converted: bool = False,
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> str:
     """The lm-eval command line that evaluates the model folder ``pretrained`` as :func:`evaluate_tasks` does.
 
@@ -326,7 +328,7 @@ def lm_eval_command(
         "--model",
         "hf",
         "--model_args",
-        f"pretrained={pretrained},dtype=float32",
+        f"pretrained={pretrained},dtype={dtype}",
         "--tasks",
         ",".join(resolve_task(name)[1].lm_eval_name for name in names),
         "--include_path",
@@ -336,7 +338,7 @@ def lm_eval_command(
         "--batch_size",
         str(batch_size),
         "--device",
-        "cpu",
+        device,
     ]
     if limit is not None:
         parts += ["--limit", str(limit)]
