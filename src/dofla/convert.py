@@ -6,9 +6,13 @@ and norms are reused by reference, so the same code serves every family. A forwa
 converted attention module swaps a :class:`dofla.cache.RecurrentCacheLayer` into the cache it is given
 (``generate()`` works unchanged) and hands that layer to the student for the call.
 
-Saved folder (``save_converted``): ``config.json`` (the teacher's config), ``model.safetensors`` (all
-weights; tied weights stored once), ``dofla_plan.json`` (the plan, the teacher's fingerprint, the format),
-tokenizer files. ``student_only=True`` writes ``student.safetensors`` with only the dofla parameters.
+Saved folder (``save_converted``): ``config.json`` (a :class:`dofla.auto.DoflaConfig`, ``model_type``
+"dofla": the teacher's config and the plan), ``model.safetensors`` (all weights; tied weights stored once),
+``dofla_plan.json`` (the plan, the teacher's fingerprint, the format), tokenizer files.
+``student_only=True`` writes ``student.safetensors`` with only the dofla parameters. After ``import dofla``
+the folder also opens with ``AutoModelForCausalLM.from_pretrained`` (see :mod:`dofla.auto`); a converted
+model's ``save_pretrained`` writes such a folder. Folders saved before config.json became a DoflaConfig
+(it held the teacher's config) still load here.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from dofla import dispatch
 from dofla.attention import LinearAttention
+from dofla.auto import DoflaConfig, converted_class
 from dofla.cache import attach_cache_layer
 from dofla.cells import build_student
 from dofla.config import ConversionPlan
@@ -187,6 +193,8 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
         ]
         setattr(module, _HOOKS_ATTRIBUTE, handles)
     model.dofla_plan = plan
+    if isinstance(model, PreTrainedModel):  # save_pretrained now writes a converted folder
+        model.__class__ = converted_class(type(model))
     return model
 
 
@@ -200,6 +208,7 @@ def unconvert(model: nn.Module) -> nn.Module:
         if isinstance(getattr(module, STUDENT_PREFIX, None), nn.Module):
             delattr(module, STUDENT_PREFIX)
     model.dofla_plan = None
+    model.__class__ = getattr(type(model), "_dofla_base_class", type(model))
     return model
 
 
@@ -376,7 +385,7 @@ def save_converted(
         umask = os.umask(0)
         os.umask(umask)
         try:
-            model.config.save_pretrained(temporary)
+            DoflaConfig.for_model(model, saved_plan).save_pretrained(temporary)
             save_safetensors_atomic(tensors, temporary / record["weights"], metadata={"format": "pt"})
             if tokenizer is not None:
                 tokenizer.save_pretrained(temporary)
@@ -519,6 +528,36 @@ def _resolve_teacher(teacher, record: dict, dtype, device):
     return loaded.model, loaded.tokenizer
 
 
+def saved_before_auto_config(path: str | Path) -> bool:
+    """Whether a converted folder's config.json is the teacher's own (saved before DoflaConfig): such a folder
+    loads with :func:`load_converted`, but ``AutoModelForCausalLM`` would open it as the plain teacher.
+    Re-save it with ``save_converted(*load_converted(path)[:2] ...)`` (see the README)."""
+    path = Path(path)
+    if not (path / PLAN_FILE).is_file():
+        return False
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") != DoflaConfig.model_type
+
+
+def _teacher_config(path: Path, plan: ConversionPlan):
+    """The teacher's config from a folder's config.json: a DoflaConfig's base config, or (folders saved before
+    it became one) the teacher's config itself."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    if not isinstance(config, DoflaConfig):
+        return config
+    if config.plan and ConversionPlan.from_dict(config.plan).to_dict() != plan.to_dict():
+        raise DoflaError(
+            f"{path / 'config.json'} and {path / PLAN_FILE} hold different plans; the folder is damaged or "
+            "mixed: save the model again."
+        )
+    return config.teacher_config()
+
+
 def load_converted(path: str | Path, *, teacher=None, dtype=None, device=None):
     """Load a folder written by :func:`save_converted`. Returns (model, tokenizer or None, plan).
 
@@ -528,7 +567,7 @@ def load_converted(path: str | Path, *, teacher=None, dtype=None, device=None):
     fingerprint recorded at saving time.
     """
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     record = read_record(path)
@@ -548,7 +587,7 @@ def load_converted(path: str | Path, *, teacher=None, dtype=None, device=None):
                 f"load the teacher it names ({record.get('teacher') or 'unknown'})."
             )
     else:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        config = _teacher_config(path, plan)
         with _skipped_weight_initialisation():  # every weight is loaded below, under strict key checks
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     convert(model, plan)
@@ -575,5 +614,6 @@ def load_converted(path: str | Path, *, teacher=None, dtype=None, device=None):
         (path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
     ):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    model.dofla_teacher_weights = record.get("teacher_weights")  # kept by save_pretrained
     model.eval()
     return model, tokenizer, plan

@@ -14,7 +14,7 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "evaluate",
         help="compare a converted model with its teacher and a sliding-window baseline "
-        "(perplexity by position at several lengths, KL, zero-shot, attention error, pass key)",
+        "(perplexity by position at several lengths, KL, lm-eval tasks, attention error, pass key)",
         description="Evaluate a converted model folder (from `dofla convert` or `dofla linearize`) beside its "
         "teacher and the teacher's softmax restricted to a sliding window (no training), on the same data, "
         "at each --lengths.",
@@ -31,7 +31,9 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--seq-len", type=int, default=None, help="one context length (same as --lengths N)")
     parser.add_argument("--sequences", type=int, default=16, help="held-out sequences per length")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass")
+    parser.add_argument(
+        "--batch-size", type=int, default=4, help="sequences per forward pass (perplexity and lm-eval tasks)"
+    )
     parser.add_argument(
         "--window",
         type=int,
@@ -48,12 +50,26 @@ def register(subparsers) -> None:
         help="sequences of the shortest length for the per-layer attention error (0: skip it)",
     )
     parser.add_argument(
-        "--tasks", default="", help="comma-separated zero-shot tasks, e.g. piqa,arc_easy,winogrande"
+        "--tasks",
+        default="",
+        help="comma-separated lm-eval tasks run through lm-evaluation-harness on local files: piqa, arc_easy, "
+        "arc_challenge, winogrande, hellaswag, mmlu (5-shot)",
     )
     parser.add_argument(
-        "--tasks-dir", default=None, help="folder holding the task files (one sub-folder per task)"
+        "--tasks-dir",
+        default=None,
+        help="folder holding the task files, one sub-folder per task in its public release layout "
+        "(piqa/valid.jsonl, arc/ARC-Easy-test.jsonl, mmlu/test/*_test.csv...)",
     )
-    parser.add_argument("--limit", type=int, default=None, help="at most this many items per task")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="at most this many documents per task (per MMLU subject)"
+    )
+    parser.add_argument(
+        "--num-fewshot",
+        type=int,
+        default=None,
+        help="few-shot examples for every task (default: each task's own, 0; MMLU 5)",
+    )
     parser.add_argument(
         "--passkey", default="", help="comma-separated context lengths for pass-key retrieval, e.g. 1024,2048"
     )
@@ -120,9 +136,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     args.depth_list = _depths(args.passkey_depths)
     if args.passkey_trials < 1:
         raise DoflaError(f"--passkey-trials must be at least 1, got {args.passkey_trials}.")
-    args.task_list = [task for task in args.tasks.split(",") if task]
+    args.task_list = [task.strip() for task in args.tasks.split(",") if task.strip()]
     if args.task_list and not args.tasks_dir:
-        raise DoflaError("zero-shot tasks need --tasks-dir, the folder holding the task files.")
+        raise DoflaError("lm-eval tasks need --tasks-dir, the folder holding the task files.")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise DoflaError(f"--num-fewshot must be 0 or more, got {args.num_fewshot}.")
     if args.threads is not None and args.threads < 1:
         raise DoflaError(f"--threads must be at least 1, got {args.threads}.")
     if args.limit is not None and args.limit < 1:
@@ -159,18 +177,16 @@ def run(args: argparse.Namespace) -> int:
     from dofla.convert import check_teacher, load_converted
     from dofla.data import load_texts
     from dofla.errors import DoflaError
-    from dofla.evaluation import long_context
+    from dofla.evaluation import harness, long_context
     from dofla.evaluation.attention_error import attention_errors
     from dofla.evaluation.passkey import passkey_comparison
-    from dofla.evaluation.zero_shot import evaluate_zero_shot, load_task
     from dofla.io import write_json_atomic
     from dofla.models import load_teacher
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     texts = load_texts(args.data) if args.data else None
-    for task in args.task_list:  # the task files are read now, not after the models have run
-        load_task(task, args.tasks_dir, limit=1)
+    harness.check_task_files(args.task_list, args.tasks_dir)  # now, not after the models have run
     student, tokenizer, plan = load_converted(args.converted, dtype=args.dtype, device=args.device)
     teacher_spec = args.teacher or plan.metadata.get("teacher")
     if not teacher_spec:
@@ -216,11 +232,7 @@ def run(args: argparse.Namespace) -> int:
                 "layers": {str(layer): values for layer, values in errors.items()},
             }
     if args.task_list:
-        for name, model in (("teacher", teacher), ("student", student)):
-            for task, scores in evaluate_zero_shot(
-                model, tokenizer, args.task_list, args.tasks_dir, limit=args.limit
-            ).items():
-                results.setdefault("zero_shot", {}).setdefault(task, {})[name] = scores
+        results["lm_eval"] = _lm_eval_tasks(args, teacher_spec, teacher, student, tokenizer)
     if args.passkey_list:
         results["passkey"] = passkey_comparison(
             teacher,
@@ -238,6 +250,47 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         write_json_atomic(args.json_out, results)
     return 0
+
+
+def _lm_eval_tasks(args, teacher_spec: str, teacher, student, tokenizer) -> dict:
+    """The tasks through lm-eval on both models, with the lm-eval command lines that give the same numbers."""
+    import lm_eval
+
+    from dofla.convert import saved_before_auto_config
+    from dofla.evaluation import harness
+
+    options = {"limit": args.limit, "batch_size": args.batch_size, "num_fewshot": args.num_fewshot}
+    parameter = next(teacher.parameters())
+    loaded_as = {"dtype": str(parameter.dtype).removeprefix("torch."), "device": str(parameter.device)}
+    section: dict = {
+        "version": lm_eval.__version__,
+        **options,
+        "commands": {
+            "teacher": harness.lm_eval_command(
+                harness.teacher_folder(teacher_spec), args.task_list, args.tasks_dir, **options, **loaded_as
+            ),
+            "student": harness.lm_eval_command(
+                Path(args.converted).resolve(),
+                args.task_list,
+                args.tasks_dir,
+                converted=True,
+                **options,
+                **loaded_as,
+            ),
+        },
+        "tasks": {},
+    }
+    if saved_before_auto_config(args.converted):
+        section["commands"]["student"] = (
+            "(re-save the folder first: it predates dofla's config.json, README 'Loading with transformers') "
+            + section["commands"]["student"]
+        )
+    for name, model in (("teacher", teacher), ("student", student)):
+        _progress(f"lm-eval tasks on the {name}")
+        scores, _ = harness.evaluate_tasks(model, tokenizer, args.task_list, args.tasks_dir, **options)
+        for task, values in scores.items():
+            section["tasks"].setdefault(task, {})[name] = values
+    return section
 
 
 def _print_results(results: dict) -> None:
@@ -261,11 +314,29 @@ def _print_results(results: dict) -> None:
             for layer, values in measured["layers"].items()
         ]
         print(long_context.aligned_table(["layer", "relative error", "cosine"], body) + "\n")
-    for task, by_model in results.get("zero_shot", {}).items():
-        teacher, student = by_model["teacher"], by_model["student"]
-        print(
-            f"{task:<14} acc teacher {teacher['acc']:.4f} student {student['acc']:.4f}   "
-            f"acc_norm teacher {teacher['acc_norm']:.4f} student {student['acc_norm']:.4f}   n={teacher['items']}"
-        )
+    if "lm_eval" in results:
+        print(lm_eval_markdown(results["lm_eval"]))
     if "passkey" in results:
         print(passkey_markdown(results["passkey"]))
+
+
+def lm_eval_markdown(section: dict) -> str:
+    """The lm-eval scores as a table (acc and acc_norm with standard errors, teacher and student)."""
+    from dofla.evaluation.long_context import aligned_table
+
+    def shown(values: dict, metric: str) -> str:
+        if metric not in values:
+            return "-"
+        return f"{values[metric]:.4f} ± {values[f'{metric}_stderr']:.4f}"
+
+    body = [
+        [task, str(by_model["teacher"]["items"])]
+        + [
+            shown(by_model[model], metric)
+            for metric in ("acc", "acc_norm")
+            for model in ("teacher", "student")
+        ]
+        for task, by_model in section["tasks"].items()
+    ]
+    header = ["task", "n", "acc teacher", "acc student", "acc_norm teacher", "acc_norm student"]
+    return f"lm-eval {section['version']} tasks\n" + aligned_table(header, body) + "\n"

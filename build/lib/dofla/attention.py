@@ -1,0 +1,287 @@
+"""The linear-attention module that replaces a layer's softmax attention (the "student").
+
+It is attached to a transformers attention module as ``dofla_student`` (see :mod:`dofla.dispatch`), so it
+receives the teacher's own q (after rotary and q-norm), k and v and returns the attention output before
+the teacher's output projection: the projections, rotary and norms are the teacher's, by reference.
+It holds only the feature map (and, for hybrid layers, the per-head window factors).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+from torch import Tensor, nn
+
+from dofla.config import LayerPlan
+from dofla.errors import DoflaError
+from dofla.feature_maps import FEATURE_MAPS, build_feature_map
+from dofla.ops import (
+    chunked_hybrid_attention,
+    chunked_linear_attention,
+    hybrid_attention,
+    linear_attention,
+    recurrent_hybrid_attention,
+    recurrent_linear_attention,
+)
+
+FORMS = ("naive", "chunked", "recurrent")
+DEFAULT_WINDOW_FACTOR = 0.1  # LoLCATs: gamma = sigmoid(w) starts near 0.1
+DEFAULT_CHUNK_SIZE = 64
+DEFAULT_DECODE_TOKENS = 4  # calls with at most this many new tokens and a state run the recurrent form
+
+
+def key_mask_from_attention_mask(attention_mask: Tensor | None, length: int) -> Tensor | None:
+    """Which of this call's T keys are real tokens: (B, T) bool, or None when all are.
+
+    attention_mask: transformers' 4-D mask (B, 1, T, S) with this call's keys in the last T columns,
+    boolean (True = visible) or additive float (0 = visible). A token always sees itself unless it is
+    padding, so the diagonal of the last (T, T) block marks the padded keys (left or right padding).
+    Masks of other shapes (or None) mean no padding.
+    """
+    if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[-2] != length:
+        return None
+    if attention_mask.shape[-1] < length:
+        return None
+    block = attention_mask[:, 0, :, -length:]  # (B, T, T)
+    diagonal = torch.diagonal(block, dim1=-2, dim2=-1)  # (B, T)
+    if diagonal.dtype != torch.bool:
+        diagonal = diagonal > torch.finfo(diagonal.dtype).min / 2
+    if bool(diagonal.all()):
+        return None
+    return diagonal
+
+
+class LinearAttention(nn.Module):
+    """Causal linear (or sliding-window hybrid) attention with the teacher's q, k, v: the ``linear`` cell.
+
+    This is the base class of every student cell (see :mod:`dofla.cells`): a cell overrides ``_attend``
+    (and adds its own parameters and ``CELL_OPTIONS``); everything else (features, masks, cache) is shared.
+
+    plan: the layer's LayerPlan (kind "linear" or "hybrid", feature map, dimension(s), sharing, window).
+    num_heads H, num_kv_heads Hkv, head_dim D, scaling: the teacher layer's attention shape and logit scale;
+    softcap: the teacher's logit soft-capping (Gemma-2's ``attn_logit_softcapping``), applied to the window
+    softmax of hybrid layers (a linear kernel cannot apply it; the distillation learns around it).
+    With ``plan.share_kv_heads`` the feature map has one parameter set per key/value head and the state is
+    per key/value head (H / Hkv times smaller); otherwise one per query head, keys and values repeated.
+    Module options in ``plan.options`` (the rest goes to the feature map): ``window_factor`` (initial
+    gamma of hybrid layers, default 0.1), ``chunk_size`` (default 64), ``decode_tokens`` (default 4).
+    A feature map that takes a ``seed`` gets the layer index unless the plan gives one, so layers draw
+    different random features.
+    """
+
+    cell_name = "linear"
+    CELL_OPTIONS: tuple[str, ...] = ()  # options of plan.options read by the cell itself (subclasses)
+    requires_nonnegative_features = True
+    uses_features = True  # False for cells that only run the window (no feature map, no linear part)
+    default_window_factor = DEFAULT_WINDOW_FACTOR
+
+    def __init__(
+        self,
+        plan: LayerPlan,
+        *,
+        layer_index: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scaling: float,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        if plan.kind not in ("linear", "hybrid"):
+            raise DoflaError(
+                f"layer {layer_index}: LinearAttention needs kind linear or hybrid, got {plan.kind!r}."
+            )
+        plan.validate(layer_index, num_heads, num_kv_heads)
+        self.layer_index = int(layer_index)
+        self.kind = plan.kind
+        self.num_heads, self.num_kv_heads, self.head_dim = int(num_heads), int(num_kv_heads), int(head_dim)
+        self.scaling = float(scaling)
+        self.softcap = float(softcap) if softcap else None
+        self.share_kv_heads = bool(plan.share_kv_heads)
+        self.window = int(plan.window)
+        options = dict(plan.options)
+        initial_gamma = float(options.pop("window_factor", self.default_window_factor))
+        self.chunk_size = int(options.pop("chunk_size", DEFAULT_CHUNK_SIZE))
+        self.decode_tokens = int(options.pop("decode_tokens", DEFAULT_DECODE_TOKENS))
+        self.cell_options = {name: options.pop(name) for name in self.CELL_OPTIONS if name in options}
+        self.sinks = int(plan.sinks)
+        if plan.feature_map in FEATURE_MAPS and "seed" not in options:
+            if "seed" in inspect.signature(FEATURE_MAPS[plan.feature_map].__init__).parameters:
+                options["seed"] = self.layer_index
+        map_heads = self.num_kv_heads if self.share_kv_heads else self.num_heads
+        self.feature_map = (
+            None
+            if not self.uses_features
+            else build_feature_map(
+                plan.feature_map,
+                num_heads=map_heads,
+                head_dim=self.head_dim,
+                feature_dim=int(plan.feature_dim),
+                scaling=self.scaling,
+                head_feature_dims=plan.head_feature_dims,
+                **options,
+            )
+        )
+        if self.uses_features and self.requires_nonnegative_features and not self.feature_map.nonnegative:
+            raise DoflaError(
+                f"layer {layer_index}: the {self.cell_name} cell normalises by its feature sums and needs a "
+                f"non-negative feature map; {plan.feature_map!r} is signed (use it with the gated_delta cell)."
+            )
+        if self.kind == "hybrid" and self.uses_features:
+            if not 0.0 < initial_gamma < 1.0:
+                raise DoflaError(
+                    f"layer {layer_index}: window_factor must lie strictly between 0 and 1, got {initial_gamma}."
+                )
+            logit = math.log(initial_gamma / (1.0 - initial_gamma))
+            self.window_factor_logit = nn.Parameter(torch.full((self.num_heads,), logit))  # (H,)
+        else:
+            self.window_factor_logit = None
+        # The cache layer of the current forward (set by convert's pre-hook, taken by forward); not a module.
+        self.pending_cache_layer = None
+
+    @property
+    def state_heads(self) -> int:
+        """Heads of the recurrent state: Hkv when shared, else H."""
+        return self.num_kv_heads if self.share_kv_heads else self.num_heads
+
+    def window_factor(self) -> Tensor | None:
+        """gamma (H,) in (0, 1): weight of the sliding-window softmax part (hybrid layers), else None."""
+        return None if self.window_factor_logit is None else torch.sigmoid(self.window_factor_logit)
+
+    def _state_heads_view(self, tensor: Tensor) -> Tensor:
+        """(B, Hkv, T, X) -> (B, Hs, T, X): repeat key/value heads when each query head has its own map."""
+        if self.share_kv_heads or self.num_heads == tensor.shape[1]:
+            return tensor
+        return tensor.repeat_interleave(self.num_heads // tensor.shape[1], dim=1)
+
+    def features(self, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """query (B, H, T, D), key (B, Hkv, T, D) -> q_features (B, H, T, F), k_features (B, Hs, T, F),
+        k_log_scale (B, Hs, T) or None; Hs = Hkv when heads share maps, else H.
+
+        True key features are ``k_features * exp(k_log_scale)``; the query's own factor cancels.
+        """
+        if query.shape[1] != self.num_heads or key.shape[1] != self.num_kv_heads:
+            raise DoflaError(
+                f"layer {self.layer_index}: expected {self.num_heads} query and {self.num_kv_heads} key/value "
+                f"heads, got {query.shape[1]} and {key.shape[1]}."
+            )
+        q_features, _ = self.feature_map(query, is_query=True)
+        k_features, k_log_scale = self.feature_map(self._state_heads_view(key), is_query=False)
+        return q_features, k_features, k_log_scale
+
+    def take_cache_layer(self):
+        """The cache layer for this call, at most once per module forward."""
+        layer, self.pending_cache_layer = self.pending_cache_layer, None
+        return layer
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        scaling: float | None = None,
+        form: str | None = None,
+    ) -> Tensor:
+        """query (B, H, T, D), key (B, Hkv, T, D), value (B, Hkv, T, Dv) -> output (B, T, H, Dv).
+
+        Without a cache: the chunked form (``form`` picks "naive" | "chunked" | "recurrent" for tests).
+        With a cache layer attached by the conversion hook: the state continues from earlier calls;
+        calls of at most ``decode_tokens`` tokens run the recurrent form, longer ones (prefill) the chunked.
+        Padded keys (from a 4-D ``attention_mask``) take part nowhere. ``scaling`` is the teacher's logit
+        scale for the window softmax of hybrid layers (default: the one given at construction).
+        """
+        length = query.shape[2]
+        if key.shape[2] != length:
+            raise DoflaError(
+                f"layer {self.layer_index}: got {key.shape[2]} keys for {length} queries; the cache holds "
+                "softmax keys of past tokens, so decode with a fresh cache after converting."
+            )
+        if form is not None and form not in FORMS:
+            raise DoflaError(f"unknown attention form {form!r}; use one of {', '.join(FORMS)}.")
+        scaling = self.scaling if scaling is None else float(scaling)
+        cache_layer = self.take_cache_layer()
+        state = None if cache_layer is None else cache_layer.state
+        if form is None:
+            form = "recurrent" if state is not None and length <= self.decode_tokens else "chunked"
+        if form == "naive" and state is not None:
+            raise DoflaError("the naive form cannot continue from a cache state; use chunked or recurrent.")
+        key_mask = key_mask_from_attention_mask(attention_mask, length)
+        q_features, k_features, k_log_scale = (
+            self.features(query, key) if self.uses_features else (None, None, None)
+        )
+        values = self._state_heads_view(value)  # (B, Hs, T, Dv)
+        output, new_state = self._attend(
+            form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
+        )
+        if cache_layer is not None:
+            cache_layer.state = new_state
+        return output.transpose(1, 2).contiguous()  # (B, T, H, Dv)
+
+    def _attend(
+        self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
+    ):
+        """Run one form; returns out (B, H, T, Dv) and the new state (None for the naive form)."""
+        common = dict(k_log_scale=k_log_scale, key_mask=key_mask)
+        if self.kind == "linear":
+            if form == "naive":
+                return linear_attention(q_features, k_features, values, **common), None
+            if form == "recurrent":
+                return recurrent_linear_attention(q_features, k_features, values, state=state, **common)
+            return chunked_linear_attention(
+                q_features,
+                k_features,
+                values,
+                chunk_size=self.chunk_size,
+                initial_state=state,
+                return_state=True,
+                **common,
+            )
+        keys = self._state_heads_view(key)  # (B, Hs, T, D)
+        hybrid = dict(
+            scaling=scaling,
+            window=self.window,
+            window_factor=self.window_factor(),
+            sinks=self.sinks,
+            softcap=self.softcap,
+            **common,
+        )
+        if form == "naive":
+            return hybrid_attention(query, keys, q_features, k_features, values, **hybrid), None
+        if form == "recurrent":
+            return recurrent_hybrid_attention(
+                query, keys, q_features, k_features, values, state=state, **hybrid
+            )
+        return chunked_hybrid_attention(
+            query,
+            keys,
+            q_features,
+            k_features,
+            values,
+            chunk_size=self.chunk_size,
+            initial_state=state,
+            return_state=True,
+            **hybrid,
+        )
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [parameter for parameter in self.parameters() if parameter.requires_grad]
+
+    def parameter_groups(self, base_lr: float) -> list[dict]:
+        """AdamW groups: the feature map's own (e.g. z at 0.02, alpha at 0.2) and the window factors."""
+        groups = self.feature_map.parameter_groups(base_lr) if self.feature_map is not None else []
+        if self.window_factor_logit is not None and self.window_factor_logit.requires_grad:
+            groups.append(
+                {"params": [self.window_factor_logit], "lr": float(base_lr), "name": "window_factor"}
+            )
+        return groups
+
+    def extra_repr(self) -> str:
+        window = f", window={self.window}, sinks={self.sinks}" if self.kind == "hybrid" else ""
+        return (
+            f"layer={self.layer_index}, cell={self.cell_name}, kind={self.kind}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"share_kv_heads={self.share_kv_heads}{window}"
+        )

@@ -1,0 +1,152 @@
+"""Gated delta rule (``gated_delta``) and window-only (``window``) student cells.
+
+``gated_delta``: the state is an associative memory S (K x Dv per state head) updated with the gated delta
+rule, ``S_t = a_t (S_{t-1} - b_t k_t k_t^T S_{t-1}) + b_t k_t v_t^T``, read as ``out_t = S_t^T q_t``
+(:mod:`dofla.ops.delta`). Keys and queries are the layer's feature map of the teacher's k and q, L2-normalised
+(any map, signed ones such as ``projection`` included, so a plan's per-layer dimension K still applies; a
+map's per-key log scale cancels in the normalisation). The decay a_t and the write strength b_t are per-head,
+per-token gates from the token's value, starting at memories ``decay_memory`` and strength ``beta``.
+With a window (kind "hybrid"), the sliding-window softmax over the teacher's own q and k (plus ``sinks``
+first tokens) and the memory's read-out are mixed per head, ``gamma_h window + (1 - gamma_h) memory``:
+both are bounded, whatever the length (unlike a shared normalisation with an unbounded linear sum).
+
+``window``: the sliding-window softmax (plus sinks) alone, with no parameters: the teacher's attention cut
+to its window, as a student that decodes with a bounded cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dofla.attention import LinearAttention
+from dofla.cells.gated import DEFAULT_DECAY_MEMORY, TokenGate, initial_gate_logits
+from dofla.cells.registry import register_cell
+from dofla.errors import DoflaError
+from dofla.ops import (
+    DeltaState,
+    WindowState,
+    chunked_gated_delta_rule,
+    chunked_window_attention,
+    gated_delta_rule,
+    recurrent_gated_delta_rule,
+    recurrent_window_attention,
+    window_attention,
+)
+from dofla.ops.state import BatchedState
+
+DEFAULT_BETA = 0.5
+DEFAULT_DELTA_WINDOW_FACTOR = 0.5
+
+
+@dataclass
+class DeltaHybridState(BatchedState):
+    """A hybrid gated-delta layer's state: the window's last keys (and sinks) and the memory."""
+
+    window: WindowState
+    delta: DeltaState
+
+    @property
+    def num_tokens(self) -> int:
+        return self.delta.num_tokens
+
+
+def _window_part(cell: LinearAttention, form, query, keys, values, key_mask, scaling, state):
+    """The sliding-window softmax (+ sinks) in ``form``: out (B, H, T, Dv) and its WindowState (or None)."""
+    common = dict(
+        scaling=scaling, window=cell.window, sinks=cell.sinks, key_mask=key_mask, softcap=cell.softcap
+    )
+    if form == "naive":
+        return window_attention(query, keys, values, **common), None
+    if form == "recurrent":
+        return recurrent_window_attention(query, keys, values, state=state, **common)
+    return chunked_window_attention(
+        query, keys, values, chunk_size=cell.chunk_size, initial_state=state, return_state=True, **common
+    )
+
+
+@register_cell("gated_delta")
+class GatedDeltaAttention(LinearAttention):
+    """Gated delta rule memory, alone or mixed with the sliding window (see the module docstring).
+
+    Options: ``decay_memory`` (shortest, longest) initial memories in tokens (default 128, 2048), ``beta``
+    the initial write strength in (0, 1) (default 0.5), ``window_factor`` the initial window share gamma
+    (default 0.5).
+    """
+
+    CELL_OPTIONS = ("decay_memory", "beta")
+    requires_nonnegative_features = False
+    default_window_factor = DEFAULT_DELTA_WINDOW_FACTOR
+
+    def __init__(self, plan, **shape) -> None:
+        super().__init__(plan, **shape)
+        shortest, longest = self.cell_options.get("decay_memory", DEFAULT_DECAY_MEMORY)
+        beta = float(self.cell_options.get("beta", DEFAULT_BETA))
+        if not 0.0 < beta < 1.0:
+            raise DoflaError(f"layer {self.layer_index}: beta must lie strictly between 0 and 1, got {beta}.")
+        heads = self.state_heads
+        self.decay = TokenGate(heads, self.head_dim, initial_gate_logits(heads, shortest, longest))
+        self.write = TokenGate(heads, self.head_dim, torch.full((heads,), math.log(beta / (1 - beta))))
+
+    def _attend(
+        self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
+    ):
+        memory_state = state.delta if isinstance(state, DeltaHybridState) else state
+        q = F.normalize(q_features, dim=-1)  # (B, H, T, K)
+        k = F.normalize(k_features, dim=-1)  # (B, Hs, T, K); a map's log scale cancels here
+        log_decay = self.decay.log_gate(values, key_mask)  # (B, Hs, T)
+        beta = torch.sigmoid(self.write.logits(values))  # (B, Hs, T)
+        if form == "naive":
+            memory, new_memory = gated_delta_rule(q, k, values, log_decay, beta, key_mask=key_mask), None
+        elif form == "recurrent":
+            memory, new_memory = recurrent_gated_delta_rule(
+                q, k, values, log_decay, beta, state=memory_state, key_mask=key_mask
+            )
+        else:
+            memory, new_memory = chunked_gated_delta_rule(
+                q,
+                k,
+                values,
+                log_decay,
+                beta,
+                chunk_size=self.chunk_size,
+                initial_state=memory_state,
+                return_state=True,
+                key_mask=key_mask,
+            )
+        if self.kind == "linear":
+            return memory, new_memory
+        window_state = state.window if isinstance(state, DeltaHybridState) else None
+        keys = self._state_heads_view(key)  # (B, Hs, T, D)
+        window, new_window = _window_part(self, form, query, keys, values, key_mask, scaling, window_state)
+        gamma = self.window_factor().to(memory.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
+        output = gamma * window.to(memory.dtype) + (1 - gamma) * memory
+        new_state = None if new_memory is None else DeltaHybridState(window=new_window, delta=new_memory)
+        return output.to(values.dtype), new_state
+
+    def parameter_groups(self, base_lr: float) -> list[dict]:
+        groups = super().parameter_groups(base_lr)
+        gates = [*self.decay.parameters(), *self.write.parameters()]
+        groups.append({"params": gates, "lr": float(base_lr), "name": "gates"})
+        return groups
+
+
+@register_cell("window")
+class WindowAttention(LinearAttention):
+    """The sliding-window softmax (plus ``sinks`` first tokens) alone: no feature map, no parameters."""
+
+    uses_features = False
+
+    def __init__(self, plan, **shape) -> None:
+        if plan.kind != "hybrid":
+            raise DoflaError("the window cell needs a window: use kind hybrid with it.")
+        super().__init__(plan, **shape)
+
+    def _attend(
+        self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
+    ):
+        keys = self._state_heads_view(key)  # (B, Hs, T, D)
+        return _window_part(self, form, query, keys, values, key_mask, scaling, state)

@@ -1,0 +1,32 @@
+"""The one registry of student cells: what replaces a layer's softmax attention, looked up by name.
+
+A cell is a :class:`dofla.attention.LinearAttention` subclass: it receives the teacher's q, k, v and
+returns the attention output, and keeps a recurrent state in the cache when decoding. Register a new one
+with ``@register_cell("name")``; a plan names it in ``LayerPlan.cell``.
+"""
+
+from __future__ import annotations
+
+from dofla.errors import DoflaError
+
+CELLS: dict[str, type] = {}
+
+
+def register_cell(name: str):
+    """Class decorator: make a student cell buildable by ``name``."""
+
+    def register(cls):
+        if name in CELLS and CELLS[name] is not cls:
+            raise ValueError(f"cell {name!r} is already registered by {CELLS[name].__name__}")
+        CELLS[name] = cls
+        cls.cell_name = name
+        return cls
+
+    return register
+
+
+def cell_class(name: str) -> type:
+    """The registered cell class ``name``; an unknown name gets the list of known ones."""
+    if name not in CELLS:
+        raise DoflaError(f"unknown cell {name!r}; known cells: {', '.join(sorted(CELLS))}.")
+    return CELLS[name]

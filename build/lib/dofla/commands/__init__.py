@@ -1,0 +1,1 @@
+"""One module per ``dofla`` sub-command; each defines ``register(subparsers)``."""

@@ -1,0 +1,67 @@
+"""Arguments and checks shared by several sub-commands."""
+
+from __future__ import annotations
+
+import argparse
+
+MAX_FEATURE_DIM = 8192  # features per head: far beyond any useful size, well below an out-of-memory crash
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default="smollm2-135m",
+        help="teacher: a Hugging Face model folder, a .gguf file, a hub id, or 'smollm2-135m' (embedded default)",
+    )
+    parser.add_argument(
+        "--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16"
+    )
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+
+
+def add_overwrite_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace dofla's own earlier {what} in --out (files dofla did not write are never touched)",
+    )
+
+
+def check_device_and_dtype(args: argparse.Namespace) -> None:
+    """--device and --dtype, checked before anything is loaded."""
+    from dofla.models.loading import resolve_device, resolve_dtype
+
+    resolve_dtype(args.dtype, resolve_device(args.device))
+
+
+def check_at_least(option: str, value: int | float, minimum: int | float) -> None:
+    from dofla.errors import DoflaError
+
+    if not value >= minimum:  # also refuses NaN
+        raise DoflaError(f"{option} must be at least {minimum}, got {value}.")
+
+
+def check_feature_budget(budget: int) -> None:
+    from dofla.errors import DoflaError
+
+    if not 0 < budget <= MAX_FEATURE_DIM:
+        raise DoflaError(
+            f"--budget must be a positive number of features per layer, at most {MAX_FEATURE_DIM}; got {budget}."
+        )
+
+
+def integer_list(text: str, option: str, *, minimum: int) -> list[int]:
+    """An option like 512,1024: distinct integers of at least ``minimum``, else one sentence saying so."""
+    from dofla.errors import DoflaError
+
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    try:
+        values = [int(item) for item in items]
+    except ValueError:
+        values = []
+    if not values or any(value < minimum for value in values):
+        raise DoflaError(f"{option} must be comma-separated integers of at least {minimum}, got {text!r}.")
+    if len(set(values)) != len(values):
+        raise DoflaError(f"{option} lists a value twice: {text!r}.")
+    return values

@@ -1,0 +1,165 @@
+"""``dofla dof MODEL``: measure degrees of freedom, allocate feature dimensions, write a plan and a report."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+from pathlib import Path
+
+from dofla.commands._common import (
+    add_model_arguments,
+    add_overwrite_argument,
+    check_at_least,
+    check_device_and_dtype,
+    check_feature_budget,
+)
+
+DOF_KIND = "dof report"  # the kind in the marker of the output folder (dofla.outputs)
+DOF_FILES = ("plan.json", "dof.json", "dof.md", "*.png")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "dof",
+        help="measure each layer's degrees of freedom and allocate feature dimensions under a budget",
+        description="Writes OUT/plan.json (for `dofla convert`), OUT/dof.json, OUT/dof.md and PNG plots.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--budget", type=int, default=64, help="mean features per converted layer (C)")
+    parser.add_argument(
+        "--lambda",
+        dest="lambdas",
+        action="append",
+        default=None,
+        help="λ, e.g. 2^-4 (repeatable; first is used)",
+    )
+    parser.add_argument("--measure", default="dof", help="a measure of dofla.dof.MEASURES (e.g. dof_trace)")
+    parser.add_argument(
+        "--allocation", default="dof", help="an allocation of dofla.dof.ALLOCATIONS (e.g. headwise)"
+    )
+    parser.add_argument("--num-points", type=int, default=1024, help="J, points sampled per head")
+    parser.add_argument("--sequences", type=int, default=16, help="calibration sequences")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--min-dim", type=int, default=1, help="minimum features per layer")
+    parser.add_argument(
+        "--keep-softmax", type=int, default=0, help="leave the N highest-measure layers as softmax"
+    )
+    parser.add_argument("--feature-map", default="learnable_prf")
+    parser.add_argument("--kind", default="linear", choices=("linear", "hybrid"))
+    parser.add_argument(
+        "--data", default=None, help="calibration text (default: text sampled from the teacher)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="output folder (new or empty)")
+    add_overwrite_argument(parser, "plan and report")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dofla import dof, outputs
+    from dofla.errors import DoflaError
+
+    lambdas = [dof.parse_lambda(text) for text in (args.lambdas or ["2^-4"])]
+    for text, value in zip(args.lambdas or ["2^-4"], lambdas, strict=True):
+        if not math.isfinite(value):
+            raise DoflaError(f"--lambda must be a finite positive number like 2^-4, got {text}.")
+    dof.MEASURES[args.measure]  # unknown names are refused (with the known ones) before the teacher loads
+    dof.ALLOCATIONS[args.allocation].check_budget(args.budget, None)
+    check_feature_budget(args.budget)
+    check_at_least("--sequences", args.sequences, 1)
+    check_at_least("--seq-len", args.seq_len, 2)
+    check_at_least("--num-points", args.num_points, 2)
+    check_at_least("--min-dim", args.min_dim, 1)
+    check_at_least("--keep-softmax", args.keep_softmax, 0)
+    check_device_and_dtype(args)
+    out = outputs.check_output_folder(args.out, DOF_KIND, inputs=[args.model, args.data])
+    if out.is_dir() and outputs.user_entries(out) and not args.overwrite:
+        raise DoflaError(f"{args.out} already holds a DoF report; pass --overwrite to replace it.")
+    with outputs.output_lock(out):
+        return _measure_and_write(args, lambdas)
+
+
+def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
+    from dofla import dof, outputs
+    from dofla.data import load_texts, pack_token_sequences, sample_teacher_texts
+    from dofla.errors import DoflaError
+    from dofla.io import write_json_atomic, write_text_atomic
+    from dofla.models import load_teacher
+    from dofla.models.loading import cache_root
+
+    note = functools.partial(print, file=sys.stderr, flush=True)
+    texts = load_texts(args.data) if args.data else None  # a bad file is refused before loading the model
+    note(f"loading the teacher {args.model}")
+    teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
+    measure = dof.MEASURES[args.measure]
+    dof.ALLOCATIONS[args.allocation].check_budget(args.budget, teacher.adapter.head_dim)
+    if teacher.tokenizer is None:
+        raise DoflaError("the teacher has no tokenizer, which calibration needs.")
+    if args.data:
+        source = f"file {args.data}"
+    else:
+        note(
+            f"sampling {args.sequences} calibration texts of {args.seq_len + 16} tokens from the teacher (no "
+            f"--data given; cached in {cache_root() / 'samples'} for the next run); this can take minutes on a CPU"
+        )
+        texts = sample_teacher_texts(
+            teacher.model,
+            teacher.tokenizer,
+            args.sequences,
+            args.seq_len + 16,
+            seed=args.seed,
+            cache_dir=cache_root() / "samples",
+            progress=True,
+        )
+        source = "text sampled from the teacher (cached)"
+    sequences = pack_token_sequences(teacher.tokenizer, texts, args.seq_len)
+    if sequences.shape[0] < args.sequences:
+        raise DoflaError(
+            f"the calibration data gives {sequences.shape[0]} sequences of {args.seq_len} tokens, "
+            f"{args.sequences} are needed; give more text, fewer --sequences or a shorter --seq-len."
+        )
+    batches = list(sequences[: args.sequences].split(4))
+    note(f"capturing q/k on {args.sequences} x {args.seq_len} tokens, then estimating the measure per head")
+    estimate = dof.estimate(
+        teacher.model,
+        batches,
+        num_points=args.num_points,
+        lambdas=lambdas,
+        measure=measure.name,
+        seed=args.seed,
+        progress=True,
+        kernel_spectra=True,  # for eigenvalue_decay.png
+    )
+    options = dict(budget=args.budget, minimum=args.min_dim, keep_softmax=args.keep_softmax)
+    plan = dof.make_plan(
+        teacher.model,
+        estimate,
+        variant=args.allocation,
+        kind=args.kind,
+        feature_map=args.feature_map,
+        **options,
+    )
+    plan.metadata.update(teacher=args.model, calibration=source, seed=args.seed)
+    allocations = dof.allocate_all(estimate, teacher.adapter, **options)
+    out = Path(args.out)
+    if args.overwrite:
+        outputs.remove_known_files(out, DOF_FILES)
+    outputs.claim_output_folder(out, DOF_KIND)
+    write_json_atomic(out / "plan.json", plan.to_dict())
+    write_json_atomic(out / "dof.json", estimate.to_dict())
+    table = dof.markdown_table(estimate, allocations)
+    notes = "".join(f"\n> {warning}\n" for warning in estimate.warnings)
+    header = (
+        f"# Degrees of freedom: {args.model}\n\nmeasure `{args.measure}`, λ = {', '.join(map(str, lambdas))}, "
+        f"J = {args.num_points}, {args.sequences} × {args.seq_len} tokens of {source}, seed {args.seed}, "
+        f"budget C = {args.budget}; estimation took {estimate.seconds:.1f} s.\n{notes}\n"
+    )
+    write_text_atomic(out / "dof.md", header + table)
+    plots = dof.plot_report(estimate, allocations, out)
+    for warning in estimate.warnings:
+        print(f"note: {warning}")
+    print(table)
+    print(f"plan: {out / 'plan.json'}   report: {out / 'dof.md'}   plots: {', '.join(p.name for p in plots)}")
+    return 0

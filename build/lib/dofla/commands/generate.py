@@ -1,0 +1,71 @@
+"""``dofla generate``: continue a prompt with a converted model, streaming tokens as they come."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text with a converted model folder (streams tokens)",
+        description="Load a folder written by `dofla convert` (or `dofla linearize`) and continue --prompt, "
+        "printing each token as it is produced. Greedy by default; --sample draws tokens.",
+    )
+    parser.add_argument("converted", help="folder written by `dofla convert` or `dofla linearize`")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=50)
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --sample)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --sample)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for --sample")
+    parser.add_argument(
+        "--teacher", default=None, help="teacher for a student-only folder (default: the recorded one)"
+    )
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
+    parser.set_defaults(func=run)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    from dofla.errors import DoflaError
+
+    if not args.prompt.strip():
+        raise DoflaError("--prompt is empty; give some text for the model to continue.")
+    if args.max_new_tokens <= 0:
+        raise DoflaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}.")
+    if args.sample and not args.temperature > 0:
+        raise DoflaError(f"--temperature must be positive, got {args.temperature}; drop --sample for greedy.")
+    if not 0 < args.top_p <= 1:
+        raise DoflaError(f"--top-p must lie in (0, 1], got {args.top_p}.")
+    from dofla.commands._common import check_device_and_dtype
+
+    check_device_and_dtype(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
+    import torch
+    from transformers import TextStreamer
+
+    from dofla.convert import load_converted
+    from dofla.errors import DoflaError
+
+    model, tokenizer, _ = load_converted(
+        args.converted, teacher=args.teacher, dtype=args.dtype, device=args.device
+    )
+    if tokenizer is None:
+        raise DoflaError(
+            f"{args.converted} has no tokenizer files; save it with its tokenizer to generate text."
+        )
+    device = next(model.parameters()).device
+    inputs = tokenizer(args.prompt, return_tensors="pt").to(device)
+    streamer = TextStreamer(tokenizer, skip_special_tokens=True)
+    options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, streamer=streamer)
+    if args.sample:
+        torch.manual_seed(args.seed)
+        options.update(temperature=args.temperature, top_p=args.top_p)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.no_grad():
+        model.generate(**inputs, pad_token_id=pad, **options)
+    return 0

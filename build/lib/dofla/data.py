@@ -1,0 +1,272 @@
+"""Text data: reading user files, packing token sequences, held-out splits, teacher-sampled text.
+
+Accepted inputs for :func:`load_texts`:
+
+- ``.txt``: if the file has a blank line anywhere, each blank-line-separated block is one document;
+  otherwise each non-empty line is one document (one-article-per-line files).
+- ``.jsonl``: one JSON object per line with a ``"text"`` field.
+- ``.json``: an array of strings, of ``{"text": ...}`` records, or of alpaca-style records
+  (``instruction``, ``input``, ``output`` joined by blank lines).
+- a folder saved by ``datasets.Dataset.save_to_disk`` (needs the ``datasets`` package) with a ``text``
+  column, or a folder of ``.txt`` / ``.jsonl`` / ``.json`` files (read in name order).
+
+When no data is given, text is sampled from the teacher itself (:func:`sample_teacher_texts`) and
+cached as JSONL, so the same settings give the same text without sampling again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from dofla.errors import DoflaError
+from dofla.io import write_text_atomic
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
+_ALPACA_FIELDS = ("instruction", "input", "output")
+
+
+def _read_text(path: Path) -> str:
+    """The file's text; binary or non-UTF-8 content is refused with the offending position."""
+    raw = path.read_bytes()
+    nul = raw.find(bytes(1))
+    if nul >= 0:
+        raise DoflaError(
+            f"{path} holds a NUL byte at offset {nul}: it is binary data, not text; give a UTF-8 text file."
+        )
+    try:
+        return raw.decode("utf-8-sig")  # a leading byte-order mark is dropped
+    except UnicodeDecodeError as error:
+        raise DoflaError(
+            f"{path} is not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {error.start}); convert it "
+            "to UTF-8, e.g. with iconv."
+        ) from None
+
+
+def _read_txt(path: Path) -> list[str]:
+    text = _read_text(path).replace("\r\n", "\n")
+    lines = text.strip().split("\n")
+    if any(not line.strip() for line in lines):  # a blank line between documents: blocks
+        blocks, current = [], []
+        for line in lines:
+            if line.strip():
+                current.append(line)
+            elif current:
+                blocks.append("\n".join(current))
+                current = []
+        if current:
+            blocks.append("\n".join(current))
+        return blocks
+    return [line.strip() for line in lines if line.strip()]
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    texts = []
+    for number, line in enumerate(_read_text(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DoflaError(
+                f"{path} line {number} is not valid JSON ({error.msg}); fix that line."
+            ) from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise DoflaError(
+                f'{path} line {number} has no string "text" field; every line must be {{"text": "..."}}.'
+            )
+        texts.append(record["text"])
+    return texts
+
+
+def _record_text(record: object, path: Path, index: int) -> str:
+    if isinstance(record, str):
+        return record
+    if isinstance(record, dict):
+        if isinstance(record.get("text"), str):
+            return record["text"]
+        parts = [str(record[name]) for name in _ALPACA_FIELDS if record.get(name)]
+        if parts:
+            return "\n\n".join(parts)
+    raise DoflaError(
+        f'{path} record {index} has neither a "text" field nor instruction/input/output fields; '
+        "give records with one of those."
+    )
+
+
+def _read_json(path: Path) -> list[str]:
+    try:
+        records = json.loads(_read_text(path))
+    except json.JSONDecodeError as error:
+        raise DoflaError(
+            f"{path} is not valid JSON ({error.msg} at line {error.lineno}); fix the file."
+        ) from None
+    if not isinstance(records, list):
+        raise DoflaError(f"{path} must hold a JSON array of records; for one record per line use .jsonl.")
+    return [_record_text(record, path, index) for index, record in enumerate(records)]
+
+
+def _read_saved_dataset(folder: Path) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise DoflaError(
+            f"{folder} is a folder saved by `datasets`, which is not installed; `pip install datasets` or "
+            "export the text to .txt/.jsonl."
+        ) from None
+    dataset = datasets.load_from_disk(str(folder))
+    if isinstance(dataset, datasets.DatasetDict):
+        dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
+    if "text" not in dataset.column_names:
+        raise DoflaError(
+            f"the dataset in {folder} has no 'text' column (columns: {', '.join(dataset.column_names)})."
+        )
+    return [str(text) for text in dataset["text"]]
+
+
+def load_texts(path: str | Path) -> list[str]:
+    """Documents from a text file, JSONL/JSON file or folder (see the module docstring for formats)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise DoflaError(f"data path {path} does not exist; pass a .txt, .jsonl or .json file or a folder.")
+    if path.is_dir():
+        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+            return _read_saved_dataset(path)
+        files = sorted(item for item in path.iterdir() if item.is_file() and item.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise DoflaError(f"the folder {path} holds no .txt, .jsonl or .json files; put the text there.")
+        return [text for item in files for text in load_texts(item)]
+    readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".json": _read_json}
+    if path.suffix not in readers:
+        raise DoflaError(f"data file {path} has suffix {path.suffix!r}; use .txt, .jsonl or .json.")
+    return readers[path.suffix](path)
+
+
+def pack_token_sequences(tokenizer, texts: list[str], seq_len: int, *, add_eos: bool = True) -> torch.Tensor:
+    """Tokenise texts, join them (an end-of-text token after each if ``add_eos``), cut into (N, seq_len).
+
+    The tail shorter than ``seq_len`` is dropped. Raises DoflaError when not one sequence fits.
+    """
+    if seq_len < 2:
+        raise DoflaError(f"seq_len must be at least 2 tokens, got {seq_len}.")
+    eos = getattr(tokenizer, "eos_token_id", None) if add_eos else None
+    token_ids: list[int] = []
+    if texts:
+        for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+            token_ids.extend(ids)
+            if eos is not None:
+                token_ids.append(eos)
+    count = len(token_ids) // seq_len
+    if count == 0:
+        raise DoflaError(
+            f"the data has {len(token_ids)} tokens but one sequence needs {seq_len}; give more text or a "
+            "shorter sequence length."
+        )
+    return torch.tensor(token_ids[: count * seq_len], dtype=torch.long).view(count, seq_len)  # (N, T)
+
+
+def split_train_heldout(
+    sequences: torch.Tensor, heldout_fraction: float, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded, disjoint split of sequences (N, T) into (train, heldout); at least one of each."""
+    if not 0.0 < heldout_fraction < 1.0:
+        raise DoflaError(f"heldout_fraction must lie strictly between 0 and 1, got {heldout_fraction}.")
+    count = len(sequences)
+    if count < 2:
+        raise DoflaError(
+            f"the data gives {count} sequence(s); at least 2 are needed to hold some out: give more text."
+        )
+    heldout = min(count - 1, max(1, round(count * heldout_fraction)))
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    return sequences[order[heldout:]], sequences[order[:heldout]]
+
+
+def _model_fingerprint(model) -> str:
+    """A short hash naming a model's weights (its name, shapes and a few embedding values)."""
+    embedding = model.get_input_embeddings().weight
+    digest = hashlib.sha256()
+    digest.update(str(getattr(model.config, "_name_or_path", "")).encode())
+    digest.update(str(getattr(model.config, "model_type", "")).encode())
+    digest.update(str(tuple(embedding.shape)).encode())
+    digest.update(embedding.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def sample_teacher_texts(
+    model,
+    tokenizer,
+    num_texts: int,
+    max_new_tokens: int,
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+    *,
+    batch_size: int = 8,
+    temperature: float = 1.0,
+    progress: bool = False,
+) -> list[str]:
+    """Texts sampled from the teacher itself, starting from its begin-of-text token.
+
+    Cached in ``cache_dir`` (default ``$DOFLA_CACHE/samples``) as JSONL named by a hash of the model and
+    the settings; a second call with the same settings reads the file instead of sampling (a damaged
+    cache file is sampled again). ``progress`` shows a bar over the texts.
+    """
+    from dofla.models.loading import cache_root
+
+    if num_texts < 1 or max_new_tokens < 1:
+        raise DoflaError(
+            f"num_texts and max_new_tokens must be positive, got {num_texts} and {max_new_tokens}."
+        )
+    settings = {
+        "model": _model_fingerprint(model),
+        "num_texts": num_texts,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "temperature": temperature,
+    }
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    cache_path = Path(cache_dir or cache_root() / "samples") / f"teacher-samples-{key}.jsonl"
+    if cache_path.is_file():
+        try:
+            return [
+                json.loads(line)["text"]
+                for line in cache_path.read_text(encoding="utf-8").split("\n")
+                if line
+            ]
+        except (ValueError, KeyError, TypeError):  # a damaged cache file: dofla's own, so sample again
+            pass
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if start is None:
+        raise DoflaError(
+            "the tokenizer has neither a begin- nor an end-of-text token to start sampling from."
+        )
+    from tqdm import tqdm
+
+    device = next(model.parameters()).device
+    texts: list[str] = []
+    bar = tqdm(
+        total=num_texts, disable=not progress, unit="text", desc="sampling text from the teacher", leave=False
+    )
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(seed)
+        while len(texts) < num_texts:
+            count = min(batch_size, num_texts - len(texts))
+            prompt = torch.full((count, 1), start, dtype=torch.long, device=device)  # (B, 1)
+            generated = model.generate(
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else start,
+            )  # (B, 1 + new)
+            texts.extend(tokenizer.batch_decode(generated[:, 1:], skip_special_tokens=True))
+            bar.update(count)
+    bar.close()
+    lines = "".join(json.dumps({"text": text}) + "\n" for text in texts)
+    write_text_atomic(cache_path, lines)
+    return texts

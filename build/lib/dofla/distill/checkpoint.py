@@ -1,0 +1,136 @@
+"""Atomic, resumable training checkpoints.
+
+Layout under ``<run>/checkpoints/``: one folder per saved step (``step-00000040/`` with
+``trainable.safetensors`` (student parameters, best-so-far copies and the RNG state as tensors),
+``optimizer.pt`` (AdamW state: tensors and numbers only, read back with ``torch.load(weights_only=True)``)
+and ``state.json`` (counters, history, the run's fingerprint)), and ``latest.json`` naming the newest
+complete folder. A folder is written under a temporary name and renamed when complete; ``latest.json`` is
+replaced atomically afterwards; older folders are deleted last. A crash or a full disk at any moment
+leaves the previous checkpoint reachable and intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dofla.errors import DoflaError
+from dofla.io import (
+    remove_stale_temporaries,
+    save_safetensors_atomic,
+    temporary_prefix,
+    to_json,
+    write_atomic,
+    write_text_atomic,
+)
+
+LATEST_FILE = "latest.json"
+TENSORS_FILE = "trainable.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "state.json"
+_CHECKPOINT_NAME = re.compile(r"step-\d{8}")
+
+
+def save_checkpoint(
+    folder: Path,
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    state: dict[str, Any],
+    *,
+    keep: int = 1,
+) -> Path:
+    """Write checkpoint ``step`` under ``folder`` (atomically) and return its path.
+
+    tensors: name -> tensor (all finite: the caller refuses to save NaNs); optimizer_state: the optimizer's
+    ``state_dict()``; state: JSON-serialisable counters. ``keep`` newest checkpoints are kept.
+    Raises DoflaError (and keeps the previous checkpoint) when writing fails, e.g. a full disk.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(folder, "step-*")  # left by a process killed while writing a checkpoint
+    name = f"step-{step:08d}"
+    temporary = Path(tempfile.mkdtemp(prefix=temporary_prefix(name), suffix=".tmp", dir=folder))
+    try:
+        save_safetensors_atomic(tensors, temporary / TENSORS_FILE)
+        write_atomic(temporary / OPTIMIZER_FILE, lambda path: torch.save(optimizer_state, path))
+        write_text_atomic(temporary / STATE_FILE, to_json(state, indent=1) + "\n")
+        final = folder / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+        write_text_atomic(folder / LATEST_FILE, to_json({"step": step, "folder": name}) + "\n")
+    except (OSError, DoflaError) as error:
+        shutil.rmtree(temporary, ignore_errors=True)
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise DoflaError(
+            f"could not write the checkpoint of step {step} in {folder} ({reason}); the previous checkpoint "
+            "was kept: free some disk space and rerun with --resume."
+        ) from error
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    old = sorted(path for path in folder.glob("step-*") if path.is_dir() and path.name != name)
+    for path in old[: max(0, len(old) - (keep - 1))]:
+        shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint folder, or None when there is none."""
+    pointer = Path(folder) / LATEST_FILE
+    if not pointer.is_file():
+        return None
+    try:
+        name = json.loads(pointer.read_text(encoding="utf-8"))["folder"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise DoflaError(
+            f"{pointer} is damaged; start over with --overwrite (or delete {folder})."
+        ) from error
+    if not isinstance(name, str) or not _CHECKPOINT_NAME.fullmatch(name):  # never a path out of the folder
+        raise DoflaError(
+            f"{pointer} names {name!r}, which is not a checkpoint folder name like step-00000040; it is "
+            "damaged: start over with --overwrite."
+        )
+    path = Path(folder) / name
+    if not (path / STATE_FILE).is_file():
+        raise DoflaError(f"{pointer} names {path}, which is incomplete; start over with --overwrite.")
+    return path
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, torch.Tensor], dict, dict[str, Any]]:
+    """(tensors, optimizer state, state) of the checkpoint folder ``path``; nothing is unpickled."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        tensors = load_file(str(path / TENSORS_FILE))
+        optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except Exception as error:  # safetensors, torch.load and json fail in many ways on damaged files
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise DoflaError(
+            f"could not read the checkpoint {path} ({reason}); it is damaged: start over with --overwrite."
+        ) from None
+    if not isinstance(state, dict):
+        raise DoflaError(
+            f"{path / STATE_FILE} is not a JSON object; it is damaged: start over with --overwrite."
+        )
+    return tensors, optimizer_state, state
+
+
+def check_state(path: Path, state: dict, keys: tuple[str, ...]) -> None:
+    """Refuse a checkpoint whose state lacks one of ``keys`` (a damaged or foreign file)."""
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise DoflaError(
+            f"the checkpoint {path} lacks {missing[0]!r} in {STATE_FILE}; it is damaged: start over with "
+            "--overwrite."
+        )

@@ -1,0 +1,216 @@
+"""Teacher-forced layer-wise attention transfer: one teacher forward trains every converted layer at once.
+
+During the teacher's forward (no gradients, converted layers still running the teacher's softmax under
+:func:`dofla.dispatch.teacher_forced`), an observer receives each layer's q, k, v and softmax output, runs
+that layer's student on detached copies with gradients on, and back-propagates the layer's loss at once.
+So each student's gradient comes from its own layer only, the graph of one layer is freed before the
+next layer runs, and the teacher's weights (frozen, shared by reference) are never touched.
+
+Layer-sharded runs start that forward from the teacher's hidden states stored on disk
+(:mod:`dofla.distill.hidden_store`): :func:`teacher_forced_step_from_states` swaps the decoder layers
+below the start for pass-throughs, so they are never executed; :func:`hidden_states_entering` captures
+the states the store keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+
+from dofla import dispatch
+from dofla.convert import students as converted_students
+from dofla.distill.losses import layer_loss
+from dofla.errors import DoflaError
+from dofla.models import get_adapter
+
+
+class _AllLayersSeen(Exception):
+    """Raised by the observer after the last converted layer: the rest of the teacher's forward is unused."""
+
+
+def freeze_teacher(model: nn.Module, layers: list[int] | None = None) -> dict[int, nn.Module]:
+    """Make only the students' parameters (of ``layers``, default all converted) trainable.
+    Returns those students by layer index."""
+    students = converted_students(model)
+    if not students:
+        raise DoflaError("the model has no converted layers; convert it with dofla.convert.convert first.")
+    if layers is not None:
+        unknown = sorted(set(layers) - set(students))
+        if unknown or not layers:
+            raise DoflaError(
+                f"layers {unknown or layers} are not converted layers; choose among {sorted(students)}."
+            )
+        students = {index: students[index] for index in sorted(set(layers))}
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    for student in students.values():
+        for parameter in student.parameters():
+            parameter.requires_grad_(True)
+    return students
+
+
+def autocast_for(device: torch.device):
+    """bf16 autocast on CUDA; CPUs (no bf16 units here) compute in float32."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def teacher_forced_step(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    students: dict[int, nn.Module],
+    loss_kind: str,
+    *,
+    backward: bool,
+    query_chunk: int = 128,
+    loss_weight: float = 1.0,
+) -> dict[int, float]:
+    """One teacher forward over input_ids (B, T); each converted layer's loss (and, with ``backward``,
+    its gradient, scaled by ``loss_weight``, accumulated into its student). Returns {layer: loss value}.
+    """
+    losses: dict[int, float] = {}
+    last_layer = max(students)
+    device = input_ids.device
+
+    def observer(call: dispatch.AttentionCall) -> None:
+        student = students.get(call.layer_index)
+        if student is None or call.layer_index in losses:
+            return
+        with torch.enable_grad(), autocast_for(device):
+            loss = layer_loss(loss_kind, student, call, query_chunk=query_chunk)
+            if backward:
+                (loss * loss_weight).backward()
+        losses[call.layer_index] = float(loss.detach())
+        if call.layer_index == last_layer:
+            raise _AllLayersSeen
+
+    with torch.no_grad(), dispatch.teacher_forced(), dispatch.observe(observer), autocast_for(device):
+        try:
+            model(input_ids=input_ids, use_cache=False)
+        except _AllLayersSeen:
+            pass
+    missing = sorted(set(students) - set(losses))
+    if missing:
+        raise DoflaError(
+            f"layers {missing} were never called during the teacher's forward; the model's attention does "
+            "not go through dofla's dispatcher (call dofla.dispatch.install(model))."
+        )
+    return losses
+
+
+# ------------------------------------------------------------------------------ hidden states between layers
+
+
+def _hidden_states_argument(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states a decoder layer is called with (first positional argument or ``hidden_states=``)."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+class _BoundariesSeen(Exception):
+    """Raised before the last boundary layer runs: the rest of the teacher's forward is unused."""
+
+
+def hidden_states_entering(
+    model: nn.Module, input_ids: torch.Tensor, boundaries: list[int]
+) -> dict[int, torch.Tensor]:
+    """One teacher forward over input_ids (B, T) (converted layers run the teacher's softmax), stopped before
+    the last boundary layer: the hidden state entering each boundary layer, {layer: (B, T, hidden)}."""
+    layers = get_adapter(model).decoder_layer_list(model)
+    captured: dict[int, torch.Tensor] = {}
+    last = max(boundaries)
+
+    def hook_for(index: int):
+        def capture(module, args, kwargs):
+            captured[index] = _hidden_states_argument(args, kwargs).detach()
+            if index == last:
+                raise _BoundariesSeen
+
+        return capture
+
+    handles = [
+        layers[index].register_forward_pre_hook(hook_for(index), with_kwargs=True) for index in boundaries
+    ]
+    try:
+        with torch.no_grad(), dispatch.teacher_forced(), autocast_for(input_ids.device):
+            model(input_ids=input_ids, use_cache=False)
+    except _BoundariesSeen:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+# ------------------------------------------------------------------------------ starting from stored states
+
+
+class PassThroughLayer(nn.Module):
+    """Stands in for a decoder layer that is not run: returns the hidden states it is given.
+
+    transformers 5 decoder layers (all supported families) return the hidden-state tensor itself.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
+
+
+@contextmanager
+def starting_at_layer(model: nn.Module, layer: int, hidden_states: torch.Tensor) -> Iterator[None]:
+    """Within this block the model's forward skips decoder layers below ``layer`` and feeds ``layer`` with
+    hidden_states (B, T, hidden) instead.
+
+    The embeddings still run (cheap), so position embeddings and attention masks come from the model's own
+    forward; the skipped layers are swapped for :class:`PassThroughLayer` and put back afterwards.
+    """
+    layers = get_adapter(model).decoder_layer_list(model)
+    if not 0 <= layer < len(layers):
+        raise DoflaError(f"layer {layer} does not exist: the model has layers 0..{len(layers) - 1}.")
+    originals = [layers[index] for index in range(layer)]
+
+    def swap_in(module, args, kwargs):
+        current = _hidden_states_argument(args, kwargs)
+        if current.shape != hidden_states.shape:
+            raise DoflaError(
+                f"the stored hidden states have shape {tuple(hidden_states.shape)} but layer {layer} receives "
+                f"{tuple(current.shape)}; give the token ids the states were computed for."
+            )
+        stored = hidden_states.to(current.device, current.dtype)
+        if args:
+            return (stored, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": stored}
+
+    handle = layers[layer].register_forward_pre_hook(swap_in, with_kwargs=True)
+    for index in range(layer):
+        layers[index] = PassThroughLayer()
+    try:
+        yield
+    finally:
+        handle.remove()
+        for index, original in enumerate(originals):
+            layers[index] = original
+
+
+def teacher_forced_step_from_states(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    start_layer: int,
+    start_states: torch.Tensor,
+    students: dict[int, nn.Module],
+    loss_kind: str,
+    **options,
+) -> dict[int, float]:
+    """:func:`dofla.distill.teacher_forcing.teacher_forced_step` starting from the teacher's stored hidden
+    states (B, T, hidden) entering ``start_layer``; layers below it are not run. ``options``: that
+    function's keyword arguments (backward, query_chunk, loss_weight). Returns {layer: loss}."""
+    below = sorted(index for index in students if index < start_layer)
+    if below:
+        raise DoflaError(
+            f"layers {below} come before the stored start layer {start_layer}; train them from a store with a "
+            f"boundary at or below {below[0]}."
+        )
+    with starting_at_layer(model, start_layer, start_states):
+        return teacher_forced_step(model, input_ids, students, loss_kind, **options)

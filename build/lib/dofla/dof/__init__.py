@@ -1,0 +1,93 @@
+"""Degrees of freedom of each layer's (and head's) attention kernel, and feature dimensions allocated by them.
+
+    estimate = dof.estimate(model, batches, measure="dof")          # capture q/k once, measure every head
+    plan = dof.make_plan(model, estimate, budget=64, variant="dof")  # allocate, build the ConversionPlan
+    plan = dof.measure_and_plan(model, batches, variant="dof", measure="dof", budget=64)  # both in one call
+
+The package, by concern:
+
+- :mod:`~dofla.dof.kernel`: the numerics (the stable DoF(λ), kernel spectra, attention-matrix ranks, λ notation);
+- :mod:`~dofla.dof.measures`: the registered measures (``dof``, ``dof_trace``, ``attention_rank``);
+- :mod:`~dofla.dof.estimation`: capturing points from a teacher and measuring them (:class:`DofEstimate`);
+- :mod:`~dofla.dof.allocate`: the registered allocations (``fix``, ``dof``, ``dof_clip``, ``headwise``) and
+  :func:`make_plan`, the one plan builder;
+- :mod:`~dofla.dof.report`: the markdown table and plots of ``dofla dof``.
+
+See docs/dof.md for the maths and docs/architecture.md for adding a measure or an allocation.
+"""
+
+from dofla.dof.allocate import (
+    ALLOCATIONS,
+    Allocation,
+    AllocationRequest,
+    AllocationRule,
+    allocate_all,
+    allocate_feature_dims,
+    largest_remainder,
+    make_plan,
+    map_head_measure,
+    measure_and_plan,
+    register_allocation,
+)
+from dofla.dof.estimation import (
+    SATURATION_LEVEL,
+    CapturedPoints,
+    DofEstimate,
+    HeadResult,
+    capture_points,
+    estimate,
+    measure_points,
+)
+from dofla.dof.kernel import (
+    SPECTRUM_POINTS,
+    SPECTRUM_VALUES,
+    attention_rank,
+    degrees_of_freedom,
+    energy_rank,
+    kernel_spectrum,
+    lambda_key,
+    merge_duplicates,
+    parse_lambda,
+    plain_eigen_noise_floor,
+)
+from dofla.dof.measures import MEASURES, HeadSample, Measure, register_measure
+from dofla.dof.report import layer_spectra, markdown_table, plot_eigenvalue_decay, plot_report
+
+__all__ = [
+    "ALLOCATIONS",
+    "MEASURES",
+    "SATURATION_LEVEL",
+    "SPECTRUM_POINTS",
+    "SPECTRUM_VALUES",
+    "Allocation",
+    "AllocationRequest",
+    "AllocationRule",
+    "CapturedPoints",
+    "DofEstimate",
+    "HeadResult",
+    "HeadSample",
+    "Measure",
+    "allocate_all",
+    "allocate_feature_dims",
+    "attention_rank",
+    "capture_points",
+    "degrees_of_freedom",
+    "energy_rank",
+    "estimate",
+    "kernel_spectrum",
+    "lambda_key",
+    "largest_remainder",
+    "layer_spectra",
+    "make_plan",
+    "map_head_measure",
+    "markdown_table",
+    "measure_and_plan",
+    "measure_points",
+    "merge_duplicates",
+    "parse_lambda",
+    "plain_eigen_noise_floor",
+    "plot_eigenvalue_decay",
+    "plot_report",
+    "register_allocation",
+    "register_measure",
+]

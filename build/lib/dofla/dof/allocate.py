@@ -1,0 +1,406 @@
+"""Feature dimensions under a budget, by registered allocation rules, and the one conversion-plan builder.
+
+Allocation under a budget C (mean features per converted layer). Registered rules (``variant=``):
+
+- ``fix``: C everywhere (no measure needed);
+- ``dof``: ``M_s ∝ measure_s`` (layer measure = max over heads) with largest-remainder rounding so that the
+  total is exactly C × (converted layers), and a per-layer minimum;
+- ``dof_clip``: as ``dof`` but clamped to the head size; the clipped excess is redistributed over the
+  unclipped layers in proportion;
+- ``headwise``: per-head dimensions with mean C per head; a layer's tensor width is its largest head.
+
+``keep_softmax=N`` leaves the N converted layers with the highest measure as softmax attention.
+:func:`make_plan` turns an estimate (allocated here), a ready :class:`Allocation` or nothing (rules that
+need no measure, e.g. ``fix``) into a :class:`~dofla.config.ConversionPlan`; every plan dofla makes comes
+from it (``dofla.convert.plan_for`` is its uniform case).
+
+Adding a rule is one function ``(request: AllocationRequest) -> (layer_dims, head_dims or None)`` decorated
+with :func:`register_allocation`, and its test.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dofla.config import ConversionPlan, LayerPlan
+from dofla.dof.estimation import DofEstimate
+from dofla.dof.kernel import lambda_key
+from dofla.errors import DoflaError
+from dofla.registry import Registry
+
+
+@dataclass
+class Allocation:
+    variant: str
+    budget: int
+    layer_dims: list[int]  # 0 for layers kept as softmax (or not converted)
+    head_dims: list[list[int]] | None = None  # headwise only: per map head
+    softmax_layers: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AllocationRequest:
+    """What a rule allocates for: the converted layers only, in layer order.
+
+    layer_measure: one value per converted layer (max over its heads; zeros when no measure was taken);
+    head_measure: per converted layer, one value per map head (None when no estimate was given);
+    budget: mean features per converted layer; minimum: features a layer (or head) gets at least;
+    head_size: the attention head size (None when unknown).
+    """
+
+    layer_measure: list[float]
+    head_measure: list[list[float]] | None
+    budget: int
+    minimum: int
+    head_size: int | None
+
+
+AllocationFunction = Callable[[AllocationRequest], tuple[list[int], list[list[int]] | None]]
+
+
+@dataclass(frozen=True)
+class AllocationRule:
+    """A registered rule. needs_measure: it allocates by a DoF estimate (``fix`` does not);
+    at_most_head_size: no layer gets more features than the head size, so the budget may not exceed it."""
+
+    name: str
+    function: AllocationFunction
+    needs_measure: bool = True
+    at_most_head_size: bool = False
+
+    def check_budget(self, budget: int, head_size: int | None) -> None:
+        """Refuse a budget this rule cannot place (before any expensive measuring)."""
+        if budget <= 0:
+            raise DoflaError(f"the budget must be a positive number of features per layer, got {budget}.")
+        if self.at_most_head_size and head_size is not None and budget > head_size:
+            raise DoflaError(
+                f"with {self.name} every layer has at most {head_size} features (the head size), so the mean "
+                f"budget cannot be {budget}; lower --budget or use --allocation dof."
+            )
+
+
+ALLOCATIONS: Registry[AllocationRule] = Registry("allocation")
+
+
+def register_allocation(name: str, *, needs_measure: bool = True, at_most_head_size: bool = False):
+    """Function decorator: make ``function(request)`` the allocation rule ``name``."""
+
+    def register(function: AllocationFunction) -> AllocationFunction:
+        ALLOCATIONS.add(name, AllocationRule(name, function, needs_measure, at_most_head_size))
+        return function
+
+    return register
+
+
+def largest_remainder(shares: Sequence[float], total: int, minimum: int, maximum: int | None) -> list[int]:
+    """Integers proportional to ``shares`` summing exactly to ``total``, each within [minimum, maximum].
+
+    Water-filling: x_i = clip(t·share_i, minimum, maximum) with t chosen so that Σx = total (what a
+    bound cuts from one layer goes to the others in proportion); then largest-remainder rounding.
+    If even t → ∞ leaves budget over (zero shares pinned at the minimum), the rest is spread evenly
+    over the layers still below the maximum.
+    """
+    count = len(shares)
+    upper = float(maximum) if maximum is not None else math.inf
+    if minimum * count > total:
+        raise DoflaError(
+            f"a minimum of {minimum} features for {count} layers needs {minimum * count}, more than the budget {total}."
+        )
+    if upper * count < total:
+        raise DoflaError(
+            f"the budget of {total} features cannot be placed in {count} layers of at most {maximum} each; "
+            f"lower the budget to at most {maximum} per layer."
+        )
+    shares = [max(float(value), 0.0) for value in shares]
+
+    def filled(scale: float) -> list[float]:
+        return [min(max(scale * share, minimum), upper) for share in shares]
+
+    low, high = 0.0, 1.0
+    while sum(filled(high)) < total and high < 1e300:
+        high *= 2.0
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if sum(filled(middle)) < total else (low, middle)
+    ideal = filled(high)
+    short = total - sum(ideal)
+    if short > 1e-9:  # only layers with zero share can still take features
+        open_layers = [i for i in range(count) if ideal[i] < upper]
+        for i in open_layers:
+            ideal[i] = min(upper, ideal[i] + short / len(open_layers))
+    scale_back = total / sum(ideal)
+    ideal = [min(max(value * scale_back, minimum), upper) for value in ideal]
+    result = [min(max(math.floor(value), minimum), int(min(upper, total))) for value in ideal]
+    leftover = total - sum(result)
+    order = sorted(range(count), key=lambda i: (ideal[i] - result[i], -i), reverse=True)
+    step = 1 if leftover > 0 else -1
+    while leftover != 0:
+        moved = False
+        for i in order if step > 0 else reversed(order):
+            if leftover == 0:
+                break
+            candidate = result[i] + step
+            if minimum <= candidate <= upper:
+                result[i] = candidate
+                leftover -= step
+                moved = True
+        if not moved:
+            raise DoflaError(f"cannot place {total} features within the per-layer bounds.")
+    return result
+
+
+# ------------------------------------------------------------------------------------------ the rules
+
+
+@register_allocation("fix", needs_measure=False)
+def fix(request: AllocationRequest) -> tuple[list[int], None]:
+    """The budget in every converted layer."""
+    if request.budget < request.minimum:
+        raise DoflaError(f"the budget {request.budget} is below the minimum {request.minimum}.")
+    return [request.budget] * len(request.layer_measure), None
+
+
+@register_allocation("dof")
+def proportional(request: AllocationRequest) -> tuple[list[int], None]:
+    """Dimensions proportional to the layer measure, summing exactly to budget × layers."""
+    total = request.budget * len(request.layer_measure)
+    return largest_remainder(request.layer_measure, total, request.minimum, None), None
+
+
+@register_allocation("dof_clip", at_most_head_size=True)
+def proportional_clipped(request: AllocationRequest) -> tuple[list[int], None]:
+    """As ``dof``, each layer clamped to the head size, the excess shared by the others in proportion."""
+    if request.head_size is None:
+        raise DoflaError("dof_clip needs the head size.")
+    total = request.budget * len(request.layer_measure)
+    return largest_remainder(request.layer_measure, total, request.minimum, request.head_size), None
+
+
+@register_allocation("headwise")
+def headwise(request: AllocationRequest) -> tuple[list[int], list[list[int]]]:
+    """Per-head dimensions proportional to the head measure (mean budget per head); a layer is as wide as
+    its widest head."""
+    if request.head_measure is None:
+        raise DoflaError("headwise allocation needs the per-head measures.")
+    flat = [value for row in request.head_measure for value in row]
+    values = largest_remainder(flat, request.budget * len(flat), request.minimum, None)
+    heads = len(request.head_measure[0])
+    head_dims = [
+        values[position * heads : (position + 1) * heads] for position in range(len(request.head_measure))
+    ]
+    return [max(row) for row in head_dims], head_dims
+
+
+# ------------------------------------------------------------------------------------------ allocating
+
+
+def allocate_feature_dims(
+    layer_measure: Sequence[float],
+    *,
+    budget: int,
+    variant: str = "dof",
+    head_size: int | None = None,
+    minimum: int = 1,
+    keep_softmax: int = 0,
+    head_measure: Sequence[Sequence[float]] | None = None,
+    layers: Sequence[int] | None = None,
+) -> Allocation:
+    """Feature dimensions per layer (and per head for ``headwise``) with mean ``budget`` over converted layers.
+
+    layer_measure: one value per model layer; head_measure: per layer, one per map head; layers: the layers
+    to convert (default all; the others get 0, i.e. stay softmax).
+    """
+    rule = ALLOCATIONS[variant]
+    count = len(layer_measure)
+    rule.check_budget(budget, head_size)
+    if minimum < 1:
+        raise DoflaError(f"the minimum per layer must be at least 1, got {minimum}.")
+    selected = list(range(count)) if layers is None else sorted({int(index) for index in layers})
+    outside = [index for index in selected if not 0 <= index < count]
+    if outside:
+        raise DoflaError(f"layer {outside[0]} does not exist: the model has layers 0..{count - 1}.")
+    if not 0 <= keep_softmax < len(selected):
+        raise DoflaError(
+            f"keep_softmax must be between 0 and {len(selected) - 1} for {len(selected)} layers, got {keep_softmax}."
+        )
+    if any(not math.isfinite(value) or value < 0 for value in layer_measure):
+        raise DoflaError("the layer measures must be finite and non-negative.")
+    ranked = sorted(selected, key=lambda i: layer_measure[i], reverse=True)
+    softmax_layers = sorted(ranked[:keep_softmax])
+    converted = [i for i in selected if i not in softmax_layers]
+    request = AllocationRequest(
+        layer_measure=[float(layer_measure[i]) for i in converted],
+        head_measure=None if head_measure is None else [list(head_measure[i]) for i in converted],
+        budget=budget,
+        minimum=minimum,
+        head_size=head_size,
+    )
+    converted_dims, converted_head_dims = rule.function(request)
+    dims = [0] * count
+    for i, value in zip(converted, converted_dims, strict=True):
+        dims[i] = value
+    head_dims = None
+    if converted_head_dims is not None:
+        head_dims = [[0] * len(converted_head_dims[0]) for _ in range(count)]
+        for i, row in zip(converted, converted_head_dims, strict=True):
+            head_dims[i] = row
+    return Allocation(
+        variant=variant, budget=budget, layer_dims=dims, head_dims=head_dims, softmax_layers=softmax_layers
+    )
+
+
+def map_head_measure(
+    head_measure: Sequence[Sequence[float]], num_kv_heads: int, share_kv_heads: bool
+) -> list[list[float]]:
+    """Per-query-head measures -> per map head: with shared maps, the max over the query heads of a group."""
+    if not share_kv_heads:
+        return [list(row) for row in head_measure]
+    groups = len(head_measure[0]) // num_kv_heads
+    return [[max(row[g * groups : (g + 1) * groups]) for g in range(num_kv_heads)] for row in head_measure]
+
+
+def allocate_all(
+    estimate_result: DofEstimate,
+    adapter,
+    *,
+    budget: int,
+    minimum: int = 1,
+    keep_softmax: int = 0,
+    lam: float | None = None,
+    share_kv_heads: bool = True,
+) -> dict[str, Allocation]:
+    """Every registered allocation for one estimate, by name (rules bounded by the head size are left out
+    when the budget exceeds it)."""
+    layer_values = estimate_result.layer_measure(lam)
+    head_values = map_head_measure(estimate_result.head_measure(lam), adapter.num_kv_heads, share_kv_heads)
+    options = dict(
+        head_size=adapter.head_dim, minimum=minimum, keep_softmax=keep_softmax, head_measure=head_values
+    )
+    return {
+        name: allocate_feature_dims(layer_values, budget=budget, variant=name, **options)
+        for name, rule in ALLOCATIONS.items()
+        if not (rule.at_most_head_size and budget > adapter.head_dim)
+    }
+
+
+# ------------------------------------------------------------------------------------------ the plan
+
+
+def make_plan(
+    model: torch.nn.Module,
+    estimate_or_allocation: DofEstimate | Allocation | None = None,
+    *,
+    budget: int = 64,
+    variant: str = "dof",
+    kind: str = "linear",
+    feature_map: str = "learnable_prf",
+    window: int = 64,
+    minimum: int = 1,
+    keep_softmax: int = 0,
+    share_kv_heads: bool = True,
+    lam: float | None = None,
+    layers: Sequence[int] | None = None,
+    options: dict[str, Any] | None = None,
+    cell: str = "linear",
+    sinks: int = 0,
+    metadata: dict | None = None,
+) -> ConversionPlan:
+    """The conversion plan for ``model``: from a DoF estimate (allocated here by ``variant``), a ready
+    allocation, or nothing (a ``variant`` that needs no measure, e.g. ``fix``).
+
+    layers: the layers to convert (default all); options: the feature map's own options; cell and sinks: the
+    student cell (:mod:`dofla.cells`) and its attention-sink tokens; ``metadata`` is merged into what the
+    plan records about its allocation.
+    """
+    from dofla.models import get_adapter
+
+    adapter = get_adapter(model)
+    if isinstance(estimate_or_allocation, Allocation):
+        allocation = estimate_or_allocation
+        recorded = {"allocation": allocation.variant, "budget": allocation.budget}
+    else:
+        estimate_result = estimate_or_allocation
+        recorded = {"allocation": variant, "budget": budget}
+        if estimate_result is None:
+            if ALLOCATIONS[variant].needs_measure:
+                raise DoflaError(
+                    f"allocation {variant!r} allocates by a measure: give a DoF estimate (dofla.dof.estimate) "
+                    "or use allocation fix."
+                )
+            layer_values, head_values = [0.0] * adapter.num_layers, None
+        else:
+            layer_values = estimate_result.layer_measure(lam)
+            head_values = map_head_measure(
+                estimate_result.head_measure(lam), adapter.num_kv_heads, share_kv_heads
+            )
+            recorded.update(
+                measure=estimate_result.measure,
+                num_points=estimate_result.num_points,
+                saturated_fraction=estimate_result.saturated_fraction(),
+            )
+            recorded["lambda"] = lambda_key(lam if lam is not None else estimate_result.lambdas[0])
+        allocation = allocate_feature_dims(
+            layer_values,
+            budget=budget,
+            variant=variant,
+            head_size=adapter.head_dim,
+            minimum=minimum,
+            keep_softmax=keep_softmax,
+            head_measure=head_values,
+            layers=layers,
+        )
+    recorded.update(metadata or {})
+    plan_layers = []
+    for index in range(adapter.num_layers):
+        if allocation.layer_dims[index] == 0:
+            plan_layers.append(LayerPlan(kind="softmax"))
+            continue
+        plan_layers.append(
+            LayerPlan(
+                kind=kind,
+                feature_map=feature_map,
+                feature_dim=int(allocation.layer_dims[index]),
+                head_feature_dims=allocation.head_dims[index] if allocation.head_dims is not None else None,
+                share_kv_heads=share_kv_heads,
+                window=int(window),
+                options=dict(options or {}),
+                cell=cell,
+                sinks=int(sinks),
+            )
+        )
+    plan = ConversionPlan(
+        model_type=str(adapter.model_type),
+        num_layers=adapter.num_layers,
+        num_heads=adapter.num_heads,
+        num_kv_heads=adapter.num_kv_heads,
+        head_dim=adapter.head_dim,
+        layers=plan_layers,
+        metadata=recorded,
+    )
+    plan.validate()
+    return plan
+
+
+def measure_and_plan(
+    model: torch.nn.Module,
+    batches: Sequence[torch.Tensor],
+    *,
+    variant: str = "dof",
+    measure: str = "dof",
+    num_points: int = 1024,
+    **plan_options,
+) -> ConversionPlan:
+    """:func:`make_plan` for allocation ``variant``, measuring ``measure`` on calibration batches (B, T) first
+    when the allocation needs a measure (a measure-free allocation such as ``fix`` runs no teacher forward).
+    ``plan_options``: :func:`make_plan`'s keyword arguments (budget, kind, feature_map, window, layers, ...)."""
+    from dofla.dof.estimation import estimate
+
+    measured = None
+    if ALLOCATIONS[variant].needs_measure:
+        measured = estimate(model, batches, num_points=num_points, measure=measure)
+    return make_plan(model, measured, variant=variant, **plan_options)

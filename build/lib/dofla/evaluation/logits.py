@@ -1,0 +1,46 @@
+"""Next-token scores without materialising (B, T, V) logits.
+
+A forward of a causal LM's base model gives the final hidden states (B, T, E), small next to the logits
+(E = 576 against V = 49,152 for SmolLM2: 85 times smaller). The output head then runs on a few rows at
+a time, in float32, and each chunk of log-probabilities is reduced (negative log-likelihood, KL, top-1)
+before the next is made. This is what keeps evaluating 32 x 1,024 tokens within memory and fast: one
+(4, 1024, 49152) float32 logits tensor alone is 800 MB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+ROW_ELEMENTS = 1 << 23  # logits per chunk (32 MiB in float32): rows per chunk = ROW_ELEMENTS // vocabulary
+
+
+def final_hidden_states(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The hidden states the output head reads (after the final norm): (B, T, E), no cache kept."""
+    device = next(model.parameters()).device
+    mask = None if attention_mask is None else attention_mask.to(device)
+    output = model.base_model(input_ids=input_ids.to(device), attention_mask=mask, use_cache=False)
+    return output.last_hidden_state
+
+
+def output_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's logits for hidden states (..., E), in float32, with its final soft-capping (Gemma 2/3)."""
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def row_chunks(rows: int, vocabulary: int) -> Iterator[slice]:
+    """Slices of ``rows`` so that one chunk's (rows, vocabulary) float32 logits stay near 32 MiB."""
+    step = max(1, ROW_ELEMENTS // max(1, vocabulary))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+def vocabulary_size(model: torch.nn.Module) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])

@@ -1,0 +1,465 @@
+"""Held-out quality at length: teacher, no-training window baselines and student side by side, by position.
+
+A converted model is only worth having if it beats the teacher restricted to a sliding window (plus a
+few sink tokens) with no training at all (:mod:`dofla.evaluation.window_baseline`), at the training
+length and beyond. :func:`long_context_quality` measures, for each context length asked:
+
+- next-token perplexity overall and by token-position bucket (:func:`position_buckets`: the tokens
+  predicted from fewer than ``window`` tokens, then doubling ranges up to the length) for the teacher,
+  each window baseline and the student;
+- the mean KL divergence from the teacher's next-token distribution (nats per token) and the share of
+  tokens whose most likely next token agrees with the teacher's (top-1), for every row but the teacher;
+- a finer loss-by-position curve for :func:`plot_loss_by_position`.
+
+The teacher and the student are separate model objects (a student may carry merged LoRA weights, so
+its non-attention weights need not be the teacher's). Each batch gets one forward per row; logits are
+scored a chunk of rows at a time and reduced at once (:mod:`dofla.evaluation.logits`), so memory does
+not grow with the number of sequences. The returned dict is JSON-able: non-finite numbers are None,
+and ``notes`` says why.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from dofla.errors import DoflaError
+from dofla.evaluation.logits import final_hidden_states, output_logits, row_chunks, vocabulary_size
+from dofla.evaluation.perplexity import exp_or_inf
+from dofla.evaluation.window_baseline import window_restricted
+
+DEFAULT_WINDOW = 64
+DEFAULT_SINKS = (0, 4)
+CURVE_POINTS = 32  # log-spaced position bins of the loss-by-position curve
+NON_FINITE_NOTE = (
+    "null marks a number that is not finite: a mean loss that is NaN or infinite (the model produced "
+    "non-finite logits), or a perplexity whose exp overflows."
+)
+
+
+# ------------------------------------------------------------------------------------------- positions
+
+
+def position_buckets(length: int, window: int) -> list[tuple[int, int]]:
+    """Buckets [start, end) of predicted-token positions 1..length-1: [1, w), [w, 2w), [2w, 4w), ... .
+
+    Position t is the token predicted from the t tokens before it. Example: window 64 at 1024 gives
+    1-63, 64-127, 128-255, 256-511, 512-1023. A window of at least ``length`` gives one bucket.
+    """
+    if length < 2:
+        raise DoflaError(f"a sequence needs at least 2 tokens to predict one, got length {length}.")
+    if window < 1:
+        raise DoflaError(f"the window must be at least 1 token, got {window}.")
+    edges = [1]
+    edge = window
+    while edge < length:
+        if edge > edges[-1]:
+            edges.append(edge)
+        edge *= 2
+    edges.append(length)
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def bucket_label(start: int, end: int) -> str:
+    """'1-63' for the bucket [1, 64)."""
+    return f"{start}-{end - 1}" if end - 1 > start else str(start)
+
+
+def curve_bins(length: int, points: int = CURVE_POINTS) -> list[tuple[int, int]]:
+    """About ``points`` log-spaced bins [start, end) covering positions 1..length-1 (for plotting)."""
+    edges = sorted({1, length, *(round(length ** (index / points)) for index in range(points + 1))})
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def context_limit(model: torch.nn.Module) -> int | None:
+    """The model's maximum positions (``max_position_embeddings`` or GPT-2's ``n_positions``), if it says."""
+    from dofla.models import get_adapter
+
+    return get_adapter(model).context_length
+
+
+def check_context(model: torch.nn.Module, length: int, what: str = "a context") -> None:
+    """Refuse a context longer than the teacher's maximum positions, naming both numbers."""
+    limit = context_limit(model)
+    if limit is not None and length > limit:
+        raise DoflaError(
+            f"{what} of {length} tokens is longer than the teacher's maximum of {limit} positions; "
+            f"ask for lengths up to {limit}."
+        )
+
+
+def pack_by_length(
+    tokenizer, texts: Sequence[str], lengths: Sequence[int], sequences: int
+) -> dict[int, torch.Tensor]:
+    """Held-out text packed at each length: ``{length: (N, length) token ids}``, at most ``sequences`` each.
+
+    Each length packs the same text from its start (``dofla.data.pack_token_sequences``), so a longer
+    length reads the same tokens in fewer, longer sequences.
+    """
+    from dofla.data import pack_token_sequences
+
+    if sequences < 1:
+        raise DoflaError(f"the number of sequences must be at least 1, got {sequences}.")
+    return {
+        int(length): pack_token_sequences(tokenizer, list(texts), int(length))[:sequences]
+        for length in lengths
+    }
+
+
+# --------------------------------------------------------------------------------------------- scoring
+
+
+class _PositionSums:
+    """Per predicted position (length - 1 of them): summed NLL, KL from the teacher, top-1 agreement."""
+
+    def __init__(self, length: int) -> None:
+        self.nll = torch.zeros(length - 1, dtype=torch.float64)
+        self.kl = torch.zeros(length - 1, dtype=torch.float64)
+        self.agree = torch.zeros(length - 1, dtype=torch.float64)
+        self.count = 0  # sequences (every position is predicted once per sequence)
+
+    def mean(self, values: torch.Tensor, start: int, end: int) -> float:
+        return float(values[start - 1 : end - 1].sum()) / (self.count * (end - start))
+
+
+def _score_batch(
+    batch: torch.Tensor,
+    teacher: torch.nn.Module,
+    rows: Mapping[str, tuple[torch.nn.Module, torch.Tensor]],
+    sums: Mapping[str, _PositionSums],
+) -> None:
+    """Add one batch's per-position NLL (every row) and KL / top-1 against the teacher (other rows) to ``sums``.
+
+    rows: name -> (model whose output head reads the hidden states, final hidden states (B, T, E));
+    the first entry is the teacher's.
+    """
+    size, length = batch.shape
+    names = list(rows)
+    flat = {name: hidden[:, :-1].reshape(-1, hidden.shape[-1]) for name, (_, hidden) in rows.items()}
+    targets = batch[:, 1:].reshape(-1)  # (B*(T-1),)
+    count = targets.shape[0]
+    nll = {name: torch.empty(count, dtype=torch.float64) for name in names}
+    kl = {name: torch.empty(count, dtype=torch.float64) for name in names[1:]}
+    agree = {name: torch.empty(count, dtype=torch.float64) for name in names[1:]}
+    for chunk in row_chunks(count, vocabulary_size(teacher)):
+        target = targets[chunk, None]
+        reference = None  # the teacher's (log-probabilities, probabilities, top-1) of this chunk
+        for name in names:
+            model, _ = rows[name]
+            log_probs = torch.log_softmax(output_logits(model, flat[name][chunk]), dim=-1)  # (R, V) float32
+            nll[name][chunk] = -log_probs.gather(-1, target.to(log_probs.device)).squeeze(-1).double().cpu()
+            if reference is None:
+                reference = (log_probs, log_probs.exp(), log_probs.argmax(-1))
+                continue
+            teacher_log_probs, teacher_probs, teacher_top = reference
+            log_probs = log_probs.to(teacher_log_probs.device)
+            divergence = torch.where(teacher_probs > 0, teacher_probs * (teacher_log_probs - log_probs), 0.0)
+            # KL(teacher || row) per token; rounding can take an exact 0 a hair below
+            kl[name][chunk] = divergence.sum(-1).clamp_min(0.0).double().cpu()
+            agree[name][chunk] = (log_probs.argmax(-1) == teacher_top).double().cpu()
+    for name in names:
+        sums[name].nll += nll[name].view(size, length - 1).sum(0)
+        sums[name].count += size
+        if name in kl:
+            sums[name].kl += kl[name].view(size, length - 1).sum(0)
+            sums[name].agree += agree[name].view(size, length - 1).sum(0)
+
+
+def _number(value: float, notes: set[str]) -> float | None:
+    if math.isfinite(value):
+        return value
+    notes.add(NON_FINITE_NOTE)
+    return None
+
+
+def _measures(sums: _PositionSums, start: int, end: int, compared: bool, notes: set[str]) -> dict:
+    nll = sums.mean(sums.nll, start, end)
+    measures = {"nll": _number(nll, notes), "perplexity": _number(exp_or_inf(nll), notes)}
+    if compared:
+        measures["kl"] = _number(sums.mean(sums.kl, start, end), notes)
+        measures["top1"] = _number(sums.mean(sums.agree, start, end), notes)
+    return measures
+
+
+def _row_names(window: int, sinks: Sequence[int], with_student: bool) -> dict[str, dict]:
+    rows: dict[str, dict] = {"teacher": {"label": "teacher"}}
+    for count in sinks:
+        name = "window" if count == 0 else f"window+sinks{count}"
+        label = f"window {window}" + (f" + {count} sinks" if count else "")
+        rows[name] = {"label": label, "window": window, "sinks": count}
+    if with_student:
+        rows["student"] = {"label": "student"}
+    return rows
+
+
+def _check_sequences(sequences: torch.Tensor, length: int, vocabulary: int) -> None:
+    if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2 or sequences.shape[1] != length:
+        shape = tuple(sequences.shape) if isinstance(sequences, torch.Tensor) else type(sequences).__name__
+        raise DoflaError(f"the sequences for length {length} must be a tensor (N, {length}), got {shape}.")
+    if sequences.shape[0] < 1:
+        raise DoflaError(f"no sequences of {length} tokens to evaluate; give more held-out text.")
+    if int(sequences.min()) < 0 or int(sequences.max()) >= vocabulary:
+        raise DoflaError(
+            f"the sequences for length {length} hold token ids outside the model's vocabulary 0..{vocabulary - 1}."
+        )
+
+
+@torch.no_grad()
+def long_context_quality(
+    teacher: torch.nn.Module,
+    student: torch.nn.Module | None,
+    sequences_by_length: Mapping[int, torch.Tensor],
+    *,
+    window: int = DEFAULT_WINDOW,
+    sinks: Sequence[int] = DEFAULT_SINKS,
+    buckets: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+    batch_size: int = 4,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Perplexity by position bucket for teacher, window baselines and student, and KL / top-1, per length.
+
+    teacher: the plain teacher (the window baselines run on it); student: the converted model (None to
+    measure the teacher and its baselines only). sequences_by_length: ``{length: (N, length) token ids}``
+    of held-out text (:func:`pack_by_length`). window, sinks: one baseline per entry of ``sinks`` (0 = the
+    window alone). buckets: ``{length: [(start, end), ...]}`` to override :func:`position_buckets`.
+    Every length is checked against the teacher's maximum positions before any model runs.
+
+    Returns ``{"window", "sinks", "teacher_context", "rows": {name: label and settings},
+    "by_length": {"1024": {"length", "sequences", "predicted_tokens", "buckets": [{"start", "end",
+    "label"}], "models": {name: {"nll", "perplexity", ("kl", "top1",) "buckets": [...]}},
+    "loss_by_position": {"start", "end", "nll": {name: [...]}}, "seconds": {name: forward seconds,
+    "output_heads": scoring seconds}}},
+    "notes": [...]}``; row names are ``teacher``, ``window``, ``window+sinks4``, ... and ``student``.
+    """
+    if batch_size < 1:
+        raise DoflaError(f"the batch size must be at least 1, got {batch_size}.")
+    sinks = [int(count) for count in sinks]
+    if any(count < 0 for count in sinks) or len(set(sinks)) != len(sinks):
+        raise DoflaError(f"sink counts must be distinct non-negative integers, got {sinks}.")
+    if int(window) < 1:
+        raise DoflaError(f"the window must be at least 1 token, got {window}.")
+    if not sequences_by_length:
+        raise DoflaError("no lengths to evaluate; give held-out sequences for at least one length.")
+    from dofla.convert import is_converted
+
+    if is_converted(teacher) or teacher is student:
+        raise DoflaError("the teacher given is a converted model; pass the plain teacher, loaded on its own.")
+    vocabulary = vocabulary_size(teacher)
+    if student is not None and vocabulary_size(student) != vocabulary:
+        raise DoflaError(
+            f"the student's vocabulary ({vocabulary_size(student)}) differs from the teacher's ({vocabulary})."
+        )
+    for length, sequences in sequences_by_length.items():
+        check_context(teacher, int(length))
+        _check_sequences(sequences, int(length), vocabulary)
+    rows = _row_names(int(window), sinks, student is not None)
+    notes: set[str] = set()
+    result: dict = {
+        "window": int(window),
+        "sinks": sinks,
+        "teacher_context": context_limit(teacher),
+        "rows": rows,
+        "by_length": {},
+    }
+    models = [teacher] + ([student] if student is not None else [])
+    modes = [model.training for model in models]
+    for model in models:
+        model.eval()
+    try:
+        for length, sequences in sequences_by_length.items():
+            length = int(length)
+            chosen = buckets.get(length) if buckets else None
+            result["by_length"][str(length)] = _one_length(
+                teacher,
+                student,
+                sequences,
+                rows,
+                chosen or position_buckets(length, int(window)),
+                int(window),
+                batch_size,
+                notes,
+                progress,
+            )
+    finally:
+        for model, mode in zip(models, modes, strict=True):
+            model.train(mode)
+    result["notes"] = sorted(notes)
+    return result
+
+
+def _one_length(teacher, student, sequences, rows, buckets, window, batch_size, notes, progress) -> dict:
+    length = sequences.shape[1]
+    sums = {name: _PositionSums(length) for name in rows}
+    seconds = dict.fromkeys([*rows, "output_heads"], 0.0)
+    batches = sequences.split(batch_size)
+    started = time.perf_counter()
+    for index, batch in enumerate(batches, start=1):
+        hidden: dict[str, tuple[torch.nn.Module, torch.Tensor]] = {}
+        for name, row in rows.items():
+            clock = time.perf_counter()
+            if name == "teacher":
+                hidden[name] = (teacher, final_hidden_states(teacher, batch))
+            elif name == "student":
+                hidden[name] = (student, final_hidden_states(student, batch))
+            else:
+                with window_restricted(teacher, window, row["sinks"]):
+                    hidden[name] = (teacher, final_hidden_states(teacher, batch))
+            seconds[name] += time.perf_counter() - clock
+        clock = time.perf_counter()
+        _score_batch(batch, teacher, hidden, sums)
+        seconds["output_heads"] += time.perf_counter() - clock
+        if progress is not None:
+            progress(f"length {length}: batch {index}/{len(batches)} ({time.perf_counter() - started:.0f} s)")
+    bucket_rows = [
+        {"start": start, "end": end - 1, "label": bucket_label(start, end)} for start, end in buckets
+    ]
+    models = {}
+    for name in rows:
+        compared = name != "teacher"
+        entry = _measures(sums[name], 1, length, compared, notes)
+        entry["buckets"] = [_measures(sums[name], start, end, compared, notes) for start, end in buckets]
+        models[name] = entry
+    bins = curve_bins(length)
+    curve = {
+        "start": [start for start, _ in bins],
+        "end": [end - 1 for _, end in bins],
+        "nll": {
+            name: [_number(sums[name].mean(sums[name].nll, start, end), notes) for start, end in bins]
+            for name in rows
+        },
+    }
+    return {
+        "length": length,
+        "sequences": int(sequences.shape[0]),
+        "predicted_tokens": int(sequences.shape[0]) * (length - 1),
+        "buckets": bucket_rows,
+        "models": models,
+        "loss_by_position": curve,
+        "seconds": {name: round(value, 3) for name, value in seconds.items()},
+    }
+
+
+# --------------------------------------------------------------------------------------------- reports
+
+
+def _format_perplexity(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.2f}" if value < 1000 else f"{value:.0f}"
+
+
+def _format(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def aligned_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """A markdown table with padded columns (reads as well in a terminal as rendered)."""
+    widths = [max(len(str(row[column])) for row in [header, *body]) for column in range(len(header))]
+
+    def line(cells):
+        return (
+            "| "
+            + " | ".join(str(cell).ljust(width) for cell, width in zip(cells, widths, strict=True))
+            + " |"
+        )
+
+    rule = "|" + "|".join("-" * (width + 2) for width in widths) + "|"
+    return "\n".join([line(header), rule, *(line(row) for row in body)])
+
+
+def length_table(result: dict, length: int | str) -> str:
+    """One length's table: a row per model; overall perplexity, ratio to the teacher, buckets, KL, top-1."""
+    measured = result["by_length"][str(length)]
+    teacher_ppl = measured["models"]["teacher"]["perplexity"]
+    header = ["model", "ppl", "x teacher", *(f"ppl {b['label']}" for b in measured["buckets"]), "KL", "top-1"]
+    body = []
+    for name, entry in measured["models"].items():
+        ratio = None if entry["perplexity"] is None or not teacher_ppl else entry["perplexity"] / teacher_ppl
+        body.append(
+            [
+                result["rows"][name]["label"],
+                _format_perplexity(entry["perplexity"]),
+                _format(ratio, 2),
+                *(_format_perplexity(bucket["perplexity"]) for bucket in entry["buckets"]),
+                _format(entry.get("kl"), 3) if "kl" in entry else "-",
+                _format(entry.get("top1"), 3) if "top1" in entry else "-",
+            ]
+        )
+    return aligned_table(header, body)
+
+
+def long_context_markdown(
+    result: dict, *, heading: str = "## Held-out quality at length", plot: str | None = None
+) -> str:
+    """A markdown section: what the rows and columns mean, one table per length, the plot if given."""
+    sinks = [count for count in result["sinks"] if count]
+    lines = [
+        heading,
+        "",
+        f"Perplexity of held-out text by position of the predicted token. `window {result['window']}` is the "
+        f"teacher's own softmax restricted to the last {result['window']} tokens, with no training"
+        + (
+            f"; `+ N sinks` also lets every token see the first N tokens ({', '.join(map(str, sinks))})"
+            if sinks
+            else ""
+        )
+        + ". KL: mean KL divergence from the teacher's next-token distribution (nats per token); top-1: share "
+        "of tokens whose most likely next token is the teacher's.",
+    ]
+    for length, measured in result["by_length"].items():
+        lines += [
+            "",
+            f"**{length} tokens** ({measured['sequences']} sequences)",
+            "",
+            length_table(result, length),
+        ]
+    if plot:
+        lines += ["", f"![loss by position]({plot})"]
+    for note in result.get("notes", []):
+        lines += ["", f"Note: {note}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_loss_by_position(result: dict, path: str | Path) -> Path:
+    """Mean next-token loss by position (log-spaced bins), one panel per length; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dofla.io import write_atomic
+
+    path = Path(path)
+    lengths = list(result["by_length"])
+    figure, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    styles = {"teacher": dict(color="black", lw=2), "student": dict(color="tab:red", lw=2)}
+    for axis, length in zip(axes[0], lengths, strict=True):
+        measured = result["by_length"][length]
+        curve = measured["loss_by_position"]
+        centres = [
+            math.sqrt(start * max(start, end))
+            for start, end in zip(curve["start"], curve["end"], strict=True)
+        ]
+        for name, values in curve["nll"].items():
+            ys = [math.nan if value is None else value for value in values]
+            style = styles.get(name, dict(lw=1.2, ls="--"))
+            axis.plot(centres, ys, marker=".", label=result["rows"][name]["label"], **style)
+        axis.axvline(result["window"], color="grey", lw=0.8, ls=":")
+        axis.set_xscale("log")
+        axis.set_xlabel("token position")
+        axis.set_title(f"{length} tokens ({measured['sequences']} sequences)")
+        axis.grid(alpha=0.3)
+    axes[0][0].set_ylabel("next-token loss (nats)")
+    axes[0][-1].legend(fontsize=8)
+    figure.tight_layout()
+    suffix = path.suffix.lstrip(".").lower() or "png"
+    write_atomic(path, lambda temporary: figure.savefig(temporary, format=suffix, dpi=110))
+    plt.close(figure)
+    return path

@@ -1,0 +1,182 @@
+"""The no-training baseline a converted model must beat: the teacher's softmax over a sliding window.
+
+Under :func:`window_restricted` every softmax attention layer of a model (the teacher's own attention,
+run by :mod:`dofla.dispatch`) sees only the last ``window`` keys up to and including the query, plus
+the first ``sinks`` tokens of the sequence ("attention sinks"). Nothing is trained: this is what a
+window-plus-sinks cache (StreamingLLM) keeps of the teacher, and what a linear or hybrid student costs
+nothing to match. Converted layers keep running their students; only softmax layers are restricted.
+
+The restriction is a boolean key mask intersected with the mask transformers builds (causal, padding,
+the model's own sliding windows), so padded batches and ``generate()`` with a cache work unchanged;
+the teacher's own attention function (masked SDPA, or the model's eager one) then runs, quadratic in
+the length. A plain uncached SDPA call longer than :data:`BAND_BLOCK` tokens (held-out perplexity)
+takes :func:`banded_window_attention` instead, which computes only the scores the mask keeps and is
+checked against the masked form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from dofla import dispatch
+from dofla.errors import DoflaError
+
+
+def visible_keys(attention_mask: torch.Tensor | None, query_length: int, key_length: int) -> torch.Tensor:
+    """Which keys each query may see under ``attention_mask``: bool (B or 1, 1, T, S), True = visible.
+
+    attention_mask: what transformers gives the attention function: None (plain causal, or a single
+    decoding query that sees every cached key), a bool mask (True = visible) or an additive float mask
+    (0 = visible, a very negative number = hidden), shaped (B or 1, 1, T, S).
+    """
+    if attention_mask is None:
+        if query_length == 1:
+            return torch.ones(1, 1, 1, key_length, dtype=torch.bool)
+        # transformers drops the mask only for an uncached causal call, aligned at the first key
+        query_index = torch.arange(query_length)[:, None]
+        key_index = torch.arange(key_length)[None, :]
+        return (key_index <= query_index).view(1, 1, query_length, key_length)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min / 2
+
+
+def restrict_to_window(visible: torch.Tensor, window: int, sinks: int = 0) -> torch.Tensor:
+    """Narrow a visibility mask (..., T, S) to the last ``window`` keys of each query plus ``sinks`` first ones.
+
+    A query's own position is its last visible key (for every real token, the token itself), so the
+    window ends there whatever the cache layout; the sinks are the first ``sinks`` keys the query may see
+    (after left padding, the first real tokens). A row that sees nothing stays as it was.
+    """
+    key_length = visible.shape[-1]
+    key_index = torch.arange(key_length, device=visible.device)  # (S,)
+    last = torch.where(visible, key_index, -1).amax(-1, keepdim=True)  # (..., T, 1) the query's position
+    in_window = key_index > last - window  # (..., T, S); keys after `last` are invisible already
+    if sinks > 0:
+        in_window = in_window | (visible.cumsum(-1) <= sinks)
+    return visible & in_window
+
+
+BAND_BLOCK = 256  # queries per block of the banded form
+
+
+def banded_window_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    window: int,
+    sinks: int,
+    scaling: float,
+    block: int = BAND_BLOCK,
+) -> torch.Tensor:
+    """Causal softmax over the last ``window`` keys plus the first ``sinks``, for an uncached, unpadded call.
+
+    query (B, H, T, D), key and value (B, Hkv, T, D) (key/value heads shared by H / Hkv query heads).
+    Returns (B, T, H, Dv). Equal to the teacher's SDPA under the :func:`restrict_to_window` mask, but each
+    block of ``block`` queries attends only to the keys it may see (the sinks and the block's band), so
+    the cost grows with T * (block + window + sinks) instead of T^2.
+    """
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, T, D)
+    length = query.shape[2]
+    outputs = []
+    for start in range(0, length, block):
+        end = min(length, start + block)
+        first = max(0, start - window + 1)  # the oldest key a query of this block may see in its window
+        sink_end = min(sinks, first)  # sinks inside the band are in it already
+        positions = torch.cat([torch.arange(sink_end), torch.arange(first, end)]).to(query.device)  # (K,)
+        block_key = torch.cat([key[:, :, :sink_end], key[:, :, first:end]], dim=2)  # (B, H, K, D)
+        block_value = torch.cat([value[:, :, :sink_end], value[:, :, first:end]], dim=2)
+        query_positions = torch.arange(start, end, device=query.device)[:, None]  # (Tb, 1)
+        visible = (positions <= query_positions) & (
+            (positions > query_positions - window) | (positions < sinks)
+        )
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, start:end], block_key, block_value, attn_mask=visible, scale=scaling
+            )
+        )  # (B, H, Tb, Dv)
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+class _WindowedSoftmax:
+    """Runs in place of a layer's softmax (dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE) with the window restriction."""
+
+    def __init__(self, window: int, sinks: int) -> None:
+        self.window, self.sinks = window, sinks
+        # Every layer of one forward gets the same mask: build it once. The entry holds the mask object
+        # itself, so its identity cannot be reused by another tensor while it is remembered.
+        self.last: dict = {}
+
+    def __call__(
+        self, module, query, key, value, attention_mask, *, teacher_kind, scaling, dropout=0.0, **kwargs
+    ):
+        length = query.shape[2]
+        causal = kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False
+        plain = attention_mask is None and key.shape[2] == length and causal and not dropout
+        # what else SDPA would take into account; the banded form does not
+        altered = any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "cache"))
+        if teacher_kind == "sdpa" and plain and not altered and length > BAND_BLOCK:
+            output = banded_window_attention(
+                query, key, value, self.window, self.sinks, scaling, block=BAND_BLOCK
+            )
+            return output, None
+        mask = self.restricted_mask(query, key, attention_mask, teacher_kind)
+        return dispatch.teacher_attention(
+            module,
+            query,
+            key,
+            value,
+            mask,
+            teacher_kind=teacher_kind,
+            scaling=scaling,
+            dropout=dropout,
+            **kwargs,
+        )
+
+    def restricted_mask(self, query, key, attention_mask, teacher_kind) -> torch.Tensor:
+        """The mask transformers gave, narrowed to the window and sinks (bool, or additive for eager)."""
+        signature = (query.shape[2], key.shape[2], teacher_kind, query.dtype, query.device)
+        if self.last.get("signature") == signature and self.last.get("mask") is attention_mask:
+            return self.last["restricted"]
+        visible = visible_keys(attention_mask, query.shape[2], key.shape[2]).to(query.device)
+        restricted = restrict_to_window(visible, self.window, self.sinks)  # (B or 1, 1, T, S)
+        if teacher_kind == "eager":  # the model files' eager attention adds the mask to the scores
+            hidden = torch.finfo(query.dtype).min
+            restricted = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
+                ~restricted, hidden
+            )
+        self.last.update(signature=signature, mask=attention_mask, restricted=restricted)
+        return restricted
+
+
+@contextmanager
+def window_restricted(model: torch.nn.Module, window: int, sinks: int = 0) -> Iterator[torch.nn.Module]:
+    """Within this block the model's softmax attention sees only the last ``window`` keys plus ``sinks`` first ones.
+
+    The window counts the query itself: ``window=1`` lets a token see only itself (and the sinks). The
+    dispatcher is installed on the model if it was not (it computes exactly the model's own attention).
+    """
+    if int(window) < 1:
+        raise DoflaError(f"the attention window must be at least 1 token, got {window}.")
+    if int(sinks) < 0:
+        raise DoflaError(f"the number of sink tokens cannot be negative, got {sinks}.")
+    from dofla.models import get_adapter
+
+    dispatch.install(model)
+    modules = list(get_adapter(model).attention_modules(model))
+    taken = [module for module in modules if getattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE, None)]
+    if taken:
+        raise DoflaError("this model is already inside window_restricted; leave that block first.")
+    softmax = _WindowedSoftmax(int(window), int(sinks))
+    for module in modules:
+        setattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE, softmax)
+    try:
+        yield model
+    finally:
+        for module in modules:
+            delattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE)

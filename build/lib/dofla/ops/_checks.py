@@ -1,0 +1,178 @@
+"""Shape checks shared by the three forms, so all of them refuse the same inputs with the same sentence."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dofla.errors import DoflaError
+
+
+def check_linear_inputs(q_features: Tensor, k_features: Tensor, v: Tensor, k_log_scale: Tensor | None) -> int:
+    """Check (B, H, T, F), (B, Hk, T, F), (B, Hk, T, Dv), (B, Hk, T); return the group size H // Hk."""
+    if q_features.dim() != 4 or k_features.dim() != 4 or v.dim() != 4:
+        raise DoflaError(
+            f"linear attention expects 4-d (batch, heads, tokens, dim) inputs, got q_features "
+            f"{tuple(q_features.shape)}, k_features {tuple(k_features.shape)}, v {tuple(v.shape)}."
+        )
+    batch, num_heads, length, feature_dim = q_features.shape
+    if k_features.shape[0] != batch or k_features.shape[2] != length or k_features.shape[3] != feature_dim:
+        raise DoflaError(
+            f"k_features {tuple(k_features.shape)} does not match q_features {tuple(q_features.shape)} in "
+            "batch, tokens or feature dimension; build both with the same feature map."
+        )
+    if tuple(v.shape[:3]) != tuple(k_features.shape[:3]):
+        raise DoflaError(
+            f"v {tuple(v.shape)} must have the batch, heads and tokens of k_features {tuple(k_features.shape)}."
+        )
+    num_kv_heads = k_features.shape[1]
+    if num_heads % num_kv_heads != 0:
+        raise DoflaError(
+            f"{num_heads} query heads are not a multiple of {num_kv_heads} key/value heads; "
+            "pass key/value tensors with a divisor of the query heads."
+        )
+    if k_log_scale is not None and tuple(k_log_scale.shape) != tuple(k_features.shape[:3]):
+        raise DoflaError(
+            f"k_log_scale {tuple(k_log_scale.shape)} must be (batch, kv heads, tokens) = "
+            f"{tuple(k_features.shape[:3])}."
+        )
+    return num_heads // num_kv_heads
+
+
+def check_hybrid_inputs(
+    query: Tensor, key: Tensor, q_features: Tensor, window: int, window_factor: Tensor
+) -> None:
+    same_tokens = key.shape[0] == query.shape[0] and key.shape[2] == query.shape[2]
+    if (
+        tuple(query.shape[:3]) != tuple(q_features.shape[:3])
+        or not same_tokens
+        or key.shape[3] != query.shape[3]
+    ):
+        raise DoflaError(
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} must share batch, tokens and head size, "
+            f"and query must have the batch, heads and tokens of q_features {tuple(q_features.shape)}."
+        )
+    if int(window) <= 0:
+        raise DoflaError(f"the sliding window must be positive, got {window}.")
+    if not torch.is_tensor(window_factor) or tuple(window_factor.shape) != (query.shape[1],):
+        raise DoflaError(
+            f"window_factor must be a tensor of one factor per query head, shape ({query.shape[1]},), "
+            f"got {getattr(window_factor, 'shape', window_factor)}."
+        )
+
+
+def check_sinks(sinks: int) -> int:
+    if int(sinks) < 0:
+        raise DoflaError(f"the number of attention-sink tokens must be 0 or more, got {sinks}.")
+    return int(sinks)
+
+
+def check_window_inputs(query: Tensor, key: Tensor, v: Tensor, window: int, sinks: int) -> int:
+    """Check (B, H, T, D), (B, Hk, T, D), (B, Hk, T, Dv), window > 0, sinks >= 0; return H // Hk."""
+    if query.dim() != 4 or key.dim() != 4 or v.dim() != 4:
+        raise DoflaError(
+            f"window attention expects 4-d (batch, heads, tokens, dim) inputs, got query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}, v {tuple(v.shape)}."
+        )
+    if key.shape[0] != query.shape[0] or key.shape[2] != query.shape[2] or key.shape[3] != query.shape[3]:
+        raise DoflaError(
+            f"query {tuple(query.shape)} and key {tuple(key.shape)} must share batch, tokens and head size."
+        )
+    if tuple(v.shape[:3]) != tuple(key.shape[:3]):
+        raise DoflaError(
+            f"v {tuple(v.shape)} must have the batch, heads and tokens of key {tuple(key.shape)}."
+        )
+    if query.shape[1] % key.shape[1] != 0:
+        raise DoflaError(
+            f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} key/value heads; "
+            "pass key/value tensors with a divisor of the query heads."
+        )
+    if int(window) <= 0:
+        raise DoflaError(f"the sliding window must be positive, got {window}.")
+    check_sinks(sinks)
+    return query.shape[1] // key.shape[1]
+
+
+def check_delta_inputs(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor) -> int:
+    """Check (B, H, T, K), (B, Hk, T, K), (B, Hk, T, Dv), (B, Hk, T), (B, Hk, T); return H // Hk."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise DoflaError(
+            f"the gated delta rule expects 4-d (batch, heads, tokens, dim) q, k, v, got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}."
+        )
+    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or k.shape[3] != q.shape[3]:
+        raise DoflaError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, tokens and key size.")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise DoflaError(f"v {tuple(v.shape)} must have the batch, heads and tokens of k {tuple(k.shape)}.")
+    if q.shape[1] % k.shape[1] != 0:
+        raise DoflaError(
+            f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads; "
+            "pass key/value tensors with a divisor of the query heads."
+        )
+    for name, gate in (("log_decay", log_decay), ("beta", beta)):
+        if tuple(gate.shape) != tuple(k.shape[:3]):
+            raise DoflaError(
+                f"{name} {tuple(gate.shape)} must be (batch, kv heads, tokens) = {tuple(k.shape[:3])}."
+            )
+    return q.shape[1] // k.shape[1]
+
+
+def check_state_window(state, window: int, sinks: int) -> None:
+    """A window or hybrid state continues only a call with its own window and number of sinks."""
+    if state.window != int(window) or state.sinks != int(sinks):
+        raise DoflaError(
+            f"the state was built with window {state.window} and {state.sinks} sinks, this call uses "
+            f"window {window} and {sinks} sinks; continue with the settings that built it."
+        )
+
+
+def check_key_mask(key_mask: Tensor, batch: int, length: int) -> Tensor:
+    """key_mask (B, T), True = a real token, as a bool tensor."""
+    if tuple(key_mask.shape) != (batch, length):
+        raise DoflaError(
+            f"key_mask must be (batch, tokens) = ({batch}, {length}) with True for real tokens, "
+            f"got {tuple(key_mask.shape)}."
+        )
+    return key_mask.to(torch.bool)
+
+
+def present_keys(key_mask: Tensor | None, key: Tensor) -> Tensor:
+    """(B, Hk, T) bool, True for real tokens: ``key_mask`` (B, T) per key/value head of key (B, Hk, T, D)."""
+    batch, num_kv_heads, length, _ = key.shape
+    if key_mask is None:
+        return torch.ones(batch, num_kv_heads, length, dtype=torch.bool, device=key.device)
+    return check_key_mask(key_mask, batch, length)[:, None, :].expand(batch, num_kv_heads, length)
+
+
+def soft_cap(scores: Tensor, softcap: float | None) -> Tensor:
+    """Gemma-2 style logit soft-capping ``c * tanh(s / c)``; the scores unchanged when ``softcap`` is None/0."""
+    if not softcap:
+        return scores
+    return softcap * torch.tanh(scores / softcap)
+
+
+def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 when any input is float64 (tests' ground truth), else float32 accumulation."""
+    return (
+        torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    )
+
+
+def mask_absent_keys(
+    k_features: Tensor, v: Tensor, k_log_scale: Tensor | None, key_mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Apply ``key_mask`` (B, T) bool, True = a real token: absent keys get zero features and values and
+    log scale -inf, which every form (linear part and sliding window alike) treats as "no such key".
+
+    Returns k_features (B, Hk, T, F), v (B, Hk, T, Dv), log scale (B, Hk, T) (None when both inputs were None).
+    """
+    if key_mask is None:
+        return k_features, v, k_log_scale
+    batch, _, length, _ = k_features.shape
+    present = check_key_mask(key_mask, batch, length)[:, None, :]  # (B, 1, T)
+    if k_log_scale is None:
+        k_log_scale = torch.zeros(k_features.shape[:3], dtype=torch.float32, device=k_features.device)
+    k_log_scale = k_log_scale.masked_fill(~present, float("-inf"))
+    k_features = k_features.masked_fill(~present[..., None], 0)
+    v = v.masked_fill(~present[..., None], 0)
+    return k_features, v, k_log_scale

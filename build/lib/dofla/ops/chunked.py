@@ -1,0 +1,476 @@
+"""Chunked parallel form for training and prefill: pure PyTorch, batched matrix products, fast on CPU.
+
+Same semantics as ``dofla.ops.naive`` (see its docstring). The sequence is cut into chunks of C tokens:
+inside a chunk the (C, C) interactions are computed directly; between chunks the contribution of all
+earlier chunks is a state (F, Dv) per key/value head, as in the recurrent form. Key log scales are handled
+with the running maximum m_t (the same offsets as the recurrent state), so every exponent is <= 0.
+Query heads of a key/value group are kept as a separate axis (B, Hk, G, ...) and read one shared state.
+The softmax part of window and hybrid attention is one function, ``window_part_sums``: a blocked softmax
+over the last ``window`` keys, merged (at a common maximum) with a small block over the sink keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dofla.errors import DoflaError
+from dofla.ops._checks import (
+    check_hybrid_inputs,
+    check_linear_inputs,
+    check_sinks,
+    check_state_window,
+    check_window_inputs,
+    compute_dtype,
+    mask_absent_keys,
+    present_keys,
+    soft_cap,
+)
+from dofla.ops.sinks import SinkUpdate, add_sinks
+from dofla.ops.state import HybridState, LinearState, WindowState, exp_relative
+
+NEGATIVE_INFINITY = float("-inf")
+
+
+def _check_chunk_size(chunk_size: int) -> int:
+    if int(chunk_size) <= 0:
+        raise DoflaError(f"chunk_size must be a positive number of tokens, got {chunk_size}.")
+    return int(chunk_size)
+
+
+def linear_attention_sums(
+    q: Tensor, k: Tensor, v: Tensor, log_scale: Tensor | None, state: LinearState | None, chunk_size: int
+) -> tuple[Tensor, Tensor, LinearState]:
+    """Unnormalised causal linear attention in chunks.
+
+    q (B, Hk, G, T, F), k (B, Hk, T, F), v (B, Hk, T, Dv), log_scale (B, Hk, T) or None (all 0, only
+    allowed without a state), all in the compute dtype. Returns numerator (B, Hk, G, T, Dv) and
+    denominator (B, Hk, G, T), both divided by exp(m_t) with m_t the running maximum of the log scales
+    (including the state's offset), and the state after the last token.
+    """
+    batch, num_kv_heads, group, length, feature_dim = q.shape
+    value_dim = v.shape[-1]
+    size = chunk_size
+    num_chunks = -(-length // size)
+    pad = num_chunks * size - length
+    if pad:  # padded keys have zero features and log scale -inf: they add nothing anywhere
+        q, k, v = F.pad(q, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+        if log_scale is not None:
+            log_scale = F.pad(log_scale, (0, pad), value=NEGATIVE_INFINITY)
+    q_chunks = q.view(batch, num_kv_heads, group, num_chunks, size, feature_dim)  # (B, Hk, G, N, C, F)
+    k_chunks = k.view(batch, num_kv_heads, num_chunks, size, feature_dim)  # (B, Hk, N, C, F)
+    v_chunks = v.view(batch, num_kv_heads, num_chunks, size, value_dim)  # (B, Hk, N, C, Dv)
+    causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()  # [query r, key u]: u <= r
+    scores = q_chunks @ k_chunks.unsqueeze(2).transpose(-1, -2)  # (B, Hk, G, N, C, C)
+
+    if log_scale is None:
+        if state is not None:
+            raise ValueError("linear_attention_sums needs explicit log scales when continuing from a state")
+        intra = scores.masked_fill(~causal, 0.0)
+        kv_chunks = k_chunks.transpose(-1, -2) @ v_chunks  # (B, Hk, N, F, Dv)
+        normalizer_chunks = k_chunks.sum(-2)  # (B, Hk, N, F)
+        kv_inclusive = kv_chunks.cumsum(2)
+        normalizer_inclusive = normalizer_chunks.cumsum(2)
+        kv_entering = kv_inclusive - kv_chunks  # state before each chunk, (B, Hk, N, F, Dv)
+        normalizer_entering = normalizer_inclusive - normalizer_chunks
+        inter_numerator = q_chunks @ kv_entering.unsqueeze(2)  # (B, Hk, G, N, C, Dv)
+        inter_denominator = (q_chunks @ normalizer_entering.unsqueeze(2).unsqueeze(-1)).squeeze(-1)
+        final = LinearState(
+            kv_inclusive[:, :, -1],
+            normalizer_inclusive[:, :, -1],
+            torch.zeros(batch, num_kv_heads, dtype=q.dtype, device=q.device),
+            length,
+        )
+    else:
+        if state is None:
+            initial_offset = torch.full(
+                (batch, num_kv_heads), NEGATIVE_INFINITY, dtype=q.dtype, device=q.device
+            )
+        else:
+            initial_offset = state.log_offset.to(q.dtype)
+        running_max = torch.maximum(
+            torch.cummax(log_scale, -1).values, initial_offset[..., None]
+        )  # (B, Hk, NC)
+        scale_chunks = log_scale.view(batch, num_kv_heads, num_chunks, size)  # (B, Hk, N, C)
+        max_chunks = running_max.view(batch, num_kv_heads, num_chunks, size)  # (B, Hk, N, C): m per token
+        chunk_end = max_chunks[..., -1]  # (B, Hk, N): offset after each chunk
+        entering = torch.cat([initial_offset[..., None], chunk_end], dim=-1)  # (B, Hk, N + 1): offset before
+
+        key_log_weight = torch.where(
+            causal, scale_chunks[..., None, :], NEGATIVE_INFINITY
+        )  # (B, Hk, N, C, C)
+        intra = scores * exp_relative(key_log_weight, max_chunks[..., :, None]).unsqueeze(2)
+
+        # Each chunk's own sums relative to the offset at its end, then mixed into the state entering
+        # chunk n: sum_{c < n} chunk_c * exp(end_c - entering_n) (+ initial state * exp(offset_0 - entering_n)).
+        weighted_keys = (
+            k_chunks * exp_relative(scale_chunks, chunk_end[..., None])[..., None]
+        )  # (B, Hk, N, C, F)
+        kv_chunks = weighted_keys.transpose(-1, -2) @ v_chunks  # (B, Hk, N, F, Dv)
+        normalizer_chunks = weighted_keys.sum(-2)  # (B, Hk, N, F)
+        state_index = torch.arange(num_chunks + 1, device=q.device)[:, None]
+        chunk_index = torch.arange(num_chunks, device=q.device)[None, :]
+        mix_log = torch.where(
+            chunk_index < state_index, chunk_end[..., None, :], NEGATIVE_INFINITY
+        )  # (B,Hk,N+1,N)
+        mix = exp_relative(mix_log, entering[..., None])
+        kv_states = torch.einsum("bhnc,bhcfd->bhnfd", mix, kv_chunks)  # (B, Hk, N + 1, F, Dv)
+        normalizer_states = torch.einsum("bhnc,bhcf->bhnf", mix, normalizer_chunks)  # (B, Hk, N + 1, F)
+        if state is not None:
+            carry = exp_relative(initial_offset[..., None], entering)  # (B, Hk, N + 1)
+            kv_states = kv_states + carry[..., None, None] * state.kv.to(q.dtype)[:, :, None]
+            normalizer_states = (
+                normalizer_states + carry[..., None] * state.normalizer.to(q.dtype)[:, :, None]
+            )
+
+        inter_scale = exp_relative(entering[..., :-1, None], max_chunks).unsqueeze(2)  # (B, Hk, 1, N, C)
+        inter_numerator = (q_chunks @ kv_states[:, :, None, :-1]) * inter_scale[..., None]
+        inter_denominator = (q_chunks @ normalizer_states[:, :, None, :-1, :, None]).squeeze(-1) * inter_scale
+        previous_tokens = 0 if state is None else state.num_tokens
+        final = LinearState(
+            kv_states[:, :, -1], normalizer_states[:, :, -1], entering[..., -1], previous_tokens + length
+        )
+
+    numerator = intra @ v_chunks.unsqueeze(2) + inter_numerator  # (B, Hk, G, N, C, Dv)
+    denominator = intra.sum(-1) + inter_denominator  # (B, Hk, G, N, C)
+    numerator = numerator.reshape(batch, num_kv_heads, group, num_chunks * size, value_dim)[..., :length, :]
+    denominator = denominator.reshape(batch, num_kv_heads, group, num_chunks * size)[..., :length]
+    return numerator, denominator, final
+
+
+def chunked_linear_attention(
+    q_features: Tensor,
+    k_features: Tensor,
+    v: Tensor,
+    *,
+    k_log_scale: Tensor | None = None,
+    chunk_size: int = 64,
+    initial_state: LinearState | None = None,
+    return_state: bool = False,
+    key_mask: Tensor | None = None,
+    eps: float = 1e-6,
+):
+    """Causal linear attention, chunked.
+
+    q_features (B, H, T, F), k_features (B, Hk, T, F), v (B, Hk, T, Dv), k_log_scale (B, Hk, T) or None.
+    initial_state: a LinearState from an earlier call of either form. Returns out (B, H, T, Dv) in v's
+    dtype, or (out, LinearState) when return_state.
+    """
+    group = check_linear_inputs(q_features, k_features, v, k_log_scale)
+    size = _check_chunk_size(chunk_size)
+    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
+    dtype = compute_dtype(q_features, k_features, v, k_log_scale)
+    batch, num_heads, length, feature_dim = q_features.shape
+    num_kv_heads = k_features.shape[1]
+    q = q_features.to(dtype).view(batch, num_kv_heads, group, length, feature_dim)  # (B, Hk, G, T, F)
+    log_scale = None if k_log_scale is None else k_log_scale.to(dtype)
+    if log_scale is None and initial_state is not None:
+        log_scale = torch.zeros(k_features.shape[:3], dtype=dtype, device=k_features.device)
+    numerator, denominator, state = linear_attention_sums(
+        q, k_features.to(dtype), v.to(dtype), log_scale, initial_state, size
+    )
+    out = (
+        (numerator / (denominator[..., None] + eps))
+        .reshape(batch, num_heads, length, v.shape[-1])
+        .to(v.dtype)
+    )
+    return (out, state) if return_state else out
+
+
+def _finite_or_zero(maximum: Tensor) -> Tensor:
+    """A softmax maximum to subtract: -inf (nothing visible) becomes 0 so that no -inf - -inf appears."""
+    return torch.where(torch.isfinite(maximum), maximum, torch.zeros_like(maximum))
+
+
+def sliding_window_sums(
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    present: Tensor,
+    *,
+    scaling: float,
+    window: int,
+    chunk_size: int,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Softmax over the last ``window`` keys (the query's own included), blocked by chunks.
+
+    queries (B, Hk, G, T, D), keys (B, Hk, T, D), values (B, Hk, T, Dv) in the compute dtype;
+    present (B, Hk, T) bool: the keys the window may see.
+    Returns numerator (B, Hk, G, T, Dv) and denominator (B, Hk, G, T) of exp(score - window max), and the
+    window max (B, Hk, G, T) itself (-inf for a query that sees no key; the sums then are 0).
+    """
+    batch, num_kv_heads, group, length, head_dim = queries.shape
+    value_dim = values.shape[-1]
+    size = chunk_size
+    num_chunks = -(-length // size)
+    pad = num_chunks * size - length
+    span = size + window - 1  # keys a chunk of queries can see
+    queries = F.pad(queries, (0, 0, 0, pad)).view(batch, num_kv_heads, group, num_chunks, size, head_dim)
+    # Keys shifted right by window - 1 so that block n starts at absolute position n * C - (window - 1).
+    key_blocks = F.pad(keys, (0, 0, window - 1, pad)).unfold(2, span, size).transpose(-1, -2)  # (B,Hk,N,S,D)
+    value_blocks = (
+        F.pad(values, (0, 0, window - 1, pad)).unfold(2, span, size).transpose(-1, -2)
+    )  # (B,Hk,N,S,Dv)
+    row = torch.arange(size, device=queries.device)[:, None]  # query r in its chunk
+    column = torch.arange(span, device=queries.device)[None, :]  # key u in the block
+    chunk_start = (torch.arange(num_chunks, device=queries.device) * size)[:, None, None]
+    visible = (
+        (column >= row) & (column <= row + window - 1) & (chunk_start + column - (window - 1) >= 0)
+    )  # (N, C, S)
+    absent = F.pad(~present, (window - 1, pad), value=True).unfold(2, span, size)  # (B,Hk,N,S)
+    visible = visible & ~absent[:, :, :, None, :]  # (B, Hk, N, C, S)
+    scores = soft_cap(
+        scaling * (queries @ key_blocks.unsqueeze(2).transpose(-1, -2)), softcap
+    )  # (B,Hk,G,N,C,S)
+    scores = scores.masked_fill(~visible.unsqueeze(2), NEGATIVE_INFINITY)
+    window_max = scores.amax(-1, keepdim=True)  # -inf only for a query whose whole window is absent
+    weights = torch.exp(scores - _finite_or_zero(window_max))
+    numerator = weights @ value_blocks.unsqueeze(2)  # (B, Hk, G, N, C, Dv)
+    denominator = weights.sum(-1)
+    numerator = numerator.reshape(batch, num_kv_heads, group, num_chunks * size, value_dim)[..., :length, :]
+    denominator = denominator.reshape(batch, num_kv_heads, group, num_chunks * size)[..., :length]
+    window_max = window_max.reshape(batch, num_kv_heads, group, num_chunks * size)[..., :length]
+    return numerator, denominator, window_max
+
+
+def sink_sums(
+    queries: Tensor, sink: SinkUpdate, *, scaling: float, softcap: float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Softmax sums over the sink keys each query has seen: queries (B, Hk, G, T, D) in the compute dtype.
+
+    Returns numerator (B, Hk, G, T, Dv), denominator (B, Hk, G, T) of exp(score - sink max), and the max.
+    """
+    length = queries.shape[3]
+    keys = sink.keys.to(queries.dtype).unsqueeze(2)  # (B, Hk, 1, S, D)
+    scores = soft_cap(scaling * (queries @ keys.transpose(-1, -2)), softcap)  # (B, Hk, G, T, S)
+    token = torch.arange(length, device=queries.device)[:, None]
+    visible = sink.position[:, :, None, :] <= token  # (B, Hk, T, S): sinks of this call only from their token
+    scores = scores.masked_fill(~visible.unsqueeze(2), NEGATIVE_INFINITY)
+    sink_max = scores.amax(-1)  # (B, Hk, G, T)
+    weights = torch.exp(scores - _finite_or_zero(sink_max)[..., None])
+    return weights @ sink.values.to(queries.dtype).unsqueeze(2), weights.sum(-1), sink_max
+
+
+def merge_softmax_sums(
+    first: tuple[Tensor, Tensor, Tensor], second: tuple[Tensor, Tensor, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """Two (numerator (..., Dv), denominator (...), max (...)) softmax sums over disjoint keys -> one
+    numerator and denominator relative to their common maximum (exact rescaling, exponents <= 0)."""
+    top = torch.maximum(first[2], second[2])
+    first_scale, second_scale = exp_relative(first[2], top), exp_relative(second[2], top)
+    numerator = first[0] * first_scale[..., None] + second[0] * second_scale[..., None]
+    return numerator, first[1] * first_scale + second[1] * second_scale
+
+
+def window_part_sums(
+    queries: Tensor,
+    key: Tensor,
+    value: Tensor,
+    present: Tensor,
+    state: WindowState | None,
+    *,
+    scaling: float,
+    window: int,
+    sinks: int,
+    chunk_size: int,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor, Tensor, WindowState]:
+    """The softmax part shared by window and hybrid attention: the last ``window`` keys plus the sinks.
+
+    queries (B, Hk, G, T, D) in the compute dtype; key (B, Hk, T, D), value (B, Hk, T, Dv) as given;
+    present (B, Hk, T) bool; state: the window state before this call (None: nothing seen).
+    Returns numerator (B, Hk, G, T, Dv), denominator (B, Hk, G, T) relative to each query's softmax
+    maximum, is_sink (B, Hk, T) (the keys that became sinks) and the state after the call.
+    """
+    dtype, length = queries.dtype, queries.shape[3]
+    if state is None:
+        state = WindowState.empty_like(key, value, window, sinks)
+    else:
+        check_state_window(state, window, sinks)
+    sink = add_sinks(state.sink_keys, state.sink_values, state.sink_count, key, value, present)
+    present = present & ~sink.is_sink  # sinks are read from the sink buffer only
+
+    # Everything the window can still see: the state's last keys, then this call's keys.
+    all_keys = torch.cat([state.keys.to(key.dtype), key], dim=2)  # (B, Hk, L + T, D)
+    all_values = torch.cat([state.values.to(value.dtype), value], dim=2)
+    all_present = torch.cat([state.key_present, present], dim=2)
+    buffered = state.keys.shape[2]  # L <= window; its positions get dummy queries that are dropped
+    padded_queries = F.pad(queries, (0, 0, buffered, 0))
+    numerator, denominator, window_max = sliding_window_sums(
+        padded_queries,
+        all_keys.to(dtype),
+        all_values.to(dtype),
+        all_present,
+        scaling=scaling,
+        window=window,
+        chunk_size=chunk_size,
+        softcap=softcap,
+    )
+    numerator, denominator = numerator[..., buffered:, :], denominator[..., buffered:]
+    if sinks:
+        window_sums = (numerator, denominator, window_max[..., buffered:])
+        numerator, denominator = merge_softmax_sums(
+            window_sums, sink_sums(queries, sink, scaling=scaling, softcap=softcap)
+        )
+    keep = min(window, all_keys.shape[2])
+    new_state = WindowState(
+        keys=all_keys[:, :, -keep:],
+        values=all_values[:, :, -keep:],
+        key_present=all_present[:, :, -keep:],
+        sink_keys=sink.keys,
+        sink_values=sink.values,
+        sink_count=sink.count,
+        window=window,
+        num_tokens=state.num_tokens + length,
+    )
+    return numerator, denominator, sink.is_sink, new_state
+
+
+def chunked_hybrid_attention(
+    query: Tensor,
+    key: Tensor,
+    q_features: Tensor,
+    k_features: Tensor,
+    v: Tensor,
+    *,
+    scaling: float,
+    window: int,
+    window_factor: Tensor,
+    sinks: int = 0,
+    k_log_scale: Tensor | None = None,
+    chunk_size: int = 64,
+    initial_state: HybridState | None = None,
+    return_state: bool = False,
+    key_mask: Tensor | None = None,
+    softcap: float | None = None,
+    eps: float = 1e-6,
+):
+    """Sliding-window softmax (plus ``sinks`` sink keys) + linear attention (LoLCATs), chunked; semantics in
+    ``dofla.ops.naive``.
+
+    query (B, H, T, D), key (B, Hk, T, D) after rotary, features and v as in ``chunked_linear_attention``,
+    window_factor (H,) = gamma. The linear part is linear attention on keys delayed by ``window`` tokens
+    (sinks get log scale -inf there, i.e. take no part). Returns out (B, H, T, Dv) in v's dtype, or
+    (out, HybridState) when return_state.
+    """
+    group = check_linear_inputs(q_features, k_features, v, k_log_scale)
+    check_hybrid_inputs(query, key, q_features, window, window_factor)
+    size = _check_chunk_size(chunk_size)
+    window, sinks = int(window), check_sinks(sinks)
+    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
+    dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
+    batch, num_heads, length, feature_dim = q_features.shape
+    num_kv_heads, head_dim, value_dim = key.shape[1], key.shape[-1], v.shape[-1]
+    if k_log_scale is None:
+        log_scale = torch.zeros(k_features.shape[:3], dtype=dtype, device=k_features.device)
+    else:
+        log_scale = k_log_scale.to(dtype)
+
+    # Window part: the state's last keys and sinks, then this call's keys.
+    queries = query.to(dtype).view(batch, num_kv_heads, group, length, head_dim)  # (B, Hk, G, T, D)
+    window_numerator, window_denominator, is_sink, window_state = window_part_sums(
+        queries,
+        key,
+        v,
+        ~torch.isneginf(log_scale),
+        None if initial_state is None else initial_state.window_state(),
+        scaling=scaling,
+        window=window,
+        sinks=sinks,
+        chunk_size=size,
+        softcap=softcap,
+    )
+    if sinks:
+        log_scale = log_scale.masked_fill(is_sink, NEGATIVE_INFINITY)  # sinks never reach the linear part
+
+    # Linear part over the keys that left the window: the state's buffered keys, then this call's.
+    if initial_state is None:
+        all_features, all_values, all_scales, linear_state = k_features, v, log_scale, None
+    else:
+        all_features = torch.cat([initial_state.key_features.to(k_features.dtype), k_features], dim=2)
+        all_values = torch.cat([initial_state.values.to(v.dtype), v], dim=2)
+        all_scales = torch.cat([initial_state.key_log_scales.to(dtype), log_scale], dim=2)
+        linear_state = initial_state.linear
+    buffered = all_features.shape[2] - length  # L <= window
+
+    # Query t sees keys at joined positions <= buffered + t - window, i.e. the joined sequence delayed by
+    # (window - buffered) tokens; delayed-in slots have zero features, values and log scale -inf.
+    delay = window - buffered
+    old_features = F.pad(all_features.to(dtype), (0, 0, delay, 0))[:, :, :length]  # (B, Hk, T, F)
+    old_values = F.pad(all_values.to(dtype), (0, 0, delay, 0))[:, :, :length]
+    old_scales = F.pad(all_scales.to(dtype), (delay, 0), value=NEGATIVE_INFINITY)[:, :, :length]
+    q = q_features.to(dtype).view(batch, num_kv_heads, group, length, feature_dim)
+    linear_numerator, linear_denominator, new_linear = linear_attention_sums(
+        q, old_features, old_values, old_scales, linear_state, size
+    )
+    previous_linear_tokens = 0 if initial_state is None else initial_state.linear.num_tokens
+    new_linear.num_tokens = previous_linear_tokens + max(0, length - delay)  # delayed-in slots are not keys
+
+    gamma = window_factor.to(dtype).view(1, num_kv_heads, group, 1)  # (1, Hk, G, 1)
+    numerator = gamma[..., None] * window_numerator + (1 - gamma[..., None]) * linear_numerator
+    denominator = gamma * window_denominator + (1 - gamma) * linear_denominator
+    out = (
+        (numerator / (denominator[..., None] + eps)).reshape(batch, num_heads, length, value_dim).to(v.dtype)
+    )
+    if not return_state:
+        return out
+    keep = window_state.keys.shape[2]
+    state = HybridState(
+        linear=new_linear,
+        keys=window_state.keys,
+        values=window_state.values,
+        key_features=all_features[:, :, -keep:],
+        key_log_scales=all_scales[:, :, -keep:],
+        sink_keys=window_state.sink_keys,
+        sink_values=window_state.sink_values,
+        sink_count=window_state.sink_count,
+        window=window,
+    )
+    return out, state
+
+
+def chunked_window_attention(
+    query: Tensor,
+    key: Tensor,
+    v: Tensor,
+    *,
+    scaling: float,
+    window: int,
+    sinks: int = 0,
+    chunk_size: int = 64,
+    initial_state: WindowState | None = None,
+    return_state: bool = False,
+    key_mask: Tensor | None = None,
+    softcap: float | None = None,
+):
+    """Sliding-window softmax attention with ``sinks`` sink keys, chunked; semantics in ``dofla.ops.naive``.
+
+    query (B, H, T, D), key (B, Hk, T, D) after rotary, v (B, Hk, T, Dv), key_mask (B, T) True for real
+    tokens; initial_state: a WindowState from an earlier call of either form. Returns out (B, H, T, Dv) in
+    v's dtype, or (out, WindowState) when return_state.
+    """
+    group = check_window_inputs(query, key, v, window, sinks)
+    size = _check_chunk_size(chunk_size)
+    present = present_keys(key_mask, key)  # (B, Hk, T)
+    if key_mask is not None:
+        v = v.masked_fill(~present[..., None], 0)
+    dtype = compute_dtype(query, key, v)
+    batch, num_heads, length, head_dim = query.shape
+    queries = query.to(dtype).view(batch, key.shape[1], group, length, head_dim)  # (B, Hk, G, T, D)
+    numerator, denominator, _, state = window_part_sums(
+        queries,
+        key,
+        v,
+        present,
+        initial_state,
+        scaling=scaling,
+        window=int(window),
+        sinks=int(sinks),
+        chunk_size=size,
+        softcap=softcap,
+    )
+    denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))  # 0 / 1 if empty
+    out = (numerator / denominator[..., None]).reshape(batch, num_heads, length, v.shape[-1]).to(v.dtype)
+    return (out, state) if return_state else out
