@@ -7,11 +7,15 @@ The DoF measure saturates on real teachers (DoF ≈ J in every layer), so its al
 softmax output on calibration rows, teacher-forced, all layers in one forward per batch), then fits, for
 each layer and each dimension of ``dims`` (default 16/32/64/128), a fresh student of the planned cell and
 feature map for ``steps`` AdamW steps with the distillation's own layer loss, and scores it on held-out
-calibration rows. Two scores (``criterion``):
+calibration rows. Calibration rows are cut into pieces of ``length`` tokens; the last ``heldout_pieces`` are
+held out, each fit step takes one of the others. Three scores (``criterion``):
 
-- ``kl`` (default): the end-to-end KL(teacher || model) per token on the held-out rows when that layer
-  alone runs its fitted student (the forward starts at that layer from the teacher's stored hidden states,
-  so every score costs part of one forward) -- the cost of converting that layer, in the model's own units;
+- ``kl``: the end-to-end KL(teacher || model) per token on the held-out pieces when that layer alone runs its
+  fitted student (the forward starts at that layer from the teacher's stored hidden states, so every score
+  costs part of one forward) -- the cost of converting that layer, in the model's own units;
+- ``kl_scaled`` (default): that KL measured at one dimension only (the middle of ``dims``) and carried to the
+  others in proportion to the layer's relative output error (both are quadratic in the output error for
+  small errors): one forward per layer instead of one per layer and dimension;
 - ``relative``: the held-out attention-output error ||y_s - y_t||^2 / ||y_t||^2 of the layer itself.
 
 :class:`ErrorCurves` keeps the scores (saved as JSON, atomically, keyed by everything that changes them so a
@@ -41,7 +45,7 @@ import torch
 
 from dofla.errors import DoflaError
 
-CRITERIA = ("kl", "relative")
+CRITERIA = ("kl", "kl_scaled", "relative")
 CURVES_FILE = "error_curves.json"
 CURVES_VERSION = 1
 
@@ -51,17 +55,19 @@ class CurveSettings:
     """What an error-curve measurement fits and how (every field is part of the cache key).
 
     dims: feature dimensions fitted per layer; steps, lr, loss: each short fit (AdamW steps over the fit rows,
-    base learning rate, registered layer-wise loss); heldout_rows: calibration rows kept out of the fits and
-    scored; criterion: "kl" or "relative" (module docstring); student: the planned layer (kind, feature map,
+    base learning rate, registered layer-wise loss); length: tokens per calibration piece; heldout_pieces:
+    pieces kept out of the fits and scored; criterion: "kl", "kl_scaled" or "relative" (module docstring);
+    student: the planned layer (kind, feature map,
     cell, window, sinks, options, share_kv_heads) with its feature_dim replaced by each of ``dims``.
     """
 
     dims: tuple[int, ...] = (16, 32, 64, 128)
-    steps: int = 30
+    steps: int = 20
     lr: float = 1e-2
     loss: str = "output_mse"
-    heldout_rows: int = 2
-    criterion: str = "kl"
+    length: int = 256
+    heldout_pieces: int = 2
+    criterion: str = "kl_scaled"
     seed: int = 0
     kind: str = "linear"
     feature_map: str = "learnable_prf"
@@ -86,8 +92,10 @@ class CurveSettings:
             )
         if not LOSSES[self.loss].layerwise:
             raise DoflaError(f"the short fits train one layer at a time; {self.loss!r} is not a layer loss.")
-        if self.heldout_rows < 1:
-            raise DoflaError(f"at least one held-out calibration row is needed, got {self.heldout_rows}.")
+        if self.heldout_pieces < 1:
+            raise DoflaError(f"at least one held-out calibration piece is needed, got {self.heldout_pieces}.")
+        if self.length < 2:
+            raise DoflaError(f"calibration pieces need at least 2 tokens, got length {self.length}.")
 
     def layer_plan(self, feature_dim: int):
         from dofla.config import LayerPlan
@@ -310,26 +318,37 @@ def measure_error_curves(
             f"layer {outside[0] if outside else chosen} does not exist: the model has layers 0..{facts.num_layers - 1}."
         )
     rows = _rows(batches)
-    if len(rows) <= settings.heldout_rows:
+    pieces = _pieces(rows, settings.length)
+    if len(pieces) <= settings.heldout_pieces:
         raise DoflaError(
-            f"{len(rows)} calibration rows cannot keep {settings.heldout_rows} held out and still fit on some; "
-            f"give at least {settings.heldout_rows + 1} rows (more --dof-batches) or fewer held-out rows."
+            f"{len(rows)} calibration rows of {rows.shape[1]} tokens give {len(pieces)} pieces of "
+            f"{min(settings.length, rows.shape[1])} tokens, too few to hold {settings.heldout_pieces} out and fit on "
+            f"the rest; give more calibration rows (more --dof-batches) or fewer held-out pieces."
         )
     started = time.perf_counter()
-    fit_rows, heldout = rows[: -settings.heldout_rows], rows[-settings.heldout_rows :]
-    batch_size = max(int(batch.shape[0]) for batch in batches)
-    fit_calls = _captured_calls(model, fit_rows.split(batch_size), chosen, facts)
-    heldout_calls = _captured_calls(model, heldout.split(batch_size), chosen, facts)
-    scorer = _KlScorer(model, heldout, chosen) if settings.criterion == "kl" else None
+    fit_pieces, heldout = pieces[: -settings.heldout_pieces], pieces[-settings.heldout_pieces :]
+    fit_calls = _captured_calls(model, fit_pieces.split(1), chosen, facts)
+    heldout_calls = _captured_calls(model, heldout.split(len(heldout)), chosen, facts)
+    scorer = _KlScorer(model, heldout, chosen) if settings.criterion != "relative" else None
+    reference = len(settings.dims) // 2  # kl_scaled: the dimension whose KL is measured
     errors, losses = [], []
     for layer in chosen:
-        row_errors, row_losses = [], []
-        for dim in settings.dims:
+        row_losses, relatives, kls = [], [], {}
+        for position, dim in enumerate(settings.dims):
             torch.manual_seed(settings.seed * 1_000_003 + layer * 1_009 + dim)
             student = _fit(settings, facts, layer, dim, [calls[layer] for calls in fit_calls])
             loss, relative = _heldout_scores(settings, student, [calls[layer] for calls in heldout_calls])
             row_losses.append(loss)
-            row_errors.append(scorer.score(layer, student, settings.layer_plan(dim)) if scorer else relative)
+            relatives.append(relative)
+            if settings.criterion == "kl" or (settings.criterion == "kl_scaled" and position == reference):
+                kls[position] = scorer.score(layer, student, settings.layer_plan(dim))
+        if settings.criterion == "kl":
+            row_errors = [kls[position] for position in range(len(settings.dims))]
+        elif settings.criterion == "kl_scaled":
+            scale = kls[reference] / max(relatives[reference], 1e-30)
+            row_errors = [scale * relative for relative in relatives]
+        else:
+            row_errors = relatives
         if progress:
             print(
                 f"error curve layer {layer}: "
@@ -347,6 +366,14 @@ def measure_error_curves(
         key=curves_key(settings, model, rows, chosen),
         seconds=round(time.perf_counter() - started, 2),
     )
+
+
+def _pieces(rows: torch.Tensor, length: int) -> torch.Tensor:
+    """(N, T) -> (N * (T // length), length) consecutive pieces (rows shorter than ``length`` stay whole)."""
+    if rows.shape[1] <= length:
+        return rows
+    count = rows.shape[1] // length
+    return rows[:, : count * length].reshape(-1, length)
 
 
 def _captured_calls(model, batches, layers: list[int], facts) -> list[dict[int, Any]]:
