@@ -534,9 +534,8 @@ def measure_and_plan(
     wants_curves = rule.needs_curves or (plan_options.get("keep_softmax", 0) and choice == "measured")
     if wants_curves and plan_options.get("curves") is None:
         settings = settings_for(plan_options, **dict(curve_options or {}))
-        plan_options["curves"] = cached_error_curves(
-            model, batches, settings, layers=plan_options.get("layers"), folder=curves_folder
-        )
+        # every layer's curve, whichever are converted: one measurement serves any choice of layers
+        plan_options["curves"] = cached_error_curves(model, batches, settings, folder=curves_folder)
     measured = None
     if rule.needs_measure or (
         plan_options.get("keep_softmax", 0)
