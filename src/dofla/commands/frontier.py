@@ -35,6 +35,10 @@ def register(subparsers) -> None:
     parser.add_argument("--loss", default="output_mse")
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--data", default=None, help="text (default: text sampled from the teacher, cached)")
+    parser.add_argument("--heldout-sequences", type=int, default=32, help="held-out rows (at most)")
+    parser.add_argument(
+        "--dof-batches", type=int, default=2, help="calibration batches for the measured error curves and DoF"
+    )
     parser.add_argument("--eval-length", type=int, default=1024, help="held-out length of the frontier")
     parser.add_argument(
         "--decode-tokens", type=int, default=16, help="tokens decoded to time decoding (0: none)"
@@ -60,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         lora=False,
         eval_every=0,
+        max_heldout_sequences=args.heldout_sequences,
+        dof_batches=args.dof_batches,
+        error_sequences=min(8, args.heldout_sequences),
     )
     config = FrontierConfig(
         out_dir=args.out,
