@@ -62,10 +62,10 @@ class CurveSettings:
     """
 
     dims: tuple[int, ...] = (16, 32, 64, 128)
-    steps: int = 20
+    steps: int = 15
     lr: float = 1e-2
     loss: str = "output_mse"
-    length: int = 256
+    length: int = 128
     heldout_pieces: int = 2
     criterion: str = "kl_scaled"
     seed: int = 0
