@@ -523,22 +523,27 @@ def cached_error_curves(
     folder: str | Path | None = None,
     progress: bool = False,
 ) -> ErrorCurves:
-    """:func:`measure_error_curves`, read from ``folder`` (default: the innermost :func:`curve_cache`; none:
-    always measured) when a file there has the same key, else measured and written there atomically
-    (``error_curves.json``, plus one file per key so different settings do not overwrite each other)."""
+    """:func:`measure_error_curves`, read from a file with the same key in ``folder`` or in any enclosing
+    :func:`curve_cache` folder, else measured; then written to ``folder`` (default: the innermost cache
+    folder; none at all: not written) atomically as ``error_curves.json`` and ``error_curves-KEY.json`` (one
+    file per key, so different settings do not overwrite each other)."""
     from dofla.convert import architecture
 
     settings.validate()
-    folder = Path(folder) if folder is not None else (_CACHE_FOLDERS[-1] if _CACHE_FOLDERS else None)
-    if folder is None:
+    target = Path(folder) if folder is not None else (_CACHE_FOLDERS[-1] if _CACHE_FOLDERS else None)
+    if target is None:
         return measure_error_curves(model, batches, settings, layers=layers, progress=progress)
     count = architecture(model).num_layers
     chosen = list(range(count)) if layers is None else sorted({int(layer) for layer in layers})
-    key = curves_key(settings, model, _rows(batches), chosen)
-    keyed = folder / f"error_curves-{key}.json"
-    if keyed.is_file():
-        return ErrorCurves.load(keyed)
-    curves = measure_error_curves(model, batches, settings, layers=chosen, progress=progress)
-    curves.save(keyed)
-    curves.save(folder / CURVES_FILE)
+    name = f"error_curves-{curves_key(settings, model, _rows(batches), chosen)}.json"
+    found = next(
+        (place / name for place in [target, *reversed(_CACHE_FOLDERS)] if (place / name).is_file()), None
+    )
+    if found is not None:
+        curves = ErrorCurves.load(found)
+    else:
+        curves = measure_error_curves(model, batches, settings, layers=chosen, progress=progress)
+    if found != target / name or not (target / CURVES_FILE).is_file():
+        curves.save(target / name)
+        curves.save(target / CURVES_FILE)  # the curves this folder's plan used
     return curves
