@@ -308,11 +308,23 @@ def targets(rows: list[dict]) -> list[dict]:
     return found
 
 
+def _order(cell: GridCell) -> tuple:
+    return (cell.allocation, cell.budget, cell.softmax_count, cell.softmax_choice or "")
+
+
 def summarise(config: FrontierConfig, source: str = "") -> dict:
-    """frontier.json, frontier.md and frontier.png from every finished cell in ``OUT/cells``."""
+    """frontier.json, frontier.md and frontier.png from every finished cell in ``OUT/cells`` (this grid's and
+    any an earlier grid with other settings finished there)."""
     out = Path(config.out_dir)
+    wanted = {cell.name for cell in grid(config)}
+    finished = []  # this grid's cells, then those an earlier grid in the same folder finished
+    for path in sorted((out / "cells").glob(f"*/{CELL_RESULT}")):
+        cell = GridCell(**json.loads(path.read_text())["cell"])
+        finished.append((cell.name not in wanted, cell))
     rows = [
-        row for cell in grid(config) if (row := _row(cell, out / "cells" / cell.name, config.eval_length))
+        row
+        for _, cell in sorted(finished, key=lambda item: (item[0], _order(item[1])))
+        if (row := _row(cell, out / "cells" / cell.name, config.eval_length))
     ]
     teacher_speed = None
     if (out / "teacher_speed.json").is_file():
@@ -324,7 +336,7 @@ def summarise(config: FrontierConfig, source: str = "") -> dict:
         rows=rows,
         teacher_speed=teacher_speed,
         targets=targets(rows),
-        missing=[cell.name for cell in grid(config) if cell.name not in {row["name"] for row in rows}],
+        missing=sorted(wanted - {row["name"] for row in rows}),
     )
     write_json_atomic(out / "frontier.json", summary)
     write_text_atomic(out / "frontier.md", markdown(summary, config.eval_length))
