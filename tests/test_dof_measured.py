@@ -119,3 +119,17 @@ def test_measure_and_plan_with_the_measured_allocation_on_a_tiny_model(tmp_path)
     assert [layer.kind for layer in kept.layers].count("softmax") == 1
     assert kept.metadata["softmax_choice"] == "measured"
     assert len(list(tmp_path.glob("error_curves-*.json"))) == 1  # the second plan reused the curves
+    curves = dof.ErrorCurves.load(tmp_path / "error_curves.json")
+    for layer in (0, 1):  # the per-head errors split the layer's error over its 2 key/value heads
+        for position, dim in enumerate(curves.dims):
+            parts = curves.head_errors[layer][position]
+            assert sum(parts) == pytest.approx(curves.errors[layer][position]) and min(parts) >= 0
+            assert curves.head_error(layer, 1, dim) == min(
+                row[1] for row in curves.head_errors[layer][: position + 1]
+            )
+    headwise = dof.make_plan(model, budget=4, variant="measured_headwise", curves=curves)
+    head_dims = [layer.head_feature_dims for layer in headwise.layers]
+    assert [len(row) for row in head_dims] == [2, 2] and sum(map(sum, head_dims)) == 4 * 2 * 2
+    assert all(layer.feature_dim == max(layer.head_feature_dims) for layer in headwise.layers)
+    with pytest.raises(DoflaError, match="no per-head errors"):
+        curves_of({0: [1.0, 0.5, 0.2], 1: [1.0, 0.5, 0.2]}).head_error(0, 0, 4)

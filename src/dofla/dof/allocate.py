@@ -9,7 +9,8 @@ Allocation under a budget C (mean features per converted layer). Registered rule
   unclipped layers in proportion;
 - ``headwise``: per-head dimensions with mean C per head; a layer's tensor width is its largest head;
 - ``measured``: each layer's held-out distillation error measured at a few dimensions by short teacher-forced
-  fits (:mod:`dofla.dof.error_curves`), then one feature at a time to the layer whose error drops most.
+  fits (:mod:`dofla.dof.error_curves`), then one feature at a time to the layer whose error drops most;
+- ``measured_headwise``: the same over every feature-map head (mean C per head).
 
 The DoF rules (``dof``, ``dof_clip``, ``headwise``) allocate by a measure that saturates on real teachers
 (DoF ≈ J in every layer): the plan then records ``saturated_fraction`` and their allocation is close to ``fix``.
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from dofla.config import ConversionPlan, LayerPlan
-from dofla.dof.error_curves import ErrorCurves, choose_by_error, greedy_dims
+from dofla.dof.error_curves import ErrorCurves, choose_by_error, greedy_dims, greedy_head_dims
 from dofla.dof.estimation import DofEstimate
 from dofla.dof.kernel import lambda_key
 from dofla.errors import DoflaError
@@ -250,6 +251,21 @@ def measured(request: AllocationRequest) -> tuple[list[int], None]:
         )
     total = request.budget * len(request.layers)
     return greedy_dims(request.curves, request.layers, total, request.minimum, request.maximum), None
+
+
+@register_allocation("measured_headwise", needs_measure=False, needs_curves=True)
+def measured_headwise(request: AllocationRequest) -> tuple[list[int], list[list[int]]]:
+    """``measured`` over every feature-map head: mean budget per head, each head at most ``maximum``; a layer
+    is as wide as its widest head."""
+    if request.curves is None:
+        raise DoflaError(
+            "the measured_headwise allocation needs measured error curves: use dof.measure_and_plan, or give "
+            "curves=dof.measure_error_curves(...) to make_plan."
+        )
+    heads = request.curves.map_heads
+    total = request.budget * len(request.layers) * heads
+    head_dims = greedy_head_dims(request.curves, request.layers, total, request.minimum, request.maximum)
+    return [max(row) for row in head_dims], head_dims
 
 
 @register_allocation("headwise")

@@ -139,7 +139,10 @@ class ErrorCurves:
     """Per layer, the held-out error of a short fit at each of ``dims`` (see the module docstring).
 
     errors[i][j]: the criterion's score of layer ``layers[i]`` at ``dims[j]``; layer_loss[i][j]: that fit's
-    held-out layer loss (the distillation loss itself); key: what the scores depend on (settings, data, teacher).
+    held-out layer loss (the distillation loss itself); head_errors[i][j][m]: the layer's score split over its
+    feature-map heads m in proportion to their share of the squared output error (heads are fitted
+    independently, so the split is exact for ``relative``); key: what the scores depend on (settings, data,
+    teacher).
     """
 
     dims: list[int]
@@ -150,6 +153,7 @@ class ErrorCurves:
     settings: dict[str, Any] = field(default_factory=dict)
     key: str = ""
     seconds: float = 0.0
+    head_errors: list[list[list[float]]] | None = None
     version: int = CURVES_VERSION
 
     def row(self, layer: int) -> list[float]:
@@ -163,17 +167,24 @@ class ErrorCurves:
     def error(self, layer: int, dim: int) -> float:
         """The layer's score at ``dim`` features: linear in log d between the fitted dimensions, the first
         segment's slope below them, flat above them; made non-increasing in d (more features never hurt)."""
-        values = _non_increasing(self.row(layer))
-        logs = [math.log(d) for d in self.dims]
-        where = math.log(max(int(dim), 1))
-        if len(values) == 1 or where >= logs[-1]:
-            return values[-1] if where >= logs[-1] else values[0]
-        if where <= logs[0]:
-            slope = (values[0] - values[1]) / (logs[1] - logs[0])
-            return values[0] + slope * (logs[0] - where)
-        upper = next(j for j in range(1, len(logs)) if where <= logs[j])
-        share = (where - logs[upper - 1]) / (logs[upper] - logs[upper - 1])
-        return values[upper - 1] + share * (values[upper] - values[upper - 1])
+        return _interpolate(self.dims, self.row(layer), dim)
+
+    @property
+    def map_heads(self) -> int:
+        if self.head_errors is None:
+            raise DoflaError(
+                "these error curves have no per-head errors; measure them again with this dofla."
+            )
+        return len(self.head_errors[0][0])
+
+    def head_error(self, layer: int, head: int, dim: int) -> float:
+        """One feature-map head's score at ``dim`` features, interpolated as :meth:`error`."""
+        heads = self.map_heads
+        self.row(layer)  # refuses a layer without a curve
+        if not 0 <= head < heads:
+            raise DoflaError(f"head {head} does not exist: the curves have feature-map heads 0..{heads - 1}.")
+        rows = self.head_errors[self.layers.index(layer)]
+        return _interpolate(self.dims, [row[head] for row in rows], dim)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -209,6 +220,21 @@ class ErrorCurves:
         return cls.from_dict(data)
 
 
+def _interpolate(dims: Sequence[int], row: Sequence[float], dim: int) -> float:
+    """Linear in log d between ``dims``, the first segment's slope below, flat above, non-increasing."""
+    values = _non_increasing(row)
+    logs = [math.log(d) for d in dims]
+    where = math.log(max(int(dim), 1))
+    if len(values) == 1 or where >= logs[-1]:
+        return values[-1] if where >= logs[-1] else values[0]
+    if where <= logs[0]:
+        slope = (values[0] - values[1]) / (logs[1] - logs[0])
+        return values[0] + slope * (logs[0] - where)
+    upper = next(j for j in range(1, len(logs)) if where <= logs[j])
+    share = (where - logs[upper - 1]) / (logs[upper] - logs[upper - 1])
+    return values[upper - 1] + share * (values[upper] - values[upper - 1])
+
+
 def _non_increasing(values: Sequence[float]) -> list[float]:
     """Running minimum: a short fit that came out worse at more features is read as no gain."""
     result, lowest = [], math.inf
@@ -227,23 +253,45 @@ def greedy_dims(
     """Dimensions for ``layers`` summing exactly to ``total``, each in [minimum, maximum]: start at the minimum,
     then repeatedly give one feature to the layer whose interpolated error drops most (ties: the layer with
     fewer features, then the earlier layer)."""
-    count = len(layers)
+    functions = [lambda dim, layer=layer: curves.error(layer, dim) for layer in layers]
+    return greedy_fill(functions, total, minimum, maximum, "layers")
+
+
+def greedy_head_dims(
+    curves: ErrorCurves, layers: Sequence[int], total: int, minimum: int, maximum: int | None
+) -> list[list[int]]:
+    """Per converted layer, one dimension per feature-map head, all summing exactly to ``total``: the same
+    greedy rule as :func:`greedy_dims` over every (layer, head)."""
+    heads = curves.map_heads
+    functions = [
+        lambda dim, layer=layer, head=head: curves.head_error(layer, head, dim)
+        for layer in layers
+        for head in range(heads)
+    ]
+    flat = greedy_fill(functions, total, minimum, maximum, "heads")
+    return [flat[position * heads : (position + 1) * heads] for position in range(len(layers))]
+
+
+def greedy_fill(functions, total: int, minimum: int, maximum: int | None, what: str = "layers") -> list[int]:
+    """Integers d_i in [minimum, maximum] summing to ``total`` that greedily lower sum_i functions[i](d_i): each
+    starts at the minimum, then one unit at a time goes to the largest drop (ties: the smaller d_i, then i)."""
+    count = len(functions)
     upper = total if maximum is None else int(maximum)
     if minimum * count > total:
         raise DoflaError(
-            f"a minimum of {minimum} features for {count} layers needs {minimum * count}, more than the budget "
-            f"{total}; raise the budget to at least {minimum} per layer."
+            f"a minimum of {minimum} features for {count} {what} needs {minimum * count}, more than the budget "
+            f"{total}; raise the budget to at least {minimum} per {what[:-1]}."
         )
     if upper * count < total:
         raise DoflaError(
-            f"the budget of {total} features cannot be placed in {count} layers of at most {upper} each; lower "
-            f"the budget to at most {upper} per layer or raise the maximum."
+            f"the budget of {total} features cannot be placed in {count} {what} of at most {upper} each; lower "
+            f"the budget to at most {upper} per {what[:-1]} or raise the maximum."
         )
     dims = [int(minimum)] * count
-    now = [curves.error(layer, minimum) for layer in layers]
+    now = [function(minimum) for function in functions]
 
     def entry(i: int) -> tuple[float, int, int]:
-        gain = now[i] - curves.error(layers[i], dims[i] + 1)
+        gain = now[i] - functions[i](dims[i] + 1)
         return (-gain, dims[i], i)
 
     heap = [entry(i) for i in range(count) if dims[i] < upper]
@@ -251,7 +299,7 @@ def greedy_dims(
     for _ in range(total - minimum * count):
         _, _, i = heapq.heappop(heap)
         dims[i] += 1
-        now[i] = curves.error(layers[i], dims[i])
+        now[i] = functions[i](dims[i])
         if dims[i] < upper:
             heapq.heappush(heap, entry(i))
     return dims
@@ -331,15 +379,17 @@ def measure_error_curves(
     heldout_calls = _captured_calls(model, heldout.split(len(heldout)), chosen, facts)
     scorer = _KlScorer(model, heldout, chosen) if settings.criterion != "relative" else None
     reference = len(settings.dims) // 2  # kl_scaled: the dimension whose KL is measured
-    errors, losses = [], []
+    map_heads = facts.num_kv_heads if settings.share_kv_heads else facts.num_heads
+    errors, losses, head_errors = [], [], []
     for layer in chosen:
-        row_losses, relatives, kls = [], [], {}
+        row_losses, relatives, kls, shares = [], [], {}, []
         for position, dim in enumerate(settings.dims):
             torch.manual_seed(settings.seed * 1_000_003 + layer * 1_009 + dim)
             student = _fit(settings, facts, layer, dim, [calls[layer] for calls in fit_calls])
-            loss, relative = _heldout_scores(settings, student, [calls[layer] for calls in heldout_calls])
+            loss, per_head = _heldout_scores(settings, student, [calls[layer] for calls in heldout_calls])
             row_losses.append(loss)
-            relatives.append(relative)
+            relatives.append(float(per_head.sum()))
+            shares.append(per_head.reshape(map_heads, -1).sum(-1) / per_head.sum().clamp_min(1e-30))
             if settings.criterion == "kl" or (settings.criterion == "kl_scaled" and position == reference):
                 kls[position] = scorer.score(layer, student, settings.layer_plan(dim))
         if settings.criterion == "kl":
@@ -356,6 +406,9 @@ def measure_error_curves(
             )
         errors.append(row_errors)
         losses.append(row_losses)
+        head_errors.append(
+            [(value * share).tolist() for value, share in zip(row_errors, shares, strict=True)]
+        )
     return ErrorCurves(
         dims=list(settings.dims),
         layers=chosen,
@@ -365,6 +418,7 @@ def measure_error_curves(
         settings=asdict(settings),
         key=curves_key(settings, model, rows, chosen),
         seconds=round(time.perf_counter() - started, 2),
+        head_errors=head_errors,
     )
 
 
@@ -437,8 +491,9 @@ def _fit(settings: CurveSettings, facts, layer: int, dim: int, calls: list) -> t
 
 
 @torch.no_grad()
-def _heldout_scores(settings: CurveSettings, student, calls: list) -> tuple[float, float]:
-    """The held-out layer loss (mean over batches) and relative output error sum||y_s - y_t||^2 / sum||y_t||^2."""
+def _heldout_scores(settings: CurveSettings, student, calls: list) -> tuple[float, torch.Tensor]:
+    """The held-out layer loss (mean over batches) and each query head's part of the relative output error
+    sum||y_s - y_t||^2 / sum||y_t||^2, (H,) float64 (summing to the layer's relative error)."""
     from dofla.distill.losses import layer_loss
 
     loss, squared_error, squared_norm = 0.0, 0.0, 0.0
@@ -447,7 +502,7 @@ def _heldout_scores(settings: CurveSettings, student, calls: list) -> tuple[floa
         output = student(
             call.query, call.key, call.value, None, scaling=call.scaling
         ).float()  # (B, T, H, Dv)
-        squared_error += float((output - call.output.float()).pow(2).sum())
+        squared_error = squared_error + (output - call.output.float()).pow(2).sum((0, 1, 3)).double()  # (H,)
         squared_norm += float(call.output.float().pow(2).sum())
     return loss / len(calls), squared_error / max(squared_norm, 1e-30)
 
