@@ -38,7 +38,9 @@ class FrontierConfig:
     allocations × budgets × softmax_counts; a K > 0 runs once per entry of ``softmax_choices``. ``settings``:
     :class:`~dofla.pipeline.LinearizeConfig` fields every cell shares (tokens, seq_len, kind, cell, feature_map,
     loss, ...); eval_length: the held-out length of the frontier; decode_tokens: tokens decoded after a prompt of
-    eval_length to time decoding (0: no speed measurement).
+    eval_length to time decoding (0: no speed measurement); curve_options: the error-curve knobs the pipeline's
+    plan stage passes to :func:`dofla.dof.measure_and_plan` (they must match for the cells to reuse the grid's
+    curves; none today).
     """
 
     out_dir: str
@@ -50,6 +52,7 @@ class FrontierConfig:
     settings: dict[str, Any] = field(default_factory=dict)
     eval_length: int = 1024
     decode_tokens: int = 16
+    curve_options: dict[str, Any] = field(default_factory=dict)
     command: str | None = None
 
     def validate(self, num_layers: int | None = None) -> None:
@@ -197,7 +200,7 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
     if needs_curves:
         from dofla.dof.error_curves import settings_for
 
-        settings = settings_for(_plan_options(first))
+        settings = settings_for(_plan_options(first), **dict(config.curve_options))
         curves = dof.cached_error_curves(teacher, batches, settings, folder=curves_folder, progress=progress)
     measure = None
     if any(c.softmax_choice == "dof" for c in cells):

@@ -330,7 +330,8 @@ def allocate_feature_dims(
         raise DoflaError(f"layer {outside[0]} does not exist: the model has layers 0..{count - 1}.")
     if not 0 <= keep_softmax < len(selected):
         raise DoflaError(
-            f"keep_softmax must be between 0 and {len(selected) - 1} for {len(selected)} layers, got {keep_softmax}."
+            f"keep_softmax must be between 0 and {len(selected) - 1} for {len(selected)} layers, got {keep_softmax}: "
+            "at least one layer must be converted; lower the number of softmax layers."
         )
     if any(not math.isfinite(value) or value < 0 for value in layer_measure):
         raise DoflaError("the layer measures must be finite and non-negative.")
