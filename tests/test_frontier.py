@@ -70,7 +70,7 @@ def test_frontier_runs_every_cell_once_and_writes_the_summary(tmp_path, monkeypa
     )
     assert [target["kind"] for target in summary["targets"]] == ["softmax layers"]
     assert "| measured-b4-k0 |" in (grid_dir / "frontier.md").read_text()
-    assert (grid_dir / "frontier.png").stat().st_size > 0
+    assert (grid_dir / "frontier.png").stat().st_size > 0 and (grid_dir / "curves.png").stat().st_size > 0
 
     def refuse(*args, **kwargs):
         raise AssertionError("a finished cell was run again")

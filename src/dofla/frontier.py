@@ -5,7 +5,8 @@
 exists is skipped; one interrupted in distillation is resumed from its checkpoint), measures each finished
 student's decode speed and state size at the evaluation length, and writes ``OUT/frontier.json``,
 ``OUT/frontier.md`` and ``OUT/frontier.png`` (held-out perplexity at ``eval_length`` against inference
-state bytes and decode tokens/s, with the teacher and the sliding-window baseline as reference lines).
+state bytes and decode tokens/s, with the teacher and the sliding-window baseline as reference lines), and
+``OUT/curves.png`` (the measured error curves, when the grid measured them).
 
 A cell is (allocation, budget, K, choice): K layers stay softmax, chosen by the softmax-layer choice
 (:data:`dofla.dof.SOFTMAX_CHOICES`: ``uniform``, ``dof``, ``measured``) and passed to the pipeline as the
@@ -345,6 +346,10 @@ def summarise(config: FrontierConfig, source: str = "") -> dict:
     write_text_atomic(out / "frontier.md", markdown(summary, config.eval_length))
     if rows:
         plot(summary, out / "frontier.png", config.eval_length)
+    if (out / "curves" / dof.error_curves.CURVES_FILE).is_file():
+        dof.plot_error_curves(
+            dof.ErrorCurves.load(out / "curves" / dof.error_curves.CURVES_FILE), out / "curves.png"
+        )
     return summary
 
 

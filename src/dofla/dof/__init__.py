@@ -64,7 +64,13 @@ from dofla.dof.kernel import (
     plain_eigen_noise_floor,
 )
 from dofla.dof.measures import MEASURES, HeadSample, Measure, register_measure
-from dofla.dof.report import layer_spectra, markdown_table, plot_eigenvalue_decay, plot_report
+from dofla.dof.report import (
+    layer_spectra,
+    markdown_table,
+    plot_eigenvalue_decay,
+    plot_error_curves,
+    plot_report,
+)
 
 __all__ = [
     "ALLOCATIONS",
@@ -107,6 +113,7 @@ __all__ = [
     "parse_lambda",
     "plain_eigen_noise_floor",
     "plot_eigenvalue_decay",
+    "plot_error_curves",
     "plot_report",
     "register_allocation",
     "register_measure",
