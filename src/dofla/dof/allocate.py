@@ -242,15 +242,25 @@ def proportional_clipped(request: AllocationRequest) -> tuple[list[int], None]:
 
 @register_allocation("measured", needs_measure=False, needs_curves=True)
 def measured(request: AllocationRequest) -> tuple[list[int], None]:
-    """Greedy by marginal measured error: every layer its minimum, then one feature at a time to the layer
-    whose interpolated held-out error drops most, to exactly budget × layers (at most ``maximum`` each)."""
+    """Greedy by marginal measured error: every layer its minimum (at least the smallest fitted dimension when
+    the budget allows), then one feature at a time to the layer whose fitted held-out error drops most, to
+    exactly budget × layers (at most ``maximum`` each)."""
     if request.curves is None:
         raise DoflaError(
             "the measured allocation needs measured error curves: use dof.measure_and_plan, or give "
             "curves=dof.measure_error_curves(...) to make_plan."
         )
     total = request.budget * len(request.layers)
-    return greedy_dims(request.curves, request.layers, total, request.minimum, request.maximum), None
+    minimum = _measured_minimum(request)
+    return greedy_dims(request.curves, request.layers, total, minimum, request.maximum), None
+
+
+def _measured_minimum(request: AllocationRequest) -> int:
+    """Below the smallest fitted dimension nothing was measured, so a layer gets at least that many features
+    when the budget allows it (else the request's minimum)."""
+    smallest = min(request.curves.dims)
+    fits = request.budget >= smallest and (request.maximum is None or request.maximum >= smallest)
+    return max(request.minimum, smallest) if fits else request.minimum
 
 
 @register_allocation("measured_headwise", needs_measure=False, needs_curves=True)
@@ -264,7 +274,9 @@ def measured_headwise(request: AllocationRequest) -> tuple[list[int], list[list[
         )
     heads = request.curves.map_heads
     total = request.budget * len(request.layers) * heads
-    head_dims = greedy_head_dims(request.curves, request.layers, total, request.minimum, request.maximum)
+    head_dims = greedy_head_dims(
+        request.curves, request.layers, total, _measured_minimum(request), request.maximum
+    )
     return [max(row) for row in head_dims], head_dims
 
 

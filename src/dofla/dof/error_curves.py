@@ -19,10 +19,11 @@ held out, each fit step takes one of the others. Three scores (``criterion``):
 - ``relative``: the held-out attention-output error ||y_s - y_t||^2 / ||y_t||^2 of the layer itself.
 
 :class:`ErrorCurves` keeps the scores (saved as JSON, atomically, keyed by everything that changes them so a
-resumed run or a frontier grid reuses them); :meth:`ErrorCurves.error` interpolates a layer's score
-linearly in log d (extrapolated below the smallest dimension, flat above the largest, made non-increasing);
+resumed run or a frontier grid reuses them); :meth:`ErrorCurves.error` reads a layer's score off the
+least-squares line e(d) = a - b ln d through its fitted points (b >= 0; flat above the largest dimension);
 :func:`greedy_dims` gives each layer its minimum and then one feature at a time to the layer whose score
-drops most (ties to the smallest layer), within a maximum, to an exact total.
+drops most (ties to the smallest layer), within a maximum, to an exact total: about d ∝ b, the layer's
+measured gain per doubling of its features.
 
 The measurement needs the student cells and the teacher-forced forward, so it imports ``dofla.convert`` and
 ``dofla.distill`` inside its functions (they import this package at module level).
@@ -165,8 +166,8 @@ class ErrorCurves:
         return self.errors[self.layers.index(layer)]
 
     def error(self, layer: int, dim: int) -> float:
-        """The layer's score at ``dim`` features: linear in log d between the fitted dimensions, the first
-        segment's slope below them, flat above them; made non-increasing in d (more features never hurt)."""
+        """The layer's score at ``dim`` features: the least-squares line in log d through its fitted points
+        (never rising with d), flat above the largest fitted dimension."""
         return _interpolate(self.dims, self.row(layer), dim)
 
     @property
@@ -221,18 +222,21 @@ class ErrorCurves:
 
 
 def _interpolate(dims: Sequence[int], row: Sequence[float], dim: int) -> float:
-    """Linear in log d between ``dims``, the first segment's slope below, flat above, non-increasing."""
-    values = _non_increasing(row)
+    """The least-squares line e(d) = a - b ln d through the fitted points (b >= 0: more features never
+    hurt), flat above the largest fitted dimension. Short fits are noisy; a line through all of them moves
+    less with that noise than a curve through each, and the greedy rule then gives a layer features in
+    proportion to its slope b (the marginal gain of one feature at d is about b / d)."""
     logs = [math.log(d) for d in dims]
-    where = math.log(max(int(dim), 1))
-    if len(values) == 1 or where >= logs[-1]:
-        return values[-1] if where >= logs[-1] else values[0]
-    if where <= logs[0]:
-        slope = (values[0] - values[1]) / (logs[1] - logs[0])
-        return values[0] + slope * (logs[0] - where)
-    upper = next(j for j in range(1, len(logs)) if where <= logs[j])
-    share = (where - logs[upper - 1]) / (logs[upper] - logs[upper - 1])
-    return values[upper - 1] + share * (values[upper] - values[upper - 1])
+    values = [float(value) for value in row]
+    if len(values) == 1:
+        return values[0]
+    mean_log, mean_value = sum(logs) / len(logs), sum(values) / len(values)
+    spread = sum((x - mean_log) ** 2 for x in logs)
+    slope = max(
+        0.0, -sum((x - mean_log) * (y - mean_value) for x, y in zip(logs, values, strict=True)) / spread
+    )
+    where = math.log(min(max(int(dim), 1), dims[-1]))
+    return mean_value - slope * (where - mean_log)
 
 
 def _non_increasing(values: Sequence[float]) -> list[float]:
