@@ -430,6 +430,10 @@ def plot(summary: dict, path: Path, length: int) -> Path:
             for row in points:
                 axis.annotate(row["name"], (row[key], row["perplexity"]), fontsize=6)
         axis.axhline(rows[0]["teacher_perplexity"], color="black", lw=1, label="teacher")
+        teacher_speed = summary.get("teacher_speed") or {}
+        teacher_x = teacher_speed.get({"state_bytes": "cache_bytes_after_decode"}.get(key, key))
+        if teacher_x is not None:
+            axis.scatter([teacher_x], [rows[0]["teacher_perplexity"]], marker="*", s=120, color="black")
         for name, value in rows[0]["window_perplexity"].items():
             axis.axhline(value, color="grey", lw=1, ls="--", label=f"{name} (no training)")
         axis.set_xlabel(label)
