@@ -184,7 +184,9 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
     if teacher is None:
         from dofla.models import load_teacher
 
-        loaded = load_teacher(config.model)
+        loaded = load_teacher(
+            config.model, dtype=config.settings.get("dtype"), device=config.settings.get("device")
+        )
         teacher, tokenizer = loaded.model, loaded.tokenizer
     teacher.eval()
     facts = architecture(teacher)

@@ -44,6 +44,10 @@ def register(subparsers) -> None:
         "--decode-tokens", type=int, default=16, help="tokens decoded to time decoding (0: none)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16"
+    )
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     parser.set_defaults(func=run)
 
 
@@ -62,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         window=args.window,
         data=args.data,
         seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
         lora=False,
         eval_every=0,
         max_heldout_sequences=args.heldout_sequences,
