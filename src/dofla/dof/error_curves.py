@@ -388,8 +388,9 @@ def measure_error_curves(
     for layer in chosen:
         row_losses, relatives, kls, shares = [], [], {}, []
         for position, dim in enumerate(settings.dims):
-            torch.manual_seed(settings.seed * 1_000_003 + layer * 1_009 + dim)
-            student = _fit(settings, facts, layer, dim, [calls[layer] for calls in fit_calls])
+            with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
+                torch.manual_seed(settings.seed * 1_000_003 + layer * 1_009 + dim)
+                student = _fit(settings, facts, layer, dim, [calls[layer] for calls in fit_calls])
             loss, per_head = _heldout_scores(settings, student, [calls[layer] for calls in heldout_calls])
             row_losses.append(loss)
             relatives.append(float(per_head.sum()))
