@@ -83,3 +83,17 @@ def test_empty_data_is_refused(tiny_folder, tmp_path):
     empty.write_text("")
     with pytest.raises(DoflaError):
         main(["--debug", "dof", str(folder), "--data", str(empty), "--out", str(tmp_path / "o")])
+
+
+def test_dof_command_measured_allocation_keeps_its_curves(tiny_folder, tmp_path):
+    folder, text = tiny_folder
+    out = tmp_path / "measured"
+    args = [str(folder), "--data", str(text), "--out", str(out), "--budget", "8", "--num-points", "32"]
+    args += ["--seq-len", "32", "--sequences", "4", "--allocation", "measured", "--keep-softmax", "1"]
+    assert main(["--debug", "dof", *args, "--softmax-choice", "measured"]) == 0
+    plan = ConversionPlan.load(out / "plan.json")
+    assert plan.metadata["allocation"] == "measured" and plan.metadata["softmax_choice"] == "measured"
+    assert [layer.kind for layer in plan.layers].count("softmax") == 1
+    assert sum(layer.feature_dim for layer in plan.layers if layer.kind != "softmax") == 8
+    assert json.loads((out / "error_curves.json").read_text())["key"] == plan.metadata["error_curves_key"]
+    assert "measured" in (out / "dof.md").read_text()

@@ -17,7 +17,7 @@ from dofla.commands._common import (
 )
 
 DOF_KIND = "dof report"  # the kind in the marker of the output folder (dofla.outputs)
-DOF_FILES = ("plan.json", "dof.json", "dof.md", "*.png")
+DOF_FILES = ("plan.json", "dof.json", "dof.md", "*.png", "error_curves*.json")
 
 
 def register(subparsers) -> None:
@@ -44,7 +44,12 @@ def register(subparsers) -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--min-dim", type=int, default=1, help="minimum features per layer")
     parser.add_argument(
-        "--keep-softmax", type=int, default=0, help="leave the N highest-measure layers as softmax"
+        "--keep-softmax", type=int, default=0, help="leave N layers as softmax (chosen by --softmax-choice)"
+    )
+    parser.add_argument(
+        "--softmax-choice",
+        default=None,
+        help="dof (highest measure), uniform or measured (highest measured error)",
     )
     parser.add_argument("--feature-map", default="learnable_prf")
     parser.add_argument("--kind", default="linear", choices=("linear", "hybrid"))
@@ -67,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
             raise DoflaError(f"--lambda must be a finite positive number like 2^-4, got {text}.")
     dof.MEASURES[args.measure]  # unknown names are refused (with the known ones) before the teacher loads
     dof.ALLOCATIONS[args.allocation].check_budget(args.budget, None)
+    if args.softmax_choice is not None:
+        dof.SOFTMAX_CHOICES[args.softmax_choice]
     check_feature_budget(args.budget)
     check_at_least("--sequences", args.sequences, 1)
     check_at_least("--seq-len", args.seq_len, 2)
@@ -133,16 +140,25 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
         kernel_spectra=True,  # for eigenvalue_decay.png
     )
     options = dict(budget=args.budget, minimum=args.min_dim, keep_softmax=args.keep_softmax)
+    curves = None
+    if dof.ALLOCATIONS[args.allocation].needs_curves or args.softmax_choice == "measured":
+        from dofla.dof.error_curves import settings_for
+
+        note("measuring each layer's error curve (short teacher-forced fits at a few feature dimensions)")
+        settings = settings_for(dict(kind=args.kind, feature_map=args.feature_map))
+        curves = dof.cached_error_curves(teacher.model, batches, settings, folder=args.out, progress=True)
     plan = dof.make_plan(
         teacher.model,
         estimate,
         variant=args.allocation,
         kind=args.kind,
         feature_map=args.feature_map,
+        softmax_choice=args.softmax_choice,
+        curves=curves,
         **options,
     )
     plan.metadata.update(teacher=args.model, calibration=source, seed=args.seed)
-    allocations = dof.allocate_all(estimate, teacher.adapter, **options)
+    allocations = dof.allocate_all(estimate, teacher.adapter, curves=curves, **options)
     out = Path(args.out)
     if args.overwrite:
         outputs.remove_known_files(out, DOF_FILES)

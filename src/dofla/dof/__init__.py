@@ -9,8 +9,11 @@ The package, by concern:
 - :mod:`~dofla.dof.kernel`: the numerics (the stable DoF(λ), kernel spectra, attention-matrix ranks, λ notation);
 - :mod:`~dofla.dof.measures`: the registered measures (``dof``, ``dof_trace``, ``attention_rank``);
 - :mod:`~dofla.dof.estimation`: capturing points from a teacher and measuring them (:class:`DofEstimate`);
-- :mod:`~dofla.dof.allocate`: the registered allocations (``fix``, ``dof``, ``dof_clip``, ``headwise``) and
-  :func:`make_plan`, the one plan builder;
+- :mod:`~dofla.dof.allocate`: the registered allocations (``fix``, ``dof``, ``dof_clip``, ``headwise``,
+  ``measured``), the softmax-layer choices (``dof``, ``uniform``, ``measured``) and :func:`make_plan`, the one
+  plan builder;
+- :mod:`~dofla.dof.error_curves`: each layer's measured distillation error as a function of its feature
+  dimension (short teacher-forced fits), the ``measured`` allocation's input;
 - :mod:`~dofla.dof.report`: the markdown table and plots of ``dofla dof``.
 
 See docs/dof.md for the maths and docs/architecture.md for adding a measure or an allocation.
@@ -18,6 +21,7 @@ See docs/dof.md for the maths and docs/architecture.md for adding a measure or a
 
 from dofla.dof.allocate import (
     ALLOCATIONS,
+    SOFTMAX_CHOICES,
     Allocation,
     AllocationRequest,
     AllocationRule,
@@ -28,6 +32,15 @@ from dofla.dof.allocate import (
     map_head_measure,
     measure_and_plan,
     register_allocation,
+    register_softmax_choice,
+)
+from dofla.dof.error_curves import (
+    CurveSettings,
+    ErrorCurves,
+    cached_error_curves,
+    curve_cache,
+    greedy_dims,
+    measure_error_curves,
 )
 from dofla.dof.estimation import (
     SATURATION_LEVEL,
@@ -51,29 +64,41 @@ from dofla.dof.kernel import (
     plain_eigen_noise_floor,
 )
 from dofla.dof.measures import MEASURES, HeadSample, Measure, register_measure
-from dofla.dof.report import layer_spectra, markdown_table, plot_eigenvalue_decay, plot_report
+from dofla.dof.report import (
+    layer_spectra,
+    markdown_table,
+    plot_eigenvalue_decay,
+    plot_error_curves,
+    plot_report,
+)
 
 __all__ = [
     "ALLOCATIONS",
     "MEASURES",
     "SATURATION_LEVEL",
+    "SOFTMAX_CHOICES",
     "SPECTRUM_POINTS",
     "SPECTRUM_VALUES",
     "Allocation",
     "AllocationRequest",
     "AllocationRule",
     "CapturedPoints",
+    "CurveSettings",
     "DofEstimate",
+    "ErrorCurves",
     "HeadResult",
     "HeadSample",
     "Measure",
     "allocate_all",
     "allocate_feature_dims",
     "attention_rank",
+    "cached_error_curves",
     "capture_points",
+    "curve_cache",
     "degrees_of_freedom",
     "energy_rank",
     "estimate",
+    "greedy_dims",
     "kernel_spectrum",
     "lambda_key",
     "largest_remainder",
@@ -82,12 +107,15 @@ __all__ = [
     "map_head_measure",
     "markdown_table",
     "measure_and_plan",
+    "measure_error_curves",
     "measure_points",
     "merge_duplicates",
     "parse_lambda",
     "plain_eigen_noise_floor",
     "plot_eigenvalue_decay",
+    "plot_error_curves",
     "plot_report",
     "register_allocation",
     "register_measure",
+    "register_softmax_choice",
 ]

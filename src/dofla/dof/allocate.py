@@ -7,9 +7,17 @@ Allocation under a budget C (mean features per converted layer). Registered rule
   total is exactly C × (converted layers), and a per-layer minimum;
 - ``dof_clip``: as ``dof`` but clamped to the head size; the clipped excess is redistributed over the
   unclipped layers in proportion;
-- ``headwise``: per-head dimensions with mean C per head; a layer's tensor width is its largest head.
+- ``headwise``: per-head dimensions with mean C per head; a layer's tensor width is its largest head;
+- ``measured``: each layer's held-out distillation error measured at a few dimensions by short teacher-forced
+  fits (:mod:`dofla.dof.error_curves`), then one feature at a time to the layer whose error drops most;
+- ``measured_headwise``: the same over every feature-map head (mean C per head).
 
-``keep_softmax=N`` leaves the N converted layers with the highest measure as softmax attention.
+The DoF rules (``dof``, ``dof_clip``, ``headwise``) allocate by a measure that saturates on real teachers
+(DoF ≈ J in every layer): the plan then records ``saturated_fraction`` and their allocation is close to ``fix``.
+
+``keep_softmax=N`` leaves N converted layers as softmax attention, chosen by ``softmax_choice``
+(:data:`SOFTMAX_CHOICES`: ``dof``, the highest measure; ``uniform``, evenly spaced; ``measured``, the highest
+measured error at the budget).
 :func:`make_plan` turns an estimate (allocated here), a ready :class:`Allocation` or nothing (rules that
 need no measure, e.g. ``fix``) into a :class:`~dofla.config.ConversionPlan`; every plan dofla makes comes
 from it (``dofla.convert.plan_for`` is its uniform case).
@@ -23,11 +31,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from dofla.config import ConversionPlan, LayerPlan
+from dofla.dof.error_curves import ErrorCurves, choose_by_error, greedy_dims, greedy_head_dims
 from dofla.dof.estimation import DofEstimate
 from dofla.dof.kernel import lambda_key
 from dofla.errors import DoflaError
@@ -50,7 +60,9 @@ class AllocationRequest:
     layer_measure: one value per converted layer (max over its heads; zeros when no measure was taken);
     head_measure: per converted layer, one value per map head (None when no estimate was given);
     budget: mean features per converted layer; minimum: features a layer (or head) gets at least;
-    head_size: the attention head size (None when unknown).
+    head_size: the attention head size (None when unknown); layers: the converted layers' indices;
+    maximum: features a layer gets at most (None: no bound); curves: the measured error curves (rules
+    registered with ``needs_curves``).
     """
 
     layer_measure: list[float]
@@ -58,6 +70,9 @@ class AllocationRequest:
     budget: int
     minimum: int
     head_size: int | None
+    layers: list[int] = field(default_factory=list)
+    maximum: int | None = None
+    curves: ErrorCurves | None = None
 
 
 AllocationFunction = Callable[[AllocationRequest], tuple[list[int], list[list[int]] | None]]
@@ -66,12 +81,14 @@ AllocationFunction = Callable[[AllocationRequest], tuple[list[int], list[list[in
 @dataclass(frozen=True)
 class AllocationRule:
     """A registered rule. needs_measure: it allocates by a DoF estimate (``fix`` does not);
-    at_most_head_size: no layer gets more features than the head size, so the budget may not exceed it."""
+    at_most_head_size: no layer gets more features than the head size, so the budget may not exceed it;
+    needs_curves: it allocates by measured error curves (:mod:`dofla.dof.error_curves`)."""
 
     name: str
     function: AllocationFunction
     needs_measure: bool = True
     at_most_head_size: bool = False
+    needs_curves: bool = False
 
     def check_budget(self, budget: int, head_size: int | None) -> None:
         """Refuse a budget this rule cannot place (before any expensive measuring)."""
@@ -87,14 +104,56 @@ class AllocationRule:
 ALLOCATIONS: Registry[AllocationRule] = Registry("allocation")
 
 
-def register_allocation(name: str, *, needs_measure: bool = True, at_most_head_size: bool = False):
+def register_allocation(
+    name: str, *, needs_measure: bool = True, at_most_head_size: bool = False, needs_curves: bool = False
+):
     """Function decorator: make ``function(request)`` the allocation rule ``name``."""
 
     def register(function: AllocationFunction) -> AllocationFunction:
-        ALLOCATIONS.add(name, AllocationRule(name, function, needs_measure, at_most_head_size))
+        ALLOCATIONS.add(name, AllocationRule(name, function, needs_measure, at_most_head_size, needs_curves))
         return function
 
     return register
+
+
+SoftmaxChoice = Callable[..., list[int]]
+SOFTMAX_CHOICES: Registry[SoftmaxChoice] = Registry("softmax-layer choice")
+
+
+def register_softmax_choice(name: str):
+    """Function decorator: ``function(layers, count, *, measure, curves, budget) -> chosen layers``, the
+    ``count`` layers of ``layers`` that stay softmax (``measure``: one value per model layer; ``curves``: the
+    measured error curves or None)."""
+
+    def register(function: SoftmaxChoice) -> SoftmaxChoice:
+        SOFTMAX_CHOICES.add(name, function)
+        return function
+
+    return register
+
+
+@register_softmax_choice("dof")
+def by_measure(layers, count, *, measure, curves, budget) -> list[int]:
+    """The layers with the highest DoF measure (ties: the earlier layer)."""
+    return sorted(sorted(layers, key=lambda i: (-measure[i], i))[:count])
+
+
+@register_softmax_choice("uniform")
+def evenly_spaced(layers, count, *, measure, curves, budget) -> list[int]:
+    """Evenly spaced through the layers: position (i + 1/2) * n / count of the n layers, i = 0..count-1."""
+    layers = sorted(layers)
+    return sorted({layers[int((i + 0.5) * len(layers) / count)] for i in range(count)})
+
+
+@register_softmax_choice("measured")
+def by_measured_error(layers, count, *, measure, curves, budget) -> list[int]:
+    """The layers whose measured error at the budget is highest (restoring them removes the most error)."""
+    if curves is None:
+        raise DoflaError(
+            "the measured softmax-layer choice needs measured error curves: use dof.measure_and_plan, or give "
+            "curves=dof.measure_error_curves(...) to make_plan."
+        )
+    return choose_by_error(curves, layers, count, budget)
 
 
 def largest_remainder(shares: Sequence[float], total: int, minimum: int, maximum: int | None) -> list[int]:
@@ -181,6 +240,46 @@ def proportional_clipped(request: AllocationRequest) -> tuple[list[int], None]:
     return largest_remainder(request.layer_measure, total, request.minimum, request.head_size), None
 
 
+@register_allocation("measured", needs_measure=False, needs_curves=True)
+def measured(request: AllocationRequest) -> tuple[list[int], None]:
+    """Greedy by marginal measured error: every layer its minimum (at least the smallest fitted dimension when
+    the budget allows), then one feature at a time to the layer whose fitted held-out error drops most, to
+    exactly budget × layers (at most ``maximum`` each)."""
+    if request.curves is None:
+        raise DoflaError(
+            "the measured allocation needs measured error curves: use dof.measure_and_plan, or give "
+            "curves=dof.measure_error_curves(...) to make_plan."
+        )
+    total = request.budget * len(request.layers)
+    minimum = _measured_minimum(request)
+    return greedy_dims(request.curves, request.layers, total, minimum, request.maximum), None
+
+
+def _measured_minimum(request: AllocationRequest) -> int:
+    """Below the smallest fitted dimension nothing was measured, so a layer gets at least that many features
+    when the budget allows it (else the request's minimum)."""
+    smallest = min(request.curves.dims)
+    fits = request.budget >= smallest and (request.maximum is None or request.maximum >= smallest)
+    return max(request.minimum, smallest) if fits else request.minimum
+
+
+@register_allocation("measured_headwise", needs_measure=False, needs_curves=True)
+def measured_headwise(request: AllocationRequest) -> tuple[list[int], list[list[int]]]:
+    """``measured`` over every feature-map head: mean budget per head, each head at most ``maximum``; a layer
+    is as wide as its widest head."""
+    if request.curves is None:
+        raise DoflaError(
+            "the measured_headwise allocation needs measured error curves: use dof.measure_and_plan, or give "
+            "curves=dof.measure_error_curves(...) to make_plan."
+        )
+    heads = request.curves.map_heads
+    total = request.budget * len(request.layers) * heads
+    head_dims = greedy_head_dims(
+        request.curves, request.layers, total, _measured_minimum(request), request.maximum
+    )
+    return [max(row) for row in head_dims], head_dims
+
+
 @register_allocation("headwise")
 def headwise(request: AllocationRequest) -> tuple[list[int], list[list[int]]]:
     """Per-head dimensions proportional to the head measure (mean budget per head); a layer is as wide as
@@ -209,36 +308,65 @@ def allocate_feature_dims(
     keep_softmax: int = 0,
     head_measure: Sequence[Sequence[float]] | None = None,
     layers: Sequence[int] | None = None,
+    maximum: int | None = None,
+    softmax_choice: str | None = None,
+    curves: ErrorCurves | None = None,
 ) -> Allocation:
     """Feature dimensions per layer (and per head for ``headwise``) with mean ``budget`` over converted layers.
 
     layer_measure: one value per model layer; head_measure: per layer, one per map head; layers: the layers
-    to convert (default all; the others get 0, i.e. stay softmax).
+    to convert (default all; the others get 0, i.e. stay softmax); maximum: features per layer at most (rules
+    that spread features unevenly honour it); keep_softmax: that many of the layers stay softmax, chosen by
+    ``softmax_choice`` (:data:`SOFTMAX_CHOICES`; default ``measured`` when ``curves`` are given, else ``dof``);
+    curves: measured error curves (:mod:`dofla.dof.error_curves`) for ``measured`` rules and choices.
     """
     rule = ALLOCATIONS[variant]
+    choice = SOFTMAX_CHOICES[softmax_choice or ("measured" if curves is not None else "dof")]
     count = len(layer_measure)
     rule.check_budget(budget, head_size)
     if minimum < 1:
         raise DoflaError(f"the minimum per layer must be at least 1, got {minimum}.")
+    if maximum is not None and maximum < budget:
+        raise DoflaError(
+            f"the budget of {budget} features per layer cannot be placed in layers of at most {maximum} each; "
+            f"lower the budget to at most {maximum} or raise the maximum."
+        )
+    if budget < minimum:
+        raise DoflaError(
+            f"the budget of {budget} features per layer is below the minimum of {minimum} per layer; raise the "
+            f"budget to at least {minimum} or lower the minimum."
+        )
     selected = list(range(count)) if layers is None else sorted({int(index) for index in layers})
     outside = [index for index in selected if not 0 <= index < count]
     if outside:
         raise DoflaError(f"layer {outside[0]} does not exist: the model has layers 0..{count - 1}.")
     if not 0 <= keep_softmax < len(selected):
         raise DoflaError(
-            f"keep_softmax must be between 0 and {len(selected) - 1} for {len(selected)} layers, got {keep_softmax}."
+            f"keep_softmax must be between 0 and {len(selected) - 1} for {len(selected)} layers, got {keep_softmax}: "
+            "at least one layer must be converted; lower the number of softmax layers."
         )
     if any(not math.isfinite(value) or value < 0 for value in layer_measure):
         raise DoflaError("the layer measures must be finite and non-negative.")
-    ranked = sorted(selected, key=lambda i: layer_measure[i], reverse=True)
-    softmax_layers = sorted(ranked[:keep_softmax])
+    softmax_layers = (
+        choice(selected, keep_softmax, measure=list(layer_measure), curves=curves, budget=budget)
+        if keep_softmax
+        else []
+    )
     converted = [i for i in selected if i not in softmax_layers]
+    if rule.needs_curves and curves is None:
+        raise DoflaError(
+            f"allocation {variant!r} allocates by measured error curves: use dof.measure_and_plan, or give "
+            "curves=dof.measure_error_curves(...) to make_plan."
+        )
     request = AllocationRequest(
         layer_measure=[float(layer_measure[i]) for i in converted],
         head_measure=None if head_measure is None else [list(head_measure[i]) for i in converted],
         budget=budget,
         minimum=minimum,
         head_size=head_size,
+        layers=converted,
+        maximum=maximum,
+        curves=curves,
     )
     converted_dims, converted_head_dims = rule.function(request)
     dims = [0] * count
@@ -273,18 +401,25 @@ def allocate_all(
     keep_softmax: int = 0,
     lam: float | None = None,
     share_kv_heads: bool = True,
+    curves: ErrorCurves | None = None,
 ) -> dict[str, Allocation]:
     """Every registered allocation for one estimate, by name (rules bounded by the head size are left out
-    when the budget exceeds it)."""
+    when the budget exceeds it, rules that need measured error curves when no ``curves`` are given)."""
     layer_values = estimate_result.layer_measure(lam)
     head_values = map_head_measure(estimate_result.head_measure(lam), adapter.num_kv_heads, share_kv_heads)
     options = dict(
-        head_size=adapter.head_dim, minimum=minimum, keep_softmax=keep_softmax, head_measure=head_values
+        head_size=adapter.head_dim,
+        minimum=minimum,
+        keep_softmax=keep_softmax,
+        head_measure=head_values,
+        softmax_choice="dof",
+        curves=curves,
     )
     return {
         name: allocate_feature_dims(layer_values, budget=budget, variant=name, **options)
         for name, rule in ALLOCATIONS.items()
         if not (rule.at_most_head_size and budget > adapter.head_dim)
+        and not (rule.needs_curves and curves is None)
     }
 
 
@@ -309,13 +444,17 @@ def make_plan(
     cell: str = "linear",
     sinks: int = 0,
     metadata: dict | None = None,
+    maximum: int | None = None,
+    softmax_choice: str | None = None,
+    curves: ErrorCurves | None = None,
 ) -> ConversionPlan:
     """The conversion plan for ``model``: from a DoF estimate (allocated here by ``variant``), a ready
     allocation, or nothing (a ``variant`` that needs no measure, e.g. ``fix``).
 
     layers: the layers to convert (default all); options: the feature map's own options; cell and sinks: the
     student cell (:mod:`dofla.cells`) and its attention-sink tokens; ``metadata`` is merged into what the
-    plan records about its allocation.
+    plan records about its allocation. maximum, keep_softmax, softmax_choice and curves (measured error
+    curves, for ``variant="measured"`` and ``softmax_choice="measured"``): see :func:`allocate_feature_dims`.
     """
     from dofla.models import get_adapter
 
@@ -326,6 +465,10 @@ def make_plan(
     else:
         estimate_result = estimate_or_allocation
         recorded = {"allocation": variant, "budget": budget}
+        if curves is not None:
+            recorded.update(
+                error_criterion=curves.criterion, error_dims=list(curves.dims), error_curves_key=curves.key
+            )
         if estimate_result is None:
             if ALLOCATIONS[variant].needs_measure:
                 raise DoflaError(
@@ -353,7 +496,13 @@ def make_plan(
             keep_softmax=keep_softmax,
             head_measure=head_values,
             layers=layers,
+            maximum=maximum,
+            softmax_choice=softmax_choice,
+            curves=curves,
         )
+        if keep_softmax:
+            recorded.update(keep_softmax=keep_softmax, softmax_layers=list(allocation.softmax_layers))
+            recorded["softmax_choice"] = softmax_choice or ("measured" if curves is not None else "dof")
     recorded.update(metadata or {})
     plan_layers = []
     for index in range(adapter.num_layers):
@@ -393,14 +542,34 @@ def measure_and_plan(
     variant: str = "dof",
     measure: str = "dof",
     num_points: int = 1024,
+    curve_options: dict[str, Any] | None = None,
+    curves_folder: str | Path | None = None,
     **plan_options,
 ) -> ConversionPlan:
     """:func:`make_plan` for allocation ``variant``, measuring ``measure`` on calibration batches (B, T) first
     when the allocation needs a measure (a measure-free allocation such as ``fix`` runs no teacher forward).
-    ``plan_options``: :func:`make_plan`'s keyword arguments (budget, kind, feature_map, window, layers, ...)."""
+    ``plan_options``: :func:`make_plan`'s keyword arguments (budget, kind, feature_map, window, layers, ...).
+
+    Error curves (:mod:`dofla.dof.error_curves`) are measured on the same batches when the allocation or the
+    softmax-layer choice needs them, with the planned student and ``curve_options`` (dims, steps, lr, loss,
+    criterion, heldout_rows), and kept in ``curves_folder`` (default: the innermost
+    :func:`~dofla.dof.error_curves.curve_cache`) for the next run with the same key.
+    """
+    from dofla.dof.error_curves import cached_error_curves, settings_for
     from dofla.dof.estimation import estimate
 
+    rule = ALLOCATIONS[variant]
+    choice = plan_options.get("softmax_choice")
+    wants_curves = rule.needs_curves or (plan_options.get("keep_softmax", 0) and choice == "measured")
+    if wants_curves and plan_options.get("curves") is None:
+        settings = settings_for(plan_options, **dict(curve_options or {}))
+        # every layer's curve, whichever are converted: one measurement serves any choice of layers
+        plan_options["curves"] = cached_error_curves(model, batches, settings, folder=curves_folder)
     measured = None
-    if ALLOCATIONS[variant].needs_measure:
+    if rule.needs_measure or (
+        plan_options.get("keep_softmax", 0)
+        and (choice or "dof") == "dof"
+        and plan_options.get("curves") is None
+    ):
         measured = estimate(model, batches, num_points=num_points, measure=measure)
     return make_plan(model, measured, variant=variant, **plan_options)

@@ -228,7 +228,8 @@ def measure_points(
         result.warnings.append(
             f"DoF is saturated on this model: {saturated:.0%} of heads have DoF/J > {SATURATION_LEVEL} (the kernel's "
             "diagonal exp(s·|x|²) dominates), so the paper's measure does not discriminate between layers and a "
-            "DoF allocation is nearly Fix; consider --measure dof_trace or attention_rank."
+            "DoF allocation is nearly Fix; consider --allocation measured (measured error curves) or --measure "
+            "dof_trace or attention_rank."
         )
     unreliable = sum(head.plain_eig_unreliable for head in results)
     if unreliable:

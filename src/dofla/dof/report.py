@@ -9,6 +9,7 @@ import torch
 from dofla.dof.allocate import Allocation
 from dofla.dof.estimation import DofEstimate
 from dofla.dof.kernel import FLOAT64_EPS, SPECTRUM_POINTS, lambda_key
+from dofla.io import write_atomic
 
 
 def markdown_table(
@@ -109,3 +110,27 @@ def plot_eigenvalue_decay(estimate_result: DofEstimate, path: Path) -> Path:
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
+
+
+def plot_error_curves(curves, path: Path) -> Path:
+    """Each layer's measured error against its feature dimension (log-log), one line per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    colours = plt.cm.viridis([i / max(1, len(curves.layers) - 1) for i in range(len(curves.layers))])
+    for colour, layer, row in zip(colours, curves.layers, curves.errors, strict=True):
+        axis.plot(curves.dims, row, "o-", color=colour, lw=1, ms=3, label=f"layer {layer}")
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    axis.set_xlabel("feature dimension")
+    axis.set_ylabel(f"measured error ({curves.criterion})")
+    axis.set_title("per-layer error curves (short teacher-forced fits)")
+    if len(curves.layers) <= 12:
+        axis.legend(fontsize=6)
+    figure.tight_layout()
+    write_atomic(Path(path), lambda temporary: figure.savefig(temporary, format="png", dpi=110))
+    plt.close(figure)
+    return Path(path)

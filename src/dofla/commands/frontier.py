@@ -1,0 +1,92 @@
+"""``dofla frontier``: a grid of allocations × budgets × softmax layers through ``dofla linearize``, plotted."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from dofla.commands._common import integer_list
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "frontier",
+        help="run a grid of allocations, budgets and softmax layers and plot quality against cost",
+        description="Writes OUT/cells/NAME/ (one linearize run per grid cell; finished cells are skipped), "
+        "OUT/frontier.json, OUT/frontier.md and OUT/frontier.png.",
+    )
+    parser.add_argument("model", nargs="?", default="smollm2-135m", help="teacher (as for dofla linearize)")
+    parser.add_argument("--out", required=True, help="the grid's folder (an earlier grid there is continued)")
+    parser.add_argument("--allocations", default="fix,measured", help="comma-separated allocations")
+    parser.add_argument("--budgets", default="32", help="comma-separated mean feature budgets per layer")
+    parser.add_argument("--softmax-layers", default="0", help="comma-separated K: layers kept as softmax")
+    parser.add_argument(
+        "--softmax-choices",
+        default="uniform,measured",
+        help="how K > 0 layers are chosen (uniform, dof, measured)",
+    )
+    parser.add_argument("--tokens", default="20k", help="distillation tokens per cell, e.g. 20k or 1M")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--kind", default="linear", choices=("linear", "hybrid"))
+    parser.add_argument("--cell", default="linear")
+    parser.add_argument("--feature-map", default="learnable_prf")
+    parser.add_argument("--loss", default="output_mse")
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--data", default=None, help="text (default: text sampled from the teacher, cached)")
+    parser.add_argument("--heldout-sequences", type=int, default=32, help="held-out rows (at most)")
+    parser.add_argument(
+        "--dof-batches", type=int, default=2, help="calibration batches for the measured error curves and DoF"
+    )
+    parser.add_argument("--eval-length", type=int, default=1024, help="held-out length of the frontier")
+    parser.add_argument(
+        "--decode-tokens", type=int, default=16, help="tokens decoded to time decoding (0: none)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16"
+    )
+    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dofla.frontier import FrontierConfig, run_frontier
+    from dofla.pipeline import parse_tokens
+
+    settings = dict(
+        tokens=parse_tokens(args.tokens),
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        kind=args.kind,
+        cell=args.cell,
+        feature_map=args.feature_map,
+        loss=args.loss,
+        window=args.window,
+        data=args.data,
+        seed=args.seed,
+        dtype=args.dtype,
+        device=args.device,
+        lora=False,
+        eval_every=0,
+        max_heldout_sequences=args.heldout_sequences,
+        dof_batches=args.dof_batches,
+        error_sequences=min(8, args.heldout_sequences),
+    )
+    config = FrontierConfig(
+        out_dir=args.out,
+        model=args.model,
+        allocations=[name.strip() for name in args.allocations.split(",") if name.strip()],
+        budgets=integer_list(args.budgets, "--budgets", minimum=1),
+        softmax_counts=integer_list(args.softmax_layers, "--softmax-layers", minimum=0),
+        softmax_choices=[name.strip() for name in args.softmax_choices.split(",") if name.strip()],
+        settings=settings,
+        eval_length=args.eval_length,
+        decode_tokens=args.decode_tokens,
+        command="dofla frontier " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+    )
+    config.validate()
+    summary = run_frontier(config)
+    print(f"dofla frontier: {len(summary['rows'])} cells finished; see {args.out}/frontier.md")
+    return 0
