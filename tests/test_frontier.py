@@ -20,16 +20,10 @@ def tiny_grid(tmp_path, **changes) -> FrontierConfig:
         "\n".join(f"Line {i}: the river bends past hill {i % 7} and mill {i % 5}." for i in range(200))
     )
     settings = dict(
-        tokens=64,
-        seq_len=32,
-        batch_size=2,
-        data=str(text),
-        loss="output_mse",
-        eval_every=0,
-        checkpoint_every=0,
-        dof_batches=2,
-        error_sequences=1,
-        max_heldout_sequences=2,
+        data=dict(path=str(text), seq_len=32, heldout_sequences=2),
+        plan=dict(dof_batches=2),
+        distill=dict(tokens=64, batch_size=2, loss="output_mse", eval_every=0, checkpoint_every=0),
+        evaluate=dict(error_sequences=1),
     )
     config = FrontierConfig(
         out_dir=str(tmp_path / "grid"),

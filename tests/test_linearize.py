@@ -251,3 +251,31 @@ def test_rows_fall_back_to_the_longest_length_the_data_fills(tmp_path):
     assert cut_rows(rows, 16).shape == (16, 16) and torch.equal(cut_rows(rows, 16)[:4].reshape(-1), rows[0])
     with pytest.raises(DoflaError, match="at least 2 are needed"):
         pack_rows(Tokenizer(), ["x" * 20], [16, 64], 16)
+
+
+def test_measured_allocation_and_kept_softmax_layers_from_the_run_config(tmp_path):
+    """--allocation measured keeps its error curves in the run folder (a rerun reads them instead of fitting
+    again); --keep-softmax K leaves K layers softmax, chosen by --softmax-choice."""
+    settings = dict(plan=dict(allocation="measured", budget=8, keep_softmax=1, softmax_choice="measured"))
+    first = linearize(config(tmp_path, **settings), teacher=tiny_teacher(), sequences=sequences())
+    run = tmp_path / "run"
+    plan = json.loads((run / "plan.json").read_text())
+    kinds = [layer["kind"] for layer in plan["layers"]]
+    assert sorted(kinds) == ["linear", "softmax"] and plan["metadata"]["softmax_choice"] == "measured"
+    curves = sorted(path.name for path in run.glob("error_curves*.json"))
+    assert len(curves) == 2 and "error_curves.json" in curves
+
+    import dofla.dof.error_curves as error_curves
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the curves were measured again")
+
+    original = error_curves.measure_error_curves
+    error_curves.measure_error_curves = refuse
+    try:
+        again = linearize(
+            config(tmp_path, overwrite=True, **settings), teacher=tiny_teacher(), sequences=sequences()
+        )
+    finally:
+        error_curves.measure_error_curves = original
+    assert again.student_ppl == pytest.approx(first.student_ppl, rel=1e-6)

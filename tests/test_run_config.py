@@ -248,7 +248,12 @@ OLD_DEMO = {
     "evaluate.lengths": [1024], "seed": 0, "teacher.dtype": None, "teacher.device": None, "resume": False,
     "overwrite": False, "progress": True,
 }  # fmt: skip
-NEW_SINCE = {"distill.sharding": "data", "distill.teacher_states": None}  # options added later, at defaults
+NEW_SINCE = {
+    "distill.sharding": "data",
+    "distill.teacher_states": None,
+    "plan.keep_softmax": 0,
+    "plan.softmax_choice": "dof",
+}  # options added later, at defaults
 
 
 def test_the_demo_resolves_to_the_same_settings_as_before():

@@ -30,6 +30,15 @@ from dofla.errors import DoflaError
 from dofla.io import write_atomic, write_json_atomic, write_text_atomic
 
 CELL_RESULT = "frontier_cell.json"
+# What every cell shares unless the caller's settings say otherwise (nested as in a run's config.toml):
+# short attention transfer without LoRA or pass keys, error on at most 8 held-out rows.
+DEFAULT_SETTINGS: dict[str, Any] = dict(
+    data=dict(seq_len=512),
+    plan=dict(kind="linear"),
+    distill=dict(tokens=20_000, batch_size=4, loss="output_mse", eval_every=0),
+    lora=dict(enabled=False),
+    evaluate=dict(error_sequences=8, passkey_trials=0),
+)
 
 
 @dataclass
@@ -37,8 +46,9 @@ class FrontierConfig:
     """The grid and what every cell shares.
 
     allocations × budgets × softmax_counts; a K > 0 runs once per entry of ``softmax_choices``. ``settings``:
-    :class:`~dofla.pipeline.LinearizeConfig` fields every cell shares (tokens, seq_len, kind, cell, feature_map,
-    loss, ...); eval_length: the held-out length of the frontier; decode_tokens: tokens decoded after a prompt of
+    run settings every cell shares, nested by section as in a run's ``config.toml`` (e.g. ``{"distill":
+    {"tokens": 20000}, "student": {"cell": "gla"}}``; :data:`DEFAULT_SETTINGS` is what ``dofla frontier``
+    and every cell starts from); eval_length: the held-out length of the frontier; decode_tokens: tokens decoded after a prompt of
     eval_length to time decoding (0: no speed measurement); curve_options: the error-curve knobs the pipeline's
     plan stage passes to :func:`dofla.dof.measure_and_plan` (they must match for the cells to reuse the grid's
     curves; none today).
@@ -101,24 +111,20 @@ def grid(config: FrontierConfig) -> list[GridCell]:
 
 
 def cell_config(config: FrontierConfig, cell: GridCell, layers: list[int] | None):
-    """The one place a grid cell becomes a :class:`~dofla.pipeline.LinearizeConfig` (shared settings, then the
-    cell's allocation, budget and converted layers; the evaluation at ``eval_length``; no pass-key test)."""
-    from dofla.pipeline import LinearizeConfig
+    """The one place a grid cell becomes a :class:`~dofla.run_config.LinearizeConfig`: :data:`DEFAULT_SETTINGS`,
+    then the shared ``settings``, then the cell's allocation, budget and converted layers and the
+    evaluation at ``eval_length``."""
+    from dofla.run_config import LinearizeConfig, merge
 
-    settings = dict(config.settings)
-    settings.update(
+    cell_settings = dict(
         out_dir=str(Path(config.out_dir) / "cells" / cell.name),
-        model=config.model,
-        allocation=cell.allocation,
-        budget=cell.budget,
-        layers=layers,
-        eval_lengths=[config.eval_length],
-        passkey_trials=settings.get("passkey_trials", 0),
         command=f"dofla frontier ... (grid cell {cell.name})",
+        teacher=dict(model=config.model),
+        plan=dict(allocation=cell.allocation, budget=cell.budget, layers=layers),
+        evaluate=dict(lengths=[config.eval_length]),
     )
-    linearize_config = LinearizeConfig(**settings)
-    linearize_config.overrides = sorted(settings)
-    return linearize_config
+    settings = merge(DEFAULT_SETTINGS, config.settings, cell_settings)
+    return LinearizeConfig.from_dict(settings, source=f"the frontier settings of cell {cell.name}")
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -126,31 +132,15 @@ def cell_config(config: FrontierConfig, cell: GridCell, layers: list[int] | None
 
 def _calibration(linearize_config, teacher, tokenizer, out_dir: Path):
     """The packed sequences every cell gets and the calibration batches the pipeline's plan stage will use
-    (the same public functions, in the same order, as :func:`dofla.pipeline.linearize`)."""
+    (the pipeline's own public stages)."""
     from dofla import pipeline
-    from dofla.data import split_train_heldout
+    from dofla.data import context_length, pack_rows
 
-    limit = pipeline.context_length(teacher)
-    lengths = pipeline.evaluation_lengths(linearize_config, limit)
+    lengths = pipeline.evaluation_lengths(linearize_config, context_length(teacher))
     texts, source = pipeline.load_texts_for(linearize_config, teacher, tokenizer, out_dir / "data_cache")
-    sequences = pipeline.pack_rows(tokenizer, texts, lengths, linearize_config.seq_len)
-    train_rows, _ = split_train_heldout(sequences, linearize_config.heldout_fraction, linearize_config.seed)
-    train = pipeline.cut_rows(train_rows, linearize_config.seq_len)
-    size = linearize_config.batch_size
-    batches = list(train[: linearize_config.dof_batches * size].split(size))
-    return sequences, batches, source
-
-
-def _plan_options(linearize_config) -> dict[str, Any]:
-    """What the pipeline's plan stage gives :func:`dofla.dof.measure_and_plan` that the error curves depend on."""
-    return dict(
-        kind=linearize_config.kind,
-        feature_map=linearize_config.feature_map,
-        window=linearize_config.window,
-        cell=linearize_config.cell,
-        sinks=linearize_config.sinks,
-        options=dict(linearize_config.cell_options),
-    )
+    sequences = pack_rows(tokenizer, texts, lengths, linearize_config.data.seq_len)
+    data = pipeline.prepare_data(linearize_config, teacher, tokenizer, sequences, out_dir / "data_cache")
+    return sequences, pipeline.calibration_batches(linearize_config, teacher, data.train), source
 
 
 def _softmax_layers(cell: GridCell, num_layers: int, *, curves, measure) -> list[int]:
@@ -178,15 +168,14 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
     from dofla.convert import architecture
     from dofla.distill.checkpoint import latest_checkpoint
     from dofla.evaluation.speed import measure_generation
-    from dofla.pipeline import linearize
+    from dofla.pipeline import linearize, plan_options
 
     out = Path(config.out_dir)
     if teacher is None:
         from dofla.models import load_teacher
 
-        loaded = load_teacher(
-            config.model, dtype=config.settings.get("dtype"), device=config.settings.get("device")
-        )
+        where = config.settings.get("teacher", {})
+        loaded = load_teacher(config.model, dtype=where.get("dtype"), device=where.get("device"))
         teacher, tokenizer = loaded.model, loaded.tokenizer
     teacher.eval()
     facts = architecture(teacher)
@@ -203,11 +192,13 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
     if needs_curves:
         from dofla.dof.error_curves import settings_for
 
-        settings = settings_for(_plan_options(first), **dict(config.curve_options))
+        settings = settings_for(plan_options(first), **dict(config.curve_options))
         curves = dof.cached_error_curves(teacher, batches, settings, folder=curves_folder, progress=progress)
     measure = None
     if any(c.softmax_choice == "dof" for c in cells):
-        estimate = dof.estimate(teacher, batches, num_points=first.dof_points, measure=first.measure)
+        estimate = dof.estimate(
+            teacher, batches, num_points=first.plan.dof_points, measure=first.plan.measure
+        )
         measure = estimate.layer_measure()
 
     reference_path = out / "teacher_speed.json"

@@ -389,25 +389,41 @@ def load_texts_for(config: LinearizeConfig, model, tokenizer, cache_dir: Path) -
     return texts, source
 
 
+def plan_options(config: LinearizeConfig) -> dict:
+    """What the plan stage gives :func:`dofla.dof.make_plan` besides the budget and the allocation."""
+    plan = config.plan
+    return dict(
+        kind=plan.kind,
+        feature_map=config.student.feature_map,
+        window=plan.window,
+        cell=config.student.cell,
+        sinks=plan.sinks,
+        options=dict(config.student.cell_options),
+    )
+
+
+def calibration_batches(config: LinearizeConfig, model, train: torch.Tensor) -> list[torch.Tensor]:
+    """The first ``plan.dof_batches`` training batches (B, T), on the model's device: what a plan measures."""
+    batch_size = config.distill.batch_size
+    device = next(model.parameters()).device
+    return [batch.to(device) for batch in train[: config.plan.dof_batches * batch_size].split(batch_size)]
+
+
 def make_plan(config: LinearizeConfig, model, train: torch.Tensor):
     """The conversion plan by ``dofla.dof``: allocation ``plan.allocation``, measured first if it needs it."""
-    plan, batch_size = config.plan, config.distill.batch_size
-    device = next(model.parameters()).device
-    batches = [batch.to(device) for batch in train[: plan.dof_batches * batch_size].split(batch_size)]
+    plan = config.plan
     return dof.measure_and_plan(
         model,
-        batches,
+        calibration_batches(config, model, train),
         variant=plan.allocation,
         measure=plan.measure,
         num_points=plan.dof_points,
         budget=plan.budget,
-        kind=plan.kind,
-        feature_map=config.student.feature_map,
-        window=plan.window,
         layers=plan.layers,
-        cell=config.student.cell,
-        sinks=plan.sinks,
-        options=dict(config.student.cell_options),
+        keep_softmax=plan.keep_softmax,
+        softmax_choice=plan.softmax_choice,
+        curves_folder=Path(config.out_dir).expanduser().resolve(),  # measured error curves, kept for a rerun
+        **plan_options(config),
     )
 
 

@@ -61,6 +61,12 @@ def _allocations():
     return ALLOCATIONS
 
 
+def _softmax_choices():
+    from dofla.dof import SOFTMAX_CHOICES
+
+    return SOFTMAX_CHOICES
+
+
 def _measures():
     from dofla.dof import MEASURES
 
@@ -134,6 +140,10 @@ class PlanSettings:
     window: int = option(64, "sliding window of hybrid layers")
     sinks: int = option(0, "first tokens always visible to the window", minimum=0)
     layers: list[int] | None = option(None, "comma-separated layers to convert (default: all)", minimum=0)
+    keep_softmax: int = option(0, "layers left as full softmax, chosen by --softmax-choice", minimum=0)
+    softmax_choice: str = option(
+        "dof", "how the --keep-softmax layers are chosen (measured: by error curves)", choices=_softmax_choices
+    )
     dof_points: int = option(1024, "points per head captured for the DoF estimate", minimum=1)
     dof_batches: int = option(2, "training batches the DoF estimate captures from", minimum=1)
 

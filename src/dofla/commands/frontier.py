@@ -26,24 +26,34 @@ def register(subparsers) -> None:
         default="uniform,measured",
         help="how K > 0 layers are chosen (uniform, dof, measured)",
     )
-    parser.add_argument("--tokens", default="20k", help="distillation tokens per cell, e.g. 20k or 1M")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--kind", default="linear", choices=("linear", "hybrid"))
-    parser.add_argument("--cell", default="linear")
-    parser.add_argument("--feature-map", default="learnable_prf")
-    parser.add_argument("--loss", default="output_mse")
-    parser.add_argument("--window", type=int, default=64)
-    parser.add_argument("--data", default=None, help="text (default: text sampled from the teacher, cached)")
-    parser.add_argument("--heldout-sequences", type=int, default=32, help="held-out rows (at most)")
     parser.add_argument(
-        "--dof-batches", type=int, default=2, help="calibration batches for the measured error curves and DoF"
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="a TOML run configuration (e.g. a run's config.toml) every cell shares; the grid sets each cell's "
+        "allocation, budget, layers, output folder and evaluation length",
+    )
+    parser.add_argument("--tokens", default=None, help="distillation tokens per cell (default 20k)")
+    parser.add_argument("--seq-len", type=int, default=None, help="training length (default 512)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default 4")
+    parser.add_argument("--kind", default=None, choices=("linear", "hybrid"), help="default linear")
+    parser.add_argument("--cell", default=None, help="student cell (default linear)")
+    parser.add_argument("--feature-map", default=None, help="default learnable_prf")
+    parser.add_argument("--loss", default=None, help="default output_mse")
+    parser.add_argument("--window", type=int, default=None, help="default 64")
+    parser.add_argument("--data", default=None, help="text (default: text sampled from the teacher, cached)")
+    parser.add_argument("--heldout-sequences", type=int, default=None, help="held-out rows (default 32)")
+    parser.add_argument(
+        "--dof-batches",
+        type=int,
+        default=None,
+        help="calibration batches for error curves and DoF (default 2)",
     )
     parser.add_argument("--eval-length", type=int, default=1024, help="held-out length of the frontier")
     parser.add_argument(
         "--decode-tokens", type=int, default=16, help="tokens decoded to time decoding (0: none)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="default 0")
     parser.add_argument(
         "--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16"
     )
@@ -53,27 +63,29 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dofla.frontier import FrontierConfig, run_frontier
-    from dofla.pipeline import parse_tokens
+    from dofla.run_config import merge, read_settings, token_count
 
-    settings = dict(
-        tokens=parse_tokens(args.tokens),
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        kind=args.kind,
-        cell=args.cell,
-        feature_map=args.feature_map,
-        loss=args.loss,
-        window=args.window,
-        data=args.data,
+    given = dict(
         seed=args.seed,
-        dtype=args.dtype,
-        device=args.device,
-        lora=False,
-        eval_every=0,
-        max_heldout_sequences=args.heldout_sequences,
-        dof_batches=args.dof_batches,
-        error_sequences=min(8, args.heldout_sequences),
+        teacher=dict(dtype=args.dtype, device=args.device),
+        data=dict(path=args.data, seq_len=args.seq_len, heldout_sequences=args.heldout_sequences),
+        plan=dict(kind=args.kind, window=args.window, dof_batches=args.dof_batches),
+        student=dict(cell=args.cell, feature_map=args.feature_map),
+        distill=dict(
+            tokens=None if args.tokens is None else token_count("--tokens", args.tokens),
+            batch_size=args.batch_size,
+            loss=args.loss,
+        ),
     )
+    given = {  # only what was typed, so a --config file keeps the rest
+        key: {name: value for name, value in value.items() if value is not None}
+        if isinstance(value, dict)
+        else value
+        for key, value in given.items()
+        if value is not None
+    }
+    from_file = read_settings(args.config) if args.config else {}
+    settings = merge(from_file, given)
     config = FrontierConfig(
         out_dir=args.out,
         model=args.model,
