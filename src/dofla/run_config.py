@@ -142,7 +142,9 @@ class PlanSettings:
     layers: list[int] | None = option(None, "comma-separated layers to convert (default: all)", minimum=0)
     keep_softmax: int = option(0, "layers left as full softmax, chosen by --softmax-choice", minimum=0)
     softmax_choice: str = option(
-        "dof", "how the --keep-softmax layers are chosen (measured: by error curves)", choices=_softmax_choices
+        "dof",
+        "how the --keep-softmax layers are chosen (measured: by error curves)",
+        choices=_softmax_choices,
     )
     dof_points: int = option(1024, "points per head captured for the DoF estimate", minimum=1)
     dof_batches: int = option(2, "training batches the DoF estimate captures from", minimum=1)
