@@ -1,1 +1,0 @@
-"""One module per ``dofla`` sub-command; each defines ``register(subparsers)``."""
