@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from bench_generation import SHAPES  # this folder is on the path when the script runs
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dofla import dispatch
@@ -27,13 +28,7 @@ from dofla.distill.losses import layerwise_loss_names
 from dofla.distill.teacher_forcing import autocast_for, freeze_teacher, teacher_forced_step
 
 SMOLLM2_135M = dict(
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    vocab_size=49152,
+    SHAPES["smollm2-135m"],
     max_position_embeddings=8192,
     rms_norm_eps=1e-5,
     rope_theta=100000.0,

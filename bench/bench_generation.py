@@ -22,28 +22,25 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dofla.convert import convert, plan_for
 from dofla.evaluation.speed import measure_generation
 
+
+def llama_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int) -> dict:
+    """Keyword arguments of a ``LlamaConfig`` of this architecture shape (head size 64, 128k positions)."""
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=64,
+        vocab_size=vocab,
+        max_position_embeddings=131072,
+    )
+
+
 SHAPES = {
     # Architecture shapes only (no weights): sizes as published in the models' configs.
-    "smollm2-135m": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        vocab_size=49152,
-        max_position_embeddings=131072,
-    ),
-    "llama-1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-    ),
+    "smollm2-135m": llama_shape(576, 1536, 30, 9, 3, 49152),
+    "llama-1b": llama_shape(2048, 8192, 16, 32, 8, 128256),
 }
 
 
