@@ -64,6 +64,20 @@ class Architecture:
     scalings: list[float]
     softcaps: list[float | None]  # the teacher's logit soft-capping per layer (Gemma 2 and 3)
 
+    def student_for(self, layer_plan, index: int) -> LinearAttention:
+        """The student for layer ``index`` as ``layer_plan`` says, on the device of that layer's attention."""
+        student = build_student(
+            layer_plan,
+            layer_index=index,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            scaling=self.scalings[index],
+            softcap=self.softcaps[index],
+        )
+        parameter = next(self.attention_modules[index].parameters(), None)
+        return student.to(parameter.device) if parameter is not None else student
+
 
 def architecture(model: nn.Module) -> Architecture:
     """Architecture facts and attention modules, from ``dofla.models.get_adapter`` (one table for all)."""
@@ -170,18 +184,7 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
         )
     built: dict[int, LinearAttention] = {}
     for index in plan.converted_layers:
-        module = facts.attention_modules[index]
-        parameter = next(module.parameters(), None)
-        student = build_student(
-            plan.layers[index],
-            layer_index=index,
-            num_heads=facts.num_heads,
-            num_kv_heads=facts.num_kv_heads,
-            head_dim=facts.head_dim,
-            scaling=facts.scalings[index],
-            softcap=facts.softcaps[index],
-        )
-        built[index] = student.to(parameter.device) if parameter is not None else student
+        built[index] = facts.student_for(plan.layers[index], index)
 
     dispatch.install(model)
     for index, student in built.items():

@@ -458,19 +458,7 @@ def _captured_calls(model, batches, layers: list[int], facts) -> list[dict[int, 
 
 
 def _build(settings: CurveSettings, facts, layer: int, dim: int):
-    from dofla.cells import build_student
-
-    student = build_student(
-        settings.layer_plan(dim),
-        layer_index=layer,
-        num_heads=facts.num_heads,
-        num_kv_heads=facts.num_kv_heads,
-        head_dim=facts.head_dim,
-        scaling=facts.scalings[layer],
-        softcap=facts.softcaps[layer],
-    )
-    parameter = next(facts.attention_modules[layer].parameters(), None)
-    return student.to(parameter.device) if parameter is not None else student
+    return facts.student_for(settings.layer_plan(dim), layer)
 
 
 def _fit(settings: CurveSettings, facts, layer: int, dim: int, calls: list) -> torch.nn.Module:
