@@ -1,5 +1,7 @@
 """Small shared test helpers (importable because pytest puts tests/ on the path)."""
 
+import torch
+
 from dofla.models import build_tiny_model
 
 
@@ -14,3 +16,21 @@ def small_llama(seed: int = 0):
         max_position_embeddings=4096,
         seed=seed,
     )
+
+
+def assert_student_forms_agree(student, query, key, value):
+    """The chunked and recurrent forms of ``student`` match its naive form, output and gradients (of the
+    inputs and every trainable parameter); returns the naive output and gradients for further checks."""
+    results = {}
+    for form in ("naive", "chunked", "recurrent"):
+        output = student(query, key, value, form=form)  # (B, T, H, D)
+        weights = torch.linspace(-1, 1, output.numel(), dtype=output.dtype).view_as(output)
+        inputs = [query, key, value, *student.trainable_parameters()]
+        results[form] = (output.detach(), torch.autograd.grad((output * weights).sum(), inputs))
+    reference_output, reference_gradients = results["naive"]
+    for form in ("chunked", "recurrent"):
+        output, gradients = results[form]
+        torch.testing.assert_close(output, reference_output, rtol=1e-9, atol=1e-10)
+        for got, expected in zip(gradients, reference_gradients, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-10)
+    return reference_output, reference_gradients
