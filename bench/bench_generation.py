@@ -22,19 +22,19 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dofla.convert import convert, plan_for
 from dofla.evaluation.speed import measure_generation
 
+LLAMA_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
 
-def llama_shape(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int) -> dict:
-    """Keyword arguments of a ``LlamaConfig`` of this architecture shape (head size 64, 128k positions)."""
-    return dict(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=64,
-        vocab_size=vocab,
-        max_position_embeddings=131072,
-    )
+
+def llama_shape(*sizes: int) -> dict:
+    """Keyword arguments of a ``LlamaConfig`` with these ``LLAMA_SIZES`` (head size 64, 128k positions)."""
+    return dict(zip(LLAMA_SIZES, sizes, strict=True), head_dim=64, max_position_embeddings=131072)
 
 
 SHAPES = {
