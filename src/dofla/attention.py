@@ -253,20 +253,13 @@ class LinearAttention(nn.Module):
     ):
         """Run one form; returns out (B, H, T, Dv) and the new state (None for the naive form)."""
         common = dict(k_log_scale=k_log_scale, key_mask=key_mask)
+        chunked = dict(chunk_size=self.chunk_size, initial_state=state, return_state=True)
         if self.kind == "linear":
             if form == "naive":
                 return linear_attention(q_features, k_features, values, **common), None
             if form == "recurrent":
                 return recurrent_linear_attention(q_features, k_features, values, state=state, **common)
-            return chunked_linear_attention(
-                q_features,
-                k_features,
-                values,
-                chunk_size=self.chunk_size,
-                initial_state=state,
-                return_state=True,
-                **common,
-            )
+            return chunked_linear_attention(q_features, k_features, values, **chunked, **common)
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
         hybrid = dict(
             scaling=scaling,
@@ -282,17 +275,7 @@ class LinearAttention(nn.Module):
             return recurrent_hybrid_attention(
                 query, keys, q_features, k_features, values, state=state, **hybrid
             )
-        return chunked_hybrid_attention(
-            query,
-            keys,
-            q_features,
-            k_features,
-            values,
-            chunk_size=self.chunk_size,
-            initial_state=state,
-            return_state=True,
-            **hybrid,
-        )
+        return chunked_hybrid_attention(query, keys, q_features, k_features, values, **chunked, **hybrid)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [parameter for parameter in self.parameters() if parameter.requires_grad]
