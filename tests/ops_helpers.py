@@ -87,3 +87,18 @@ def random_key_mask(batch, length, seed=2):
     mask = torch.rand(batch, length, generator=torch.Generator().manual_seed(seed)) > 0.3
     mask[0, :5] = False  # a row that starts with absent keys: its first queries see nothing
     return mask
+
+
+def assert_chunked_linear_matches_naive(inputs, chunk_size, dtype=torch.float32, tolerance=1e-4):
+    """The chunked linear attention against the naive one, forward and gradients, at this chunk size."""
+    from dofla.ops import chunked_linear_attention, linear_attention
+
+    assert_matches_reference(
+        chunked_linear_attention,
+        linear_attention,
+        inputs,
+        LINEAR_NAMES,
+        dtype,
+        tolerance,
+        {"chunk_size": chunk_size},
+    )

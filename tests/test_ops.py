@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from ops_helpers import (
     HYBRID_NAMES,
     LINEAR_NAMES,
+    assert_chunked_linear_matches_naive,
     assert_matches_reference,
     make_inputs,
     random_key_mask,
@@ -44,15 +45,7 @@ LINEAR_CASES = [
 def test_chunked_linear_matches_naive_forward_and_gradients(case, log_scale_std):
     batch, heads, kv_heads, length, features, chunk = case
     inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
-    assert_matches_reference(
-        chunked_linear_attention,
-        linear_attention,
-        inputs,
-        LINEAR_NAMES,
-        torch.float32,
-        1e-4,
-        {"chunk_size": chunk},
-    )
+    assert_chunked_linear_matches_naive(inputs, chunk)
 
 
 @pytest.mark.parametrize("case", LINEAR_CASES[:4])
@@ -75,15 +68,7 @@ def test_linear_bfloat16_inputs_match_reference_within_rounding(form):
 
 def test_float64_inputs_stay_float64_and_agree_to_machine_precision():
     inputs = make_inputs(1, 4, 2, 21, 5, log_scale_std=10.0)
-    assert_matches_reference(
-        chunked_linear_attention,
-        linear_attention,
-        inputs,
-        LINEAR_NAMES,
-        torch.float64,
-        1e-12,
-        {"chunk_size": 4},
-    )
+    assert_chunked_linear_matches_naive(inputs, 4, torch.float64, 1e-12)
 
 
 @pytest.mark.parametrize("log_scale_std", [None, 20.0])
