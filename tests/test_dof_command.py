@@ -21,12 +21,17 @@ def tiny_folder(tmp_path_factory):
     return folder, text
 
 
+def run_dof(folder, text, out, *options) -> int:
+    """``dofla --debug dof FOLDER --data TEXT --out OUT OPTIONS...``"""
+    return main(["--debug", "dof", str(folder), "--data", str(text), "--out", str(out), *options])
+
+
 def test_dof_command_writes_plan_table_and_plots(tiny_folder, tmp_path):
     folder, text = tiny_folder
     out = tmp_path / "dof"
-    args = [str(folder), "--data", str(text), "--out", str(out), "--budget", "8", "--lambda", "2^-4"]
-    args += ["--lambda", "2^-6", "--num-points", "64", "--seq-len", "32", "--sequences", "4"]
-    assert main(["--debug", "dof", *args, "--allocation", "headwise"]) == 0
+    options = ["--budget", "8", "--lambda", "2^-4", "--lambda", "2^-6", "--num-points", "64"]
+    options += ["--seq-len", "32", "--sequences", "4"]
+    assert run_dof(folder, text, out, *options, "--allocation", "headwise") == 0
     plan = ConversionPlan.load(out / "plan.json")
     assert plan.metadata["allocation"] == "headwise" and plan.metadata["num_points"] == 64
     assert plan.metadata["lambda"] == "2^-4" and plan.metadata["budget"] == 8
@@ -42,7 +47,7 @@ def test_dof_command_writes_plan_table_and_plots(tiny_folder, tmp_path):
     for name in ("dims_per_layer.png", "measure_vs_lambda.png", "eigenvalue_decay.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     # The dof allocation sums exactly to C x layers.
-    assert main(["--debug", "dof", *args, "--out", str(tmp_path / "dof2"), "--allocation", "dof"]) == 0
+    assert run_dof(folder, text, tmp_path / "dof2", *options, "--allocation", "dof") == 0
     dof_plan = ConversionPlan.load(tmp_path / "dof2" / "plan.json")
     assert sum(layer.feature_dim for layer in dof_plan.layers) == 8 * dof_plan.num_layers
 
@@ -62,19 +67,10 @@ def test_dof_command_writes_plan_table_and_plots(tiny_folder, tmp_path):
 )
 def test_dof_command_refuses_bad_input(tiny_folder, tmp_path, extra, message):
     folder, text = tiny_folder
-    args = [
-        "--debug",
-        "dof",
-        str(folder),
-        "--data",
-        str(text),
-        "--out",
-        str(tmp_path / "o"),
-        "--seq-len",
-        "32",
-    ]
     with pytest.raises(DoflaError, match=message):
-        main([*args, "--sequences", "2", "--num-points", "64", *extra])
+        run_dof(
+            folder, text, tmp_path / "o", "--seq-len", "32", "--sequences", "2", "--num-points", "64", *extra
+        )
 
 
 def test_empty_data_is_refused(tiny_folder, tmp_path):
@@ -82,15 +78,15 @@ def test_empty_data_is_refused(tiny_folder, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     with pytest.raises(DoflaError):
-        main(["--debug", "dof", str(folder), "--data", str(empty), "--out", str(tmp_path / "o")])
+        run_dof(folder, empty, tmp_path / "o")
 
 
 def test_dof_command_measured_allocation_keeps_its_curves(tiny_folder, tmp_path):
     folder, text = tiny_folder
     out = tmp_path / "measured"
-    args = [str(folder), "--data", str(text), "--out", str(out), "--budget", "8", "--num-points", "32"]
-    args += ["--seq-len", "32", "--sequences", "4", "--allocation", "measured", "--keep-softmax", "1"]
-    assert main(["--debug", "dof", *args, "--softmax-choice", "measured"]) == 0
+    options = ["--budget", "8", "--num-points", "32", "--seq-len", "32", "--sequences", "4"]
+    options += ["--allocation", "measured", "--keep-softmax", "1", "--softmax-choice", "measured"]
+    assert run_dof(folder, text, out, *options) == 0
     plan = ConversionPlan.load(out / "plan.json")
     assert plan.metadata["allocation"] == "measured" and plan.metadata["softmax_choice"] == "measured"
     assert [layer.kind for layer in plan.layers].count("softmax") == 1
