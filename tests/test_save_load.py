@@ -30,6 +30,15 @@ def trained_a_little(model):
     return model
 
 
+def saved_weights(family, folder):
+    """Convert a tiny ``family`` model, save it to ``folder``; the weights file and its tensors."""
+    model = tiny_model(family)
+    convert(model, PLANS["linear"](model))
+    save_converted(model, folder)
+    weights = folder / "model.safetensors"
+    return weights, load_file(str(weights))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reload_gives_identical_logits(family, tmp_path):
     model = tiny_model(family)
@@ -69,11 +78,7 @@ def test_tied_embeddings_are_stored_once_and_restored(tmp_path):
 
 
 def test_missing_and_unexpected_keys_fail_loudly(tmp_path):
-    model = tiny_model("llama")
-    convert(model, PLANS["linear"](model))
-    save_converted(model, tmp_path / "out")
-    weights = tmp_path / "out" / "model.safetensors"
-    tensors = load_file(str(weights))
+    weights, tensors = saved_weights("llama", tmp_path / "out")
     z_key = "model.layers.0.self_attn.dofla_student.feature_map.z"
     missing = {name: tensor for name, tensor in tensors.items() if name != z_key}
     save_file(missing, str(weights))
@@ -85,11 +90,7 @@ def test_missing_and_unexpected_keys_fail_loudly(tmp_path):
 
 
 def test_changed_teacher_weights_are_detected(tmp_path):
-    model = tiny_model("qwen2")
-    convert(model, PLANS["linear"](model))
-    save_converted(model, tmp_path / "out")
-    weights = tmp_path / "out" / "model.safetensors"
-    tensors = load_file(str(weights))
+    weights, tensors = saved_weights("qwen2", tmp_path / "out")
     tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
     save_file(tensors, str(weights))
     with pytest.raises(DoflaError, match="do not match their recorded fingerprint"):
