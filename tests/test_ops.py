@@ -173,29 +173,32 @@ HYBRID_CASES = [
 ]
 
 
+def assert_hybrid_form_matches_naive(form, case, log_scale_std, softcap):
+    """One fast hybrid form ("chunked" or "recurrent") against the naive one on a HYBRID_CASES case."""
+    batch, heads, kv_heads, length, features, chunk, window = case
+    inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
+    fast, fast_kwargs = {
+        "chunked": (chunked_hybrid_attention, {"chunk_size": chunk}),
+        "recurrent": (recurrent_hybrid_attention, None),
+    }[form]
+    assert_matches_reference(
+        fast, hybrid_attention, inputs, HYBRID_NAMES, torch.float32, 1e-4, fast_kwargs,
+        scaling=0.7, window=window, softcap=softcap,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("case", HYBRID_CASES)
 @pytest.mark.parametrize("log_scale_std", [None, 30.0])
 @pytest.mark.parametrize("softcap", [None, 1.5])
 def test_chunked_hybrid_matches_naive_forward_and_gradients(case, log_scale_std, softcap):
-    batch, heads, kv_heads, length, features, chunk, window = case
-    inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
-    kwargs = {"scaling": 0.7, "window": window, "softcap": softcap}
-    assert_matches_reference(
-        chunked_hybrid_attention, hybrid_attention, inputs, HYBRID_NAMES, torch.float32, 1e-4,
-        {"chunk_size": chunk}, **kwargs,
-    )  # fmt: skip
+    assert_hybrid_form_matches_naive("chunked", case, log_scale_std, softcap)
 
 
 @pytest.mark.parametrize("case", HYBRID_CASES[1:4])
 @pytest.mark.parametrize("log_scale_std", [None, 30.0])
 @pytest.mark.parametrize("softcap", [None, 1.5])
 def test_recurrent_hybrid_matches_naive_forward_and_gradients(case, log_scale_std, softcap):
-    batch, heads, kv_heads, length, features, _, window = case
-    inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
-    kwargs = {"scaling": 0.7, "window": window, "softcap": softcap}
-    assert_matches_reference(
-        recurrent_hybrid_attention, hybrid_attention, inputs, HYBRID_NAMES, torch.float32, 1e-4, **kwargs
-    )
+    assert_hybrid_form_matches_naive("recurrent", case, log_scale_std, softcap)
 
 
 def test_hybrid_bfloat16_inputs_match_reference_within_rounding():
