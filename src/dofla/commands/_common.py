@@ -14,6 +14,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default="smollm2-135m",
         help="teacher: a Hugging Face model folder, a .gguf file, a hub id, or 'smollm2-135m' (embedded default)",
     )
+    add_device_arguments(parser)
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --device (both default to None: chosen from the machine)."""
     parser.add_argument(
         "--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16"
     )

@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 
-from dofla.commands._common import integer_list
+from dofla.commands._common import add_device_arguments, integer_list
 
 
 def register(subparsers) -> None:
@@ -54,10 +54,7 @@ def register(subparsers) -> None:
         "--decode-tokens", type=int, default=16, help="tokens decoded to time decoding (0: none)"
     )
     parser.add_argument("--seed", type=int, default=None, help="default 0")
-    parser.add_argument(
-        "--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16"
-    )
-    parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    add_device_arguments(parser)
     parser.set_defaults(func=run)
 
 
