@@ -51,7 +51,7 @@ def qkv(length=11, seed=1):
 
 def test_unknown_cell_lists_the_known_ones():
     assert {"linear", "gla"} <= set(CELLS)
-    with pytest.raises(DoflaError, match="unknown cell 'nope'; known cells: .*gla.*linear"):
+    with pytest.raises(DoflaError, match="unknown cell 'nope'; choose one of: .*gla.*linear"):
         LayerPlan(cell="nope").validate(0, H, HKV)
 
 

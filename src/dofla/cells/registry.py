@@ -7,18 +7,16 @@ with ``@register_cell("name")``; a plan names it in ``LayerPlan.cell``.
 
 from __future__ import annotations
 
-from dofla.errors import DoflaError
+from dofla.registry import Registry
 
-CELLS: dict[str, type] = {}
+CELLS: Registry[type] = Registry("cell")
 
 
 def register_cell(name: str):
     """Class decorator: make a student cell buildable by ``name``."""
 
     def register(cls):
-        if name in CELLS and CELLS[name] is not cls:
-            raise ValueError(f"cell {name!r} is already registered by {CELLS[name].__name__}")
-        CELLS[name] = cls
+        CELLS.add(name, cls)
         cls.cell_name = name
         return cls
 
@@ -27,6 +25,4 @@ def register_cell(name: str):
 
 def cell_class(name: str) -> type:
     """The registered cell class ``name``; an unknown name gets the list of known ones."""
-    if name not in CELLS:
-        raise DoflaError(f"unknown cell {name!r}; known cells: {', '.join(sorted(CELLS))}.")
     return CELLS[name]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dofla.errors import DoflaError
+from dofla.registry import Registry
 
 TASKS_PATH = Path(__file__).resolve().parent / "lm_eval_tasks"
 """The folder of dofla's lm-eval task configs: lm-eval's ``--include_path``."""
@@ -35,14 +36,16 @@ class LocalTask:
 
 
 MMLU_FILES = ("mmlu/test/<subject>_test.csv", "mmlu/dev/<subject>_dev.csv")
-TASKS: dict[str, LocalTask] = {
-    "piqa": LocalTask("dofla_piqa", ("piqa/valid.jsonl", "piqa/valid-labels.lst")),
-    "arc_easy": LocalTask("dofla_arc_easy", ("arc/ARC-Easy-test.jsonl",)),
-    "arc_challenge": LocalTask("dofla_arc_challenge", ("arc/ARC-Challenge-test.jsonl",)),
-    "winogrande": LocalTask("dofla_winogrande", ("winogrande/dev.jsonl",)),
-    "hellaswag": LocalTask("dofla_hellaswag", ("hellaswag/hellaswag_val.jsonl",)),
-    "mmlu": LocalTask("dofla_mmlu", MMLU_FILES),
-}
+TASKS: Registry[LocalTask] = Registry("lm-eval task")
+for _name, _task in (
+    ("piqa", LocalTask("dofla_piqa", ("piqa/valid.jsonl", "piqa/valid-labels.lst"))),
+    ("arc_easy", LocalTask("dofla_arc_easy", ("arc/ARC-Easy-test.jsonl",))),
+    ("arc_challenge", LocalTask("dofla_arc_challenge", ("arc/ARC-Challenge-test.jsonl",))),
+    ("winogrande", LocalTask("dofla_winogrande", ("winogrande/dev.jsonl",))),
+    ("hellaswag", LocalTask("dofla_hellaswag", ("hellaswag/hellaswag_val.jsonl",))),
+    ("mmlu", LocalTask("dofla_mmlu", MMLU_FILES)),
+):
+    TASKS.add(_name, _task)
 """Task names accepted by ``dofla evaluate --tasks`` (the lm-eval name ``dofla_<task>`` is accepted too)."""
 
 
