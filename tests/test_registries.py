@@ -121,3 +121,19 @@ def test_the_family_table_names_lora_targets_and_layer_lists_that_exist(family):
     softcaps = {adapter.attention_softcap(module) for module in adapter.attention_modules(model)}
     assert softcaps == {getattr(model.config, "attn_logit_softcapping", None)}
     assert set(CACHE_ARGUMENTS) == {"past_key_values", "layer_past"} and len(FAMILIES) == 8
+
+
+def test_a_registry_decorator_registers_names_its_target_and_refuses_a_taken_name():
+    from dofla.registry import Registry
+
+    shapes = Registry("shape")
+
+    @shapes.decorator("square", attribute="shape_name")
+    class Square:
+        pass
+
+    assert shapes["square"] is Square and Square.shape_name == "square"
+    with pytest.raises(ValueError, match="shape 'square' is already registered"):
+        shapes.decorator("square")(type("Other", (), {}))
+    with pytest.raises(DoflaError, match="unknown shape 'circle'; choose one of: square."):
+        shapes["circle"]

@@ -29,5 +29,17 @@ class Registry(dict[str, T], Generic[T]):
         self[name] = thing
         return thing
 
+    def decorator(self, name: str, attribute: str | None = None):
+        """A class/function decorator registering its target as ``name`` (and setting ``target.attribute``
+        to the name, when given)."""
+
+        def register(thing: T) -> T:
+            self.add(name, thing)
+            if attribute is not None:
+                setattr(thing, attribute, name)
+            return thing
+
+        return register
+
     def __missing__(self, name: str):
         raise DoflaError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(sorted(self))}.")

@@ -14,13 +14,7 @@ CELLS: Registry[type] = Registry("cell")
 
 def register_cell(name: str):
     """Class decorator: make a student cell buildable by ``name``."""
-
-    def register(cls):
-        CELLS.add(name, cls)
-        cls.cell_name = name
-        return cls
-
-    return register
+    return CELLS.decorator(name, attribute="cell_name")
 
 
 def cell_class(name: str) -> type:

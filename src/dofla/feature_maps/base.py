@@ -15,13 +15,7 @@ FEATURE_MAPS: Registry[type[FeatureMap]] = Registry("feature map")
 
 def register_feature_map(name: str):
     """Class decorator: make a FeatureMap subclass buildable by ``name``."""
-
-    def register(cls):
-        FEATURE_MAPS.add(name, cls)
-        cls.name = name
-        return cls
-
-    return register
+    return FEATURE_MAPS.decorator(name, attribute="name")
 
 
 class FeatureMap(nn.Module):
