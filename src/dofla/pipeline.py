@@ -22,7 +22,7 @@ from dofla.config import ConversionPlan
 from dofla.distill import distributed
 from dofla.distill.sharding import (
     check_layer_sharding,
-    check_layer_sharding_early,
+    check_processes,
     checked_layer_stores,
     layer_count,
     layer_sharding,
@@ -117,13 +117,7 @@ def linearize(
     inputs = [config.data.path] + ([config.teacher.model] if teacher is None else [])
     outputs.check_output_folder(config.out_dir, RUN_KIND, inputs=inputs)
     with distributed.process_group_from_environment(config.teacher.device) as world_size:
-        if layer_sharding(config):
-            check_layer_sharding_early(config, world_size)
-        elif config.distill.batch_size % world_size:
-            raise DoflaError(
-                f"--batch-size {config.distill.batch_size} is not divisible by the {world_size} processes; "
-                f"use a multiple of {world_size}."
-            )
+        check_processes(config, world_size, f"the {world_size} processes")
         if distributed.rank_and_world_size()[0] != 0:  # a helper rank: trains its slice, writes nothing
             out_dir = Path(config.out_dir).expanduser().resolve()
             return run_stages(config, out_dir, teacher=teacher, tokenizer=tokenizer, sequences=sequences)

@@ -62,16 +62,9 @@ def launch(args: argparse.Namespace, config) -> int:
     import subprocess
 
     from dofla.distill.distributed import torchrun_command
-    from dofla.distill.sharding import check_layer_sharding_early, layer_sharding
-    from dofla.errors import DoflaError
+    from dofla.distill.sharding import check_processes
 
-    if layer_sharding(config):
-        check_layer_sharding_early(config, args.nproc)
-    elif config.distill.batch_size % args.nproc:
-        raise DoflaError(
-            f"--batch-size {config.distill.batch_size} is not divisible by --nproc {args.nproc}; "
-            f"use a multiple of {args.nproc}."
-        )
+    check_processes(config, args.nproc, f"--nproc {args.nproc}")
     return subprocess.call(torchrun_command(args.nproc, without_option(sys.argv[1:], "--nproc")))
 
 

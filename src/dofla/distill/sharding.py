@@ -73,6 +73,18 @@ def check_layer_sharding_early(config: LinearizeConfig, processes: int) -> None:
         check_layer_sharding(config, range(count), processes)
 
 
+def check_processes(config: LinearizeConfig, processes: int, named: str) -> None:
+    """Before any work: ``processes`` can share this run's distillation (``named`` says how the count was
+    given, e.g. "--nproc 2"): layer sharding has layers for every process, data sharding divides the batch."""
+    if layer_sharding(config):
+        check_layer_sharding_early(config, processes)
+    elif config.distill.batch_size % processes:
+        raise DoflaError(
+            f"--batch-size {config.distill.batch_size} is not divisible by {named}; "
+            f"use a multiple of {processes}."
+        )
+
+
 def _local_layer_count(model: str) -> int | None:
     """The decoder layer count in a local Hugging Face folder's config.json; None for other teachers (their
     count is checked once they are loaded)."""
