@@ -134,13 +134,9 @@ def _calibration(linearize_config, teacher, tokenizer, out_dir: Path):
     """The packed sequences every cell gets and the calibration batches the pipeline's plan stage will use
     (the pipeline's own public stages)."""
     from dofla import pipeline
-    from dofla.data import context_length, pack_rows
 
-    lengths = pipeline.evaluation_lengths(linearize_config, context_length(teacher))
-    texts, source = pipeline.load_texts_for(linearize_config, teacher, tokenizer, out_dir / "data_cache")
-    sequences = pack_rows(tokenizer, texts, lengths, linearize_config.data.seq_len)
-    data = pipeline.prepare_data(linearize_config, teacher, tokenizer, sequences, out_dir / "data_cache")
-    return sequences, pipeline.calibration_batches(linearize_config, teacher, data.train), source
+    data = pipeline.prepare_data(linearize_config, teacher, tokenizer, None, out_dir / "data_cache")
+    return data.rows, pipeline.calibration_batches(linearize_config, teacher, data.train), data.source
 
 
 def _softmax_layers(cell: GridCell, num_layers: int, *, curves, measure) -> list[int]:

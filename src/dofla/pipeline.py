@@ -61,6 +61,7 @@ class RunData:
     seq_len: int
     skipped_lengths: list[int]  # asked for, but the data was too short
     source: str  # a sentence saying where the text came from
+    rows: torch.Tensor  # (N, T) every packed row, before the split (what a caller may pass back as sequences)
 
     @property
     def heldout(self) -> torch.Tensor:
@@ -337,7 +338,7 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
             "evaluated (give more text with --data)",
             stacklevel=2,
         )
-    return RunData(cut_rows(train_rows, seq_len), heldout_by_length, seq_len, skipped, source)
+    return RunData(cut_rows(train_rows, seq_len), heldout_by_length, seq_len, skipped, source, sequences)
 
 
 def evaluation_lengths(config: LinearizeConfig, limit: int | None) -> list[int]:
