@@ -55,11 +55,7 @@ def average_gradients(parameters: Iterable[torch.nn.Parameter]) -> None:
 
 def mean_across_ranks(value: float) -> float:
     """The mean of a Python number over ranks (NaN anywhere makes it NaN everywhere, so all ranks skip)."""
-    if not is_distributed():
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return float(tensor) / dist.get_world_size()
+    return sum_across_ranks(value) / rank_and_world_size()[1]
 
 
 def sum_across_ranks(value: float) -> float:
