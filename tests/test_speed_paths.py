@@ -189,3 +189,91 @@ def test_prf_rows_alone_agree_with_the_batch_and_missing_features_are_zero(name)
         torch.testing.assert_close(alone, batched[row : row + 1], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(alone_scale, batched_scale[row : row + 1], rtol=1e-12, atol=1e-12)
     assert torch.all(batched[:, 2:, :, 4:] == 0)  # the second map head has 4 features: the rest exactly 0
+
+
+@pytest.mark.parametrize("name", ["prf", "learnable_prf"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_prf_decode_features_match_forward_and_follow_parameter_updates(name, batch):
+    """The regrouped PRF (one product, norm only in the log scale) against the reference formula: forward
+    and gradients, with head-wise dimensions; without gradients its folded weights are kept, and rebuilt
+    once a parameter changes in place (an optimiser step, a load)."""
+    from dofla.feature_maps import build_feature_map
+
+    feature_map = build_feature_map(
+        name, num_heads=2, head_dim=8, feature_dim=6, scaling=8**-0.5, head_feature_dims=[6, 4]
+    ).double()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 4, 3, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    expected, got = feature_map(x, is_query=False), feature_map.decode_features(x)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    weights = [torch.randn(t.shape, generator=generator, dtype=t.dtype) for t in expected]
+    inputs = (x, *[p for p in feature_map.parameters() if p.requires_grad])
+    for a, b in zip(
+        weighted_gradients(got, weights, inputs), weighted_gradients(expected, weights, inputs), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        feature_map.decode_features(x)  # folded weights kept from here
+        directions = feature_map.directions()
+        directions.mul_(1.5)
+        for a, b in zip(feature_map.decode_features(x), feature_map(x, is_query=False), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+DECODE_CASES = [
+    ("linear", "learnable_prf", True),
+    ("linear", "hedgehog", False),
+    ("gla", "learnable_prf", True),
+    ("gla", "t2r", False),
+    ("gated_delta", "projection", True),
+    ("gated_delta", "learnable_prf", False),
+]
+
+
+@pytest.mark.parametrize("cell, feature_map, share", DECODE_CASES)
+def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(cell, feature_map, share):
+    """A single decoded token through the cell's ``_decode_step`` (what generation runs) against the
+    recurrent form from the same state: output, new state, and gradients of the inputs and parameters."""
+    from dofla.cache import RecurrentCacheLayer
+    from dofla.cells import build_student
+
+    plan = LayerPlan(kind="linear", cell=cell, feature_map=feature_map, feature_dim=6, share_kv_heads=share)
+    torch.manual_seed(0)
+    student = build_student(
+        plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5
+    ).double()
+    with torch.no_grad():
+        for parameter in student.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    generator = torch.Generator().manual_seed(2)
+
+    def draw(heads, length, grad=False):
+        tensor = torch.randn(2, heads, length, 8, generator=generator, dtype=torch.float64)
+        return tensor.requires_grad_(grad)
+
+    layer = RecurrentCacheLayer()
+    with torch.no_grad():
+        student.pending_cache_layer = layer
+        student(draw(4, 7), draw(2, 7), draw(2, 7))  # the prefill that makes the state
+    state = layer.state
+    query, key, value = draw(4, 1, True), draw(2, 1, True), draw(2, 1, True)
+    assert student._decode_step(query, key, value, state) is not None
+    results = {}
+    for form in (None, "recurrent"):
+        layer.state = state
+        student.pending_cache_layer = layer
+        output = student(query, key, value, form=form)
+        weights = torch.linspace(-1, 1, output.numel(), dtype=output.dtype).view_as(output)
+        inputs = [query, key, value, *student.trainable_parameters()]
+        results[form] = (output, layer.state, torch.autograd.grad((output * weights).sum(), inputs))
+    (fast, fast_state, fast_gradients), (slow, slow_state, slow_gradients) = (
+        results[None],
+        results["recurrent"],
+    )
+    torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
+    assert type(fast_state) is type(slow_state) and fast_state.num_tokens == slow_state.num_tokens == 8
+    for a, b in zip(fast_state._tensors(), slow_state._tensors(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for a, b in zip(fast_gradients, slow_gradients, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

@@ -25,6 +25,8 @@ from dofla.ops import (
     recurrent_hybrid_attention,
     recurrent_linear_attention,
 )
+from dofla.ops.recurrent import linear_decode_step
+from dofla.ops.state import LinearState
 
 FORMS = ("naive", "chunked", "recurrent")
 DEFAULT_WINDOW_FACTOR = 0.1  # LoLCATs: gamma = sigmoid(w) starts near 0.1
@@ -175,12 +177,13 @@ class LinearAttention(nn.Module):
 
     def _joint_features(self, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """``features`` in one feature-map call for queries and keys together (decoding, where a step's cost
-        is its number of small operators). Every map treats each token and head alike, whether query or key;
-        a query's log scale is dropped (it cancels), as the map does for ``is_query=True``."""
+        is its number of small operators), through the map's ``decode_features`` (equal up to rounding).
+        Every map treats each token and head alike, whether query or key; a query's log scale is dropped
+        (it cancels), as the map does for ``is_query=True``."""
         batch, num_heads, length, head_dim = query.shape
         if not self.share_kv_heads:  # one map per query head: keys repeated, queries and keys along time
             both = torch.cat([query, self._state_heads_view(key)], dim=2)  # (B, H, 2T, D)
-            features, log_scale = self.feature_map(both, is_query=False)
+            features, log_scale = self.feature_map.decode_features(both)
             k_log_scale = None if log_scale is None else log_scale[:, :, length:]
             return features[:, :, :length], features[:, :, length:], k_log_scale
         kv_heads = self.num_kv_heads
@@ -188,8 +191,8 @@ class LinearAttention(nn.Module):
         both = torch.cat(
             [query.view(batch, kv_heads, group, length, head_dim), key.unsqueeze(2)], dim=2
         )  # (B, Hkv, G + 1, T, D): map head h reads its G queries and its key
-        features, log_scale = self.feature_map(
-            both.view(batch, kv_heads * (group + 1), length, head_dim), is_query=False
+        features, log_scale = self.feature_map.decode_features(
+            both.view(batch, kv_heads * (group + 1), length, head_dim)
         )
         features = features.view(batch, kv_heads, group + 1, length, features.shape[-1])
         q_features = features[:, :, :group].reshape(batch, num_heads, length, features.shape[-1])
@@ -197,6 +200,45 @@ class LinearAttention(nn.Module):
             None if log_scale is None else log_scale.view(batch, kv_heads, group + 1, length)[:, :, group]
         )
         return q_features, features[:, :, group], k_log_scale
+
+    def _decode_inputs(self, query: Tensor, key: Tensor, value: Tensor, dtype: torch.dtype):
+        """One token's features grouped by state head, for ``_decode_step``: query (B, H, 1, D), key and
+        value (B, Hkv, 1, D) -> features (B, Hs, G + 1, F) (each state head's G = H // Hs queries, then its
+        key), their log scales (B, Hs, G + 1) or None, values (B, Hs, Dv); None when the inputs are not in
+        ``dtype`` (the state's)."""
+        if query.dtype != dtype or value.dtype != dtype:
+            return None
+        batch, num_heads, _, head_dim = query.shape
+        heads = self.state_heads
+        group = num_heads // heads
+        keys, values = self._state_heads_view(key), self._state_heads_view(value)  # (B, Hs, 1, D)
+        both = torch.cat(
+            [query.view(batch, heads, group, head_dim), keys.view(batch, heads, 1, head_dim)], dim=2
+        )  # (B, Hs, G + 1, D): map head h reads its G queries and its key
+        features, log_scale = self.feature_map.decode_features(
+            both.view(batch, heads * (group + 1), 1, head_dim)
+        )
+        features = features.view(batch, heads, group + 1, features.shape[-1])
+        log_scale = None if log_scale is None else log_scale.view(batch, heads, group + 1)
+        return features, log_scale, values.view(batch, heads, values.shape[-1])
+
+    def _decode_step(self, query: Tensor, key: Tensor, value: Tensor, state) -> tuple[Tensor, object] | None:
+        """One new token with a state and no padding, in the fewest operators (a decoding step's cost is
+        its number of small operators): output (B, 1, H, Dv) and the new state, as the recurrent form gives
+        them up to rounding. None where the layer has no such step (the general forms run then)."""
+        if self.kind != "linear" or not isinstance(state, LinearState):
+            return None
+        inputs = self._decode_inputs(query, key, value, state.kv.dtype)
+        if inputs is None:
+            return None
+        features, log_scale, values = inputs
+        k_log_scale = (
+            state.log_offset.new_zeros(state.log_offset.shape) if log_scale is None else log_scale[..., -1]
+        )
+        output, new_state = linear_decode_step(
+            state, features[:, :, :-1], features[:, :, -1], values, k_log_scale
+        )
+        return output.view(query.shape[0], 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
 
     def take_cache_layer(self):
         """The cache layer for this call, at most once per module forward."""
@@ -217,7 +259,8 @@ class LinearAttention(nn.Module):
 
         Without a cache: the chunked form (``form`` picks "naive" | "chunked" | "recurrent" for tests).
         With a cache layer attached by the conversion hook: the state continues from earlier calls;
-        calls of at most ``decode_tokens`` tokens run the recurrent form, longer ones (prefill) the chunked.
+        calls of at most ``decode_tokens`` tokens run the recurrent form, longer ones (prefill) the chunked;
+        a single unpadded token takes the cell's ``_decode_step`` (the recurrent form's step, fewer operators).
         Padded keys (from a 4-D ``attention_mask``) take part nowhere. ``scaling`` is the teacher's logit
         scale for the window softmax of hybrid layers (default: the one given at construction).
         """
@@ -232,11 +275,17 @@ class LinearAttention(nn.Module):
         scaling = self.scaling if scaling is None else float(scaling)
         cache_layer = self.take_cache_layer()
         state = None if cache_layer is None else cache_layer.state
+        fast_step = form is None and state is not None and length == 1  # a decoding step, see _decode_step
         if form is None:
             form = "recurrent" if state is not None and length <= self.decode_tokens else "chunked"
         if form == "naive" and state is not None:
             raise DoflaError("the naive form cannot continue from a cache state; use chunked or recurrent.")
         key_mask = key_mask_from_attention_mask(attention_mask, length)
+        if fast_step and key_mask is None:
+            step = self._decode_step(query, key, value, state)
+            if step is not None:
+                output, cache_layer.state = step
+                return output
         q_features, k_features, k_log_scale = (
             self.features(query, key) if self.uses_features else (None, None, None)
         )

@@ -34,6 +34,7 @@ from dofla.ops import (
     gated_delta_rule,
     recurrent_gated_delta_rule,
     recurrent_window_attention,
+    update_delta_state,
     window_attention,
 )
 from dofla.ops.state import BatchedState
@@ -126,6 +127,22 @@ class GatedDeltaAttention(LinearAttention):
         output = gamma * window.to(memory.dtype) + (1 - gamma) * memory
         new_state = None if new_memory is None else DeltaHybridState(window=new_window, delta=new_memory)
         return output.to(values.dtype), new_state
+
+    def _decode_step(self, query, key, value, state):
+        """One token (see ``LinearAttention._decode_step``): queries and key normalised together, the two
+        gates from the value, one delta-rule update and one read."""
+        if self.kind != "linear" or not isinstance(state, DeltaState):
+            return None
+        inputs = self._decode_inputs(query, key, value, state.kv.dtype)
+        if inputs is None:
+            return None
+        features, _, values = inputs  # a map's log scale cancels in the normalisation
+        features = F.normalize(features, dim=-1)  # (B, Hs, G + 1, K)
+        log_decay = F.logsigmoid(self.decay.step_logits(values))  # (B, Hs)
+        beta = torch.sigmoid(self.write.step_logits(values))  # (B, Hs)
+        new_state = update_delta_state(state, features[:, :, -1], values, log_decay, beta)
+        output = features[:, :, :-1] @ new_state.kv  # (B, Hs, G, Dv)
+        return output.view(query.shape[0], 1, self.num_heads, -1), new_state
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)

@@ -66,6 +66,15 @@ class FeatureMap(nn.Module):
         """
         raise NotImplementedError
 
+    def decode_features(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``forward(x, is_query=False)`` in the fewest operators, for decoding steps (whose cost is their
+        number of small operators): x (B, Hx, T, D) -> phi (B, Hx, T, F), log_scale (B, Hx, T) or None.
+
+        Equal to ``forward`` up to rounding (a map may reorder its arithmetic); training never takes it.
+        Maps without a faster form run ``forward``.
+        """
+        return self(x, is_query=False)
+
     def group_view(self, x: Tensor) -> Tensor:
         """(B, Hx, T, D) -> (B, num_heads, Hx // num_heads, T, D), checking that the heads divide."""
         batch, heads, length, dim = x.shape

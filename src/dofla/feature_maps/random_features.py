@@ -42,6 +42,7 @@ class _PositiveRandomFeatures(FeatureMap):
     def __init__(self, **shape) -> None:
         super().__init__(**shape)
         self._log_counts: dict = {}  # (dtype, device) -> log(M_h), (num_heads,): built once, not per call
+        self._decode_weights: tuple | None = None  # (key, weight, bias) of decode_features, see there
 
     def directions(self) -> Tensor:  # (num_heads, D, F)
         raise NotImplementedError
@@ -56,6 +57,45 @@ class _PositiveRandomFeatures(FeatureMap):
 
     def log_feature_weights(self) -> Tensor | None:  # (num_heads, F) added to the log-features, or None
         return None
+
+    def _fused_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """sqrt(scaling) * directions (Hm, D, F) and the log-features' bias (Hm, 1, F): -log(M_h) / 2, plus
+        log(alpha) / 2, and -inf for the features a head does not have. Kept between calls while the
+        parameters are unchanged (their version counters) and no gradient is asked for."""
+        directions, log_weights = self.directions(), self.log_feature_weights()
+        parameters = [directions] if log_weights is None else [directions, log_weights]
+        tracked = torch.is_grad_enabled() and any(parameter.requires_grad for parameter in parameters)
+        key = (dtype, *((p.data_ptr(), p._version) for p in parameters))
+        if not tracked and self._decode_weights is not None and self._decode_weights[0] == key:
+            return self._decode_weights[1:]
+        weight = math.sqrt(self.scaling) * directions.to(dtype)
+        bias = (-0.5 * self.log_feature_counts(weight))[:, None].expand(self.num_heads, self.feature_dim)
+        if log_weights is not None:
+            bias = bias + 0.5 * log_weights.to(dtype)
+        if self.has_headwise_dims:
+            bias = bias.masked_fill(~self.feature_mask, float("-inf"))
+        bias = bias[:, None, :].contiguous()  # (Hm, 1, F)
+        if not tracked:
+            self._decode_weights = (key, weight, bias)
+        return weight, bias
+
+    def decode_features(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``forward(x, is_query=False)`` regrouped: the squared norm is constant over a token's features,
+        so it cancels in phi and enters only the log scale; scaling, 1/M_h, alpha and the head-wise mask
+        are folded into one weight and one bias (one batched product for all heads and tokens)."""
+        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
+        batch, heads, group, length, dim = grouped.shape
+        weight, bias = self._fused_weights(grouped.dtype)
+        rows = grouped.reshape(batch, heads, group * length, dim)  # (B, Hm, N, D)
+        if batch == 1:
+            log_features = torch.baddbmm(bias, rows[0], weight)[None]  # (1, Hm, N, F)
+        else:
+            log_features = torch.matmul(rows, weight) + bias
+        token_max = log_features.amax(-1)  # (B, Hm, N)
+        features = torch.exp(log_features - token_max[..., None])
+        log_scale = torch.sub(token_max, torch.linalg.vecdot(rows, rows), alpha=0.5 * self.scaling)
+        shape = x.shape[:3]
+        return features.view(shape + (self.feature_dim,)).to(x.dtype), log_scale.view(shape)
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)

@@ -27,21 +27,41 @@ from dofla.ops.state import HybridState, LinearState, WindowState, exp_relative
 
 def update_linear_state(state: LinearState, k_features: Tensor, v: Tensor, log_scale: Tensor) -> LinearState:
     """Add one key per head: k_features (B, Hk, F), v (B, Hk, Dv), log_scale (B, Hk). Returns a new state."""
+    batch, num_kv_heads, feature_dim = k_features.shape
     log_offset = torch.maximum(state.log_offset, log_scale)  # (B, Hk)
-    decay = exp_relative(state.log_offset, log_offset)  # (B, Hk), <= 1
-    weighted_key = k_features * exp_relative(log_scale, log_offset)[..., None]  # (B, Hk, F)
+    # exp_relative of the old offset and of the key against the new one, sharing its clamp
+    finite_offset = log_offset.clamp_min(torch.finfo(log_offset.dtype).min)
+    decay = torch.exp(state.log_offset - finite_offset).view(batch, num_kv_heads, 1)  # (B, Hk, 1), <= 1
+    weighted_key = k_features * torch.exp(log_scale - finite_offset).view(
+        batch, num_kv_heads, 1
+    )  # (B, Hk, F)
     kv = torch.addcmul(
-        state.kv * decay[..., None, None], weighted_key[..., :, None], v[..., None, :]
+        state.kv * decay.unsqueeze(-1), weighted_key.unsqueeze(-1), v.unsqueeze(-2)
     )  # (B, Hk, F, Dv)
-    normalizer = torch.addcmul(weighted_key, state.normalizer, decay[..., None])  # (B, Hk, F)
+    normalizer = torch.addcmul(weighted_key, state.normalizer, decay)  # (B, Hk, F)
     return LinearState(kv, normalizer, log_offset, state.num_tokens + 1)
 
 
 def _read_linear_state(state: LinearState, q_features: Tensor) -> tuple[Tensor, Tensor]:
     """q_features (B, Hk, G, F) -> numerator (B, Hk, G, Dv), denominator (B, Hk, G), relative to the offset."""
     numerator = q_features @ state.kv  # (B, Hk, G, Dv)
-    denominator = (q_features @ state.normalizer[..., None]).squeeze(-1)  # (B, Hk, G)
+    denominator = torch.linalg.vecdot(q_features, state.normalizer.unsqueeze(-2))  # (B, Hk, G)
     return numerator, denominator
+
+
+def linear_decode_step(
+    state: LinearState,
+    q_features: Tensor,
+    k_features: Tensor,
+    v: Tensor,
+    log_scale: Tensor,
+    eps: float = 1e-6,
+) -> tuple[Tensor, LinearState]:
+    """One token of ``recurrent_linear_attention``: q_features (B, Hk, G, F), k_features (B, Hk, F),
+    v (B, Hk, Dv), log_scale (B, Hk), all in the state's dtype -> out (B, Hk, G, Dv) and the new state."""
+    state = update_linear_state(state, k_features, v, log_scale)
+    numerator, denominator = _read_linear_state(state, q_features)
+    return numerator / (denominator.unsqueeze(-1) + eps), state
 
 
 def _log_scale_or_zeros(k_log_scale: Tensor | None, k_features: Tensor, dtype: torch.dtype) -> Tensor:
@@ -79,9 +99,10 @@ def recurrent_linear_attention(
     log_scale = _log_scale_or_zeros(k_log_scale, k_features, dtype)  # (B, Hk, T)
     outputs = []
     for t in range(length):
-        state = update_linear_state(state, k[:, :, t], values[:, :, t], log_scale[:, :, t])
-        numerator, denominator = _read_linear_state(state, q[:, :, :, t])
-        outputs.append(numerator / (denominator[..., None] + eps))  # (B, Hk, G, Dv)
+        output, state = linear_decode_step(
+            state, q[:, :, :, t], k[:, :, t], values[:, :, t], log_scale[:, :, t], eps
+        )
+        outputs.append(output)  # (B, Hk, G, Dv)
     out = stack_tokens(outputs).reshape(batch, num_heads, length, value_dim)
     return out.to(v.dtype), state
 
