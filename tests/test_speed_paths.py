@@ -221,24 +221,30 @@ def test_prf_decode_features_match_forward_and_follow_parameter_updates(name, ba
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
-DECODE_CASES = [
-    ("linear", "learnable_prf", True),
-    ("linear", "hedgehog", False),
-    ("gla", "learnable_prf", True),
-    ("gla", "t2r", False),
-    ("gated_delta", "projection", True),
-    ("gated_delta", "learnable_prf", False),
+DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window
+    ("linear", "linear", "learnable_prf", True, 64),
+    ("linear", "linear", "hedgehog", False, 64),
+    ("gla", "linear", "learnable_prf", True, 64),
+    ("gla", "linear", "t2r", False, 64),
+    ("gated_delta", "linear", "projection", True, 64),
+    ("gated_delta", "linear", "learnable_prf", False, 64),
+    ("window", "hybrid", "learnable_prf", True, 3),  # the window is full: its oldest key leaves
+    ("window", "hybrid", "learnable_prf", False, 10),  # not yet full
 ]
 
 
-@pytest.mark.parametrize("cell, feature_map, share", DECODE_CASES)
-def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(cell, feature_map, share):
+@pytest.mark.parametrize("cell, kind, feature_map, share, window", DECODE_CASES)
+def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
+    cell, kind, feature_map, share, window
+):
     """A single decoded token through the cell's ``_decode_step`` (what generation runs) against the
     recurrent form from the same state: output, new state, and gradients of the inputs and parameters."""
     from dofla.cache import RecurrentCacheLayer
     from dofla.cells import build_student
 
-    plan = LayerPlan(kind="linear", cell=cell, feature_map=feature_map, feature_dim=6, share_kv_heads=share)
+    plan = LayerPlan(
+        kind=kind, cell=cell, feature_map=feature_map, feature_dim=6, share_kv_heads=share, window=window
+    )
     torch.manual_seed(0)
     student = build_student(
         plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5
@@ -258,7 +264,7 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(cell,
         student(draw(4, 7), draw(2, 7), draw(2, 7))  # the prefill that makes the state
     state = layer.state
     query, key, value = draw(4, 1, True), draw(2, 1, True), draw(2, 1, True)
-    assert student._decode_step(query, key, value, state) is not None
+    assert student._decode_step(query, key, value, state, 8**-0.5) is not None
     results = {}
     for form in (None, "recurrent"):
         layer.state = state

@@ -222,10 +222,13 @@ class LinearAttention(nn.Module):
         log_scale = None if log_scale is None else log_scale.view(batch, heads, group + 1)
         return features, log_scale, values.view(batch, heads, values.shape[-1])
 
-    def _decode_step(self, query: Tensor, key: Tensor, value: Tensor, state) -> tuple[Tensor, object] | None:
+    def _decode_step(
+        self, query: Tensor, key: Tensor, value: Tensor, state, scaling: float
+    ) -> tuple[Tensor, object] | None:
         """One new token with a state and no padding, in the fewest operators (a decoding step's cost is
         its number of small operators): output (B, 1, H, Dv) and the new state, as the recurrent form gives
-        them up to rounding. None where the layer has no such step (the general forms run then)."""
+        them up to rounding (``scaling``: the window softmax's logit scale). None where the layer has no
+        such step (the general forms run then)."""
         if self.kind != "linear" or not isinstance(state, LinearState):
             return None
         inputs = self._decode_inputs(query, key, value, state.kv.dtype)
@@ -282,7 +285,7 @@ class LinearAttention(nn.Module):
             raise DoflaError("the naive form cannot continue from a cache state; use chunked or recurrent.")
         key_mask = key_mask_from_attention_mask(attention_mask, length)
         if fast_step and key_mask is None:
-            step = self._decode_step(query, key, value, state)
+            step = self._decode_step(query, key, value, state, scaling)
             if step is not None:
                 output, cache_layer.state = step
                 return output

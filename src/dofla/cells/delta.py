@@ -37,6 +37,7 @@ from dofla.ops import (
     update_delta_state,
     window_attention,
 )
+from dofla.ops.recurrent import window_decode_step
 from dofla.ops.state import BatchedState
 
 DEFAULT_BETA = 0.5
@@ -128,7 +129,7 @@ class GatedDeltaAttention(LinearAttention):
         new_state = None if new_memory is None else DeltaHybridState(window=new_window, delta=new_memory)
         return output.to(values.dtype), new_state
 
-    def _decode_step(self, query, key, value, state):
+    def _decode_step(self, query, key, value, state, scaling):
         """One token (see ``LinearAttention._decode_step``): queries and key normalised together, the two
         gates from the value, one delta-rule update and one read."""
         if self.kind != "linear" or not isinstance(state, DeltaState):
@@ -167,3 +168,22 @@ class WindowAttention(LinearAttention):
     ):
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
         return _window_part(self, form, query, keys, values, key_mask, scaling, state)
+
+    def _decode_step(self, query, key, value, state, scaling):
+        """One token (see ``LinearAttention._decode_step``): the window's fused softmax step, without
+        sinks or soft-capping (the recurrent form serves those)."""
+        if (
+            self.sinks
+            or self.softcap
+            or not isinstance(state, WindowState)
+            or state.keys.dtype != query.dtype
+        ):
+            return None
+        batch, num_heads, _, head_dim = query.shape
+        heads = self.state_heads
+        keys, values = self._state_heads_view(key), self._state_heads_view(value)  # (B, Hs, 1, D)
+        queries = query.view(batch, heads, num_heads // heads, head_dim)  # (B, Hs, G, D)
+        output, new_state = window_decode_step(
+            state, queries, keys, values.to(state.values.dtype), scaling=scaling
+        )
+        return output.view(batch, 1, num_heads, -1), new_state  # (B, 1, H, Dv)

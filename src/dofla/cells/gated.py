@@ -130,7 +130,7 @@ class GatedLinearAttention(LinearAttention):
         new_state = None if inner is None else GatedState(inner, total[..., -1].clone())
         return output, new_state
 
-    def _decode_step(self, query, key, value, state):
+    def _decode_step(self, query, key, value, state, scaling):
         """One token (see ``LinearAttention._decode_step``): the gate's log decay joins the running total
         A_t, and the key enters the inner linear state with log scale ``s_t - A_t``."""
         if (
