@@ -193,32 +193,41 @@ def test_prf_rows_alone_agree_with_the_batch_and_missing_features_are_zero(name)
 
 @pytest.mark.parametrize("name", ["prf", "learnable_prf"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_prf_decode_features_match_forward_and_follow_parameter_updates(name, batch):
-    """The regrouped PRF (one product, norm only in the log scale) against the reference formula: forward
-    and gradients, with head-wise dimensions; without gradients its folded weights are kept, and rebuilt
-    once a parameter changes in place (an optimiser step, a load)."""
+@pytest.mark.parametrize("is_query", [False, True])
+def test_prf_forward_matches_the_reference_formula_and_follows_parameter_updates(name, batch, is_query):
+    """The regrouped PRF (one product, the norm only in the log scale) against the formula as written:
+    forward and gradients, with head-wise dimensions; without gradients its folded weights are kept, and
+    rebuilt once a parameter changes in place (an optimiser step, a load)."""
     from dofla.feature_maps import build_feature_map
 
     feature_map = build_feature_map(
         name, num_heads=2, head_dim=8, feature_dim=6, scaling=8**-0.5, head_feature_dims=[6, 4]
     ).double()
+    with torch.no_grad():
+        for parameter in feature_map.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 4, 3, 8, generator=generator, dtype=torch.float64, requires_grad=True)
-    expected, got = feature_map(x, is_query=False), feature_map.decode_features(x)
+    expected = feature_map.reference_forward(x, is_query=is_query)
+    got = feature_map(x, is_query=is_query)
+    assert (got[1] is None) == (expected[1] is None) == is_query
     for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
-    weights = [torch.randn(t.shape, generator=generator, dtype=t.dtype) for t in expected]
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    weights = [torch.randn(t.shape, generator=generator, dtype=t.dtype) for t in expected if t is not None]
     inputs = (x, *[p for p in feature_map.parameters() if p.requires_grad])
     for a, b in zip(
         weighted_gradients(got, weights, inputs), weighted_gradients(expected, weights, inputs), strict=True
     ):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     with torch.no_grad():
-        feature_map.decode_features(x)  # folded weights kept from here
-        directions = feature_map.directions()
-        directions.mul_(1.5)
-        for a, b in zip(feature_map.decode_features(x), feature_map(x, is_query=False), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+        feature_map(x, is_query=is_query)  # folded weights kept from here
+        feature_map.directions().mul_(1.5)
+        got = feature_map(x, is_query=is_query)
+        expected = feature_map.reference_forward(x, is_query=is_query)
+        for a, b in zip(got, expected, strict=True):
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
 DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window

@@ -79,25 +79,36 @@ class _PositiveRandomFeatures(FeatureMap):
             self._decode_weights = (key, weight, bias)
         return weight, bias
 
-    def decode_features(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``forward(x, is_query=False)`` regrouped: the squared norm is constant over a token's features,
-        so it cancels in phi and enters only the log scale; scaling, 1/M_h, alpha and the head-wise mask
-        are folded into one weight and one bias (one batched product for all heads and tokens)."""
+    def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
+        """``reference_forward`` regrouped into fewer passes over the (T, F) features: the squared norm is
+        the same for all of a token's features, so it cancels in phi and enters only the keys' log scale;
+        scaling, 1/M_h, alpha and the head-wise mask are folded into one weight and one bias, so the
+        log-features are one batched product (with its bias for a batch of one)."""
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
         batch, heads, group, length, dim = grouped.shape
-        weight, bias = self._fused_weights(grouped.dtype)
+        weight, bias = self._fused_weights(grouped.dtype)  # (Hm, D, F), (Hm, 1, F)
         rows = grouped.reshape(batch, heads, group * length, dim)  # (B, Hm, N, D)
         if batch == 1:
             log_features = torch.baddbmm(bias, rows[0], weight)[None]  # (1, Hm, N, F)
         else:
-            log_features = torch.matmul(rows, weight) + bias
-        token_max = log_features.amax(-1)  # (B, Hm, N)
-        features = torch.exp(log_features - token_max[..., None])
-        log_scale = torch.sub(token_max, torch.linalg.vecdot(rows, rows), alpha=0.5 * self.scaling)
+            log_features = torch.matmul(rows, weight) + bias  # (B, Hm, N, F)
+        token_max = log_features.amax(-1, keepdim=True)  # (B, Hm, N, 1)
+        if torch.is_grad_enabled() and log_features.requires_grad:  # amax keeps its input for backward
+            features = torch.exp(log_features - token_max)
+        else:
+            features = log_features.sub_(token_max).exp_()
         shape = x.shape[:3]
-        return features.view(shape + (self.feature_dim,)).to(x.dtype), log_scale.view(shape)
+        features = features.view(shape + (self.feature_dim,)).to(x.dtype)
+        if is_query:
+            return features, None
+        log_scale = torch.sub(
+            token_max.squeeze(-1), torch.linalg.vecdot(rows, rows), alpha=0.5 * self.scaling
+        )
+        return features, log_scale.view(shape)
 
-    def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
+    def reference_forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
+        """The formula as written (the module docstring's), one operation per term: what ``forward`` must
+        equal up to rounding, in its outputs and gradients."""
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
         projection = torch.einsum(
             "bhgtd,hdf->bhgtf", grouped, self.directions().to(grouped.dtype)
