@@ -50,6 +50,19 @@ def linear_attention_sums(
     denominator (B, Hk, G, T), both divided by exp(m_t) with m_t the running maximum of the log scales
     (including the state's offset), and the state after the last token.
     """
+    sums, final = linear_attention_chunk_sums(q, k, v, log_scale, state, chunk_size)
+    batch, num_kv_heads, num_chunks, group, size, width = sums.shape
+    sums = sums.transpose(2, 3).reshape(batch, num_kv_heads, group, num_chunks * size, width)
+    length = q.shape[3]
+    return sums[..., :length, :-1], sums[..., :length, -1], final
+
+
+def linear_attention_chunk_sums(
+    q: Tensor, k: Tensor, v: Tensor, log_scale: Tensor | None, state: LinearState | None, chunk_size: int
+) -> tuple[Tensor, LinearState]:
+    """``linear_attention_sums`` in the chunks' own layout: sums (B, Hk, N, G, C, Dv + 1) with the
+    numerator in the first Dv columns and the denominator in the last (tokens past T are padding), and
+    the state after the last token; a caller that reorders the output anyway saves one copy."""
     batch, num_kv_heads, group, length, feature_dim = q.shape
     value_dim = v.shape[-1]
     size = chunk_size
@@ -126,21 +139,19 @@ def linear_attention_sums(
         final_offset = entering[..., -1].clone()
         previous_tokens = 0 if state is None else state.num_tokens
 
-    sums = intra.view(batch, num_kv_heads, num_chunks, group * size, size) @ v_chunks + inter.view(
-        batch, num_kv_heads, num_chunks, group * size, value_dim + 1
-    )  # (B, Hk, N, G * C, Dv + 1)
-    sums = (
-        sums.view(batch, num_kv_heads, num_chunks, group, size, value_dim + 1)
-        .transpose(2, 3)
-        .reshape(batch, num_kv_heads, group, num_chunks * size, value_dim + 1)[..., :length, :]
-    )  # (B, Hk, G, T, Dv + 1)
+    rows, width = batch * num_kv_heads * num_chunks, value_dim + 1
+    sums = torch.baddbmm(
+        inter.reshape(rows, group * size, width),
+        intra.reshape(rows, group * size, size),
+        v_chunks.reshape(rows, size, width),
+    ).view(batch, num_kv_heads, num_chunks, group, size, width)  # (B, Hk, N, G, C, Dv + 1)
     final = LinearState(
         states[:, :, -1, :, :value_dim].clone(),  # copies: a view would keep all N + 1 states alive
         states[:, :, -1, :, value_dim].clone(),
         final_offset,
         previous_tokens + length,
     )
-    return sums[..., :value_dim], sums[..., value_dim], final
+    return sums, final
 
 
 def _mix_chunk_states(sum_chunks: Tensor, entering: Tensor, state: LinearState | None) -> Tensor:
@@ -214,14 +225,13 @@ def chunked_linear_attention(
     log_scale = None if k_log_scale is None else k_log_scale.to(dtype)
     if log_scale is None and initial_state is not None:
         log_scale = torch.zeros(k_features.shape[:3], dtype=dtype, device=k_features.device)
-    numerator, denominator, state = linear_attention_sums(
+    sums, state = linear_attention_chunk_sums(
         q, k_features.to(dtype), v.to(dtype), log_scale, initial_state, size
     )
-    out = (
-        (numerator / (denominator[..., None] + eps))
-        .reshape(batch, num_heads, length, v.shape[-1])
-        .to(v.dtype)
-    )
+    chunks = sums[..., :-1] / (sums[..., -1:] + eps)  # (B, Hk, N, G, C, Dv)
+    # one copy into (B, T, H, Dv), the layout the attention module returns: its transpose is then free
+    out = chunks.permute(0, 2, 4, 1, 3, 5).reshape(batch, -1, num_heads, v.shape[-1])[:, :length]
+    out = out.transpose(1, 2).to(v.dtype)  # (B, H, T, Dv)
     return (out, state) if return_state else out
 
 
