@@ -292,3 +292,38 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     for a, b in zip(fast_gradients, slow_gradients, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("length, window, chunk", [(13, 5, 4), (13, 3, 8), (16, 6, 4), (5, 8, 4)])
+def test_fresh_window_attention_matches_the_reference_and_the_general_chunked_path(length, window, chunk):
+    """A window prefill from no state (no padding, sinks or soft-capping) takes one fused softmax call per
+    chunk: against the naive form (forward and gradients) and the general blocked path (output, state)."""
+    from dofla.ops import chunked_window_attention, window_attention
+
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (
+        torch.randn(2, heads, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+        for heads in (4, 2, 2)
+    )
+    settings = dict(scaling=8**-0.5, window=window)
+    fast, fast_state = chunked_window_attention(
+        query, key, value, chunk_size=chunk, return_state=True, **settings
+    )
+    expected = window_attention(query, key, value, **settings)
+    torch.testing.assert_close(fast, expected, rtol=1e-10, atol=1e-12)
+    weights = torch.randn(expected.shape, generator=generator, dtype=expected.dtype)
+    inputs = (query, key, value)
+    for a, b in zip(
+        weighted_gradients([fast], [weights], inputs),
+        weighted_gradients([expected], [weights], inputs),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    all_present = torch.ones(2, length, dtype=torch.bool)  # a key mask takes the general blocked path
+    general, general_state = chunked_window_attention(
+        query, key, value, chunk_size=chunk, return_state=True, key_mask=all_present, **settings
+    )
+    torch.testing.assert_close(fast, general, rtol=1e-10, atol=1e-12)
+    assert fast_state.num_tokens == general_state.num_tokens == length
+    for a, b in zip(fast_state._tensors(), general_state._tensors(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)

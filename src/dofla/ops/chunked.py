@@ -489,6 +489,49 @@ def chunked_hybrid_attention(
     return out, state
 
 
+def _fresh_window_attention(
+    query: Tensor, key: Tensor, v: Tensor, *, scaling: float, window: int, chunk_size: int
+) -> tuple[Tensor, WindowState]:
+    """``chunked_window_attention`` from no state, with every key present and no sinks or soft-capping:
+    per chunk of C queries, one fused softmax attention call over the C + window - 1 keys it can see
+    (every query sees at least itself, so no row is empty). Returns out (B, H, T, Dv) in v's dtype (a
+    transposed view of a (B, T, H, Dv) tensor) and the WindowState after the call."""
+    dtype = compute_dtype(query, key, v)
+    batch, num_heads, length, head_dim = query.shape
+    num_kv_heads, value_dim = key.shape[1], v.shape[-1]
+    group, size = num_heads // num_kv_heads, min(chunk_size, length)
+    num_chunks = -(-length // size)
+    pad, span = num_chunks * size - length, size + window - 1  # span: the keys one chunk can see
+    queries = (
+        F.pad(query.to(dtype), (0, 0, 0, pad))
+        .view(batch, num_kv_heads, group, num_chunks, size, head_dim)
+        .transpose(2, 3)
+        .reshape(batch, num_kv_heads, num_chunks, group * size, head_dim)
+    )  # (B, Hk, N, G * C, D): a chunk's queries of a key/value head are rows of one call
+    # keys shifted right by window - 1, so that block n starts at absolute position n * C - (window - 1)
+    key_blocks = F.pad(key.to(dtype), (0, 0, window - 1, pad)).unfold(2, span, size).transpose(-1, -2)
+    value_blocks = F.pad(v.to(dtype), (0, 0, window - 1, pad)).unfold(2, span, size).transpose(-1, -2)
+    row = torch.arange(size, device=query.device)[:, None]  # query r in its chunk
+    column = torch.arange(span, device=query.device)[None, :]  # key u in the block
+    chunk_start = (torch.arange(num_chunks, device=query.device) * size)[:, None, None]
+    visible = (column >= row) & (column <= row + window - 1) & (chunk_start + column - (window - 1) >= 0)
+    visible = visible.repeat(1, group, 1)  # (N, G * C, S)
+    out = F.scaled_dot_product_attention(
+        queries, key_blocks.contiguous(), value_blocks.contiguous(), attn_mask=visible, scale=scaling
+    )  # (B, Hk, N, G * C, Dv)
+    out = (
+        out.view(batch, num_kv_heads, num_chunks, group, size, value_dim)
+        .permute(0, 2, 4, 1, 3, 5)
+        .reshape(batch, num_chunks * size, num_heads, value_dim)[:, :length]
+    )  # (B, T, H, Dv)
+    keep = min(window, length)
+    state = WindowState.empty_like(key, v, window)
+    state.keys, state.values = key[:, :, -keep:].clone(), v[:, :, -keep:].clone()
+    state.key_present = torch.ones(batch, num_kv_heads, keep, dtype=torch.bool, device=key.device)
+    state.num_tokens = length
+    return out.transpose(1, 2).to(v.dtype), state
+
+
 def chunked_window_attention(
     query: Tensor,
     key: Tensor,
@@ -511,6 +554,11 @@ def chunked_window_attention(
     """
     group = check_window_inputs(query, key, v, window, sinks)
     size = _check_chunk_size(chunk_size)
+    if not sinks and not softcap and key_mask is None and initial_state is None:
+        out, state = _fresh_window_attention(
+            query, key, v, scaling=scaling, window=int(window), chunk_size=size
+        )
+        return (out, state) if return_state else out
     present = present_keys(key_mask, key)  # (B, Hk, T)
     if key_mask is not None:
         v = v.masked_fill(~present[..., None], 0)
