@@ -327,3 +327,29 @@ def test_fresh_window_attention_matches_the_reference_and_the_general_chunked_pa
     assert fast_state.num_tokens == general_state.num_tokens == length
     for a, b in zip(fast_state._tensors(), general_state._tensors(), strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_chunk_size_comes_from_the_measured_table_unless_the_plan_sets_one(tmp_path, capsys, one_thread):
+    from dofla.ops.chunked import CHUNK_SIZES, choose_chunk_size
+
+    for op, rows in CHUNK_SIZES.items():
+        lengths = [length for length, _ in rows]
+        assert lengths == sorted(lengths), f"{op}: rows must grow in length"
+        for length, size in rows:
+            assert choose_chunk_size(op, length) == size
+        assert choose_chunk_size(op, lengths[-1] * 4) == rows[-1][1]  # beyond the table: its last size
+    shape = dict(layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)
+    default = LinearAttention(LayerPlan(kind="linear", feature_dim=6), **shape)
+    assert default.chunk_size is None
+    assert default.chunk_size_for("linear", 20000) == choose_chunk_size("linear", 20000)
+    fixed = LinearAttention(LayerPlan(kind="linear", feature_dim=6, options={"chunk_size": 8}), **shape)
+    assert fixed.chunk_size_for("linear", 20000) == 8
+
+    sweep = bench_script("sweep_chunk_size")
+    out = tmp_path / "chunk_sizes.json"
+    arguments = ["--lengths", "40", "--chunks", "8,16", "--repeats", "1", "--window", "4", "--out", str(out)]
+    assert sweep.main([*arguments, "--heads", "4", "--kv-heads", "2", "--dim", "8"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"linear 40", "delta 40", "window 40"}
+    assert all(row["chosen"] in (8, 16) for row in rows.values())
+    assert '"linear": ((40, ' in capsys.readouterr().out

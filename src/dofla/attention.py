@@ -25,12 +25,12 @@ from dofla.ops import (
     recurrent_hybrid_attention,
     recurrent_linear_attention,
 )
+from dofla.ops.chunked import choose_chunk_size
 from dofla.ops.recurrent import linear_decode_step
 from dofla.ops.state import LinearState
 
 FORMS = ("naive", "chunked", "recurrent")
 DEFAULT_WINDOW_FACTOR = 0.1  # LoLCATs: gamma = sigmoid(w) starts near 0.1
-DEFAULT_CHUNK_SIZE = 64
 DEFAULT_DECODE_TOKENS = 4  # calls with at most this many new tokens and a state run the recurrent form
 
 
@@ -68,7 +68,8 @@ class LinearAttention(nn.Module):
     With ``plan.share_kv_heads`` the feature map has one parameter set per key/value head and the state is
     per key/value head (H / Hkv times smaller); otherwise one per query head, keys and values repeated.
     Module options in ``plan.options`` (the rest goes to the feature map): ``window_factor`` (initial
-    gamma of hybrid layers, default 0.1), ``chunk_size`` (default 64), ``decode_tokens`` (default 4).
+    gamma of hybrid layers, default 0.1), ``chunk_size`` (default: per op and length from
+    ``dofla.ops.chunked.CHUNK_SIZES``), ``decode_tokens`` (default 4).
     A feature map that takes a ``seed`` gets the layer index unless the plan gives one, so layers draw
     different random features.
     """
@@ -105,7 +106,8 @@ class LinearAttention(nn.Module):
         self.window = int(plan.window)
         options = dict(plan.options)
         initial_gamma = float(options.pop("window_factor", self.default_window_factor))
-        self.chunk_size = int(options.pop("chunk_size", DEFAULT_CHUNK_SIZE))
+        chunk_size = options.pop("chunk_size", None)  # None: chosen per op and length (CHUNK_SIZES)
+        self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.decode_tokens = int(options.pop("decode_tokens", DEFAULT_DECODE_TOKENS))
         self.cell_options = {name: options.pop(name) for name in self.CELL_OPTIONS if name in options}
         self.sinks = int(plan.sinks)
@@ -243,6 +245,11 @@ class LinearAttention(nn.Module):
         )
         return output.view(query.shape[0], 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
 
+    def chunk_size_for(self, op: str, length: int) -> int:
+        """The chunked form's chunk size: the plan's ``chunk_size`` option, else the measured table's for
+        ``op`` ("linear", "delta", "window") at ``length`` tokens."""
+        return self.chunk_size or choose_chunk_size(op, length)
+
     def take_cache_layer(self):
         """The cache layer for this call, at most once per module forward."""
         layer, self.pending_cache_layer = self.pending_cache_layer, None
@@ -305,7 +312,8 @@ class LinearAttention(nn.Module):
     ):
         """Run one form; returns out (B, H, T, Dv) and the new state (None for the naive form)."""
         common = dict(k_log_scale=k_log_scale, key_mask=key_mask)
-        chunked = dict(chunk_size=self.chunk_size, initial_state=state, return_state=True)
+        chunk_size = self.chunk_size_for("linear", q_features.shape[2])
+        chunked = dict(chunk_size=chunk_size, initial_state=state, return_state=True)
         if self.kind == "linear":
             if form == "naive":
                 return linear_attention(q_features, k_features, values, **common), None

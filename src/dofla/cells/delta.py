@@ -66,7 +66,13 @@ def _window_part(cell: LinearAttention, form, query, keys, values, key_mask, sca
     if form == "recurrent":
         return recurrent_window_attention(query, keys, values, state=state, **common)
     return chunked_window_attention(
-        query, keys, values, chunk_size=cell.chunk_size, initial_state=state, return_state=True, **common
+        query,
+        keys,
+        values,
+        chunk_size=cell.chunk_size_for("window", query.shape[2]),
+        initial_state=state,
+        return_state=True,
+        **common,
     )
 
 
@@ -114,7 +120,7 @@ class GatedDeltaAttention(LinearAttention):
                 values,
                 log_decay,
                 beta,
-                chunk_size=self.chunk_size,
+                chunk_size=self.chunk_size_for("delta", q.shape[2]),
                 initial_state=memory_state,
                 return_state=True,
                 key_mask=key_mask,

@@ -34,6 +34,25 @@ NEGATIVE_INFINITY = float("-inf")
 SCAN_ABOVE_CHUNKS = 16  # more chunks than this: the states entering them by a scan, not an (N, N) product
 
 
+# Chunk size per chunked op and prefill length, chosen by a measured sweep (bench/sweep_chunk_size.py,
+# SmolLM2-135M's attention shape, float32, one CPU thread; its table is bench/results/chunk_sizes.md):
+# rows (longest length, chunk size), the last row's size beyond. A plan's ``chunk_size`` option overrides.
+CHUNK_SIZES: dict[str, tuple[tuple[int, int], ...]] = {
+    "linear": ((4096, 32), (16384, 64)),
+    "delta": ((4096, 32), (16384, 16)),
+    "window": ((1024, 16), (16384, 32)),
+}
+
+
+def choose_chunk_size(op: str, length: int) -> int:
+    """The chunk size of ``CHUNK_SIZES`` for ``op`` ("linear", "delta" or "window") at ``length`` tokens."""
+    rows = CHUNK_SIZES[op]
+    for longest, size in rows:
+        if length <= longest:
+            return size
+    return rows[-1][1]
+
+
 def _check_chunk_size(chunk_size: int) -> int:
     if int(chunk_size) <= 0:
         raise DoflaError(f"chunk_size must be a positive number of tokens, got {chunk_size}.")
