@@ -14,6 +14,7 @@ bfloat16, forward and backward, and the cells dispatching there. Run them with
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from ops_helpers import relative_error
 from dofla.cache import RecurrentCacheLayer
 from dofla.cells import build_student
 from dofla.config import LayerPlan
+from dofla.errors import DoflaError
 from dofla.ops import (
     chunked_gated_delta_rule,
     chunked_hybrid_attention,
@@ -320,6 +322,17 @@ def test_the_switch_keeps_cpu_float64_and_disabled_runs_on_pytorch(monkeypatch):
     assert fla_backend.enabled()
     monkeypatch.setenv("DOFLA_FLA", "0")
     assert not fla_backend.enabled()
+
+
+def test_an_fla_that_does_not_import_is_an_error_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(fla_backend.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)  # importing it raises ImportError
+    fla_backend.fla_kernels.cache_clear()
+    try:
+        with pytest.raises(DoflaError, match="fla is installed but its kernels do not import .*DOFLA_FLA=0"):
+            fla_backend.fla_kernels()
+    finally:
+        fla_backend.fla_kernels.cache_clear()
 
 
 CELL_CASES = [

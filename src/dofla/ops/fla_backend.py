@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from dofla.errors import DoflaError
 from dofla.ops.state import LinearState, exp_relative
 
 ENVIRONMENT_SWITCH = "DOFLA_FLA"  # "0" keeps every op on PyTorch
@@ -60,12 +61,18 @@ def enabled() -> bool:
 
 @functools.cache
 def fla_kernels() -> tuple[SimpleGLAKernel, GatedDeltaKernel] | None:
-    """fla's (chunk_simple_gla, chunk_gated_delta_rule), or None when fla is not installed."""
+    """fla's (chunk_simple_gla, chunk_gated_delta_rule), or None when fla is not installed; a DoflaError when
+    it is installed but does not import (e.g. a Triton it does not support)."""
     if importlib.util.find_spec("fla") is None:
         return None
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from fla.ops.simple_gla import chunk_simple_gla
-
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.simple_gla import chunk_simple_gla
+    except (ImportError, RuntimeError, AttributeError) as error:
+        raise DoflaError(
+            f"fla is installed but its kernels do not import ({error}); install the pinned version with "
+            "`pip install -c constraints.txt -e '.[fla]'`, or set DOFLA_FLA=0 to run on PyTorch."
+        ) from error
     return chunk_simple_gla, chunk_gated_delta_rule
 
 
