@@ -24,7 +24,9 @@ from ops_helpers import relative_error
 from dofla.cache import RecurrentCacheLayer
 from dofla.cells import build_student
 from dofla.config import LayerPlan
+from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
+from dofla.models import build_tiny_model
 from dofla.ops import (
     chunked_gated_delta_rule,
     chunked_hybrid_attention,
@@ -107,10 +109,11 @@ def gate_precision(tensor):
     return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
-def gla_log_scales(log_alpha_logits, k_log_scale):
-    """The gla cell's key log scales: the feature map's minus the cumulative log decay (grows with t)."""
-    log_alpha_logits, k_log_scale = gate_precision(log_alpha_logits), gate_precision(k_log_scale)
-    return k_log_scale - torch.cumsum(F.logsigmoid(log_alpha_logits), dim=-1)
+def gla_log_scales(gate_logits, k_log_scale):
+    """The gla cell's key log scales: the feature map's minus the cumulative log decay (grows with t), with
+    decays alpha = sigmoid(2 x + 2) (mostly remembering: memories of a few to tens of tokens)."""
+    log_alpha = F.logsigmoid(2 * gate_precision(gate_logits) + 2)
+    return gate_precision(k_log_scale) - torch.cumsum(log_alpha, dim=-1)
 
 
 class LinearCase:
@@ -137,7 +140,7 @@ class LinearCase:
     def run(self, kernel):
         """Outputs and state tensors to differentiate, and the state's exact bookkeeping to compare."""
         x = self.inputs
-        log_scale = gla_log_scales(2 * x["gate_logits"] + 2, x["k_log_scale"]) if self.log_scales else None
+        log_scale = gla_log_scales(x["gate_logits"], x["k_log_scale"]) if self.log_scales else None
         results, state = [], None
         for part in (slice(0, self.split), slice(self.split, None)):
             out, state = chunked_linear_attention(
@@ -181,7 +184,7 @@ class HybridCase:
 
     def run(self, kernel):
         x = self.inputs
-        log_scale = gla_log_scales(2 * x["gate_logits"] + 2, x["k_log_scale"])
+        log_scale = gla_log_scales(x["gate_logits"], x["k_log_scale"])
         gamma = torch.sigmoid(x["window_logits"])
         common = dict(scaling=0.5, window=self.window, window_factor=gamma, sinks=self.sinks)
         results, state = [], None
@@ -510,3 +513,25 @@ def test_cells_dispatch_to_fla_on_gpu(monkeypatch, cell, kind, feature_map, shar
     assert relative_error(output, expected) < 5e-3
     for actual, reference in zip(gradients, expected_gradients, strict=True):
         assert relative_error(actual, reference, floor=1e-3) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("cell", ["gla", "gated_delta"])
+def test_a_converted_model_on_gpu_gives_the_pytorch_logits_and_generates(monkeypatch, cell):
+    """A whole converted tiny model on CUDA: logits with fla's kernels (default) against ``DOFLA_FLA=0``, and a
+    greedy generation (prefill on the kernels, decoding on PyTorch from their states) that runs."""
+    feature_map = "projection" if cell == "gated_delta" else "hedgehog"
+    model = build_tiny_model("llama", seed=0)
+    convert(
+        model,
+        plan_for(model, kind="hybrid", cell=cell, feature_map=feature_map, feature_dim=16, window=8, sinks=2),
+    )
+    model = model.cuda().float().eval()
+    tokens = torch.randint(0, 64, (2, 100), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        monkeypatch.setenv("DOFLA_FLA", "0")
+        expected = model(tokens).logits
+        monkeypatch.setenv("DOFLA_FLA", "1")
+        assert relative_error(model(tokens).logits, expected) < 5e-3
+        generated = model.generate(tokens[:1, :80], max_new_tokens=5, do_sample=False)
+    assert generated.shape == (1, 85)
