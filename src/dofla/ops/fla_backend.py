@@ -12,7 +12,8 @@ prefill) of the cells runs its linear part on fla's kernels:
   wider keys stay on PyTorch). The window mix stays PyTorch.
 
 Everything else (CPU, float64, the naive and recurrent forms, so decoding) is dofla's PyTorch code exactly
-as without this module. States come back as dofla's own ``LinearState`` / ``DeltaState``, so a prefill on
+as without this module; decoding stays there because one token's recurrent update takes fewer operators
+than this module's bookkeeping around a kernel call. States come back as dofla's own ``LinearState`` / ``DeltaState``, so a prefill on
 the kernels continues in the recurrent form. The kernels run in dofla's compute dtype (float32), which
 Triton multiplies in TF32 on recent GPUs: results equal the PyTorch path to float tolerance, not bit for
 bit. The wrapping below is written against fla's documented semantics and tested on CPU with a PyTorch
@@ -125,8 +126,9 @@ def kernel_linear_attention_sums(
     Same arguments and results: q (B, Hk, G, T, F), k (B, Hk, T, F), v (B, Hk, T, Dv), log_scale (B, Hk, T)
     or None, all in the compute dtype; returns numerator (B, Hk, G, T, Dv) and denominator (B, Hk, G, T)
     relative to exp(m_t), and the LinearState after the last token. ``chunk_size`` is the PyTorch form's
-    and is not passed on (the kernel chunks by itself). Equal to the PyTorch form up to rounding (the
-    offsets are rebuilt from a cumulative sum of gates inside the kernel).
+    and is not passed on (the kernel chunks by itself). Exact: the state's offset and token count (the
+    same running maximum as the PyTorch form). Equal up to rounding: the sums and the state's kv and
+    normaliser (the kernel rebuilds ``exp(m_j - m_t)`` from a cumulative sum of gates, in TF32 products).
     """
     batch, num_kv_heads, group, length, feature_dim = q.shape
     value_dim = v.shape[-1]
