@@ -49,10 +49,10 @@ ENVIRONMENT_SWITCH = "DOFLA_FLA"  # "0" keeps every op on PyTorch
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # float64 (tests' ground truth) stays PyTorch
 MAX_DELTA_KEY_DIM = 256  # fla's gated delta rule asserts K <= 256
 
-SimpleGLAKernel = Callable[..., tuple[Tensor, Tensor | None]]  # fla.ops.simple_gla.chunk_simple_gla
-GatedDeltaKernel = Callable[
-    ..., tuple[Tensor, Tensor | None]
-]  # fla.ops.gated_delta_rule.chunk_gated_delta_rule
+# Kernels with the signatures of fla.ops.simple_gla.chunk_simple_gla and
+# fla.ops.gated_delta_rule.chunk_gated_delta_rule: (outputs, final state or None).
+SimpleGLAKernel = Callable[..., tuple[Tensor, Tensor | None]]
+GatedDeltaKernel = Callable[..., tuple[Tensor, Tensor | None]]
 
 
 def enabled() -> bool:
@@ -174,8 +174,11 @@ def kernel_linear_attention_sums(
     sums = out.to(q.dtype).transpose(1, 2).reshape(batch, num_kv_heads, group, length, value_dim + 1)
     final = _first_of_group(final.to(q.dtype), group)  # (B, Hk, F, Dv + 1)
     previous_tokens = 0 if state is None else state.num_tokens
-    new_state = LinearState(
-        final[..., :value_dim], final[..., value_dim], offsets[..., -1].clone(), previous_tokens + length
+    new_state = LinearState(  # copies, as in the PyTorch form: views would keep the G-fold kernel state alive
+        final[..., :value_dim].clone(),
+        final[..., value_dim].clone(),
+        offsets[..., -1].clone(),
+        previous_tokens + length,
     )
     return sums[..., :value_dim], sums[..., value_dim], new_state
 
@@ -211,4 +214,4 @@ def kernel_gated_delta_rule(
         output_final_state=True,
         use_qk_l2norm_in_kernel=False,
     )
-    return out.to(q.dtype).transpose(1, 2), _first_of_group(final.to(q.dtype), group)
+    return out.to(q.dtype).transpose(1, 2), _first_of_group(final.to(q.dtype), group).clone()
