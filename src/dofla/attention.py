@@ -20,6 +20,7 @@ from dofla.feature_maps import FEATURE_MAPS, build_feature_map
 from dofla.ops import (
     chunked_hybrid_attention,
     chunked_linear_attention,
+    fla_backend,
     hybrid_attention,
     linear_attention,
     recurrent_hybrid_attention,
@@ -319,7 +320,10 @@ class LinearAttention(nn.Module):
                 return linear_attention(q_features, k_features, values, **common), None
             if form == "recurrent":
                 return recurrent_linear_attention(q_features, k_features, values, state=state, **common)
-            return chunked_linear_attention(q_features, k_features, values, **chunked, **common)
+            kernel = fla_backend.simple_gla_kernel(values)  # None (PyTorch) unless CUDA with fla
+            return chunked_linear_attention(
+                q_features, k_features, values, kernel=kernel, **chunked, **common
+            )
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
         hybrid = dict(
             scaling=scaling,
@@ -335,7 +339,10 @@ class LinearAttention(nn.Module):
             return recurrent_hybrid_attention(
                 query, keys, q_features, k_features, values, state=state, **hybrid
             )
-        return chunked_hybrid_attention(query, keys, q_features, k_features, values, **chunked, **hybrid)
+        kernel = fla_backend.simple_gla_kernel(values)  # None (PyTorch) unless CUDA with fla
+        return chunked_hybrid_attention(
+            query, keys, q_features, k_features, values, kernel=kernel, **chunked, **hybrid
+        )
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [parameter for parameter in self.parameters() if parameter.requires_grad]

@@ -31,6 +31,7 @@ from dofla.ops import (
     WindowState,
     chunked_gated_delta_rule,
     chunked_window_attention,
+    fla_backend,
     gated_delta_rule,
     recurrent_gated_delta_rule,
     recurrent_window_attention,
@@ -124,6 +125,7 @@ class GatedDeltaAttention(LinearAttention):
                 initial_state=memory_state,
                 return_state=True,
                 key_mask=key_mask,
+                kernel=fla_backend.gated_delta_kernel(values, q.shape[-1]),  # None unless CUDA with fla
             )
         if self.kind == "linear":
             return memory, new_memory

@@ -11,6 +11,8 @@ over the last ``window`` keys, merged (at a common maximum) with a small block o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -27,6 +29,7 @@ from dofla.ops._checks import (
     present_keys,
     soft_cap,
 )
+from dofla.ops.fla_backend import SimpleGLAKernel, kernel_linear_attention_sums
 from dofla.ops.sinks import SinkUpdate, add_sinks
 from dofla.ops.state import HybridState, LinearState, WindowState, exp_relative
 
@@ -173,6 +176,13 @@ def linear_attention_chunk_sums(
     return sums, final
 
 
+def _linear_sums(kernel: SimpleGLAKernel | None):
+    """``linear_attention_sums`` in PyTorch (kernel None), or by fla's simple GLA ``kernel`` (same results)."""
+    if kernel is None:
+        return linear_attention_sums
+    return functools.partial(kernel_linear_attention_sums, kernel=kernel)
+
+
 def _mix_chunk_states(sum_chunks: Tensor, entering: Tensor, state: LinearState | None) -> Tensor:
     """The state entering each chunk as one (N + 1, N) mixing product: few operators, O(N^2) work.
 
@@ -227,12 +237,14 @@ def chunked_linear_attention(
     return_state: bool = False,
     key_mask: Tensor | None = None,
     eps: float = 1e-6,
+    kernel: SimpleGLAKernel | None = None,
 ):
     """Causal linear attention, chunked.
 
     q_features (B, H, T, F), k_features (B, Hk, T, F), v (B, Hk, T, Dv), k_log_scale (B, Hk, T) or None.
     initial_state: a LinearState from an earlier call of either form. Returns out (B, H, T, Dv) in v's
-    dtype, or (out, LinearState) when return_state.
+    dtype, or (out, LinearState) when return_state. kernel: fla's simple GLA kernel to compute the sums
+    (``dofla.ops.fla_backend``), None for PyTorch.
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
     size = _check_chunk_size(chunk_size)
@@ -244,9 +256,12 @@ def chunked_linear_attention(
     log_scale = None if k_log_scale is None else k_log_scale.to(dtype)
     if log_scale is None and initial_state is not None:
         log_scale = torch.zeros(k_features.shape[:3], dtype=dtype, device=k_features.device)
-    sums, state = linear_attention_chunk_sums(
-        q, k_features.to(dtype), v.to(dtype), log_scale, initial_state, size
-    )
+    keys, values = k_features.to(dtype), v.to(dtype)
+    if kernel is not None:
+        numerator, denominator, state = _linear_sums(kernel)(q, keys, values, log_scale, initial_state, size)
+        out = (numerator / (denominator[..., None] + eps)).reshape(batch, num_heads, length, v.shape[-1])
+        return (out.to(v.dtype), state) if return_state else out.to(v.dtype)
+    sums, state = linear_attention_chunk_sums(q, keys, values, log_scale, initial_state, size)
     chunks = sums[..., :-1] / (sums[..., -1:] + eps)  # (B, Hk, N, G, C, Dv)
     # one copy into (B, T, H, Dv), the layout the attention module returns: its transpose is then free
     out = chunks.permute(0, 2, 4, 1, 3, 5).reshape(batch, -1, num_heads, v.shape[-1])[:, :length]
@@ -423,14 +438,15 @@ def chunked_hybrid_attention(
     key_mask: Tensor | None = None,
     softcap: float | None = None,
     eps: float = 1e-6,
+    kernel: SimpleGLAKernel | None = None,
 ):
     """Sliding-window softmax (plus ``sinks`` sink keys) + linear attention (LoLCATs), chunked; semantics in
     ``dofla.ops.naive``.
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary, features and v as in ``chunked_linear_attention``,
     window_factor (H,) = gamma. The linear part is linear attention on keys delayed by ``window`` tokens
-    (sinks get log scale -inf there, i.e. take no part). Returns out (B, H, T, Dv) in v's dtype, or
-    (out, HybridState) when return_state.
+    (sinks get log scale -inf there, i.e. take no part), on fla's ``kernel`` when one is given (the window
+    part is always PyTorch). Returns out (B, H, T, Dv) in v's dtype, or (out, HybridState) when return_state.
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
     check_hybrid_inputs(query, key, q_features, window, window_factor)
@@ -479,7 +495,7 @@ def chunked_hybrid_attention(
     old_values = F.pad(all_values.to(dtype), (0, 0, delay, 0))[:, :, :length]
     old_scales = F.pad(all_scales.to(dtype), (delay, 0), value=NEGATIVE_INFINITY)[:, :, :length]
     q = q_features.to(dtype).view(batch, num_kv_heads, group, length, feature_dim)
-    linear_numerator, linear_denominator, new_linear = linear_attention_sums(
+    linear_numerator, linear_denominator, new_linear = _linear_sums(kernel)(
         q, old_features, old_values, old_scales, linear_state, size
     )
     previous_linear_tokens = 0 if initial_state is None else initial_state.linear.num_tokens

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from dofla.errors import DoflaError
 from dofla.ops._checks import check_delta_inputs, check_key_mask, compute_dtype, stack_tokens
+from dofla.ops.fla_backend import GatedDeltaKernel, kernel_gated_delta_rule
 from dofla.ops.state import DeltaState
 
 
@@ -156,10 +157,12 @@ def chunked_gated_delta_rule(
     return_state: bool = False,
     key_mask: Tensor | None = None,
     normalize_keys: bool = False,
+    kernel: GatedDeltaKernel | None = None,
 ):
     """Chunkwise-parallel form (see the module docstring); shapes as in ``gated_delta_rule``.
 
-    Returns out (B, H, T, Dv) in v's dtype, or (out, DeltaState) when return_state.
+    Returns out (B, H, T, Dv) in v's dtype, or (out, DeltaState) when return_state. kernel: fla's gated
+    delta rule kernel to run it on (``dofla.ops.fla_backend``), None for PyTorch.
     """
     if int(chunk_size) <= 0:
         raise DoflaError(f"chunk_size must be a positive number of tokens, got {chunk_size}.")
@@ -167,6 +170,12 @@ def chunked_gated_delta_rule(
     batch, num_heads, length, key_dim = q.shape
     num_kv_heads, value_dim = k.shape[1], v.shape[-1]
     memory = _initial_kv(initial_state, k, value_dim)  # (B, Hk, K, Dv)
+    previous_tokens = 0 if initial_state is None else initial_state.num_tokens
+    if kernel is not None:
+        initial_memory = None if initial_state is None else memory
+        out, memory = kernel_gated_delta_rule(q, k, v_in, log_decay, beta, initial_memory, kernel=kernel)
+        out = out.to(v.dtype)
+        return (out, DeltaState(memory, previous_tokens + length)) if return_state else out
     size = min(int(chunk_size), length)
     num_chunks = -(-length // size)
     pad = num_chunks * size - length  # padded tokens: k = v = q = 0, a = 1, beta = 0, i.e. no update
@@ -204,7 +213,4 @@ def chunked_gated_delta_rule(
         memory = chunk_decay[:, :, n] * memory + keys_to_end[:, :, n].transpose(-1, -2) @ u
     out = torch.stack(outputs, dim=3).reshape(batch, num_kv_heads, group, num_chunks * size, value_dim)
     out = out[..., :length, :].reshape(batch, num_heads, length, value_dim).to(v.dtype)
-    if not return_state:
-        return out
-    previous_tokens = 0 if initial_state is None else initial_state.num_tokens
-    return out, DeltaState(memory, previous_tokens + length)
+    return (out, DeltaState(memory, previous_tokens + length)) if return_state else out
