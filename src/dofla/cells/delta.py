@@ -180,18 +180,14 @@ class WindowAttention(LinearAttention):
     def _decode_step(self, query, key, value, state, scaling):
         """One token (see ``LinearAttention._decode_step``): the window's fused softmax step, without
         sinks or soft-capping (the recurrent form serves those)."""
-        if (
-            self.sinks
-            or self.softcap
-            or not isinstance(state, WindowState)
-            or state.keys.dtype != query.dtype
-        ):
+        exact = query.dtype in (torch.float32, torch.float64)  # the general form computes in these
+        if self.sinks or self.softcap or not isinstance(state, WindowState) or not exact:
+            return None
+        if state.keys.dtype != query.dtype or state.values.dtype != value.dtype:
             return None
         batch, num_heads, _, head_dim = query.shape
         heads = self.state_heads
         keys, values = self._state_heads_view(key), self._state_heads_view(value)  # (B, Hs, 1, D)
         queries = query.view(batch, heads, num_heads // heads, head_dim)  # (B, Hs, G, D)
-        output, new_state = window_decode_step(
-            state, queries, keys, values.to(state.values.dtype), scaling=scaling
-        )
+        output, new_state = window_decode_step(state, queries, keys, values, scaling=scaling)
         return output.view(batch, 1, num_heads, -1), new_state  # (B, 1, H, Dv)
