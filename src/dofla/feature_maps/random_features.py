@@ -42,7 +42,7 @@ class _PositiveRandomFeatures(FeatureMap):
     def __init__(self, **shape) -> None:
         super().__init__(**shape)
         self._log_counts: dict = {}  # (dtype, device) -> log(M_h), (num_heads,): built once, not per call
-        self._decode_weights: tuple | None = None  # (key, weight, bias) of decode_features, see there
+        self._folded_weights: tuple | None = None  # (key, weight, bias), see _fused_weights
 
     def directions(self) -> Tensor:  # (num_heads, D, F)
         raise NotImplementedError
@@ -66,8 +66,8 @@ class _PositiveRandomFeatures(FeatureMap):
         parameters = [directions] if log_weights is None else [directions, log_weights]
         tracked = torch.is_grad_enabled() and any(parameter.requires_grad for parameter in parameters)
         key = (dtype, *((p.data_ptr(), p._version) for p in parameters))
-        if not tracked and self._decode_weights is not None and self._decode_weights[0] == key:
-            return self._decode_weights[1:]
+        if not tracked and self._folded_weights is not None and self._folded_weights[0] == key:
+            return self._folded_weights[1:]
         weight = math.sqrt(self.scaling) * directions.to(dtype)
         bias = (-0.5 * self.log_feature_counts(weight))[:, None].expand(self.num_heads, self.feature_dim)
         if log_weights is not None:
@@ -76,7 +76,7 @@ class _PositiveRandomFeatures(FeatureMap):
             bias = bias.masked_fill(~self.feature_mask, float("-inf"))
         bias = bias[:, None, :].contiguous()  # (Hm, 1, F)
         if not tracked:
-            self._decode_weights = (key, weight, bias)
+            self._folded_weights = (key, weight, bias)
         return weight, bias
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
@@ -87,18 +87,21 @@ class _PositiveRandomFeatures(FeatureMap):
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
         batch, heads, group, length, dim = grouped.shape
         weight, bias = self._fused_weights(grouped.dtype)  # (Hm, D, F), (Hm, 1, F)
-        rows = grouped.reshape(batch, heads, group * length, dim)  # (B, Hm, N, D)
-        if batch == 1:
-            log_features = torch.baddbmm(bias, rows[0], weight)[None]  # (1, Hm, N, F)
+        if batch == 1:  # (Hm, N, D) rows: one product with its bias
+            rows = grouped.reshape(heads, group * length, dim)
+            log_features = torch.baddbmm(bias, rows, weight)  # (Hm, N, F)
         else:
+            rows = grouped.reshape(batch, heads, group * length, dim)  # (B, Hm, N, D)
             log_features = torch.matmul(rows, weight) + bias  # (B, Hm, N, F)
-        token_max = log_features.amax(-1, keepdim=True)  # (B, Hm, N, 1)
+        token_max = log_features.amax(-1, keepdim=True)  # (B, Hm, N, 1) or (Hm, N, 1)
         if torch.is_grad_enabled() and log_features.requires_grad:  # amax keeps its input for backward
             features = torch.exp(log_features - token_max)
         else:
             features = log_features.sub_(token_max).exp_()
         shape = x.shape[:3]
-        features = features.view(shape + (self.feature_dim,)).to(x.dtype)
+        features = features.view(shape + (self.feature_dim,))
+        if features.dtype != x.dtype:
+            features = features.to(x.dtype)
         if is_query:
             return features, None
         log_scale = torch.sub(

@@ -262,10 +262,10 @@ def chunked_linear_attention(
         out = (numerator / (denominator[..., None] + eps)).reshape(batch, num_heads, length, v.shape[-1])
         return (out.to(v.dtype), state) if return_state else out.to(v.dtype)
     sums, state = linear_attention_chunk_sums(q, keys, values, log_scale, initial_state, size)
-    chunks = sums[..., :-1] / (sums[..., -1:] + eps)  # (B, Hk, N, G, C, Dv)
-    # one copy into (B, T, H, Dv), the layout the attention module returns: its transpose is then free
-    out = chunks.permute(0, 2, 4, 1, 3, 5).reshape(batch, -1, num_heads, v.shape[-1])[:, :length]
-    out = out.transpose(1, 2).to(v.dtype)  # (B, H, T, Dv)
+    # one copy into (B, T, H, Dv + 1), the layout the attention module returns (its transpose is then free);
+    # padded tokens are cut before dividing (their 0 / 0 would poison the gradients)
+    sums = sums.permute(0, 2, 4, 1, 3, 5).reshape(batch, -1, num_heads, sums.shape[-1])[:, :length]
+    out = (sums[..., :-1] / (sums[..., -1:] + eps)).transpose(1, 2).to(v.dtype)  # (B, H, T, Dv)
     return (out, state) if return_state else out
 
 
