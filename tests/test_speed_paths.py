@@ -353,3 +353,18 @@ def test_chunk_size_comes_from_the_measured_table_unless_the_plan_sets_one(tmp_p
     assert set(rows) == {"linear 40", "delta 40", "window 40"}
     assert all(row["chosen"] in (8, 16) for row in rows.values())
     assert '"linear": ((40, ' in capsys.readouterr().out
+
+
+def test_prf_key_with_an_overflowing_norm_is_not_silently_dropped():
+    """A key whose squared norm overflows float32 makes the attention non-finite with the regrouped map,
+    as with the formula as written (not a key of weight 0: a diverged run must show as NaN)."""
+    from dofla.feature_maps import build_feature_map
+
+    feature_map = build_feature_map("learnable_prf", num_heads=1, head_dim=8, feature_dim=6, scaling=8**-0.5)
+    query, key, value = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 3)
+    key[0, 0, 1] = 1e20  # finite, but its squared norm is not
+    for features in (feature_map, feature_map.reference_forward):
+        q_features, _ = features(query, is_query=True)
+        k_features, k_log_scale = features(key, is_query=False)
+        out = chunked_linear_attention(q_features, k_features, value, k_log_scale=k_log_scale, chunk_size=2)
+        assert torch.isnan(out[:, :, 1:]).all()  # every query that sees the key

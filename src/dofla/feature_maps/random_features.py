@@ -104,9 +104,10 @@ class _PositiveRandomFeatures(FeatureMap):
             features = features.to(x.dtype)
         if is_query:
             return features, None
-        log_scale = torch.sub(
-            token_max.squeeze(-1), torch.linalg.vecdot(rows, rows), alpha=0.5 * self.scaling
-        )
+        squared_norm = torch.linalg.vecdot(rows, rows)
+        log_scale = torch.sub(token_max.squeeze(-1), squared_norm, alpha=0.5 * self.scaling)
+        # a key whose squared norm overflows is NaN, as in the formula, not a silently absent key
+        log_scale = log_scale.masked_fill(squared_norm.isinf(), float("nan"))
         return features, log_scale.view(shape)
 
     def reference_forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
