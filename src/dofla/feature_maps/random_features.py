@@ -106,8 +106,9 @@ class _PositiveRandomFeatures(FeatureMap):
             return features, None
         squared_norm = torch.linalg.vecdot(rows, rows)
         log_scale = torch.sub(token_max.squeeze(-1), squared_norm, alpha=0.5 * self.scaling)
-        # a key whose squared norm overflows is NaN, as in the formula, not a silently absent key
-        log_scale = log_scale.masked_fill(squared_norm.isinf(), float("nan"))
+        # + 0 * |x|^2: NaN for a key whose squared norm overflows, as in the formula (not a silently absent
+        # key); exactly the same value and gradient otherwise
+        log_scale = log_scale + squared_norm * 0.0
         return features, log_scale.view(shape)
 
     def reference_forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
