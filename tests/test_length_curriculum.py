@@ -208,3 +208,8 @@ def test_the_schedule_round_trips_and_is_reported(tmp_path):
         in result.report_path.read_text()
     )
     assert LinearizeConfig.from_dict(dict(out_dir="x")).distill.length_schedule is None
+    # the same command resumes it (the stages' rows are the same, so the checkpoint is this run's)
+    resumed = linearize(
+        load_config(run / "config.toml", resume=True), teacher=tiny_teacher(), sequences=sequences()
+    )
+    assert resumed.student_ppl == pytest.approx(result.student_ppl, rel=1e-6)
