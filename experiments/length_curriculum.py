@@ -7,15 +7,19 @@ keeping ``--sinks`` sink tokens; ``linear``: pure linear attention, no window; H
 ``--feature-dim``) and distilled with attention-output MSE for the same ``--tokens`` and seed, once per
 curriculum: ``none`` (every step at ``--seq-len``) and each ``--curricula`` schedule (stages
 ``LENGTH:SHARE``, shortest first, ending at ``--seq-len``; a shorter stage's batch holds about as many
-tokens, :mod:`dofla.distill.curriculum`). The training rows of every stage are cut from the same training
-rows. Each student is measured on the held-out rows at every evaluation length beside the teacher; the
-teacher's softmax restricted to the window with the sink tokens (no training) is measured once. Writes
-``length_curriculum.md`` and ``.json`` to ``--out``. Sized for about 10-15 minutes on an idle 2-core CPU:
+tokens, :mod:`dofla.distill.curriculum`; default: half the tokens at L/2, and L/4, L/2, L by quarter,
+quarter, half). The training rows of every stage are cut from the same training rows. Each student is
+measured on the held-out rows at every evaluation length beside the teacher; the teacher's softmax
+restricted to the window with the sink tokens (no training) is measured once. Writes
+``length_curriculum.md`` and ``.json`` to ``--out``. The default (gla; 12k tokens, batch 2 at 512 tokens;
+3 held-out rows of 2,048 tokens, also cut into 6 of 1,024) is sized for about 10-15 minutes on an idle
+2-core CPU; ``--cells gla,linear`` adds three runs of the pure linear cell:
 
     .venv/bin/python experiments/length_curriculum.py --data ../shared/data/wiki_demo/wiki_demo.txt \
-        --out docs/results/long_context/curriculum
+        --threads 2 --out docs/results/long_context/curriculum
 
-Every number in the output comes from this run, and the command line is recorded with it.
+To train at 1,024 tokens instead add ``--seq-len 1024`` (each step then costs more). Every number in the
+output comes from this run, and the command line is recorded with it.
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ from dofla.evaluation.long_context import aligned_table, long_context_markdown, 
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
 
-DEFAULT_CURRICULA = "256:0.5,512:0.5;128:0.25,256:0.25,512:0.5"
 CELLS = ("gla", "linear")
 
 
@@ -56,6 +59,13 @@ def parse_schedule(text: str) -> list[tuple[int, float]]:
         raise DoflaError(
             f"a curriculum is LENGTH:SHARE,... like 256:0.5,512:0.5 or none, got {text!r}."
         ) from None
+
+
+def default_curricula(seq_len: int) -> str:
+    """Half the tokens at half the length, then a quarter each at a quarter and a half: for 512,
+    '256:0.5,512:0.5;128:0.25,256:0.25,512:0.5'."""
+    half, quarter = seq_len // 2, seq_len // 4
+    return f"{half}:0.5,{seq_len}:0.5;{quarter}:0.25,{half}:0.25,{seq_len}:0.5"
 
 
 def cell_plan(model, cell: str, args: argparse.Namespace):
@@ -86,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cells", default="gla", help=f"comma-separated: {', '.join(CELLS)}")
     parser.add_argument(
         "--curricula",
-        default=DEFAULT_CURRICULA,
-        help="';'-separated LENGTH:SHARE,... schedules (none is always run)",
+        default=None,
+        help="';'-separated LENGTH:SHARE,... schedules ending at --seq-len; none (no curriculum) is always run "
+        "first (default: L/2:0.5,L:0.5;L/4:0.25,L/2:0.25,L:0.5 for --seq-len L)",
     )
     parser.add_argument("--feature-dim", type=int, default=32)
     parser.add_argument("--window", type=int, default=64)
@@ -107,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cells = [cell.strip() for cell in args.cells.split(",") if cell.strip()]
-    curricula = [[]] + [parse_schedule(text) for text in args.curricula.split(";") if text.strip()]
+    texts = (args.curricula or default_curricula(args.seq_len)).split(";")
+    curricula = [[]] + [parse_schedule(text) for text in texts if text.strip() and text.strip() != "none"]
     for schedule in curricula:
         check_length_schedule(schedule, args.seq_len)
     lengths = sorted(integer_list(args.eval_lengths, "--eval-lengths", minimum=2))
