@@ -12,7 +12,7 @@ quarter, half). The training rows of every stage are cut from the same training 
 measured on the held-out rows at every evaluation length beside the teacher; the teacher's softmax
 restricted to the window with the sink tokens (no training) is measured once. Writes
 ``length_curriculum.md`` and ``.json`` to ``--out``. The default (gla; 12k tokens, batch 2 at 512 tokens;
-3 held-out rows of 2,048 tokens, also cut into 6 of 1,024) is sized for about 10-15 minutes on an idle
+4 held-out rows of 2,048 tokens, also cut into 8 of 1,024) is sized for about 10-15 minutes on an idle
 2-core CPU; ``--cells gla,linear`` adds three runs of the pure linear cell:
 
     .venv/bin/python experiments/length_curriculum.py --data ../shared/data/wiki_demo/wiki_demo.txt \
