@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-lengths", default="1024,2048")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per step at --seq-len")
     parser.add_argument(
-        "--heldout", type=int, default=3, help="held-out rows of the longest evaluation length"
+        "--heldout", type=int, default=4, help="held-out rows of the longest evaluation length"
     )
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
