@@ -88,6 +88,17 @@ def test_shorter_rows_first_with_as_many_tokens_per_step_and_one_learning_rate_s
     ]
 
 
+def test_early_stopping_waits_for_the_full_length_stage(monkeypatch):
+    worse_every_time = iter(range(100))
+    monkeypatch.setattr(trainer, "evaluate", lambda *args: (float(next(worse_every_time)), {}))
+    options = dict(eval_every=1, patience=1)
+    plain = trainer.distill(tiny_converted(), token_data(), token_data(8, seed=1), quick_config(**options))
+    assert plain.stopped_early and plain.steps == 2  # the second evaluation is worse
+    config = quick_config(length_schedule=HALF, **options)
+    curriculum = trainer.distill(tiny_converted(), token_data(), token_data(8, seed=1), config)
+    assert curriculum.stopped_early and curriculum.steps == 7  # the first evaluation at 24 tokens
+
+
 def test_stage_batches_divide_among_processes_and_shares_round_to_whole_tokens():
     train = token_data()
     stages = length_stages([(8, 0.3), (LENGTH, 0.7)], train, 1000, 2, divisor=4)

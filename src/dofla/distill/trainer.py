@@ -532,7 +532,9 @@ def distill(
                 best_state = {name: parameter.detach().clone() for name, parameter in trainable.items()}
             else:
                 evals_since_best += 1
-                stopped_early = bool(config.patience) and evals_since_best >= config.patience
+                # a length curriculum stops early only in its last stage: the run always trains at length
+                patience_over = bool(config.patience) and evals_since_best >= config.patience
+                stopped_early = patience_over and stage is stages[-1]
             log(dict(step=step, val_loss=val_loss, val_layers={str(k): v for k, v in val_layers.items()}))
         if on_step is not None:
             on_step(step, record)
