@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 TESTS = Path(__file__).parent
-
+CURRICULUM = [(12, 0.5), (24, 0.5)]  # half the tokens at half test_distill's length (8 rows per step)
 
 CLIP = (
     1e-3  # below every step's gradient norm (about 3e-3): clipping acts on each step of the layer-sharded run
@@ -54,6 +54,9 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
         model = tiny_converted()
         distill(model, token_data(), token_data(8, seed=1), quick_config())
         save_file(_student_weights(model), f"{out_dir}/data.{rank}.safetensors")
+        model = tiny_converted()  # a length curriculum: its short stage's batch of 8 is sliced 4 + 4
+        distill(model, token_data(), token_data(8, seed=1), quick_config(length_schedule=CURRICULUM))
+        save_file(_student_weights(model), f"{out_dir}/curriculum.{rank}.safetensors")
 
         config = quick_config(grad_clip=CLIP)
         blocks = distributed.layer_blocks(students(tiny_converted()), world_size)
@@ -127,7 +130,12 @@ def test_two_processes_sharded_by_data_or_by_layers_equal_single_process(tmp_pat
     mp.start_processes(
         _worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
     )
-    for sharding, config in (("data", quick_config()), ("layers", quick_config(grad_clip=CLIP))):
+    runs = (
+        ("data", quick_config()),
+        ("curriculum", quick_config(length_schedule=CURRICULUM)),
+        ("layers", quick_config(grad_clip=CLIP)),
+    )
+    for sharding, config in runs:
         rank0, rank1 = (load_file(tmp_path / f"{sharding}.{rank}.safetensors") for rank in (0, 1))
         model = tiny_converted()
         result = distill(model, token_data(), token_data(8, seed=1), config)

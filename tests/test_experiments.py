@@ -119,3 +119,33 @@ def test_cells_at_length(tiny, tmp_path):
         assert set(models) == {"teacher", "window", "window+sinks2", "student"}
     assert "window+sinks2" in results["baselines"]["by_length"]["32"]["models"]
     assert "## gla hedgehog 8, gamma0 0.9: untrained" in (tmp_path / "cells_at_length.md").read_text()
+
+
+def test_length_curriculum(tiny, tmp_path):
+    folder, text = tiny
+    arguments = ["--model", folder, "--data", text, "--out", str(tmp_path), "--tokens", "192"]
+    arguments += [
+        "--seq-len",
+        "16",
+        "--eval-lengths",
+        "32,64",
+        "--window",
+        "4",
+        "--sinks",
+        "2",
+        "--heldout",
+        "2",
+    ]
+    arguments += ["--cells", "gla,linear", "--curricula", "8:0.5,16:0.5", "--feature-dim", "8"]
+    assert experiment("length_curriculum").main(arguments) == 0
+    results = json.loads((tmp_path / "length_curriculum.json").read_text())
+    runs = [(run["cell"], run["curriculum"]) for run in results["runs"]]
+    assert runs == [("gla", "none"), ("gla", "8:0.5,16:0.5"), ("linear", "none"), ("linear", "8:0.5,16:0.5")]
+    assert {run["distill_tokens"] for run in results["runs"]} == {192}  # equal tokens
+    assert [stage["length"] for stage in results["runs"][1]["stages"]] == [8, 16]
+    assert set(results["baseline"]["by_length"]["64"]["models"]) == {"teacher", "window+sinks2"}
+    table = (tmp_path / "length_curriculum.md").read_text()
+    rows = [
+        [cell.strip() for cell in line.split("|")[1:4]] for line in table.splitlines() if line.startswith("|")
+    ]
+    assert ["gla", "8:0.5,16:0.5", "192"] in rows and ["window 4 + 2 sinks", "-", "-"] in rows

@@ -62,6 +62,8 @@ class RunData:
     skipped_lengths: list[int]  # asked for, but the data was too short
     source: str  # a sentence saying where the text came from
     rows: torch.Tensor  # (N, T) every packed row, before the split (what a caller may pass back as sequences)
+    # a length curriculum's shorter stages: {length: (M, length)} cut from the training rows only
+    shorter_train: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def heldout(self) -> torch.Tensor:
@@ -298,15 +300,18 @@ def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences
 
 
 def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir: Path) -> RunData:
-    """Training rows at ``data.seq_len`` and held-out rows at every evaluation length, split before cutting.
+    """Training rows at ``data.seq_len`` (and at a length curriculum's shorter lengths) and held-out rows
+    at every evaluation length, split before cutting: no training row holds held-out text.
 
     sequences (N, T): rows given by the caller; else the text of ``data.path`` (or sampled from the
     teacher, cached in ``cache_dir``) packed into the longest evaluation length it fills twice.
     """
     from dofla.data import context_length, cut_rows, pack_rows, split_train_heldout
+    from dofla.distill.curriculum import check_schedule_context
 
     seq_len = config.data.seq_len
     limit = context_length(model)
+    check_schedule_context(config.distill.length_schedule, limit)
     if limit is not None and seq_len > limit:
         raise DoflaError(
             f"--seq-len {seq_len} is beyond the model's context of {limit} tokens; use at most {limit}."
@@ -338,7 +343,13 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
             "evaluated (give more text with --data)",
             stacklevel=2,
         )
-    return RunData(cut_rows(train_rows, seq_len), heldout_by_length, seq_len, skipped, source, sequences)
+    shorter_train = {
+        length: cut_rows(train_rows, length)
+        for length, _ in config.distill.length_schedule or ()
+        if length < seq_len
+    }
+    train = cut_rows(train_rows, seq_len)
+    return RunData(train, heldout_by_length, seq_len, skipped, source, sequences, shorter_train)
 
 
 def evaluation_lengths(config: LinearizeConfig, limit: int | None) -> list[int]:
@@ -442,7 +453,15 @@ def distill_stage(config: LinearizeConfig, model, data: RunData, out_dir: Path, 
     rank, processes = distributed.rank_and_world_size()
     settings = config.distill_config()
     if not layer_sharding(config):
-        return distill(model, data.train, data.heldout, settings, out_dir / "distill", resume=config.resume)
+        return distill(
+            model,
+            data.train,
+            data.heldout,
+            settings,
+            out_dir / "distill",
+            resume=config.resume,
+            shorter_train=data.shorter_train,
+        )
     blocks = check_layer_sharding(config, students(model), processes)  # the plan's converted layers
     train_states, heldout_states = stores or (None, None)
     distilled = distill(
@@ -456,6 +475,7 @@ def distill_stage(config: LinearizeConfig, model, data: RunData, out_dir: Path, 
         teacher_states=train_states,
         heldout_teacher_states=heldout_states,
         data_parallel=False,
+        shorter_train=data.shorter_train,
     )
     distributed.gather_students(students(model), blocks)
     return distilled

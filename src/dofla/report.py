@@ -64,6 +64,7 @@ def run_summary(
         distill_steps=distilled.steps,
         skipped_steps=distilled.skipped_steps,
         stopped_early=distilled.stopped_early,
+        distill_stages=distilled.stages,
         best_val_loss=distilled.best_val_loss,
         val_layer_losses={str(k): v for k, v in distilled.val_layer_losses.items()},
         attention_errors={str(k): v for k, v in errors.items()},
@@ -129,6 +130,7 @@ def _stages_lines(summary: dict, config: LinearizeConfig) -> list[str]:
         f"- Distillation: {summary['distill_tokens']} tokens in {summary['distill_steps']} steps "
         f"(loss `{config.distill.loss}`, skipped non-finite steps: {summary['skipped_steps']}, "
         f"stopped early: {summary['stopped_early']}).",
+        *_curriculum_lines(summary.get("distill_stages") or []),
         (
             f"- LoRA stage: {lora.tokens} tokens, rank {lora.rank}, alpha {lora.alpha}, "
             f"lr {lora.lr:g}, KL weight to the teacher's logits {lora.kl_weight:g}; merged into "
@@ -138,6 +140,18 @@ def _stages_lines(summary: dict, config: LinearizeConfig) -> list[str]:
             else "- No LoRA stage."
         ),
     ]
+
+
+def _curriculum_lines(stages: list[dict]) -> list[str]:
+    """The length curriculum's stages, in one line (none without a curriculum)."""
+    if not stages:
+        return []
+    parts = [
+        f"{stage['length']} tokens x {stage['batch_size']} sequences for {stage['steps']} steps "
+        f"({stage['tokens']} tokens, share {stage['share']:g})"
+        for stage in stages
+    ]
+    return ["- Length curriculum, shortest first: " + "; ".join(parts) + "."]
 
 
 def _perplexity_lines(result: LinearizeResult, summary: dict, config: LinearizeConfig) -> list[str]:

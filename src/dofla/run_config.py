@@ -180,6 +180,12 @@ class DistillSettings:
     checkpoint_every: int = option(50, "steps between checkpoints (0: none)", minimum=0)
     patience: int = option(0, "evaluations without improvement before stopping early (0: off)", minimum=0)
     kl_weight: float = option(0.0, "--loss direct: weight of KL to the teacher's logits")
+    length_schedule: list[tuple[int, float]] | None = option(
+        None,
+        "length curriculum: LENGTH:SHARE stages, shortest first, ending at --seq-len, shares of --tokens "
+        "summing to 1, e.g. 256:0.5,512:0.5; a shorter stage's batch holds about as many tokens "
+        "(--batch-size x seq-len / LENGTH sequences) (default: none, every step at --seq-len)",
+    )
     sharding: str = option(
         "data",
         "how --nproc / torchrun processes share distillation: data (each a slice of every batch) | layers "
@@ -344,6 +350,7 @@ class LinearizeConfig:
     def validate(self) -> None:
         """Everything that can be checked before a model is loaded, in one sentence each."""
         from dofla.config import LayerPlan, check_feature_budget
+        from dofla.distill.curriculum import check_length_schedule
         from dofla.distill.losses import check_kernel_loss
         from dofla.models.loading import resolve_device, resolve_dtype
 
@@ -355,12 +362,18 @@ class LinearizeConfig:
         )
         plan.validate(0, 1, 1)
         check_kernel_loss(self.distill.loss, self.student.cell, self.plan.sinks)
+        check_length_schedule(self.distill.length_schedule, self.data.seq_len)
         if not 0 < self.data.heldout_fraction < 1:
             raise DoflaError(f"the held-out fraction must lie in (0, 1), got {self.data.heldout_fraction}.")
         resolve_dtype(self.teacher.dtype, resolve_device(self.teacher.device))
         self.distill_config().validate()
         if self.lora.enabled:
             self.lora_config().validate()
+        if self.distill.teacher_states is not None and self.distill.length_schedule:
+            raise DoflaError(
+                "--teacher-states holds the rows at --seq-len, which the shorter stages of --length-schedule "
+                "do not train on; drop one of the two."
+            )
         if self.distill.teacher_states is not None and self.distill.sharding != "layers":
             raise DoflaError(
                 "--teacher-states starts each process's forward at its first layer, which only layer sharding "
@@ -483,7 +496,14 @@ def unwrap(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def _is(value: Any, kind: type) -> bool:
+def _is(value: Any, kind: Any) -> bool:
+    if typing.get_origin(kind) is tuple:  # a fixed-size pair like (length, share), a list in TOML
+        parts = typing.get_args(kind)
+        return (
+            isinstance(value, (list, tuple))
+            and len(value) == len(parts)
+            and all(_is(item, part) for item, part in zip(value, parts, strict=True))
+        )
     if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is int:
@@ -491,11 +511,24 @@ def _is(value: Any, kind: type) -> bool:
     return isinstance(value, kind)
 
 
+def _as(value: Any, kind: Any) -> Any:
+    """``value`` (which :func:`_is` of ``kind``) as ``kind``: an int given for a float becomes a float."""
+    if typing.get_origin(kind) is tuple:
+        return tuple(_as(item, part) for item, part in zip(value, typing.get_args(kind), strict=True))
+    return kind(value)
+
+
+def _type_name(kind: Any) -> str:
+    if typing.get_origin(kind) is tuple:
+        return "[" + ", ".join(part.__name__ for part in typing.get_args(kind)) + "] pairs"
+    return kind.__name__
+
+
 def _describe(hint: Any) -> str:
     kind, optional = unwrap(hint)
     origin = typing.get_origin(kind)
     if origin is list:
-        text = f"a list of {typing.get_args(kind)[0].__name__}"
+        text = f"a list of {_type_name(typing.get_args(kind)[0])}"
     elif origin is dict:
         text = "a table"
     else:
@@ -514,7 +547,7 @@ def typed(setting: Setting, value: Any) -> Any:
     if origin is list:
         item = typing.get_args(kind)[0]
         if isinstance(value, (list, tuple)) and all(_is(entry, item) for entry in value):
-            return [item(entry) for entry in value]
+            return [_as(entry, item) for entry in value]
     elif origin is dict:
         if isinstance(value, Mapping):
             return dict(value)

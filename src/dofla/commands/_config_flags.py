@@ -65,7 +65,10 @@ def text_value(setting: Setting, text: Any) -> Any:
         return token_count(flag, text)
     origin = typing.get_origin(kind)
     if origin is list:
-        if typing.get_args(kind)[0] is int:
+        item = typing.get_args(kind)[0]
+        if typing.get_origin(item) is tuple:
+            return pair_list(flag, text, typing.get_args(item))
+        if item is int:
             return integer_list(text, flag, minimum=setting.field.metadata.get("minimum") or 0)
         names = [name.strip() for name in text.split(",")]
         if not all(names):
@@ -78,6 +81,23 @@ def text_value(setting: Setting, text: Any) -> Any:
     except ValueError:
         what = {int: "an integer", float: "a number"}.get(kind, "a value")
         raise DoflaError(f"{flag} must be {what}, got {text!r}.") from None
+
+
+def pair_list(flag: str, text: str, kinds: tuple[type, ...]) -> list[tuple]:
+    """'256:0.5,512:0.5' with kinds (int, float) -> [(256, 0.5), (512, 0.5)]; '' -> []."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        parts = item.split(":")
+        try:
+            if len(parts) != len(kinds):
+                raise ValueError(item)
+            pairs.append(tuple(kind(part.strip()) for kind, part in zip(kinds, parts, strict=True)))
+        except ValueError:
+            shape = ":".join(kind.__name__.upper() for kind in kinds)
+            raise DoflaError(
+                f"{flag} must be comma-separated {shape} pairs like 256:0.5,512:0.5, got {text!r}."
+            ) from None
+    return pairs
 
 
 def key_values(flag: str, text: str) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from torch import nn
 from dofla import dispatch
 from dofla.distill import distributed
 from dofla.distill.checkpoint import check_state, latest_checkpoint, load_checkpoint, save_checkpoint
+from dofla.distill.curriculum import LengthStage, check_length_schedule, length_stages, stage_at, tokens_after
 from dofla.distill.hidden_store import TeacherStates, open_teacher_states
 from dofla.distill.losses import LOSSES, layerwise_loss_names
 from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
@@ -74,7 +75,9 @@ class DistillConfig:
     warmup_fraction: share of steps with linear warm-up; min_lr_fraction: cosine floor relative to the peak;
     eval_every: steps between held-out evaluations (0 = only at the end); patience: evaluations without
     improvement before stopping early (0 = never); checkpoint_every: steps between checkpoints (0 = none);
-    max_bad_steps: consecutive non-finite steps tolerated (each halves the learning rate).
+    max_bad_steps: consecutive non-finite steps tolerated (each halves the learning rate);
+    length_schedule: a length curriculum, (length, share of ``tokens``) stages shortest first, ending at the
+    training rows' length (:mod:`dofla.distill.curriculum`; None or empty: none).
     """
 
     loss: str = "softmax"
@@ -95,6 +98,7 @@ class DistillConfig:
     temperature: float = 1.0
     seed: int = 0
     progress: bool = True
+    length_schedule: list[tuple[int, float]] | None = None
 
     def validate(self) -> None:
         LOSSES[self.loss]  # an unknown name is refused with the registered ones
@@ -111,6 +115,7 @@ class DistillConfig:
                 raise DoflaError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}.")
         if self.max_bad_steps < 1:
             raise DoflaError(f"max_bad_steps must be at least 1, got {self.max_bad_steps}.")
+        check_length_schedule(self.length_schedule)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DistillConfig:
@@ -132,6 +137,7 @@ class DistillResult:
     val_layer_losses: dict[int, float] = field(default_factory=dict)
     stopped_early: bool = False
     skipped_steps: int = 0
+    stages: list[dict] = field(default_factory=list)  # a length curriculum's stages (LengthStage.summary)
 
 
 def learning_rate_factor(step: int, total_steps: int, config: DistillConfig) -> float:
@@ -156,14 +162,26 @@ def batch_indices(step: int, batch_size: int, num_sequences: int, seed: int) -> 
     return indices
 
 
-def run_fingerprint(config: DistillConfig, model: nn.Module, train: torch.Tensor, layers: list[int]) -> str:
-    """A hash of what determines the result: settings, plan, trained layers and training data."""
+def run_fingerprint(
+    config: DistillConfig,
+    model: nn.Module,
+    train: torch.Tensor,
+    layers: list[int],
+    stages: list[LengthStage] | None = None,
+) -> str:
+    """A hash of what determines the result: settings, plan, trained layers and training data (with a
+    length curriculum, every stage's rows and batch too)."""
     settings = {name: value for name, value in asdict(config).items() if name not in _NOT_IN_FINGERPRINT}
+    if not settings["length_schedule"]:  # a run without a curriculum hashes as it did before there was one
+        del settings["length_schedule"]
     plan = getattr(model, "dofla_plan", None)
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     digest.update(json.dumps(plan.to_dict() if plan is not None else None, sort_keys=True).encode())
     digest.update(f"{tuple(train.shape)} {layers}".encode())
     digest.update(train.to(torch.int64).cpu().numpy().tobytes())
+    for stage in stages if stages is not None and len(stages) > 1 else ():
+        digest.update(f"{stage.length} {stage.batch_size} {stage.steps} {tuple(stage.rows.shape)}".encode())
+        digest.update(stage.rows.to(torch.int64).cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -287,6 +305,7 @@ def distill(
     teacher_states: TeacherStates | str | Path | None = None,
     heldout_teacher_states: TeacherStates | str | Path | None = None,
     data_parallel: bool = True,
+    shorter_train: dict[int, torch.Tensor] | None = None,
 ) -> DistillResult:
     """Train the students of converted ``model`` on train (N, T) token ids; evaluate on heldout (M, T).
 
@@ -311,6 +330,10 @@ def distill(
     the non-finite policy and early stopping) and the global gradient norm (clipping scales every rank's
     gradients by the same factor, as clipping all layers together in one process does). Returns a
     :class:`DistillResult` (the same history on every rank; ``val_layer_losses`` holds every rank's layers).
+
+    ``config.length_schedule`` (a length curriculum, :mod:`dofla.distill.curriculum`): the run trains
+    first on shorter rows, ``shorter_train[length]`` (M, length) where given, else cut from ``train``, with
+    batches of about the same tokens; its last stage is ``train`` itself. Validation stays on ``heldout``.
     """
     config.validate()
     _check_sequences("training", train, 1)
@@ -325,6 +348,11 @@ def distill(
         )
     if world_size > 1 and not layer_sharded and config.batch_size % world_size:
         raise DoflaError(f"batch size {config.batch_size} must be divisible by the {world_size} processes.")
+    if config.length_schedule and teacher_states is not None:
+        raise DoflaError(
+            "stored teacher states hold the rows at the full length, which a length curriculum's shorter "
+            "stages do not train on; drop the length schedule or the stored teacher states."
+        )
     writes = rank == 0 or layer_sharded  # layer sharding: every rank keeps its own run_dir
     device = next(model.parameters()).device
     students = freeze_teacher(model, layers)
@@ -338,9 +366,16 @@ def distill(
     for group in groups:
         group["initial_lr"] = group["lr"]
     optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
-    sequence_length = train.shape[1]
-    total_steps = math.ceil(config.tokens / (config.batch_size * sequence_length))
-    fingerprint = run_fingerprint(config, model, train, sorted(students))
+    stages = length_stages(
+        config.length_schedule,
+        train,
+        config.tokens,
+        config.batch_size,
+        shorter_rows=shorter_train,
+        divisor=1 if layer_sharded else world_size,  # data parallel: every rank takes an equal slice
+    )
+    total_steps = sum(stage.steps for stage in stages)  # the learning-rate schedule spans every stage
+    fingerprint = run_fingerprint(config, model, train, sorted(students), stages)
     train_stored = _stored_start(teacher_states, model, train, students, config, "teacher_states")
     heldout_stored = _stored_start(
         heldout_teacher_states, model, heldout, students, config, "heldout_teacher_states"
@@ -430,8 +465,6 @@ def distill(
         dynamic_ncols=True,
     )
     started = time.perf_counter()
-    tokens_per_step = config.batch_size * sequence_length
-    local = config.batch_size if layer_sharded else config.batch_size // world_size
     shard = 0 if layer_sharded else rank  # which slice of the batch this rank trains
 
     def combined(value: float) -> float:
@@ -446,9 +479,11 @@ def distill(
         factor = learning_rate_factor(step, total_steps, config) * policy.lr_scale
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * factor
-        indices = batch_indices(step, config.batch_size, len(train), config.seed)
+        stage = stage_at(stages, step)  # a pure function of the step: a resumed run is in the right stage
+        local = stage.batch_size if layer_sharded else stage.batch_size // world_size
+        indices = batch_indices(step - stage.first_step, stage.batch_size, len(stage.rows), config.seed)
         mine = indices[shard * local : (shard + 1) * local]
-        batch = train[mine].to(device)  # (B / world, T) data-parallel, else (B, T)
+        batch = stage.rows[mine].to(device)  # (B / world, T) data-parallel, else (B, T)
         options = _start_options(train_stored, mine, device)
         optimizer.zero_grad(set_to_none=True)
         loss, layer_losses = _step_loss(model, students, batch, config, backward=True, **options)
@@ -477,10 +512,13 @@ def distill(
             optimizer.zero_grad(set_to_none=True)
         step += 1
         seconds = time.perf_counter() - step_started
-        record = dict(step=step, tokens=step * tokens_per_step, loss=loss, lr_factor=factor, seconds=seconds)
+        tokens = stage.tokens_after(step)
+        record = dict(step=step, tokens=tokens, loss=loss, lr_factor=factor, seconds=seconds)
         record["grad_norm"] = float(grad_norm)
+        if len(stages) > 1:
+            record["length"] = stage.length
         log(record)
-        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_step / max(seconds, 1e-9):.0f}")
+        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{stage.tokens_per_step / max(seconds, 1e-9):.0f}")
         bar.update(1)
 
         # ---- held-out validation and early stopping
@@ -494,7 +532,9 @@ def distill(
                 best_state = {name: parameter.detach().clone() for name, parameter in trainable.items()}
             else:
                 evals_since_best += 1
-                stopped_early = bool(config.patience) and evals_since_best >= config.patience
+                # a length curriculum stops early only in its last stage: the run always trains at length
+                patience_over = bool(config.patience) and evals_since_best >= config.patience
+                stopped_early = patience_over and stage is stages[-1]
             log(dict(step=step, val_loss=val_loss, val_layers={str(k): v for k, v in val_layers.items()}))
         if on_step is not None:
             on_step(step, record)
@@ -514,7 +554,7 @@ def distill(
         final_val, final_layers = combined(final_val), gathered_layer_losses(final_layers)
     return DistillResult(
         steps=step,
-        tokens=step * tokens_per_step,
+        tokens=tokens_after(stages, step),
         seconds=time.perf_counter() - started,
         history=history,
         best_val_loss=None if math.isinf(best_val) else best_val,
@@ -522,6 +562,7 @@ def distill(
         val_layer_losses=final_layers,
         stopped_early=stopped_early,
         skipped_steps=policy.skipped,
+        stages=[stage.summary() for stage in stages] if len(stages) > 1 else [],
     )
 
 
