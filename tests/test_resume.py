@@ -69,7 +69,9 @@ def test_kill_9_then_resume_equals_uninterrupted_run(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(tests=str(TESTS), tokens=4 * 24 * STEPS))
     run_dir = tmp_path / "run"
-    environment = {**os.environ, "PYTHONPATH": str(TESTS)}
+    # the subprocess trains with the dofla under test (a worktree's src), not whichever one is installed
+    source = Path(checkpoint.__file__).resolve().parents[2]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(source)])}
     process = subprocess.Popen([sys.executable, str(script), str(run_dir), "fresh", "1.0"], env=environment)
     latest = run_dir / "checkpoints" / checkpoint.LATEST_FILE
     deadline = time.monotonic() + 120

@@ -189,3 +189,182 @@ def test_prf_rows_alone_agree_with_the_batch_and_missing_features_are_zero(name)
         torch.testing.assert_close(alone, batched[row : row + 1], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(alone_scale, batched_scale[row : row + 1], rtol=1e-12, atol=1e-12)
     assert torch.all(batched[:, 2:, :, 4:] == 0)  # the second map head has 4 features: the rest exactly 0
+
+
+@pytest.mark.parametrize("name", ["prf", "learnable_prf"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("is_query", [False, True])
+def test_prf_forward_matches_the_reference_formula_and_follows_parameter_updates(name, batch, is_query):
+    """The regrouped PRF (one product, the norm only in the log scale) against the formula as written:
+    forward and gradients, with head-wise dimensions; without gradients its folded weights are kept, and
+    rebuilt once a parameter changes in place (an optimiser step, a load)."""
+    from dofla.feature_maps import build_feature_map
+
+    feature_map = build_feature_map(
+        name, num_heads=2, head_dim=8, feature_dim=6, scaling=8**-0.5, head_feature_dims=[6, 4]
+    ).double()
+    with torch.no_grad():
+        for parameter in feature_map.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 4, 3, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    expected = feature_map.reference_forward(x, is_query=is_query)
+    got = feature_map(x, is_query=is_query)
+    assert (got[1] is None) == (expected[1] is None) == is_query
+    for a, b in zip(got, expected, strict=True):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    weights = [torch.randn(t.shape, generator=generator, dtype=t.dtype) for t in expected if t is not None]
+    inputs = (x, *[p for p in feature_map.parameters() if p.requires_grad])
+    for a, b in zip(
+        weighted_gradients(got, weights, inputs), weighted_gradients(expected, weights, inputs), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        feature_map(x, is_query=is_query)  # folded weights kept from here
+        feature_map.directions().mul_(1.5)
+        got = feature_map(x, is_query=is_query)
+        expected = feature_map.reference_forward(x, is_query=is_query)
+        for a, b in zip(got, expected, strict=True):
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window
+    ("linear", "linear", "learnable_prf", True, 64),
+    ("linear", "linear", "hedgehog", False, 64),
+    ("gla", "linear", "learnable_prf", True, 64),
+    ("gla", "linear", "t2r", False, 64),
+    ("gated_delta", "linear", "projection", True, 64),
+    ("gated_delta", "linear", "learnable_prf", False, 64),
+    ("window", "hybrid", "learnable_prf", True, 3),  # the window is full: its oldest key leaves
+    ("window", "hybrid", "learnable_prf", False, 10),  # not yet full
+]
+
+
+@pytest.mark.parametrize("cell, kind, feature_map, share, window", DECODE_CASES)
+def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
+    cell, kind, feature_map, share, window
+):
+    """A single decoded token through the cell's ``_decode_step`` (what generation runs) against the
+    recurrent form from the same state: output, new state, and gradients of the inputs and parameters."""
+    from dofla.cache import RecurrentCacheLayer
+    from dofla.cells import build_student
+
+    plan = LayerPlan(
+        kind=kind, cell=cell, feature_map=feature_map, feature_dim=6, share_kv_heads=share, window=window
+    )
+    torch.manual_seed(0)
+    student = build_student(
+        plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5
+    ).double()
+    with torch.no_grad():
+        for parameter in student.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    generator = torch.Generator().manual_seed(2)
+
+    def draw(heads, length, grad=False):
+        tensor = torch.randn(2, heads, length, 8, generator=generator, dtype=torch.float64)
+        return tensor.requires_grad_(grad)
+
+    layer = RecurrentCacheLayer()
+    with torch.no_grad():
+        student.pending_cache_layer = layer
+        student(draw(4, 7), draw(2, 7), draw(2, 7))  # the prefill that makes the state
+    state = layer.state
+    query, key, value = draw(4, 1, True), draw(2, 1, True), draw(2, 1, True)
+    assert student._decode_step(query, key, value, state, 8**-0.5) is not None
+    results = {}
+    for form in (None, "recurrent"):
+        layer.state = state
+        student.pending_cache_layer = layer
+        output = student(query, key, value, form=form)
+        weights = torch.linspace(-1, 1, output.numel(), dtype=output.dtype).view_as(output)
+        inputs = [query, key, value, *student.trainable_parameters()]
+        results[form] = (output, layer.state, torch.autograd.grad((output * weights).sum(), inputs))
+    (fast, fast_state, fast_gradients), (slow, slow_state, slow_gradients) = (
+        results[None],
+        results["recurrent"],
+    )
+    torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
+    assert type(fast_state) is type(slow_state) and fast_state.num_tokens == slow_state.num_tokens == 8
+    for a, b in zip(fast_state._tensors(), slow_state._tensors(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for a, b in zip(fast_gradients, slow_gradients, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("length, window, chunk", [(13, 5, 4), (13, 3, 8), (16, 6, 4), (5, 8, 4)])
+def test_fresh_window_attention_matches_the_reference_and_the_general_chunked_path(length, window, chunk):
+    """A window prefill from no state (no padding, sinks or soft-capping) takes one fused softmax call per
+    chunk: against the naive form (forward and gradients) and the general blocked path (output, state)."""
+    from dofla.ops import chunked_window_attention, window_attention
+
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (
+        torch.randn(2, heads, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+        for heads in (4, 2, 2)
+    )
+    settings = dict(scaling=8**-0.5, window=window)
+    fast, fast_state = chunked_window_attention(
+        query, key, value, chunk_size=chunk, return_state=True, **settings
+    )
+    expected = window_attention(query, key, value, **settings)
+    torch.testing.assert_close(fast, expected, rtol=1e-10, atol=1e-12)
+    weights = torch.randn(expected.shape, generator=generator, dtype=expected.dtype)
+    inputs = (query, key, value)
+    for a, b in zip(
+        weighted_gradients([fast], [weights], inputs),
+        weighted_gradients([expected], [weights], inputs),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    all_present = torch.ones(2, length, dtype=torch.bool)  # a key mask takes the general blocked path
+    general, general_state = chunked_window_attention(
+        query, key, value, chunk_size=chunk, return_state=True, key_mask=all_present, **settings
+    )
+    torch.testing.assert_close(fast, general, rtol=1e-10, atol=1e-12)
+    assert fast_state.num_tokens == general_state.num_tokens == length
+    for a, b in zip(fast_state._tensors(), general_state._tensors(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_chunk_size_comes_from_the_measured_table_unless_the_plan_sets_one(tmp_path, capsys, one_thread):
+    from dofla.ops.chunked import CHUNK_SIZES, choose_chunk_size
+
+    for op, rows in CHUNK_SIZES.items():
+        lengths = [length for length, _ in rows]
+        assert lengths == sorted(lengths), f"{op}: rows must grow in length"
+        for length, size in rows:
+            assert choose_chunk_size(op, length) == size
+        assert choose_chunk_size(op, lengths[-1] * 4) == rows[-1][1]  # beyond the table: its last size
+    shape = dict(layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)
+    default = LinearAttention(LayerPlan(kind="linear", feature_dim=6), **shape)
+    assert default.chunk_size is None
+    assert default.chunk_size_for("linear", 20000) == choose_chunk_size("linear", 20000)
+    fixed = LinearAttention(LayerPlan(kind="linear", feature_dim=6, options={"chunk_size": 8}), **shape)
+    assert fixed.chunk_size_for("linear", 20000) == 8
+
+    sweep = bench_script("sweep_chunk_size")
+    out = tmp_path / "chunk_sizes.json"
+    arguments = ["--lengths", "40", "--chunks", "8,16", "--repeats", "1", "--window", "4", "--out", str(out)]
+    assert sweep.main([*arguments, "--heads", "4", "--kv-heads", "2", "--dim", "8"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"linear 40", "delta 40", "window 40"}
+    assert all(row["chosen"] in (8, 16) for row in rows.values())
+    assert '"linear": ((40, ' in capsys.readouterr().out
+
+
+def test_prf_key_with_an_overflowing_norm_is_not_silently_dropped():
+    """A key whose squared norm overflows float32 makes the attention non-finite with the regrouped map,
+    as with the formula as written (not a key of weight 0: a diverged run must show as NaN)."""
+    from dofla.feature_maps import build_feature_map
+
+    feature_map = build_feature_map("learnable_prf", num_heads=1, head_dim=8, feature_dim=6, scaling=8**-0.5)
+    query, key, value = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 3)
+    key[0, 0, 1] = 1e20  # finite, but its squared norm is not
+    for features in (feature_map, feature_map.reference_forward):
+        q_features, _ = features(query, is_query=True)
+        k_features, k_log_scale = features(key, is_query=False)
+        out = chunked_linear_attention(q_features, k_features, value, k_log_scale=k_log_scale, chunk_size=2)
+        assert torch.isnan(out[:, :, 1:]).all()  # every query that sees the key

@@ -26,10 +26,12 @@ from dofla.ops import (
     recurrent_hybrid_attention,
     recurrent_linear_attention,
 )
+from dofla.ops.chunked import choose_chunk_size
+from dofla.ops.recurrent import linear_decode_step
+from dofla.ops.state import LinearState
 
 FORMS = ("naive", "chunked", "recurrent")
 DEFAULT_WINDOW_FACTOR = 0.1  # LoLCATs: gamma = sigmoid(w) starts near 0.1
-DEFAULT_CHUNK_SIZE = 64
 DEFAULT_DECODE_TOKENS = 4  # calls with at most this many new tokens and a state run the recurrent form
 
 
@@ -67,7 +69,8 @@ class LinearAttention(nn.Module):
     With ``plan.share_kv_heads`` the feature map has one parameter set per key/value head and the state is
     per key/value head (H / Hkv times smaller); otherwise one per query head, keys and values repeated.
     Module options in ``plan.options`` (the rest goes to the feature map): ``window_factor`` (initial
-    gamma of hybrid layers, default 0.1), ``chunk_size`` (default 64), ``decode_tokens`` (default 4).
+    gamma of hybrid layers, default 0.1), ``chunk_size`` (default: per op and length from
+    ``dofla.ops.chunked.CHUNK_SIZES``), ``decode_tokens`` (default 4).
     A feature map that takes a ``seed`` gets the layer index unless the plan gives one, so layers draw
     different random features.
     """
@@ -104,7 +107,8 @@ class LinearAttention(nn.Module):
         self.window = int(plan.window)
         options = dict(plan.options)
         initial_gamma = float(options.pop("window_factor", self.default_window_factor))
-        self.chunk_size = int(options.pop("chunk_size", DEFAULT_CHUNK_SIZE))
+        chunk_size = options.pop("chunk_size", None)  # None: chosen per op and length (CHUNK_SIZES)
+        self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.decode_tokens = int(options.pop("decode_tokens", DEFAULT_DECODE_TOKENS))
         self.cell_options = {name: options.pop(name) for name in self.CELL_OPTIONS if name in options}
         self.sinks = int(plan.sinks)
@@ -176,12 +180,13 @@ class LinearAttention(nn.Module):
 
     def _joint_features(self, query: Tensor, key: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """``features`` in one feature-map call for queries and keys together (decoding, where a step's cost
-        is its number of small operators). Every map treats each token and head alike, whether query or key;
-        a query's log scale is dropped (it cancels), as the map does for ``is_query=True``."""
+        is its number of small operators), through the map's ``decode_features`` (equal up to rounding).
+        Every map treats each token and head alike, whether query or key; a query's log scale is dropped
+        (it cancels), as the map does for ``is_query=True``."""
         batch, num_heads, length, head_dim = query.shape
         if not self.share_kv_heads:  # one map per query head: keys repeated, queries and keys along time
             both = torch.cat([query, self._state_heads_view(key)], dim=2)  # (B, H, 2T, D)
-            features, log_scale = self.feature_map(both, is_query=False)
+            features, log_scale = self.feature_map.decode_features(both)
             k_log_scale = None if log_scale is None else log_scale[:, :, length:]
             return features[:, :, :length], features[:, :, length:], k_log_scale
         kv_heads = self.num_kv_heads
@@ -189,8 +194,8 @@ class LinearAttention(nn.Module):
         both = torch.cat(
             [query.view(batch, kv_heads, group, length, head_dim), key.unsqueeze(2)], dim=2
         )  # (B, Hkv, G + 1, T, D): map head h reads its G queries and its key
-        features, log_scale = self.feature_map(
-            both.view(batch, kv_heads * (group + 1), length, head_dim), is_query=False
+        features, log_scale = self.feature_map.decode_features(
+            both.view(batch, kv_heads * (group + 1), length, head_dim)
         )
         features = features.view(batch, kv_heads, group + 1, length, features.shape[-1])
         q_features = features[:, :, :group].reshape(batch, num_heads, length, features.shape[-1])
@@ -198,6 +203,53 @@ class LinearAttention(nn.Module):
             None if log_scale is None else log_scale.view(batch, kv_heads, group + 1, length)[:, :, group]
         )
         return q_features, features[:, :, group], k_log_scale
+
+    def _decode_inputs(self, query: Tensor, key: Tensor, value: Tensor, dtype: torch.dtype):
+        """One token's features grouped by state head, for ``_decode_step``: query (B, H, 1, D), key and
+        value (B, Hkv, 1, D) -> features (B, Hs, G + 1, F) (each state head's G = H // Hs queries, then its
+        key), their log scales (B, Hs, G + 1) or None, values (B, Hs, Dv); None when the inputs are not in
+        ``dtype`` (the state's)."""
+        if query.dtype != dtype or value.dtype != dtype:
+            return None
+        batch, num_heads, _, head_dim = query.shape
+        heads = self.state_heads
+        group = num_heads // heads
+        keys, values = self._state_heads_view(key), self._state_heads_view(value)  # (B, Hs, 1, D)
+        both = torch.cat(
+            [query.view(batch, heads, group, head_dim), keys.view(batch, heads, 1, head_dim)], dim=2
+        )  # (B, Hs, G + 1, D): map head h reads its G queries and its key
+        features, log_scale = self.feature_map.decode_features(
+            both.view(batch, heads * (group + 1), 1, head_dim)
+        )
+        features = features.view(batch, heads, group + 1, features.shape[-1])
+        log_scale = None if log_scale is None else log_scale.view(batch, heads, group + 1)
+        return features, log_scale, values.view(batch, heads, values.shape[-1])
+
+    def _decode_step(
+        self, query: Tensor, key: Tensor, value: Tensor, state, scaling: float
+    ) -> tuple[Tensor, object] | None:
+        """One new token with a state and no padding, in the fewest operators (a decoding step's cost is
+        its number of small operators): output (B, 1, H, Dv) and the new state, as the recurrent form gives
+        them up to rounding (``scaling``: the window softmax's logit scale). None where the layer has no
+        such step (the general forms run then)."""
+        if self.kind != "linear" or not isinstance(state, LinearState):
+            return None
+        inputs = self._decode_inputs(query, key, value, state.kv.dtype)
+        if inputs is None:
+            return None
+        features, log_scale, values = inputs
+        k_log_scale = (
+            state.log_offset.new_zeros(state.log_offset.shape) if log_scale is None else log_scale[..., -1]
+        )
+        output, new_state = linear_decode_step(
+            state, features[:, :, :-1], features[:, :, -1], values, k_log_scale
+        )
+        return output.view(query.shape[0], 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
+
+    def chunk_size_for(self, op: str, length: int) -> int:
+        """The chunked form's chunk size: the plan's ``chunk_size`` option, else the measured table's for
+        ``op`` ("linear", "delta", "window") at ``length`` tokens."""
+        return self.chunk_size or choose_chunk_size(op, length)
 
     def take_cache_layer(self):
         """The cache layer for this call, at most once per module forward."""
@@ -218,7 +270,8 @@ class LinearAttention(nn.Module):
 
         Without a cache: the chunked form (``form`` picks "naive" | "chunked" | "recurrent" for tests).
         With a cache layer attached by the conversion hook: the state continues from earlier calls;
-        calls of at most ``decode_tokens`` tokens run the recurrent form, longer ones (prefill) the chunked.
+        calls of at most ``decode_tokens`` tokens run the recurrent form, longer ones (prefill) the chunked;
+        a single unpadded token takes the cell's ``_decode_step`` (the recurrent form's step, fewer operators).
         Padded keys (from a 4-D ``attention_mask``) take part nowhere. ``scaling`` is the teacher's logit
         scale for the window softmax of hybrid layers (default: the one given at construction).
         """
@@ -233,11 +286,17 @@ class LinearAttention(nn.Module):
         scaling = self.scaling if scaling is None else float(scaling)
         cache_layer = self.take_cache_layer()
         state = None if cache_layer is None else cache_layer.state
+        fast_step = form is None and state is not None and length == 1  # a decoding step, see _decode_step
         if form is None:
             form = "recurrent" if state is not None and length <= self.decode_tokens else "chunked"
         if form == "naive" and state is not None:
             raise DoflaError("the naive form cannot continue from a cache state; use chunked or recurrent.")
         key_mask = key_mask_from_attention_mask(attention_mask, length)
+        if fast_step and key_mask is None:
+            step = self._decode_step(query, key, value, state, scaling)
+            if step is not None:
+                output, cache_layer.state = step
+                return output
         q_features, k_features, k_log_scale = (
             self.features(query, key) if self.uses_features else (None, None, None)
         )
@@ -254,7 +313,8 @@ class LinearAttention(nn.Module):
     ):
         """Run one form; returns out (B, H, T, Dv) and the new state (None for the naive form)."""
         common = dict(k_log_scale=k_log_scale, key_mask=key_mask)
-        chunked = dict(chunk_size=self.chunk_size, initial_state=state, return_state=True)
+        chunk_size = self.chunk_size_for("linear", q_features.shape[2])
+        chunked = dict(chunk_size=chunk_size, initial_state=state, return_state=True)
         if self.kind == "linear":
             if form == "naive":
                 return linear_attention(q_features, k_features, values, **common), None

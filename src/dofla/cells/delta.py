@@ -35,8 +35,10 @@ from dofla.ops import (
     gated_delta_rule,
     recurrent_gated_delta_rule,
     recurrent_window_attention,
+    update_delta_state,
     window_attention,
 )
+from dofla.ops.recurrent import window_decode_step
 from dofla.ops.state import BatchedState
 
 DEFAULT_BETA = 0.5
@@ -65,7 +67,13 @@ def _window_part(cell: LinearAttention, form, query, keys, values, key_mask, sca
     if form == "recurrent":
         return recurrent_window_attention(query, keys, values, state=state, **common)
     return chunked_window_attention(
-        query, keys, values, chunk_size=cell.chunk_size, initial_state=state, return_state=True, **common
+        query,
+        keys,
+        values,
+        chunk_size=cell.chunk_size_for("window", query.shape[2]),
+        initial_state=state,
+        return_state=True,
+        **common,
     )
 
 
@@ -113,7 +121,7 @@ class GatedDeltaAttention(LinearAttention):
                 values,
                 log_decay,
                 beta,
-                chunk_size=self.chunk_size,
+                chunk_size=self.chunk_size_for("delta", q.shape[2]),
                 initial_state=memory_state,
                 return_state=True,
                 key_mask=key_mask,
@@ -128,6 +136,22 @@ class GatedDeltaAttention(LinearAttention):
         output = gamma * window.to(memory.dtype) + (1 - gamma) * memory
         new_state = None if new_memory is None else DeltaHybridState(window=new_window, delta=new_memory)
         return output.to(values.dtype), new_state
+
+    def _decode_step(self, query, key, value, state, scaling):
+        """One token (see ``LinearAttention._decode_step``): queries and key normalised together, the two
+        gates from the value, one delta-rule update and one read."""
+        if self.kind != "linear" or not isinstance(state, DeltaState):
+            return None
+        inputs = self._decode_inputs(query, key, value, state.kv.dtype)
+        if inputs is None:
+            return None
+        features, _, values = inputs  # a map's log scale cancels in the normalisation
+        features = F.normalize(features, dim=-1)  # (B, Hs, G + 1, K)
+        log_decay = F.logsigmoid(self.decay.step_logits(values))  # (B, Hs)
+        beta = torch.sigmoid(self.write.step_logits(values))  # (B, Hs)
+        new_state = update_delta_state(state, features[:, :, -1], values, log_decay, beta)
+        output = features[:, :, :-1] @ new_state.kv  # (B, Hs, G, Dv)
+        return output.view(query.shape[0], 1, self.num_heads, -1), new_state
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)
@@ -152,3 +176,18 @@ class WindowAttention(LinearAttention):
     ):
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
         return _window_part(self, form, query, keys, values, key_mask, scaling, state)
+
+    def _decode_step(self, query, key, value, state, scaling):
+        """One token (see ``LinearAttention._decode_step``): the window's fused softmax step, without
+        sinks or soft-capping (the recurrent form serves those)."""
+        exact = query.dtype in (torch.float32, torch.float64)  # the general form computes in these
+        if self.sinks or self.softcap or not isinstance(state, WindowState) or not exact:
+            return None
+        if state.keys.dtype != query.dtype or state.values.dtype != value.dtype:
+            return None
+        batch, num_heads, _, head_dim = query.shape
+        heads = self.state_heads
+        keys, values = self._state_heads_view(key), self._state_heads_view(value)  # (B, Hs, 1, D)
+        queries = query.view(batch, heads, num_heads // heads, head_dim)  # (B, Hs, G, D)
+        output, new_state = window_decode_step(state, queries, keys, values, scaling=scaling)
+        return output.view(batch, 1, num_heads, -1), new_state  # (B, 1, H, Dv)

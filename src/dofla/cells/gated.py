@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from dofla.attention import LinearAttention
 from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
-from dofla.ops.state import BatchedState
+from dofla.ops.recurrent import linear_decode_step
+from dofla.ops.state import BatchedState, LinearState
 
 DEFAULT_DECAY_MEMORY = (128.0, 2048.0)
 
@@ -76,6 +77,10 @@ class TokenGate(nn.Module):
         logits = (values.to(dtype) @ self.weight.to(dtype)[:, :, None]).squeeze(-1)  # (B, Hs, T)
         return logits * values.shape[-1] ** -0.5 + self.bias.to(dtype)[None, :, None]
 
+    def step_logits(self, values: Tensor) -> Tensor:
+        """``logits`` of one token in fewer operators (decoding): values (B, Hs, Dv) -> (B, Hs)."""
+        return torch.add(self.bias, torch.linalg.vecdot(values, self.weight), alpha=values.shape[-1] ** -0.5)
+
     def log_gate(self, values: Tensor, key_mask: Tensor | None) -> Tensor:
         """log gate (B, Hs, T) <= 0; padded tokens (``key_mask`` False) get 0 (a gate of 1: no decay)."""
         log_gate = F.logsigmoid(self.logits(values))
@@ -124,6 +129,26 @@ class GatedLinearAttention(LinearAttention):
         )
         new_state = None if inner is None else GatedState(inner, total[..., -1].clone())
         return output, new_state
+
+    def _decode_step(self, query, key, value, state, scaling):
+        """One token (see ``LinearAttention._decode_step``): the gate's log decay joins the running total
+        A_t, and the key enters the inner linear state with log scale ``s_t - A_t``."""
+        if (
+            self.kind != "linear"
+            or not isinstance(state, GatedState)
+            or not isinstance(state.inner, LinearState)
+        ):
+            return None
+        inputs = self._decode_inputs(query, key, value, state.inner.kv.dtype)
+        if inputs is None:
+            return None
+        features, log_scale, values = inputs
+        total = state.log_decay_total + F.logsigmoid(self.decay.step_logits(values))  # (B, Hs): A_t
+        decayed = -total if log_scale is None else log_scale[..., -1] - total
+        output, inner = linear_decode_step(
+            state.inner, features[:, :, :-1], features[:, :, -1], values, decayed
+        )
+        return output.view(query.shape[0], 1, self.num_heads, -1), GatedState(inner, total)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)

@@ -66,6 +66,16 @@ class FeatureMap(nn.Module):
         """
         raise NotImplementedError
 
+    def decode_features(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``forward(x, is_query=False)`` in the fewest operators, for decoding steps (whose cost is their
+        number of small operators): x (B, Hx, T, D) -> phi (B, Hx, T, F), log_scale (B, Hx, T) or None.
+
+        Equal to ``forward`` up to rounding (a map may reorder its arithmetic); training never takes it.
+        Maps without a faster form run ``forward`` (directly: a module call's hook machinery costs as much
+        as a small operator).
+        """
+        return self.forward(x, is_query=False)
+
     def group_view(self, x: Tensor) -> Tensor:
         """(B, Hx, T, D) -> (B, num_heads, Hx // num_heads, T, D), checking that the heads divide."""
         batch, heads, length, dim = x.shape
@@ -78,7 +88,8 @@ class FeatureMap(nn.Module):
 
     def grouped_input(self, x: Tensor) -> Tensor:
         """``group_view`` in the compute dtype: float64 for float64 inputs (tests, gradcheck), else float32."""
-        return self.group_view(x).to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        grouped = self.group_view(x)
+        return grouped if grouped.dtype in (torch.float32, torch.float64) else grouped.to(torch.float32)
 
     def masked(self, features: Tensor) -> Tensor:
         """Zero the features a head does not have; features (B, num_heads, G, T, F)."""

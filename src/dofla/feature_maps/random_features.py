@@ -42,6 +42,7 @@ class _PositiveRandomFeatures(FeatureMap):
     def __init__(self, **shape) -> None:
         super().__init__(**shape)
         self._log_counts: dict = {}  # (dtype, device) -> log(M_h), (num_heads,): built once, not per call
+        self._folded_weights: tuple | None = None  # (key, weight, bias), see _fused_weights
 
     def directions(self) -> Tensor:  # (num_heads, D, F)
         raise NotImplementedError
@@ -57,7 +58,62 @@ class _PositiveRandomFeatures(FeatureMap):
     def log_feature_weights(self) -> Tensor | None:  # (num_heads, F) added to the log-features, or None
         return None
 
+    def _fused_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """sqrt(scaling) * directions (Hm, D, F) and the log-features' bias (Hm, 1, F): -log(M_h) / 2, plus
+        log(alpha) / 2, and -inf for the features a head does not have. Kept between calls while the
+        parameters are unchanged (their version counters) and no gradient is asked for."""
+        directions, log_weights = self.directions(), self.log_feature_weights()
+        parameters = [directions] if log_weights is None else [directions, log_weights]
+        tracked = torch.is_grad_enabled() and any(parameter.requires_grad for parameter in parameters)
+        key = (dtype, *((p.data_ptr(), p._version) for p in parameters))
+        if not tracked and self._folded_weights is not None and self._folded_weights[0] == key:
+            return self._folded_weights[1:]
+        weight = math.sqrt(self.scaling) * directions.to(dtype)
+        bias = (-0.5 * self.log_feature_counts(weight))[:, None].expand(self.num_heads, self.feature_dim)
+        if log_weights is not None:
+            bias = bias + 0.5 * log_weights.to(dtype)
+        if self.has_headwise_dims:
+            bias = bias.masked_fill(~self.feature_mask, float("-inf"))
+        bias = bias[:, None, :].contiguous()  # (Hm, 1, F)
+        if not tracked:
+            self._folded_weights = (key, weight, bias)
+        return weight, bias
+
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
+        """``reference_forward`` regrouped into fewer passes over the (T, F) features: the squared norm is
+        the same for all of a token's features, so it cancels in phi and enters only the keys' log scale;
+        scaling, 1/M_h, alpha and the head-wise mask are folded into one weight and one bias, so the
+        log-features are one batched product (with its bias for a batch of one)."""
+        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
+        batch, heads, group, length, dim = grouped.shape
+        weight, bias = self._fused_weights(grouped.dtype)  # (Hm, D, F), (Hm, 1, F)
+        if batch == 1:  # (Hm, N, D) rows: one product with its bias
+            rows = grouped.reshape(heads, group * length, dim)
+            log_features = torch.baddbmm(bias, rows, weight)  # (Hm, N, F)
+        else:
+            rows = grouped.reshape(batch, heads, group * length, dim)  # (B, Hm, N, D)
+            log_features = torch.matmul(rows, weight) + bias  # (B, Hm, N, F)
+        token_max = log_features.amax(-1, keepdim=True)  # (B, Hm, N, 1) or (Hm, N, 1)
+        if torch.is_grad_enabled() and log_features.requires_grad:  # amax keeps its input for backward
+            features = torch.exp(log_features - token_max)
+        else:
+            features = log_features.sub_(token_max).exp_()
+        shape = x.shape[:3]
+        features = features.view(shape + (self.feature_dim,))
+        if features.dtype != x.dtype:
+            features = features.to(x.dtype)
+        if is_query:
+            return features, None
+        squared_norm = torch.linalg.vecdot(rows, rows)
+        log_scale = torch.sub(token_max.squeeze(-1), squared_norm, alpha=0.5 * self.scaling)
+        # + 0 * |x|^2: NaN for a key whose squared norm overflows, as in the formula (not a silently absent
+        # key); exactly the same value and gradient otherwise
+        log_scale = log_scale + squared_norm * 0.0
+        return features, log_scale.view(shape)
+
+    def reference_forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
+        """The formula as written (the module docstring's), one operation per term: what ``forward`` must
+        equal up to rounding, in its outputs and gradients."""
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
         projection = torch.einsum(
             "bhgtd,hdf->bhgtf", grouped, self.directions().to(grouped.dtype)

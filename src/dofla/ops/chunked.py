@@ -37,6 +37,25 @@ NEGATIVE_INFINITY = float("-inf")
 SCAN_ABOVE_CHUNKS = 16  # more chunks than this: the states entering them by a scan, not an (N, N) product
 
 
+# Chunk size per chunked op and prefill length, chosen by a measured sweep (bench/sweep_chunk_size.py,
+# SmolLM2-135M's attention shape, float32, one CPU thread; its table is bench/results/chunk_sizes.md):
+# rows (longest length, chunk size), the last row's size beyond. A plan's ``chunk_size`` option overrides.
+CHUNK_SIZES: dict[str, tuple[tuple[int, int], ...]] = {
+    "linear": ((1024, 64), (4096, 32), (16384, 64)),
+    "delta": ((16384, 32),),
+    "window": ((16384, 32),),
+}
+
+
+def choose_chunk_size(op: str, length: int) -> int:
+    """The chunk size of ``CHUNK_SIZES`` for ``op`` ("linear", "delta" or "window") at ``length`` tokens."""
+    rows = CHUNK_SIZES[op]
+    for longest, size in rows:
+        if length <= longest:
+            return size
+    return rows[-1][1]
+
+
 def _check_chunk_size(chunk_size: int) -> int:
     if int(chunk_size) <= 0:
         raise DoflaError(f"chunk_size must be a positive number of tokens, got {chunk_size}.")
@@ -53,6 +72,19 @@ def linear_attention_sums(
     denominator (B, Hk, G, T), both divided by exp(m_t) with m_t the running maximum of the log scales
     (including the state's offset), and the state after the last token.
     """
+    sums, final = linear_attention_chunk_sums(q, k, v, log_scale, state, chunk_size)
+    batch, num_kv_heads, num_chunks, group, size, width = sums.shape
+    sums = sums.transpose(2, 3).reshape(batch, num_kv_heads, group, num_chunks * size, width)
+    length = q.shape[3]
+    return sums[..., :length, :-1], sums[..., :length, -1], final
+
+
+def linear_attention_chunk_sums(
+    q: Tensor, k: Tensor, v: Tensor, log_scale: Tensor | None, state: LinearState | None, chunk_size: int
+) -> tuple[Tensor, LinearState]:
+    """``linear_attention_sums`` in the chunks' own layout: sums (B, Hk, N, G, C, Dv + 1) with the
+    numerator in the first Dv columns and the denominator in the last (tokens past T are padding), and
+    the state after the last token; a caller that reorders the output anyway saves one copy."""
     batch, num_kv_heads, group, length, feature_dim = q.shape
     value_dim = v.shape[-1]
     size = chunk_size
@@ -129,21 +161,19 @@ def linear_attention_sums(
         final_offset = entering[..., -1].clone()
         previous_tokens = 0 if state is None else state.num_tokens
 
-    sums = intra.view(batch, num_kv_heads, num_chunks, group * size, size) @ v_chunks + inter.view(
-        batch, num_kv_heads, num_chunks, group * size, value_dim + 1
-    )  # (B, Hk, N, G * C, Dv + 1)
-    sums = (
-        sums.view(batch, num_kv_heads, num_chunks, group, size, value_dim + 1)
-        .transpose(2, 3)
-        .reshape(batch, num_kv_heads, group, num_chunks * size, value_dim + 1)[..., :length, :]
-    )  # (B, Hk, G, T, Dv + 1)
+    rows, width = batch * num_kv_heads * num_chunks, value_dim + 1
+    sums = torch.baddbmm(
+        inter.reshape(rows, group * size, width),
+        intra.reshape(rows, group * size, size),
+        v_chunks.reshape(rows, size, width),
+    ).view(batch, num_kv_heads, num_chunks, group, size, width)  # (B, Hk, N, G, C, Dv + 1)
     final = LinearState(
         states[:, :, -1, :, :value_dim].clone(),  # copies: a view would keep all N + 1 states alive
         states[:, :, -1, :, value_dim].clone(),
         final_offset,
         previous_tokens + length,
     )
-    return sums[..., :value_dim], sums[..., value_dim], final
+    return sums, final
 
 
 def _linear_sums(kernel: SimpleGLAKernel | None):
@@ -226,14 +256,16 @@ def chunked_linear_attention(
     log_scale = None if k_log_scale is None else k_log_scale.to(dtype)
     if log_scale is None and initial_state is not None:
         log_scale = torch.zeros(k_features.shape[:3], dtype=dtype, device=k_features.device)
-    numerator, denominator, state = _linear_sums(kernel)(
-        q, k_features.to(dtype), v.to(dtype), log_scale, initial_state, size
-    )
-    out = (
-        (numerator / (denominator[..., None] + eps))
-        .reshape(batch, num_heads, length, v.shape[-1])
-        .to(v.dtype)
-    )
+    keys, values = k_features.to(dtype), v.to(dtype)
+    if kernel is not None:
+        numerator, denominator, state = _linear_sums(kernel)(q, keys, values, log_scale, initial_state, size)
+        out = (numerator / (denominator[..., None] + eps)).reshape(batch, num_heads, length, v.shape[-1])
+        return (out.to(v.dtype), state) if return_state else out.to(v.dtype)
+    sums, state = linear_attention_chunk_sums(q, keys, values, log_scale, initial_state, size)
+    # one copy into (B, T, H, Dv + 1), the layout the attention module returns (its transpose is then free);
+    # padded tokens are cut before dividing (their 0 / 0 would poison the gradients)
+    sums = sums.permute(0, 2, 4, 1, 3, 5).reshape(batch, -1, num_heads, sums.shape[-1])[:, :length]
+    out = (sums[..., :-1] / (sums[..., -1:] + eps)).transpose(1, 2).to(v.dtype)  # (B, H, T, Dv)
     return (out, state) if return_state else out
 
 
@@ -492,6 +524,49 @@ def chunked_hybrid_attention(
     return out, state
 
 
+def _fresh_window_attention(
+    query: Tensor, key: Tensor, v: Tensor, *, scaling: float, window: int, chunk_size: int
+) -> tuple[Tensor, WindowState]:
+    """``chunked_window_attention`` from no state, with every key present and no sinks or soft-capping:
+    per chunk of C queries, one fused softmax attention call over the C + window - 1 keys it can see
+    (every query sees at least itself, so no row is empty). Returns out (B, H, T, Dv) in v's dtype (a
+    transposed view of a (B, T, H, Dv) tensor) and the WindowState after the call."""
+    dtype = compute_dtype(query, key, v)
+    batch, num_heads, length, head_dim = query.shape
+    num_kv_heads, value_dim = key.shape[1], v.shape[-1]
+    group, size = num_heads // num_kv_heads, min(chunk_size, length)
+    num_chunks = -(-length // size)
+    pad, span = num_chunks * size - length, size + window - 1  # span: the keys one chunk can see
+    queries = (
+        F.pad(query.to(dtype), (0, 0, 0, pad))
+        .view(batch, num_kv_heads, group, num_chunks, size, head_dim)
+        .transpose(2, 3)
+        .reshape(batch, num_kv_heads, num_chunks, group * size, head_dim)
+    )  # (B, Hk, N, G * C, D): a chunk's queries of a key/value head are rows of one call
+    # keys shifted right by window - 1, so that block n starts at absolute position n * C - (window - 1)
+    key_blocks = F.pad(key.to(dtype), (0, 0, window - 1, pad)).unfold(2, span, size).transpose(-1, -2)
+    value_blocks = F.pad(v.to(dtype), (0, 0, window - 1, pad)).unfold(2, span, size).transpose(-1, -2)
+    row = torch.arange(size, device=query.device)[:, None]  # query r in its chunk
+    column = torch.arange(span, device=query.device)[None, :]  # key u in the block
+    chunk_start = (torch.arange(num_chunks, device=query.device) * size)[:, None, None]
+    visible = (column >= row) & (column <= row + window - 1) & (chunk_start + column - (window - 1) >= 0)
+    visible = visible.repeat(1, group, 1)  # (N, G * C, S)
+    out = F.scaled_dot_product_attention(
+        queries, key_blocks.contiguous(), value_blocks.contiguous(), attn_mask=visible, scale=scaling
+    )  # (B, Hk, N, G * C, Dv)
+    out = (
+        out.view(batch, num_kv_heads, num_chunks, group, size, value_dim)
+        .permute(0, 2, 4, 1, 3, 5)
+        .reshape(batch, num_chunks * size, num_heads, value_dim)[:, :length]
+    )  # (B, T, H, Dv)
+    keep = min(window, length)
+    state = WindowState.empty_like(key, v, window)
+    state.keys, state.values = key[:, :, -keep:].clone(), v[:, :, -keep:].clone()
+    state.key_present = torch.ones(batch, num_kv_heads, keep, dtype=torch.bool, device=key.device)
+    state.num_tokens = length
+    return out.transpose(1, 2).to(v.dtype), state
+
+
 def chunked_window_attention(
     query: Tensor,
     key: Tensor,
@@ -514,6 +589,11 @@ def chunked_window_attention(
     """
     group = check_window_inputs(query, key, v, window, sinks)
     size = _check_chunk_size(chunk_size)
+    if not sinks and not softcap and key_mask is None and initial_state is None:
+        out, state = _fresh_window_attention(
+            query, key, v, scaling=scaling, window=int(window), chunk_size=size
+        )
+        return (out, state) if return_state else out
     present = present_keys(key_mask, key)  # (B, Hk, T)
     if key_mask is not None:
         v = v.masked_fill(~present[..., None], 0)

@@ -7,6 +7,7 @@ maximum m of the keys' log scales, so the per-token offsets agree exactly with t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dofla.ops._checks import (
@@ -27,21 +28,41 @@ from dofla.ops.state import HybridState, LinearState, WindowState, exp_relative
 
 def update_linear_state(state: LinearState, k_features: Tensor, v: Tensor, log_scale: Tensor) -> LinearState:
     """Add one key per head: k_features (B, Hk, F), v (B, Hk, Dv), log_scale (B, Hk). Returns a new state."""
+    batch, num_kv_heads, feature_dim = k_features.shape
     log_offset = torch.maximum(state.log_offset, log_scale)  # (B, Hk)
-    decay = exp_relative(state.log_offset, log_offset)  # (B, Hk), <= 1
-    weighted_key = k_features * exp_relative(log_scale, log_offset)[..., None]  # (B, Hk, F)
+    # exp_relative of the old offset and of the key against the new one, sharing its clamp
+    finite_offset = log_offset.clamp_min(torch.finfo(log_offset.dtype).min)
+    decay = torch.exp(state.log_offset - finite_offset).view(batch, num_kv_heads, 1)  # (B, Hk, 1), <= 1
+    weighted_key = k_features * torch.exp(log_scale - finite_offset).view(
+        batch, num_kv_heads, 1
+    )  # (B, Hk, F)
     kv = torch.addcmul(
-        state.kv * decay[..., None, None], weighted_key[..., :, None], v[..., None, :]
+        state.kv * decay.unsqueeze(-1), weighted_key.unsqueeze(-1), v.unsqueeze(-2)
     )  # (B, Hk, F, Dv)
-    normalizer = torch.addcmul(weighted_key, state.normalizer, decay[..., None])  # (B, Hk, F)
+    normalizer = torch.addcmul(weighted_key, state.normalizer, decay)  # (B, Hk, F)
     return LinearState(kv, normalizer, log_offset, state.num_tokens + 1)
 
 
 def _read_linear_state(state: LinearState, q_features: Tensor) -> tuple[Tensor, Tensor]:
     """q_features (B, Hk, G, F) -> numerator (B, Hk, G, Dv), denominator (B, Hk, G), relative to the offset."""
     numerator = q_features @ state.kv  # (B, Hk, G, Dv)
-    denominator = (q_features @ state.normalizer[..., None]).squeeze(-1)  # (B, Hk, G)
+    denominator = torch.linalg.vecdot(q_features, state.normalizer.unsqueeze(-2))  # (B, Hk, G)
     return numerator, denominator
+
+
+def linear_decode_step(
+    state: LinearState,
+    q_features: Tensor,
+    k_features: Tensor,
+    v: Tensor,
+    log_scale: Tensor,
+    eps: float = 1e-6,
+) -> tuple[Tensor, LinearState]:
+    """One token of ``recurrent_linear_attention``: q_features (B, Hk, G, F), k_features (B, Hk, F),
+    v (B, Hk, Dv), log_scale (B, Hk), all in the state's dtype -> out (B, Hk, G, Dv) and the new state."""
+    state = update_linear_state(state, k_features, v, log_scale)
+    numerator, denominator = _read_linear_state(state, q_features)
+    return numerator / (denominator.unsqueeze(-1) + eps), state
 
 
 def _log_scale_or_zeros(k_log_scale: Tensor | None, k_features: Tensor, dtype: torch.dtype) -> Tensor:
@@ -79,9 +100,10 @@ def recurrent_linear_attention(
     log_scale = _log_scale_or_zeros(k_log_scale, k_features, dtype)  # (B, Hk, T)
     outputs = []
     for t in range(length):
-        state = update_linear_state(state, k[:, :, t], values[:, :, t], log_scale[:, :, t])
-        numerator, denominator = _read_linear_state(state, q[:, :, :, t])
-        outputs.append(numerator / (denominator[..., None] + eps))  # (B, Hk, G, Dv)
+        output, state = linear_decode_step(
+            state, q[:, :, :, t], k[:, :, t], values[:, :, t], log_scale[:, :, t], eps
+        )
+        outputs.append(output)  # (B, Hk, G, Dv)
     out = stack_tokens(outputs).reshape(batch, num_heads, length, value_dim)
     return out.to(v.dtype), state
 
@@ -247,6 +269,24 @@ def recurrent_hybrid_attention(
         window=window,
     )
     return out.to(v.dtype), new_state
+
+
+def window_decode_step(
+    state: WindowState, queries: Tensor, key: Tensor, value: Tensor, *, scaling: float
+) -> tuple[Tensor, WindowState]:
+    """One present token of ``recurrent_window_attention`` without sinks or soft-capping, in its fewest
+    operators (decoding): queries (B, Hk, G, D), key (B, Hk, 1, D), value (B, Hk, 1, Dv), all in the
+    state's dtype -> out (B, Hk, G, Dv) and the new state. The new key is present, so every query sees
+    at least one key and one fused softmax attention call reads the window."""
+    start = 1 if state.keys.shape[2] >= state.window else 0  # the oldest key leaves a full window
+    keys = torch.cat([state.keys[:, :, start:], key], dim=2)  # (B, Hk, L, D)
+    values = torch.cat([state.values[:, :, start:], value], dim=2)  # (B, Hk, L, Dv)
+    key_present = torch.cat([state.key_present[:, :, start:], present_keys(None, key)], dim=2)  # (B, Hk, L)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=key_present[:, :, None], scale=scaling
+    )
+    sinks = (state.sink_keys, state.sink_values, state.sink_count)
+    return out, WindowState(keys, values, key_present, *sinks, state.window, state.num_tokens + 1)
 
 
 def recurrent_window_attention(
