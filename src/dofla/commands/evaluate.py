@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_LENGTHS = "512,1024"
@@ -225,10 +226,12 @@ def run(args: argparse.Namespace) -> int:
         results["long_context"] = quality
         if args.error_sequences:
             shortest = sequences[min(sequences)][: args.error_sequences]
+            clock = time.perf_counter()
             errors = attention_errors(student, shortest.split(args.batch_size))
             results["attention_error"] = {
                 "length": int(shortest.shape[1]),
                 "sequences": int(shortest.shape[0]),
+                "seconds": round(time.perf_counter() - clock, 3),
                 "layers": {str(layer): values for layer, values in errors.items()},
             }
     if args.task_list:
@@ -307,7 +310,8 @@ def _print_results(results: dict) -> None:
     if "attention_error" in results:
         measured = results["attention_error"]
         print(
-            f"attention error per layer (teacher-forced, {measured['sequences']} x {measured['length']} tokens)"
+            f"attention error per layer (teacher-forced, {measured['sequences']} x {measured['length']} tokens, "
+            f"{measured['seconds']:.0f} s)"
         )
         body = [
             [layer, f"{values['relative_error']:.4f}", f"{values['cosine']:.4f}"]

@@ -42,6 +42,7 @@ def row_chunks(rows: int, vocabulary: int) -> Iterator[slice]:
         yield slice(start, min(rows, start + step))
 
 
+@torch.no_grad()
 def kl_from_teacher(
     teacher_log_probs: torch.Tensor, teacher_probs: torch.Tensor, log_probs: torch.Tensor
 ) -> torch.Tensor:
