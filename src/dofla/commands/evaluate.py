@@ -310,8 +310,8 @@ def _print_results(results: dict) -> None:
     if "attention_error" in results:
         measured = results["attention_error"]
         print(
-            f"attention error per layer (teacher-forced, {measured['sequences']} x {measured['length']} tokens, "
-            f"{measured['seconds']:.0f} s)"
+            f"attention error per layer (teacher-forced, {measured['sequences']} x {measured['length']} "
+            f"tokens, {measured['seconds']:.0f} s)"
         )
         body = [
             [layer, f"{values['relative_error']:.4f}", f"{values['cosine']:.4f}"]

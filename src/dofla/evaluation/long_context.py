@@ -142,8 +142,8 @@ def _score_batch(
 ) -> None:
     """Add one batch's per-position NLL (every row) and KL / top-1 against the teacher (other rows) to ``sums``.
 
-    rows: name -> (the model whose output head reads the hidden states, final hidden states (B, T, E)); the
-    first entry is the teacher's. Each chunk of positions makes the teacher's log-probabilities and
+    rows: name -> (the model whose output head reads the hidden states, final hidden states (B, T, E));
+    the first entry is the teacher's. Each chunk of positions makes the teacher's log-probabilities and
     probabilities once; every other row's are reduced against them and dropped.
     """
     size, length = batch.shape

@@ -107,7 +107,7 @@ def banded_window_attention(
     return output.reshape(batch, count * size, heads, -1)[:, :length].contiguous()  # (B, T, H, Dv)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)
 def _band_mask(
     count: int,
     size: int,
@@ -121,9 +121,10 @@ def _band_mask(
     """Which of the keys (sinks, previous block, own block) each stacked query row of each block sees.
 
     Returns the additive mask (0 seen, -inf hidden; what SDPA makes of a bool mask on every call),
-    (1, Hkv * blocks, groups * c, sinks + 2c): four dimensions, as SDPA's CPU flash kernel needs. Query t sees a band key p when
-    t - window < p <= t and p >= 0 (p < 0: the zeros before the first block), and sink j when it lies
-    before its window (j <= t - window; a sink inside the window is seen in the band, once).
+    (1, Hkv * blocks, groups * c, sinks + 2c): four dimensions, as SDPA's CPU flash kernel needs.
+    Query t sees a band key p when t - window < p <= t and p >= 0 (p < 0: the zeros before the first
+    block), and sink j when it lies before its window (j <= t - window; a sink inside the window is
+    seen in the band, once). Cached: every layer of a forward, and each window row, asks for the same.
     """
     query = (torch.arange(count)[:, None] * size + torch.arange(size)[None, :])[:, :, None]  # (n, c, 1)
     key = torch.arange(-size, size)[None, None, :] + (torch.arange(count) * size)[:, None, None]  # (n, 1, 2c)
