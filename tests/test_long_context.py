@@ -201,6 +201,15 @@ def test_evaluate_command_writes_per_length_per_bucket_json(converted_folder, tm
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
+def test_busy_cpu_hint_only_for_several_threads_beside_other_jobs():
+    from dofla.commands.evaluate import busy_cpu_hint
+
+    hint = busy_cpu_hint(2, 1.5, 2)
+    assert "load average 1.5 on 2 cores" in hint and "--threads 1" in hint
+    assert busy_cpu_hint(1, 3.0, 2) is None  # one thread already
+    assert busy_cpu_hint(2, 0.2, 2) is None  # an idle machine
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
