@@ -89,6 +89,52 @@ def test_kl_and_top1_match_full_logits():
     assert measured["buckets"][1]["kl"] == pytest.approx(float(kl[:, 3:7].mean()), rel=1e-4)
 
 
+def test_kl_from_teacher_equals_the_masked_sum_of_terms():
+    generator = torch.Generator().manual_seed(0)
+    teacher_log_probs = (torch.randn(5, 300, generator=generator) * 4).log_softmax(-1)
+    log_probs = (torch.randn(5, 300, generator=generator) * 4).log_softmax(-1)
+    teacher_log_probs[1, 7] = -200.0  # a probability that underflows to 0 ...
+    log_probs[1, 7] = -math.inf  # ... where the row gives -inf: 0 * inf, a term that counts 0
+    log_probs[3, 0] = math.nan  # a NaN where the teacher has mass stays NaN
+    teacher_probs = teacher_log_probs.exp()
+    assert teacher_probs[1, 7] == 0
+    terms = torch.where(teacher_probs > 0, teacher_probs * (teacher_log_probs - log_probs), 0.0)
+    expected = terms.sum(-1).clamp_min(0.0)  # the plain form: every (R, V) product, masked
+    divergence = logits_module.kl_from_teacher(teacher_log_probs, teacher_probs, log_probs.clone())
+    assert torch.isnan(divergence[3]) and torch.isnan(expected[3])
+    keep = [0, 1, 2, 4]
+    torch.testing.assert_close(divergence[keep], expected[keep], rtol=1e-6, atol=1e-7)
+    assert float(divergence[1]) > 0.1
+
+
+def test_streamed_position_sums_equal_those_of_the_full_logits(monkeypatch):
+    from dofla.evaluation.long_context import _PositionSums, _score_batch
+
+    monkeypatch.setattr(logits_module, "ROW_ELEMENTS", 64 * 7)  # 7 rows per chunk: chunks cross sequences
+    teacher, other = small_llama(seed=0), small_llama(seed=2)
+    batch = _sequences(3, 10)
+    with torch.no_grad():
+        rows = {
+            "teacher": (teacher, logits_module.final_hidden_states(teacher, batch)),
+            "other": (other, logits_module.final_hidden_states(other, batch)),
+        }
+        teacher_log_probs = teacher(batch).logits[:, :-1].double().log_softmax(-1)  # (B, T-1, V)
+        other_log_probs = other(batch).logits[:, :-1].double().log_softmax(-1)
+    sums = {name: _PositionSums(10) for name in rows}
+    _score_batch(batch, rows, sums)
+    targets = batch[:, 1:, None]
+    expected = {
+        "nll": -other_log_probs.gather(-1, targets).squeeze(-1).sum(0),  # per position, summed over sequences
+        "kl": (teacher_log_probs.exp() * (teacher_log_probs - other_log_probs)).sum(-1).sum(0),
+        "agree": (teacher_log_probs.argmax(-1) == other_log_probs.argmax(-1)).double().sum(0),
+    }
+    for field, values in expected.items():
+        torch.testing.assert_close(getattr(sums["other"], field), values, rtol=1e-5, atol=1e-6)
+    teacher_nll = -teacher_log_probs.gather(-1, targets).squeeze(-1).sum(0)
+    torch.testing.assert_close(sums["teacher"].nll, teacher_nll, rtol=1e-5, atol=1e-6)
+    assert sums["other"].count == 3 and float(expected["kl"].min()) > 1e-3
+
+
 def test_too_long_context_names_both_numbers():
     teacher = build_tiny_model("llama")  # 512 positions
     with pytest.raises(DoflaError, match="1024 tokens is longer than the teacher's maximum of 512"):
@@ -153,6 +199,15 @@ def test_evaluate_command_writes_per_length_per_bucket_json(converted_folder, tm
     ]
     assert list(result["passkey"]["rows"]) == ["teacher", "window+sinks4", "student"]
     assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_busy_cpu_hint_only_for_several_threads_beside_other_jobs():
+    from dofla.commands.evaluate import busy_cpu_hint
+
+    hint = busy_cpu_hint(2, 1.5, 2)
+    assert "load average 1.5 on 2 cores" in hint and "--threads 1" in hint
+    assert busy_cpu_hint(1, 3.0, 2) is None  # one thread already
+    assert busy_cpu_hint(2, 0.2, 2) is None  # an idle machine
 
 
 @pytest.mark.parametrize(

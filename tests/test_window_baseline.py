@@ -99,18 +99,29 @@ def test_decoding_with_a_cache_equals_full_forwards():
 
 
 @pytest.mark.parametrize(
-    ("window", "sinks", "block"), [(5, 0, 8), (5, 3, 8), (1, 2, 4), (40, 1, 16), (3, 10, 8)]
+    ("window", "sinks", "block", "length", "groups"),
+    [
+        (5, 0, 8, 37, 2),
+        (5, 3, 8, 37, 2),
+        (1, 2, 4, 37, 2),
+        (40, 1, 16, 37, 2),  # one block longer than the sequence
+        (3, 10, 8, 37, 2),  # sinks past the first block
+        (8, 4, 8, 32, 3),  # no padding; three query heads per key/value head (SmolLM2's 9 / 3)
+        (2, 40, 4, 11, 1),  # more sinks than tokens: the full causal softmax
+    ],
 )
-def test_banded_form_equals_the_masked_softmax_forward_and_gradients(window, sinks, block):
+def test_banded_form_equals_the_masked_softmax_forward_and_gradients(window, sinks, block, length, groups):
     generator = torch.Generator().manual_seed(window + sinks)
-    query = torch.randn(2, 4, 37, 8, generator=generator, dtype=torch.float64, requires_grad=True)
-    key = torch.randn(2, 2, 37, 8, generator=generator, dtype=torch.float64, requires_grad=True)
-    value = torch.randn(2, 2, 37, 6, generator=generator, dtype=torch.float64, requires_grad=True)
-    upstream = torch.randn(2, 37, 4, 6, generator=generator, dtype=torch.float64)
+    query = torch.randn(
+        2, 2 * groups, length, 8, generator=generator, dtype=torch.float64, requires_grad=True
+    )
+    key = torch.randn(2, 2, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    value = torch.randn(2, 2, length, 6, generator=generator, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(2, length, 2 * groups, 6, generator=generator, dtype=torch.float64)
 
     def reference(query, key, value):  # the masked SDPA the teacher runs without the banded form
-        mask = restrict_to_window(torch.ones(37, 37, dtype=torch.bool).tril(), window, sinks)
-        key, value = key.repeat_interleave(2, 1), value.repeat_interleave(2, 1)
+        mask = restrict_to_window(torch.ones(length, length, dtype=torch.bool).tril(), window, sinks)
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         output = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=0.3
         )
@@ -127,6 +138,19 @@ def test_banded_form_equals_the_masked_softmax_forward_and_gradients(window, sin
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-10, atol=1e-12)
     for banded, masked in zip(gradients[1], gradients[0], strict=True):
         torch.testing.assert_close(banded, masked, rtol=1e-10, atol=1e-12)
+
+
+def test_banded_form_of_a_long_float32_sequence_equals_the_masked_teacher_softmax():
+    # the evaluation's case: float32, SmolLM2's head layout, far more tokens than one block
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 9, 300, 16, generator=generator)
+    key, value = torch.randn(2, 1, 3, 300, 16, generator=generator)
+    banded = banded_window_attention(query, key, value, 64, 4, 0.25)
+    mask = restrict_to_window(torch.ones(300, 300, dtype=torch.bool).tril(), 64, 4)
+    masked = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), attn_mask=mask, scale=0.25
+    )
+    torch.testing.assert_close(banded, masked.transpose(1, 2), rtol=1e-5, atol=1e-6)
 
 
 def test_restriction_of_a_mask_by_hand():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_LENGTHS = "512,1024"
@@ -166,6 +168,20 @@ def default_window(plan) -> int:
     return max(windows) if windows else DEFAULT_WINDOW
 
 
+def busy_cpu_hint(threads: int, load_average: float, cores: int) -> str | None:
+    """A line for stderr when torch would run ``threads`` > 1 CPU threads beside other busy jobs, else None.
+
+    Measured on the 2-core CPU with one core kept busy by another job: 2 threads took 2.6 times as long
+    as 1 (docs/results/long_context/evaluate_speed.md); each thread waits on the other at every op.
+    """
+    if threads <= 1 or load_average < 1.0:
+        return None
+    return (
+        f"the CPU is already busy (load average {load_average:.1f} on {cores} cores) and torch will run "
+        f"{threads} threads that wait on each other: --threads 1 is often much faster here."
+    )
+
+
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -182,9 +198,14 @@ def run(args: argparse.Namespace) -> int:
     from dofla.evaluation.passkey import passkey_comparison
     from dofla.io import write_json_atomic
     from dofla.models import load_teacher
+    from dofla.models.loading import resolve_device
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    elif hasattr(os, "getloadavg") and resolve_device(args.device).type == "cpu":
+        hint = busy_cpu_hint(torch.get_num_threads(), os.getloadavg()[0], os.cpu_count() or 1)
+        if hint:
+            _progress(hint)
     texts = load_texts(args.data) if args.data else None
     harness.check_task_files(args.task_list, args.tasks_dir)  # now, not after the models have run
     student, tokenizer, plan = load_converted(args.converted, dtype=args.dtype, device=args.device)
@@ -225,10 +246,12 @@ def run(args: argparse.Namespace) -> int:
         results["long_context"] = quality
         if args.error_sequences:
             shortest = sequences[min(sequences)][: args.error_sequences]
+            clock = time.perf_counter()
             errors = attention_errors(student, shortest.split(args.batch_size))
             results["attention_error"] = {
                 "length": int(shortest.shape[1]),
                 "sequences": int(shortest.shape[0]),
+                "seconds": round(time.perf_counter() - clock, 3),
                 "layers": {str(layer): values for layer, values in errors.items()},
             }
     if args.task_list:
@@ -307,7 +330,8 @@ def _print_results(results: dict) -> None:
     if "attention_error" in results:
         measured = results["attention_error"]
         print(
-            f"attention error per layer (teacher-forced, {measured['sequences']} x {measured['length']} tokens)"
+            f"attention error per layer (teacher-forced, {measured['sequences']} x {measured['length']} "
+            f"tokens, {measured['seconds']:.0f} s)"
         )
         body = [
             [layer, f"{values['relative_error']:.4f}", f"{values['cosine']:.4f}"]

@@ -42,5 +42,26 @@ def row_chunks(rows: int, vocabulary: int) -> Iterator[slice]:
         yield slice(start, min(rows, start + step))
 
 
+@torch.no_grad()
+def kl_from_teacher(
+    teacher_log_probs: torch.Tensor, teacher_probs: torch.Tensor, log_probs: torch.Tensor
+) -> torch.Tensor:
+    """KL(teacher || row) per row, (R,) float32, from (R, V) log-probabilities; ``log_probs`` is overwritten.
+
+    sum_v p_v (log p_v - log q_v) with terms where p_v = 0 counting 0, clamped at 0 (rounding can take
+    an exact 0 a hair below). The difference is written into ``log_probs`` and reduced by one dot product
+    per row (no (R, V) product or mask is made); a row whose dot product is not finite (a q_v of 0 where
+    p_v = 0 gives 0 * inf) is summed again with the masked terms.
+    """
+    teacher_probs = teacher_probs.to(log_probs.device)
+    difference = torch.sub(teacher_log_probs.to(log_probs.device), log_probs, out=log_probs)  # (R, V)
+    divergence = torch.linalg.vecdot(teacher_probs, difference)  # (R,)
+    broken = ~torch.isfinite(divergence)
+    if bool(broken.any()):
+        terms = teacher_probs[broken] * difference[broken]
+        divergence[broken] = torch.where(teacher_probs[broken] > 0, terms, 0.0).sum(-1)
+    return divergence.clamp_min(0.0)
+
+
 def vocabulary_size(model: torch.nn.Module) -> int:
     return int(model.get_output_embeddings().weight.shape[0])

@@ -28,7 +28,13 @@ from pathlib import Path
 import torch
 
 from dofla.errors import DoflaError
-from dofla.evaluation.logits import final_hidden_states, output_logits, row_chunks, vocabulary_size
+from dofla.evaluation.logits import (
+    final_hidden_states,
+    kl_from_teacher,
+    output_logits,
+    row_chunks,
+    vocabulary_size,
+)
 from dofla.evaluation.perplexity import exp_or_inf
 from dofla.evaluation.window_baseline import window_restricted
 
@@ -131,14 +137,14 @@ class _PositionSums:
 
 def _score_batch(
     batch: torch.Tensor,
-    teacher: torch.nn.Module,
     rows: Mapping[str, tuple[torch.nn.Module, torch.Tensor]],
     sums: Mapping[str, _PositionSums],
 ) -> None:
     """Add one batch's per-position NLL (every row) and KL / top-1 against the teacher (other rows) to ``sums``.
 
-    rows: name -> (model whose output head reads the hidden states, final hidden states (B, T, E));
-    the first entry is the teacher's.
+    rows: name -> (the model whose output head reads the hidden states, final hidden states (B, T, E));
+    the first entry is the teacher's. Each chunk of positions makes the teacher's log-probabilities and
+    probabilities once; every other row's are reduced against them and dropped.
     """
     size, length = batch.shape
     names = list(rows)
@@ -148,28 +154,32 @@ def _score_batch(
     nll = {name: torch.empty(count, dtype=torch.float64) for name in names}
     kl = {name: torch.empty(count, dtype=torch.float64) for name in names[1:]}
     agree = {name: torch.empty(count, dtype=torch.float64) for name in names[1:]}
-    for chunk in row_chunks(count, vocabulary_size(teacher)):
+    teacher_name = names[0]
+    for chunk in row_chunks(count, vocabulary_size(rows[teacher_name][0])):
         target = targets[chunk, None]
-        reference = None  # the teacher's (log-probabilities, probabilities, top-1) of this chunk
-        for name in names:
+        teacher_model, _ = rows[teacher_name]
+        teacher_log_probs = torch.log_softmax(
+            output_logits(teacher_model, flat[teacher_name][chunk]), dim=-1
+        )  # (R, V)
+        nll[teacher_name][chunk] = _target_nll(teacher_log_probs, target)
+        teacher_probs, teacher_top = teacher_log_probs.exp(), teacher_log_probs.argmax(-1)
+        for name in names[1:]:
             model, _ = rows[name]
             log_probs = torch.log_softmax(output_logits(model, flat[name][chunk]), dim=-1)  # (R, V) float32
-            nll[name][chunk] = -log_probs.gather(-1, target.to(log_probs.device)).squeeze(-1).double().cpu()
-            if reference is None:
-                reference = (log_probs, log_probs.exp(), log_probs.argmax(-1))
-                continue
-            teacher_log_probs, teacher_probs, teacher_top = reference
-            log_probs = log_probs.to(teacher_log_probs.device)
-            divergence = torch.where(teacher_probs > 0, teacher_probs * (teacher_log_probs - log_probs), 0.0)
-            # KL(teacher || row) per token; rounding can take an exact 0 a hair below
-            kl[name][chunk] = divergence.sum(-1).clamp_min(0.0).double().cpu()
-            agree[name][chunk] = (log_probs.argmax(-1) == teacher_top).double().cpu()
+            nll[name][chunk] = _target_nll(log_probs, target)
+            agree[name][chunk] = (log_probs.argmax(-1) == teacher_top.to(log_probs.device)).double().cpu()
+            kl[name][chunk] = kl_from_teacher(teacher_log_probs, teacher_probs, log_probs).double().cpu()
     for name in names:
         sums[name].nll += nll[name].view(size, length - 1).sum(0)
         sums[name].count += size
         if name in kl:
             sums[name].kl += kl[name].view(size, length - 1).sum(0)
             sums[name].agree += agree[name].view(size, length - 1).sum(0)
+
+
+def _target_nll(log_probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """-log p(target) per row, (R,) float64 on the CPU, from log-probabilities (R, V) and targets (R, 1)."""
+    return -log_probs.gather(-1, target.to(log_probs.device)).squeeze(-1).double().cpu()
 
 
 def _number(value: float, notes: set[str]) -> float | None:
@@ -313,7 +323,7 @@ def _one_length(teacher, student, sequences, rows, buckets, window, batch_size, 
                     hidden[name] = (teacher, final_hidden_states(teacher, batch))
             seconds[name] += time.perf_counter() - clock
         clock = time.perf_counter()
-        _score_batch(batch, teacher, hidden, sums)
+        _score_batch(batch, hidden, sums)
         seconds["output_heads"] += time.perf_counter() - clock
         if progress is not None:
             progress(f"length {length}: batch {index}/{len(batches)} ({time.perf_counter() - started:.0f} s)")

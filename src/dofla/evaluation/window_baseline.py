@@ -9,13 +9,14 @@ nothing to match. Converted layers keep running their students; only softmax lay
 The restriction is a boolean key mask intersected with the mask transformers builds (causal, padding,
 the model's own sliding windows), so padded batches and ``generate()`` with a cache work unchanged;
 the teacher's own attention function (masked SDPA, or the model's eager one) then runs, quadratic in
-the length. A plain uncached SDPA call longer than :data:`BAND_BLOCK` tokens (held-out perplexity)
-takes :func:`banded_window_attention` instead, which computes only the scores the mask keeps and is
+the length. A plain uncached SDPA call longer than two blocks (:data:`BAND_BLOCK`, held-out perplexity)
+takes :func:`banded_window_attention` instead, which computes the scores near the diagonal only and is
 checked against the masked form.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -61,7 +62,7 @@ def restrict_to_window(visible: torch.Tensor, window: int, sinks: int = 0) -> to
     return visible & in_window
 
 
-BAND_BLOCK = 256  # queries per block of the banded form
+BAND_BLOCK = 64  # fewest queries per block of the banded form (a block is at least the window long)
 
 
 def banded_window_attention(
@@ -76,31 +77,63 @@ def banded_window_attention(
     """Causal softmax over the last ``window`` keys plus the first ``sinks``, for an uncached, unpadded call.
 
     query (B, H, T, D), key and value (B, Hkv, T, D) (key/value heads shared by H / Hkv query heads).
-    Returns (B, T, H, Dv). Equal to the teacher's SDPA under the :func:`restrict_to_window` mask, but each
-    block of ``block`` queries attends only to the keys it may see (the sinks and the block's band), so
-    the cost grows with T * (block + window + sinks) instead of T^2.
+    Returns (B, T, H, Dv). Equal to the teacher's SDPA under the :func:`restrict_to_window` mask, but
+    only near the diagonal: the queries are cut into blocks of c = max(block, window) positions, and
+    block i attends to the keys of blocks i - 1 and i (all its windows can reach) and to the sinks, in
+    one SDPA call for every block, with the query heads of a key/value head stacked as rows (no copy of
+    the keys per query head). The cost grows with T * (2c + sinks) instead of T^2.
     """
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (B, H, T, D)
-    length = query.shape[2]
-    outputs = []
-    for start in range(0, length, block):
-        end = min(length, start + block)
-        first = max(0, start - window + 1)  # the oldest key a query of this block may see in its window
-        sink_end = min(sinks, first)  # sinks inside the band are in it already
-        positions = torch.cat([torch.arange(sink_end), torch.arange(first, end)]).to(query.device)  # (K,)
-        block_key = torch.cat([key[:, :, :sink_end], key[:, :, first:end]], dim=2)  # (B, H, K, D)
-        block_value = torch.cat([value[:, :, :sink_end], value[:, :, first:end]], dim=2)
-        query_positions = torch.arange(start, end, device=query.device)[:, None]  # (Tb, 1)
-        visible = (positions <= query_positions) & (
-            (positions > query_positions - window) | (positions < sinks)
-        )
-        outputs.append(
-            F.scaled_dot_product_attention(
-                query[:, :, start:end], block_key, block_value, attn_mask=visible, scale=scaling
-            )
-        )  # (B, H, Tb, Dv)
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+    batch, heads, length, _ = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    size = max(int(block), int(window))  # c: a window never reaches past the previous block
+    count = -(-length // size)  # blocks
+    pad = count * size - length
+    sinks = min(int(sinks), length)
+
+    def band(tensor: torch.Tensor) -> torch.Tensor:  # (B, Hkv, T, D) -> (B, Hkv * blocks, sinks + 2c, D)
+        # a block of zeros in front, so that block 0 has a previous block (hidden by the mask)
+        blocks = F.pad(tensor, (0, 0, size, pad)).unflatten(2, (count + 1, size))  # (B, Hkv, n + 1, c, D)
+        parts = [blocks[:, :, :-1], blocks[:, :, 1:]]
+        if sinks:
+            parts.insert(0, tensor[:, :, None, :sinks].expand(-1, -1, count, -1, -1))
+        return torch.cat(parts, dim=3).flatten(1, 2)
+
+    rows = F.pad(query, (0, 0, 0, pad)).reshape(batch, kv_heads, groups, count, size, query.shape[-1])
+    rows = rows.transpose(2, 3).reshape(batch, kv_heads * count, groups * size, query.shape[-1])
+    mask = _band_mask(count, size, groups, kv_heads, int(window), sinks, query.dtype, query.device)
+    output = F.scaled_dot_product_attention(rows, band(key), band(value), attn_mask=mask, scale=scaling)
+    output = output.view(batch, kv_heads, count, groups, size, -1).permute(0, 2, 4, 1, 3, 5)
+    return output.reshape(batch, count * size, heads, -1)[:, :length].contiguous()  # (B, T, H, Dv)
+
+
+@functools.lru_cache(maxsize=4)
+def _band_mask(
+    count: int,
+    size: int,
+    groups: int,
+    kv_heads: int,
+    window: int,
+    sinks: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Which of the keys (sinks, previous block, own block) each stacked query row of each block sees.
+
+    Returns the additive mask (0 seen, -inf hidden; what SDPA makes of a bool mask on every call),
+    (1, Hkv * blocks, groups * c, sinks + 2c): four dimensions, as SDPA's CPU flash kernel needs.
+    Query t sees a band key p when t - window < p <= t and p >= 0 (p < 0: the zeros before the first
+    block), and sink j when it lies before its window (j <= t - window; a sink inside the window is
+    seen in the band, once). Cached: every layer of a forward, and each window row, asks for the same.
+    """
+    query = (torch.arange(count)[:, None] * size + torch.arange(size)[None, :])[:, :, None]  # (n, c, 1)
+    key = torch.arange(-size, size)[None, None, :] + (torch.arange(count) * size)[:, None, None]  # (n, 1, 2c)
+    in_band = (key <= query) & (key > query - window) & (key >= 0)  # (n, c, 2c)
+    in_sinks = torch.arange(sinks)[None, None, :] <= query - window  # (n, c, sinks)
+    mask = torch.cat([in_sinks, in_band], dim=-1)  # (n, c, K)
+    mask = mask[:, None].expand(-1, groups, -1, -1).reshape(count, groups * size, -1)  # (n, G*c, K)
+    mask = mask.repeat(kv_heads, 1, 1)[None]  # (1, Hkv * n, G*c, K)
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf")).to(device)
 
 
 class _WindowedSoftmax:
@@ -120,7 +153,7 @@ class _WindowedSoftmax:
         plain = attention_mask is None and key.shape[2] == length and causal and not dropout
         # what else SDPA would take into account; the banded form does not
         altered = any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "cache"))
-        if teacher_kind == "sdpa" and plain and not altered and length > BAND_BLOCK:
+        if teacher_kind == "sdpa" and plain and not altered and length > 2 * max(BAND_BLOCK, self.window):
             output = banded_window_attention(
                 query, key, value, self.window, self.sinks, scaling, block=BAND_BLOCK
             )
