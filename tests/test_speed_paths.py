@@ -230,21 +230,27 @@ def test_prf_forward_matches_the_reference_formula_and_follows_parameter_updates
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
-DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window
-    ("linear", "linear", "learnable_prf", True, 64),
-    ("linear", "linear", "hedgehog", False, 64),
-    ("gla", "linear", "learnable_prf", True, 64),
-    ("gla", "linear", "t2r", False, 64),
-    ("gated_delta", "linear", "projection", True, 64),
-    ("gated_delta", "linear", "learnable_prf", False, 64),
-    ("window", "hybrid", "learnable_prf", True, 3),  # the window is full: its oldest key leaves
-    ("window", "hybrid", "learnable_prf", False, 10),  # not yet full
+DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window, sinks (the prefill has 7 tokens)
+    ("linear", "linear", "learnable_prf", True, 64, 0),
+    ("linear", "linear", "hedgehog", False, 64, 0),
+    ("gla", "linear", "learnable_prf", True, 64, 0),
+    ("gla", "linear", "t2r", False, 64, 0),
+    ("gated_delta", "linear", "projection", True, 64, 0),
+    ("gated_delta", "linear", "learnable_prf", False, 64, 0),
+    ("window", "hybrid", "learnable_prf", True, 3, 0),  # the window is full: its oldest key leaves
+    ("window", "hybrid", "learnable_prf", False, 10, 0),  # not yet full
+    ("linear", "hybrid", "learnable_prf", True, 3, 0),  # full: the oldest key joins the linear state
+    ("linear", "hybrid", "hedgehog", False, 10, 0),  # still filling
+    ("linear", "hybrid", "hedgehog", True, 3, 8),  # sinks still filling: the new key becomes one
+    ("gla", "hybrid", "hedgehog", True, 3, 2),  # the recipe's cell: sinks held, window full
+    ("gla", "hybrid", "learnable_prf", False, 10, 4),
+    ("gla", "hybrid", "t2r", False, 2, 7),  # the new key is the last sink
 ]
 
 
-@pytest.mark.parametrize("cell, kind, feature_map, share, window", DECODE_CASES)
+@pytest.mark.parametrize("cell, kind, feature_map, share, window, sinks", DECODE_CASES)
 def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
-    cell, kind, feature_map, share, window
+    cell, kind, feature_map, share, window, sinks
 ):
     """A single decoded token through the cell's ``_decode_step`` (what generation runs) against the
     recurrent form from the same state: output, new state, and gradients of the inputs and parameters."""
@@ -252,7 +258,13 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
     from dofla.cells import build_student
 
     plan = LayerPlan(
-        kind=kind, cell=cell, feature_map=feature_map, feature_dim=6, share_kv_heads=share, window=window
+        kind=kind,
+        cell=cell,
+        feature_map=feature_map,
+        feature_dim=6,
+        share_kv_heads=share,
+        window=window,
+        sinks=sinks,
     )
     torch.manual_seed(0)
     student = build_student(
@@ -281,7 +293,9 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
         output = student(query, key, value, form=form)
         weights = torch.linspace(-1, 1, output.numel(), dtype=output.dtype).view_as(output)
         inputs = [query, key, value, *student.trainable_parameters()]
-        results[form] = (output, layer.state, torch.autograd.grad((output * weights).sum(), inputs))
+        # allow_unused: a hybrid step's new key only enters the window, so its decay gate is unused
+        gradients = torch.autograd.grad((output * weights).sum(), inputs, allow_unused=True)
+        results[form] = (output, layer.state, gradients)
     (fast, fast_state, fast_gradients), (slow, slow_state, slow_gradients) = (
         results[None],
         results["recurrent"],
@@ -290,8 +304,11 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
     assert type(fast_state) is type(slow_state) and fast_state.num_tokens == slow_state.num_tokens == 8
     for a, b in zip(fast_state._tensors(), slow_state._tensors(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert [a is None for a in fast_gradients] == [b is None for b in slow_gradients]
+    assert all(a is not None for a in fast_gradients[:3])  # query, key, value
     for a, b in zip(fast_gradients, slow_gradients, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("length, window, chunk", [(13, 5, 4), (13, 3, 8), (16, 6, 4), (5, 8, 4)])
