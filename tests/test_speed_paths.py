@@ -385,3 +385,43 @@ def test_prf_key_with_an_overflowing_norm_is_not_silently_dropped():
         k_features, k_log_scale = features(key, is_query=False)
         out = chunked_linear_attention(q_features, k_features, value, k_log_scale=k_log_scale, chunk_size=2)
         assert torch.isnan(out[:, :, 1:]).all()  # every query that sees the key
+
+
+def test_greedy_generate_of_the_recipe_cell_takes_the_hybrid_step_and_equals_full_forwards(monkeypatch):
+    """The default recipe's cell (gla hybrid with sinks): generate() decodes through ``hybrid_decode_step``
+    in every layer, and its greedy tokens equal the argmax of full forwards over the growing sequence
+    (window 4 and 2 sinks: the window fills and slides during the 9 new tokens)."""
+    import dofla.attention as attention_module
+    from dofla.convert import convert, plan_for
+    from dofla.models import build_tiny_model
+    from dofla.models.tiny import TINY_VOCAB
+
+    steps = []
+
+    def counted(*args, **kwargs):
+        steps.append(1)
+        return hybrid_step(*args, **kwargs)
+
+    hybrid_step = attention_module.hybrid_decode_step
+    monkeypatch.setattr(attention_module, "hybrid_decode_step", counted)
+    model = build_tiny_model("llama", seed=0)
+    convert(
+        model,
+        plan_for(model, kind="hybrid", cell="gla", feature_map="hedgehog", feature_dim=8, window=4, sinks=2),
+    )
+    prompt = torch.randint(1, TINY_VOCAB, (1, 3), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        generated = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=9,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        expected = prompt
+        for _ in range(9):
+            next_token = model(expected).logits[:, -1].argmax(-1, keepdim=True)
+            expected = torch.cat([expected, next_token], dim=1)
+    assert torch.equal(generated, expected)
+    assert len(steps) == 8 * model.config.num_hidden_layers  # every decoded token after the first
