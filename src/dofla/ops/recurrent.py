@@ -366,18 +366,18 @@ def hybrid_decode_step(
         sink_keys, sink_values = torch.where(slot, key, sink_keys), torch.where(slot, value, sink_values)
         is_sink = count < state.sinks  # (B, Hk)
         scale = scale.masked_fill(is_sink.unsqueeze(-1), float("-inf"))
-        filled = slots <= count[..., None]  # (B, Hk, S): the slots filled after this key
+        empty = slots > count[..., None]  # (B, Hk, S): the slots still empty after this key
         count = count + is_sink
     keys, values = torch.cat([keys, key], dim=2), torch.cat([values, value], dim=2)  # (B, Hk, L, D|Dv)
     features = torch.cat([features, k_features.unsqueeze(2)], dim=2)  # (B, Hk, L, F)
     scales = torch.cat([scales, scale], dim=2)  # (B, Hk, L)
-    visible = scales != float("-inf")  # absent (padding) keys and sinks
+    hidden = scales == float("-inf")  # absent (padding) keys and sinks
     seen_keys, seen_values = keys, values
     if state.sinks:
         seen_keys, seen_values = torch.cat([keys, sink_keys], dim=2), torch.cat([values, sink_values], dim=2)
-        visible = torch.cat([visible, filled], dim=2)
+        hidden = torch.cat([hidden, empty], dim=2)
     scores = torch.matmul(queries * scaling, seen_keys.transpose(-1, -2))  # (B, Hk, G, L + S)
-    scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
+    scores = scores.masked_fill(hidden.unsqueeze(2), float("-inf"))
     # the new key is visible (in the window or as a sink): every max is finite
     weights = torch.exp(scores - scores.amax(-1, keepdim=True))
     window_numerator, window_denominator = weights @ seen_values, weights.sum(-1)  # (B,Hk,G,Dv), (B,Hk,G)
