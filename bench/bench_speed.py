@@ -55,8 +55,10 @@ STUDENTS = {
     "gated_delta": (dict(kind="linear", cell="gated_delta"), None),
     "window": (dict(kind="hybrid", cell="window"), None),
     "linear+window": (dict(kind="hybrid", cell="linear"), None),
+    # the default (gla) recipe's cell: gla sharing one normalisation with the window and 4 sinks
+    "gla+window": (dict(kind="hybrid", cell="gla", sinks=4), None),
 }
-DEFAULT_STUDENTS = ("linear", "linear 32/96", "gla", "gated_delta", "window")
+DEFAULT_STUDENTS = ("linear", "linear 32/96", "gla", "gated_delta", "window", "gla+window")
 
 
 def student_plan(model, name: str, feature_dim: int, window: int):

@@ -230,21 +230,27 @@ def test_prf_forward_matches_the_reference_formula_and_follows_parameter_updates
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
-DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window
-    ("linear", "linear", "learnable_prf", True, 64),
-    ("linear", "linear", "hedgehog", False, 64),
-    ("gla", "linear", "learnable_prf", True, 64),
-    ("gla", "linear", "t2r", False, 64),
-    ("gated_delta", "linear", "projection", True, 64),
-    ("gated_delta", "linear", "learnable_prf", False, 64),
-    ("window", "hybrid", "learnable_prf", True, 3),  # the window is full: its oldest key leaves
-    ("window", "hybrid", "learnable_prf", False, 10),  # not yet full
+DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window, sinks (the prefill has 7 tokens)
+    ("linear", "linear", "learnable_prf", True, 64, 0),
+    ("linear", "linear", "hedgehog", False, 64, 0),
+    ("gla", "linear", "learnable_prf", True, 64, 0),
+    ("gla", "linear", "t2r", False, 64, 0),
+    ("gated_delta", "linear", "projection", True, 64, 0),
+    ("gated_delta", "linear", "learnable_prf", False, 64, 0),
+    ("window", "hybrid", "learnable_prf", True, 3, 0),  # the window is full: its oldest key leaves
+    ("window", "hybrid", "learnable_prf", False, 10, 0),  # not yet full
+    ("linear", "hybrid", "learnable_prf", True, 3, 0),  # full: the oldest key joins the linear state
+    ("linear", "hybrid", "hedgehog", False, 10, 0),  # still filling
+    ("linear", "hybrid", "hedgehog", True, 3, 8),  # sinks still filling: the new key becomes one
+    ("gla", "hybrid", "hedgehog", True, 3, 2),  # the recipe's cell: sinks held, window full
+    ("gla", "hybrid", "learnable_prf", False, 10, 4),
+    ("gla", "hybrid", "t2r", False, 2, 7),  # the new key is the last sink
 ]
 
 
-@pytest.mark.parametrize("cell, kind, feature_map, share, window", DECODE_CASES)
+@pytest.mark.parametrize("cell, kind, feature_map, share, window, sinks", DECODE_CASES)
 def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
-    cell, kind, feature_map, share, window
+    cell, kind, feature_map, share, window, sinks
 ):
     """A single decoded token through the cell's ``_decode_step`` (what generation runs) against the
     recurrent form from the same state: output, new state, and gradients of the inputs and parameters."""
@@ -252,7 +258,13 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
     from dofla.cells import build_student
 
     plan = LayerPlan(
-        kind=kind, cell=cell, feature_map=feature_map, feature_dim=6, share_kv_heads=share, window=window
+        kind=kind,
+        cell=cell,
+        feature_map=feature_map,
+        feature_dim=6,
+        share_kv_heads=share,
+        window=window,
+        sinks=sinks,
     )
     torch.manual_seed(0)
     student = build_student(
@@ -281,7 +293,9 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
         output = student(query, key, value, form=form)
         weights = torch.linspace(-1, 1, output.numel(), dtype=output.dtype).view_as(output)
         inputs = [query, key, value, *student.trainable_parameters()]
-        results[form] = (output, layer.state, torch.autograd.grad((output * weights).sum(), inputs))
+        # allow_unused: a hybrid step's new key only enters the window, so its decay gate is unused
+        gradients = torch.autograd.grad((output * weights).sum(), inputs, allow_unused=True)
+        results[form] = (output, layer.state, gradients)
     (fast, fast_state, fast_gradients), (slow, slow_state, slow_gradients) = (
         results[None],
         results["recurrent"],
@@ -290,8 +304,11 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
     assert type(fast_state) is type(slow_state) and fast_state.num_tokens == slow_state.num_tokens == 8
     for a, b in zip(fast_state._tensors(), slow_state._tensors(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert [a is None for a in fast_gradients] == [b is None for b in slow_gradients]
+    assert all(a is not None for a in fast_gradients[:3])  # query, key, value
     for a, b in zip(fast_gradients, slow_gradients, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
 @pytest.mark.parametrize("length, window, chunk", [(13, 5, 4), (13, 3, 8), (16, 6, 4), (5, 8, 4)])
@@ -368,3 +385,43 @@ def test_prf_key_with_an_overflowing_norm_is_not_silently_dropped():
         k_features, k_log_scale = features(key, is_query=False)
         out = chunked_linear_attention(q_features, k_features, value, k_log_scale=k_log_scale, chunk_size=2)
         assert torch.isnan(out[:, :, 1:]).all()  # every query that sees the key
+
+
+def test_greedy_generate_of_the_recipe_cell_takes_the_hybrid_step_and_equals_full_forwards(monkeypatch):
+    """The default recipe's cell (gla hybrid with sinks): generate() decodes through ``hybrid_decode_step``
+    in every layer, and its greedy tokens equal the argmax of full forwards over the growing sequence
+    (window 4 and 2 sinks: the window fills and slides during the 9 new tokens)."""
+    import dofla.attention as attention_module
+    from dofla.convert import convert, plan_for
+    from dofla.models import build_tiny_model
+    from dofla.models.tiny import TINY_VOCAB
+
+    steps = []
+
+    def counted(*args, **kwargs):
+        steps.append(1)
+        return hybrid_step(*args, **kwargs)
+
+    hybrid_step = attention_module.hybrid_decode_step
+    monkeypatch.setattr(attention_module, "hybrid_decode_step", counted)
+    model = build_tiny_model("llama", seed=0)
+    convert(
+        model,
+        plan_for(model, kind="hybrid", cell="gla", feature_map="hedgehog", feature_dim=8, window=4, sinks=2),
+    )
+    prompt = torch.randint(1, TINY_VOCAB, (1, 3), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        generated = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=9,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        expected = prompt
+        for _ in range(9):
+            next_token = model(expected).logits[:, -1].argmax(-1, keepdim=True)
+            expected = torch.cat([expected, next_token], dim=1)
+    assert torch.equal(generated, expected)
+    assert len(steps) == 8 * model.config.num_hidden_layers  # every decoded token after the first

@@ -27,12 +27,17 @@ from dofla.ops import (
     recurrent_linear_attention,
 )
 from dofla.ops.chunked import choose_chunk_size
-from dofla.ops.recurrent import linear_decode_step
-from dofla.ops.state import LinearState
+from dofla.ops.recurrent import hybrid_decode_step, linear_decode_step
+from dofla.ops.state import HybridState, LinearState
 
 FORMS = ("naive", "chunked", "recurrent")
 DEFAULT_WINDOW_FACTOR = 0.1  # LoLCATs: gamma = sigmoid(w) starts near 0.1
 DEFAULT_DECODE_TOKENS = 4  # calls with at most this many new tokens and a state run the recurrent form
+
+
+def state_dtype(state) -> torch.dtype:
+    """The dtype of a linear or hybrid state's sums (a hybrid's buffers must share it, see ``_decode_inputs``)."""
+    return state.kv.dtype if isinstance(state, LinearState) else state.linear.kv.dtype
 
 
 def key_mask_from_attention_mask(attention_mask: Tensor | None, length: int) -> Tensor | None:
@@ -232,19 +237,57 @@ class LinearAttention(nn.Module):
         its number of small operators): output (B, 1, H, Dv) and the new state, as the recurrent form gives
         them up to rounding (``scaling``: the window softmax's logit scale). None where the layer has no
         such step (the general forms run then)."""
-        if self.kind != "linear" or not isinstance(state, LinearState):
+        if not self._has_decode_step(state):
             return None
-        inputs = self._decode_inputs(query, key, value, state.kv.dtype)
+        inputs = self._decode_inputs(query, key, value, state_dtype(state))
         if inputs is None:
             return None
         features, log_scale, values = inputs
         k_log_scale = (
-            state.log_offset.new_zeros(state.log_offset.shape) if log_scale is None else log_scale[..., -1]
+            values.new_zeros(values.shape[:2]) if log_scale is None else log_scale[..., -1]
+        )  # (B, Hs)
+        return self._state_step(state, query, key, features, values, k_log_scale, scaling)
+
+    def _has_decode_step(self, state) -> bool:
+        """Whether ``state`` (the inner op's) can take the one-token step: a linear layer's LinearState, or
+        a hybrid layer's HybridState of this layer's window and sinks without soft-capping."""
+        if self.kind == "linear":
+            return isinstance(state, LinearState)
+        return (
+            isinstance(state, HybridState)
+            and self.softcap is None
+            and state.keys.dtype
+            == state.key_features.dtype
+            == state.key_log_scales.dtype
+            == state_dtype(state)
+            and state.window == self.window
+            and state.sinks == self.sinks
         )
-        output, new_state = linear_decode_step(
-            state, features[:, :, :-1], features[:, :, -1], values, k_log_scale
+
+    def _state_step(self, state, query, key, features, values, k_log_scale, scaling):
+        """The step on the inner op's state: features (B, Hs, G + 1, F) (queries, then the key), values
+        (B, Hs, Dv), k_log_scale (B, Hs) -> output (B, 1, H, Dv) and the new inner state."""
+        batch = query.shape[0]
+        if self.kind == "linear":
+            output, new_state = linear_decode_step(
+                state, features[:, :, :-1], features[:, :, -1], values, k_log_scale
+            )
+            return output.view(batch, 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
+        heads = self.state_heads
+        group = self.num_heads // heads
+        keys = self._state_heads_view(key)  # (B, Hs, 1, D)
+        output, new_state = hybrid_decode_step(
+            state,
+            query.view(batch, heads, group, self.head_dim),
+            features[:, :, :-1],
+            keys,
+            features[:, :, -1],
+            values.unsqueeze(2),
+            k_log_scale,
+            self.window_factor().view(heads, group),
+            scaling=scaling,
         )
-        return output.view(query.shape[0], 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
+        return output.view(batch, 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
 
     def chunk_size_for(self, op: str, length: int) -> int:
         """The chunked form's chunk size: the plan's ``chunk_size`` option, else the measured table's for

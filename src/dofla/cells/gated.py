@@ -23,11 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dofla.attention import LinearAttention
+from dofla.attention import LinearAttention, state_dtype
 from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
-from dofla.ops.recurrent import linear_decode_step
-from dofla.ops.state import BatchedState, LinearState
+from dofla.ops.state import BatchedState
 
 DEFAULT_DECAY_MEMORY = (128.0, 2048.0)
 
@@ -132,23 +131,17 @@ class GatedLinearAttention(LinearAttention):
 
     def _decode_step(self, query, key, value, state, scaling):
         """One token (see ``LinearAttention._decode_step``): the gate's log decay joins the running total
-        A_t, and the key enters the inner linear state with log scale ``s_t - A_t``."""
-        if (
-            self.kind != "linear"
-            or not isinstance(state, GatedState)
-            or not isinstance(state.inner, LinearState)
-        ):
+        A_t, and the key enters the inner (linear or hybrid) state with log scale ``s_t - A_t``."""
+        if not isinstance(state, GatedState) or not self._has_decode_step(state.inner):
             return None
-        inputs = self._decode_inputs(query, key, value, state.inner.kv.dtype)
+        inputs = self._decode_inputs(query, key, value, state_dtype(state.inner))
         if inputs is None:
             return None
         features, log_scale, values = inputs
         total = state.log_decay_total + F.logsigmoid(self.decay.step_logits(values))  # (B, Hs): A_t
         decayed = -total if log_scale is None else log_scale[..., -1] - total
-        output, inner = linear_decode_step(
-            state.inner, features[:, :, :-1], features[:, :, -1], values, decayed
-        )
-        return output.view(query.shape[0], 1, self.num_heads, -1), GatedState(inner, total)
+        output, inner = self._state_step(state.inner, query, key, features, values, decayed, scaling)
+        return output, GatedState(inner, total)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)
