@@ -188,26 +188,27 @@ class LinearAttention(nn.Module):
         is its number of small operators), through the map's ``decode_features`` (equal up to rounding).
         Every map treats each token and head alike, whether query or key; a query's log scale is dropped
         (it cancels), as the map does for ``is_query=True``."""
-        batch, num_heads, length, head_dim = query.shape
-        if not self.share_kv_heads:  # one map per query head: keys repeated, queries and keys along time
-            both = torch.cat([query, self._state_heads_view(key)], dim=2)  # (B, H, 2T, D)
-            features, log_scale = self.feature_map.decode_features(both)
-            k_log_scale = None if log_scale is None else log_scale[:, :, length:]
-            return features[:, :, :length], features[:, :, length:], k_log_scale
-        kv_heads = self.num_kv_heads
-        group = num_heads // kv_heads
-        both = torch.cat(
-            [query.view(batch, kv_heads, group, length, head_dim), key.unsqueeze(2)], dim=2
-        )  # (B, Hkv, G + 1, T, D): map head h reads its G queries and its key
-        features, log_scale = self.feature_map.decode_features(
-            both.view(batch, kv_heads * (group + 1), length, head_dim)
-        )
-        features = features.view(batch, kv_heads, group + 1, length, features.shape[-1])
+        batch, num_heads, length, _ = query.shape
+        features, log_scale = self._grouped_features(query, self._state_heads_view(key))
+        group = features.shape[2] - 1
         q_features = features[:, :, :group].reshape(batch, num_heads, length, features.shape[-1])
-        k_log_scale = (
-            None if log_scale is None else log_scale.view(batch, kv_heads, group + 1, length)[:, :, group]
+        return q_features, features[:, :, group], None if log_scale is None else log_scale[:, :, group]
+
+    def _grouped_features(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor | None]:
+        """query (B, H, T, D), keys (B, Hs, T, D) -> features (B, Hs, G + 1, T, F) (each state head's
+        G = H // Hs queries, then its key) and their log scales (B, Hs, G + 1, T) or None, from one
+        ``decode_features`` call (map head h reads its G queries and its key)."""
+        batch, num_heads, length, head_dim = query.shape
+        heads = keys.shape[1]
+        group = num_heads // heads
+        both = torch.cat(
+            [query.view(batch, heads, group, length, head_dim), keys.unsqueeze(2)], dim=2
+        )  # (B, Hs, G + 1, T, D)
+        features, log_scale = self.feature_map.decode_features(
+            both.view(batch, heads * (group + 1), length, head_dim)
         )
-        return q_features, features[:, :, group], k_log_scale
+        features = features.view(batch, heads, group + 1, length, features.shape[-1])
+        return features, None if log_scale is None else log_scale.view(batch, heads, group + 1, length)
 
     def _decode_inputs(self, query: Tensor, key: Tensor, value: Tensor, dtype: torch.dtype):
         """One token's features grouped by state head, for ``_decode_step``: query (B, H, 1, D), key and
@@ -216,19 +217,10 @@ class LinearAttention(nn.Module):
         ``dtype`` (the state's)."""
         if query.dtype != dtype or value.dtype != dtype:
             return None
-        batch, num_heads, _, head_dim = query.shape
-        heads = self.state_heads
-        group = num_heads // heads
-        keys, values = self._state_heads_view(key), self._state_heads_view(value)  # (B, Hs, 1, D)
-        both = torch.cat(
-            [query.view(batch, heads, group, head_dim), keys.view(batch, heads, 1, head_dim)], dim=2
-        )  # (B, Hs, G + 1, D): map head h reads its G queries and its key
-        features, log_scale = self.feature_map.decode_features(
-            both.view(batch, heads * (group + 1), 1, head_dim)
-        )
-        features = features.view(batch, heads, group + 1, features.shape[-1])
-        log_scale = None if log_scale is None else log_scale.view(batch, heads, group + 1)
-        return features, log_scale, values.view(batch, heads, values.shape[-1])
+        values = self._state_heads_view(value)  # (B, Hs, 1, Dv)
+        features, log_scale = self._grouped_features(query, self._state_heads_view(key))
+        log_scale = None if log_scale is None else log_scale.squeeze(-1)
+        return features.squeeze(-2), log_scale, values.squeeze(-2)
 
     def _decode_step(
         self, query: Tensor, key: Tensor, value: Tensor, state, scaling: float
