@@ -149,3 +149,21 @@ def test_length_curriculum(tiny, tmp_path):
         [cell.strip() for cell in line.split("|")[1:4]] for line in table.splitlines() if line.startswith("|")
     ]
     assert ["gla", "8:0.5,16:0.5", "192"] in rows and ["window 4 + 2 sinks", "-", "-"] in rows
+
+
+def test_passkey_softmax_layers(tiny, tmp_path):
+    folder, _ = tiny
+    arguments = ["--model", folder, "--out", str(tmp_path), "--keep", "0,1,2", "--lengths", "48"]
+    arguments += ["--trials", "1", "--window", "4", "--sinks", "1"]
+    experiment("passkey_softmax_layers").main(arguments)
+    result = json.loads((tmp_path / "passkey_softmax_layers.json").read_text())
+    assert len(result["needle_attention"]) == 2
+    # K = 0 and K = all once each, K = 1 by both choices
+    assert [(row["keep"], row["choice"]) for row in result["rows"]] == [
+        (0, "retrieval"),
+        (1, "retrieval"),
+        (1, "uniform"),
+        (2, "retrieval"),
+    ]
+    assert result["rows"][-1]["layers"] == [0, 1]
+    assert "| 1 | uniform | [1] |" in (tmp_path / "passkey_softmax_layers.md").read_text()

@@ -175,3 +175,21 @@ def test_bad_window_settings_are_refused():
         with pytest.raises(DoflaError, match="already inside"):
             with window_restricted(model, 8):
                 pass
+
+
+def test_a_subset_of_layers_is_restricted_against_a_brute_force_reference():
+    tokens = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(2))
+    model = small_llama()
+    reference = small_llama()
+    dispatch.install(reference)
+    last = len(reference.model.layers) - 1
+    reference.model.layers[last].self_attn.dofla_student = _BandedSoftmax(3, 1)  # only the last layer
+    with window_restricted(model, 3, sinks=1, layers=[last]):
+        restricted = model(tokens).logits
+    torch.testing.assert_close(restricted, reference(tokens).logits, rtol=1e-4, atol=1e-5)
+    assert (restricted - _brute_force_logits(tokens, 3, 1)).abs().max() > 1e-3  # not every layer
+    with window_restricted(model, 3, sinks=1, layers=[]):
+        torch.testing.assert_close(model(tokens).logits, small_llama()(tokens).logits, rtol=0, atol=1e-6)
+    with pytest.raises(DoflaError, match="not attention layers"):
+        with window_restricted(model, 3, layers=[len(model.model.layers)]):
+            pass

@@ -17,7 +17,7 @@ checked against the masked form.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -188,11 +188,15 @@ class _WindowedSoftmax:
 
 
 @contextmanager
-def window_restricted(model: torch.nn.Module, window: int, sinks: int = 0) -> Iterator[torch.nn.Module]:
+def window_restricted(
+    model: torch.nn.Module, window: int, sinks: int = 0, layers: Sequence[int] | None = None
+) -> Iterator[torch.nn.Module]:
     """Within this block the model's softmax attention sees only the last ``window`` keys plus ``sinks`` first ones.
 
-    The window counts the query itself: ``window=1`` lets a token see only itself (and the sinks). The
-    dispatcher is installed on the model if it was not (it computes exactly the model's own attention).
+    The window counts the query itself: ``window=1`` lets a token see only itself (and the sinks). layers:
+    the attention layers restricted (indices; default all), the others keep their full softmax, e.g. the
+    layers a student converted when it keeps some as softmax. The dispatcher is installed on the model if
+    it was not (it computes exactly the model's own attention).
     """
     if int(window) < 1:
         raise DoflaError(f"the attention window must be at least 1 token, got {window}.")
@@ -202,6 +206,14 @@ def window_restricted(model: torch.nn.Module, window: int, sinks: int = 0) -> It
 
     dispatch.install(model)
     modules = list(get_adapter(model).attention_modules(model))
+    if layers is not None:
+        wrong = sorted({int(layer) for layer in layers} - set(range(len(modules))))
+        if wrong:
+            raise DoflaError(
+                f"layers {wrong} are not attention layers of this model (it has {len(modules)}, 0 to "
+                f"{len(modules) - 1}); pass indices in that range."
+            )
+        modules = [modules[int(layer)] for layer in sorted({int(layer) for layer in layers})]
     taken = [module for module in modules if getattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE, None)]
     if taken:
         raise DoflaError("this model is already inside window_restricted; leave that block first.")
