@@ -240,3 +240,35 @@ def test_evaluate_refuses_a_length_beyond_the_teacher(converted_folder, capsys):
     arguments = ["evaluate", str(root / "student"), "--data", str(root / "heldout.txt"), "--lengths", "1024"]
     assert main(arguments) == 1
     assert "1024 tokens is longer than the teacher's maximum of 512 positions" in capsys.readouterr().err
+
+
+def test_baselines_restrict_only_the_layers_a_student_converted():
+    from dofla.evaluation.passkey import passkey_comparison
+    from dofla.evaluation.window_baseline import window_restricted
+
+    teacher, student = small_llama(), small_llama()
+    last = len(student.model.layers) - 1
+    convert(
+        student, plan_for(student, kind="hybrid", feature_map="elu1", feature_dim=8, window=4, layers=[last])
+    )
+    data = {12: _sequences(2, 12)}
+    result = long_context_quality(teacher, student, data, window=4, sinks=(0,), batch_size=2)
+    assert result["window_layers"] == [last]
+    assert any("restrict only the 1 layers" in note for note in result["notes"])
+    with window_restricted(teacher, 4, 0, layers=[last]):
+        expected = perplexity(teacher, data[12])["perplexity"]
+    assert result["by_length"]["12"]["models"]["window"]["perplexity"] == pytest.approx(expected, rel=1e-5)
+    with window_restricted(teacher, 4, 0):  # every layer: a different, weaker baseline
+        assert perplexity(teacher, data[12])["perplexity"] != pytest.approx(expected, rel=1e-4)
+    # a fully converted student keeps the baseline on every layer
+    full = small_llama()
+    convert(full, plan_for(full, kind="hybrid", feature_map="elu1", feature_dim=8, window=4))
+    assert long_context_quality(teacher, full, data, window=4, sinks=(0,))["window_layers"] is None
+    teacher, student = build_tiny_model("llama"), build_tiny_model("llama")  # the tiny tokenizer's vocabulary
+    convert(
+        student, plan_for(student, kind="hybrid", feature_map="elu1", feature_dim=8, window=4, layers=[0])
+    )
+    passkeys = passkey_comparison(
+        teacher, student, build_tiny_tokenizer(), context_lengths=[64], depths=(0.5,), trials=1, window=4
+    )
+    assert passkeys["window_layers"] == [0] and "restrict only the 1 layers" in passkeys["notes"][0]

@@ -36,7 +36,7 @@ from dofla.evaluation.logits import (
     vocabulary_size,
 )
 from dofla.evaluation.perplexity import exp_or_inf
-from dofla.evaluation.window_baseline import window_restricted
+from dofla.evaluation.window_baseline import baseline_layers, baseline_note, window_restricted
 
 DEFAULT_WINDOW = 64
 DEFAULT_SINKS = (0, 4)
@@ -238,7 +238,8 @@ def long_context_quality(
     teacher: the plain teacher (the window baselines run on it); student: the converted model (None to
     measure the teacher and its baselines only). sequences_by_length: ``{length: (N, length) token ids}``
     of held-out text (:func:`pack_by_length`). window, sinks: one baseline per entry of ``sinks`` (0 = the
-    window alone). buckets: ``{length: [(start, end), ...]}`` to override :func:`position_buckets`.
+    window alone). A student that keeps some layers as full softmax (its plan) is compared with
+    baselines restricting only the layers it converted (``window_layers`` in the result, a note says so). buckets: ``{length: [(start, end), ...]}`` to override :func:`position_buckets`.
     Every length is checked against the teacher's maximum positions before any model runs.
 
     Returns ``{"window", "sinks", "teacher_context", "rows": {name: label and settings},
@@ -271,10 +272,15 @@ def long_context_quality(
         _check_sequences(sequences, int(length), vocabulary)
     rows = _row_names(int(window), sinks, student is not None)
     notes: set[str] = set()
+    restricted = baseline_layers(student)
+    note = baseline_note(student)
+    if note:
+        notes.add(note)
     result: dict = {
         "window": int(window),
         "sinks": sinks,
         "teacher_context": context_limit(teacher),
+        "window_layers": restricted,
         "rows": rows,
         "by_length": {},
     }
@@ -293,6 +299,7 @@ def long_context_quality(
                 rows,
                 chosen or position_buckets(length, int(window)),
                 int(window),
+                restricted,
                 batch_size,
                 notes,
                 progress,
@@ -304,7 +311,9 @@ def long_context_quality(
     return result
 
 
-def _one_length(teacher, student, sequences, rows, buckets, window, batch_size, notes, progress) -> dict:
+def _one_length(
+    teacher, student, sequences, rows, buckets, window, restricted, batch_size, notes, progress
+) -> dict:
     length = sequences.shape[1]
     sums = {name: _PositionSums(length) for name in rows}
     seconds = dict.fromkeys([*rows, "output_heads"], 0.0)
@@ -319,7 +328,7 @@ def _one_length(teacher, student, sequences, rows, buckets, window, batch_size, 
             elif name == "student":
                 hidden[name] = (student, final_hidden_states(student, batch))
             else:
-                with window_restricted(teacher, window, row["sinks"]):
+                with window_restricted(teacher, window, row["sinks"], layers=restricted):
                     hidden[name] = (teacher, final_hidden_states(teacher, batch))
             seconds[name] += time.perf_counter() - clock
         clock = time.perf_counter()

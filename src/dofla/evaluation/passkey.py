@@ -174,16 +174,19 @@ def passkey_comparison(
     length given beyond that maximum is a DoflaError naming both numbers. A prompt leaves room for the
     answer within the teacher's maximum (``prompt_tokens`` says what was used). The window baseline is
     the teacher's softmax restricted to the last ``window`` tokens plus ``sinks`` first ones, untrained.
+    In the layers the student converted only, when its plan keeps some as softmax (``window_layers``).
     student: None measures the teacher and its baseline only.
 
     Returns ``{"context_lengths", "depths", "trials", "window", "sinks", "rows": {name: {"label",
     "results": [{"context_tokens", "depth", "accuracy", "trials", "prompt_tokens"}]}}, "notes"}``.
     """
     from dofla.evaluation.long_context import check_context, context_limit
-    from dofla.evaluation.window_baseline import window_restricted
+    from dofla.evaluation.window_baseline import baseline_layers, baseline_note, window_restricted
 
     limit = context_limit(teacher)
-    notes = []
+    restricted = baseline_layers(student)
+    note = baseline_note(student)
+    notes = [note] if note else []
     if context_lengths is None:
         context_lengths = [length for length in DEFAULT_CONTEXT_LENGTHS if limit is None or length <= limit]
         if len(context_lengths) < len(DEFAULT_CONTEXT_LENGTHS):
@@ -196,7 +199,7 @@ def passkey_comparison(
     label = f"window {window}" + (f" + {sinks} sinks" if sinks else "")
     baseline = "window" if sinks == 0 else f"window+sinks{sinks}"
     rows = {"teacher": {"label": "teacher", "results": _run_trials(teacher, tokenizer, planned, trials)}}
-    with window_restricted(teacher, window, sinks):
+    with window_restricted(teacher, window, sinks, layers=restricted):
         rows[baseline] = {"label": label, "results": _run_trials(teacher, tokenizer, planned, trials)}
     if student is not None:
         rows["student"] = {"label": "student", "results": _run_trials(student, tokenizer, planned, trials)}
@@ -208,6 +211,7 @@ def passkey_comparison(
         "trials": int(trials),
         "window": int(window),
         "sinks": int(sinks),
+        "window_layers": restricted,
         "rows": rows,
         "notes": notes,
     }

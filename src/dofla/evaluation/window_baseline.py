@@ -225,3 +225,25 @@ def window_restricted(
     finally:
         for module in modules:
             delattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE)
+
+
+def baseline_layers(student: torch.nn.Module | None) -> list[int] | None:
+    """The layers a fair window baseline restricts for ``student``: the layers it converted when it keeps
+    some as full softmax (a plan with softmax layers), else None (every layer)."""
+    plan = getattr(student, "dofla_plan", None)
+    if plan is None:
+        return None
+    converted = sorted(int(layer) for layer in plan.converted_layers)
+    return None if len(converted) == len(plan.layers) else converted
+
+
+def baseline_note(student: torch.nn.Module | None) -> str | None:
+    """The sentence a report adds when the window baselines restrict only some layers, else None."""
+    layers = baseline_layers(student)
+    if layers is None:
+        return None
+    kept = sorted(set(range(len(student.dofla_plan.layers))) - set(layers))
+    return (
+        f"the window baselines restrict only the {len(layers)} layers the student converted; layers "
+        f"{kept} keep their full softmax, as in the student."
+    )
