@@ -27,7 +27,8 @@ from dofla.ops import (
     recurrent_linear_attention,
 )
 from dofla.ops.chunked import choose_chunk_size
-from dofla.ops.recurrent import hybrid_decode_step, linear_decode_step
+from dofla.ops.decode import RingHybridState, hybrid_decode_step
+from dofla.ops.recurrent import linear_decode_step
 from dofla.ops.state import HybridState, LinearState
 
 FORMS = ("naive", "chunked", "recurrent")
@@ -37,6 +38,8 @@ DEFAULT_DECODE_TOKENS = 4  # calls with at most this many new tokens and a state
 
 def state_dtype(state) -> torch.dtype:
     """The dtype of a linear or hybrid state's sums (a hybrid's buffers must share it, see ``_decode_inputs``)."""
+    if isinstance(state, RingHybridState):
+        return state.sums.dtype
     return state.kv.dtype if isinstance(state, LinearState) else state.linear.kv.dtype
 
 
@@ -245,6 +248,8 @@ class LinearAttention(nn.Module):
         a hybrid layer's HybridState of this layer's window and sinks without soft-capping."""
         if self.kind == "linear":
             return isinstance(state, LinearState)
+        if isinstance(state, RingHybridState):  # made by an earlier step, in its one dtype
+            return self.softcap is None and state.window == self.window and state.sinks == self.sinks
         return (
             isinstance(state, HybridState)
             and self.softcap is None
@@ -272,9 +277,9 @@ class LinearAttention(nn.Module):
             state,
             query.view(batch, heads, group, self.head_dim),
             features[:, :, :-1],
-            keys,
+            keys.squeeze(2),
             features[:, :, -1],
-            values.unsqueeze(2),
+            values,
             k_log_scale,
             self.window_factor().view(heads, group),
             scaling=scaling,
@@ -332,6 +337,8 @@ class LinearAttention(nn.Module):
             if step is not None:
                 output, cache_layer.state = step
                 return output
+        if state is not None:  # a decoding step's ring buffers, put back in order for the general forms
+            state = state.general_layout()
         q_features, k_features, k_log_scale = (
             self.features(query, key) if self.uses_features else (None, None, None)
         )
