@@ -50,15 +50,18 @@ def one_thread():
 
 
 @pytest.mark.parametrize("share", [True, False])
-@pytest.mark.parametrize("feature_map", ["learnable_prf", "t2r"])
+@pytest.mark.parametrize("feature_map", ["learnable_prf", "t2r", "hedgehog"])
 def test_decode_features_in_one_call_equal_separate_query_and_key_calls(share, feature_map):
     plan = LayerPlan(kind="linear", feature_map=feature_map, feature_dim=6, share_kv_heads=share)
     student = LinearAttention(plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)
     student = student.double()
+    with torch.no_grad():  # parameters away from their (identity-like) start
+        for parameter in student.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
     generator = torch.Generator().manual_seed(0)
-    for length in (1, 3):  # decode steps of up to decode_tokens tokens take the joint call
-        query = torch.randn(2, 4, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
-        key = torch.randn(2, 2, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    for batch, length in ((1, 1), (2, 1), (2, 3)):  # calls of up to decode_tokens tokens take the joint call
+        query = torch.randn(batch, 4, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+        key = torch.randn(batch, 2, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
         joint = student.features(query, key)
         q_separate, _ = student.feature_map(query, is_query=True)
         k_separate, log_scale = student.feature_map(student._state_heads_view(key), is_query=False)
@@ -228,6 +231,18 @@ def test_prf_forward_matches_the_reference_formula_and_follows_parameter_updates
         for a, b in zip(got, expected, strict=True):
             if b is not None:
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_hedgehog_decode_features_follow_an_in_place_change_of_the_weight():
+    """The signed weight kept between calls without autograd is rebuilt once the weight changes in place."""
+    from dofla.feature_maps import build_feature_map
+
+    feature_map = build_feature_map("hedgehog", num_heads=2, head_dim=8, feature_dim=6, scaling=8**-0.5)
+    x = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(feature_map.decode_features(x)[0], feature_map(x, is_query=False)[0])
+            feature_map.weight.mul_(1.7)
 
 
 DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window, sinks (the prefill has 7 tokens)
