@@ -260,6 +260,10 @@ DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window, sinks (the 
     ("gla", "hybrid", "hedgehog", True, 3, 2),  # the recipe's cell: sinks held, window full
     ("gla", "hybrid", "learnable_prf", False, 10, 4),
     ("gla", "hybrid", "t2r", False, 2, 7),  # the new key is the last sink
+    ("window", "hybrid", "learnable_prf", True, 3, 2),
+    ("window", "hybrid", "learnable_prf", False, 10, 8),  # the new key becomes a sink
+    ("gated_delta", "hybrid", "projection", True, 3, 2),  # the gated_delta recipe's cell: sinks held
+    ("gated_delta", "hybrid", "learnable_prf", False, 10, 8),  # window and sinks still filling
 ]
 
 
@@ -441,3 +445,83 @@ def test_greedy_generate_of_the_recipe_cell_takes_the_hybrid_step_and_equals_ful
             expected = torch.cat([expected, next_token], dim=1)
     assert torch.equal(generated, expected)
     assert len(steps) == 8 * model.config.num_hidden_layers  # every decoded token after the first
+
+
+@pytest.mark.parametrize("prefill, window, sinks", [(2, 3, 2), (0, 4, 0), (5, 3, 3)])
+def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill, window, sinks):
+    """Many steps of the ring-buffer decode ops (``dofla.ops.decode``) without autograd, the buffers
+    updated in place and the ring wrapping around several times, sinks filling during the steps or before:
+    outputs against the recurrent form over all tokens and the naive form, the final state (put back in
+    order) against the recurrent form's; the hybrid with key log scales, the window alone."""
+    from dofla.ops import hybrid_attention, recurrent_window_attention, window_attention
+    from dofla.ops.decode import hybrid_decode_step, ring_window, ring_window_step
+    from dofla.ops.recurrent import empty_hybrid_state, recurrent_hybrid_attention
+    from dofla.ops.state import WindowState
+
+    length, group = 13, 2
+    inputs = {
+        name: None if tensor is None else tensor.detach()
+        for name, tensor in make_inputs(2, 4, 2, length, 5, log_scale_std=1.0, seed=4).items()
+    }
+    query, key, v, log_scale = inputs["query"], inputs["key"], inputs["v"], inputs["k_log_scale"]
+    q_features, k_features, gamma = inputs["q_features"], inputs["k_features"], inputs["window_factor"]
+    settings = dict(scaling=0.5, window=window, sinks=sinks)
+    hybrid = dict(q_features=q_features, k_features=k_features, v=v, k_log_scale=log_scale)
+    expected, expected_state = recurrent_hybrid_attention(
+        query, key, window_factor=gamma, **hybrid, **settings
+    )
+    naive = hybrid_attention(query, key, window_factor=gamma, **hybrid, **settings)
+    expected_window, expected_window_state = recurrent_window_attention(query, key, v, **settings)
+    naive_window = window_attention(query, key, v, **settings)
+    torch.testing.assert_close(expected, naive, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(expected_window, naive_window, rtol=1e-10, atol=1e-12)
+
+    def split(tensor, t):  # (B, H, T, X) -> token t grouped by key/value head (B, Hk, G, X)
+        return tensor[:, :, t].view(2, 2, group, -1)
+
+    with torch.no_grad():
+        if prefill:
+            _, state = recurrent_hybrid_attention(
+                query[:, :, :prefill],
+                key[:, :, :prefill],
+                window_factor=gamma,
+                **{name: tensor[:, :, :prefill] for name, tensor in hybrid.items()},
+                **settings,
+            )
+            _, ring = recurrent_window_attention(
+                query[:, :, :prefill], key[:, :, :prefill], v[:, :, :prefill], **settings
+            )
+        else:
+            state = empty_hybrid_state(
+                2, 2, 4, 5, 3, window, sinks=sinks, dtype=torch.float64, state_dtype=torch.float64
+            )
+            ring = WindowState.empty(2, 2, 4, 3, window, sinks, dtype=torch.float64)
+        ring = ring_window(ring, prefill)  # the hybrid step converts its state itself
+        outputs, window_outputs = [], []
+        for t in range(prefill, length):
+            output, state = hybrid_decode_step(
+                state,
+                split(query, t),
+                split(q_features, t),
+                key[:, :, t],
+                k_features[:, :, t],
+                v[:, :, t],
+                log_scale[:, :, t],
+                gamma.view(2, group),
+                scaling=0.5,
+            )
+            outputs.append(output.reshape(2, 4, -1))
+            window_output, ring = ring_window_step(
+                ring, split(query, t), key[:, :, t], v[:, :, t], scaling=0.5
+            )
+            window_outputs.append(window_output.reshape(2, 4, -1))
+    torch.testing.assert_close(torch.stack(outputs, 2), expected[:, :, prefill:], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        torch.stack(window_outputs, 2), expected_window[:, :, prefill:], rtol=1e-10, atol=1e-12
+    )
+    for got, want in ((state, expected_state), (ring, expected_window_state)):
+        got = got.general_layout()
+        assert type(got) is type(want) and got.num_tokens == want.num_tokens == length
+        for a, b in zip(got._tensors(), want._tensors(), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -7,7 +7,6 @@ maximum m of the keys' log scales, so the per-token offsets agree exactly with t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dofla.ops._checks import (
@@ -269,24 +268,6 @@ def recurrent_hybrid_attention(
         window=window,
     )
     return out.to(v.dtype), new_state
-
-
-def window_decode_step(
-    state: WindowState, queries: Tensor, key: Tensor, value: Tensor, *, scaling: float
-) -> tuple[Tensor, WindowState]:
-    """One present token of ``recurrent_window_attention`` without sinks or soft-capping, in its fewest
-    operators (decoding): queries (B, Hk, G, D), key (B, Hk, 1, D), value (B, Hk, 1, Dv), all in the
-    state's dtype -> out (B, Hk, G, Dv) and the new state. The new key is present, so every query sees
-    at least one key and one fused softmax attention call reads the window."""
-    start = 1 if state.keys.shape[2] >= state.window else 0  # the oldest key leaves a full window
-    keys = torch.cat([state.keys[:, :, start:], key], dim=2)  # (B, Hk, L, D)
-    values = torch.cat([state.values[:, :, start:], value], dim=2)  # (B, Hk, L, Dv)
-    key_present = torch.cat([state.key_present[:, :, start:], present_keys(None, key)], dim=2)  # (B, Hk, L)
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=key_present[:, :, None], scale=scaling
-    )
-    sinks = (state.sink_keys, state.sink_values, state.sink_count)
-    return out, WindowState(keys, values, key_present, *sinks, state.window, state.num_tokens + 1)
 
 
 def recurrent_window_attention(
