@@ -233,16 +233,21 @@ def test_prf_forward_matches_the_reference_formula_and_follows_parameter_updates
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
-def test_hedgehog_decode_features_follow_an_in_place_change_of_the_weight():
-    """The signed weight kept between calls without autograd is rebuilt once the weight changes in place."""
+def test_values_kept_for_decoding_follow_an_in_place_change_of_their_parameter():
+    """Hedgehog's signed weight and a hybrid layer's step window factor, kept between calls without
+    autograd, are rebuilt once their parameter changes in place (an optimiser step, a load)."""
     from dofla.feature_maps import build_feature_map
 
     feature_map = build_feature_map("hedgehog", num_heads=2, head_dim=8, feature_dim=6, scaling=8**-0.5)
+    shape = dict(layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)
+    student = LinearAttention(LayerPlan(kind="hybrid", feature_map="hedgehog", feature_dim=6), **shape)
     x = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(feature_map.decode_features(x)[0], feature_map(x, is_query=False)[0])
+            torch.testing.assert_close(student.step_window_factor(), student.window_factor().view(2, 2, 1))
             feature_map.weight.mul_(1.7)
+            student.window_factor_logit.add_(0.5)
 
 
 DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window, sinks (the prefill has 7 tokens)
@@ -447,7 +452,7 @@ def test_greedy_generate_of_the_recipe_cell_takes_the_hybrid_step_and_equals_ful
     assert len(steps) == 8 * model.config.num_hidden_layers  # every decoded token after the first
 
 
-@pytest.mark.parametrize("prefill, window, sinks", [(2, 3, 2), (0, 4, 0), (5, 3, 3)])
+@pytest.mark.parametrize("prefill, window, sinks", [(2, 3, 2), (0, 4, 2), (1, 3, 3), (5, 3, 0)])
 def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill, window, sinks):
     """Many steps of the ring-buffer decode ops (``dofla.ops.decode``) without autograd, the buffers
     updated in place and the ring wrapping around several times, sinks filling during the steps or before:
@@ -507,7 +512,7 @@ def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill,
                 k_features[:, :, t],
                 v[:, :, t],
                 log_scale[:, :, t],
-                gamma.view(2, group),
+                gamma.view(2, group, 1),
                 scaling=0.5,
             )
             outputs.append(output.reshape(2, 4, -1))

@@ -153,6 +153,7 @@ class LinearAttention(nn.Module):
             self.window_factor_logit = None
         # The cache layer of the current forward (set by convert's pre-hook, taken by forward); not a module.
         self.pending_cache_layer = None
+        self._step_window_factor: tuple | None = None  # (key, gamma), see step_window_factor
 
     @property
     def state_heads(self) -> int:
@@ -162,6 +163,19 @@ class LinearAttention(nn.Module):
     def window_factor(self) -> Tensor | None:
         """gamma (H,) in (0, 1): weight of the sliding-window softmax part (hybrid layers), else None."""
         return None if self.window_factor_logit is None else torch.sigmoid(self.window_factor_logit)
+
+    def step_window_factor(self) -> Tensor:
+        """gamma as (Hs, G, 1) for decoding steps (G = H // Hs); kept between calls without autograd until
+        the logits change (an optimiser step, a load), a step's cost being its number of operators."""
+        logit = self.window_factor_logit
+        tracked = torch.is_grad_enabled() and logit.requires_grad
+        key = (logit.data_ptr(), logit._version, logit.dtype)
+        if not tracked and self._step_window_factor is not None and self._step_window_factor[0] == key:
+            return self._step_window_factor[1]
+        gamma = self.window_factor().view(self.state_heads, self.num_heads // self.state_heads, 1)
+        if not tracked:
+            self._step_window_factor = (key, gamma)
+        return gamma
 
     def _state_heads_view(self, tensor: Tensor) -> Tensor:
         """(B, Hkv, T, X) -> (B, Hs, T, X): repeat key/value heads when each query head has its own map."""
@@ -281,7 +295,7 @@ class LinearAttention(nn.Module):
             features[:, :, -1],
             values,
             k_log_scale,
-            self.window_factor().view(heads, group),
+            self.step_window_factor(),
             scaling=scaling,
         )
         return output.view(batch, 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)

@@ -182,7 +182,7 @@ class GatedDeltaAttention(LinearAttention):
             values,
             scaling=scaling,
         )  # (B, Hs, G, Dv)
-        output = torch.lerp(output, window, self.window_factor().view(heads, group, 1))
+        output = torch.lerp(output, window, self.step_window_factor())
         return output.view(batch, 1, self.num_heads, -1), DeltaHybridState(window=ring, delta=new_memory)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:

@@ -58,7 +58,8 @@ class RingWindow(BatchedState):
     bias: (B, Hk, 1, S + W) 0 for the keys the next query sees, -inf for hidden slots.
     sink_count: (B, Hk) int64 filled sink slots; sinks_full: whether every row's are (no sink bookkeeping).
     window: W; value_dim: Dv; num_tokens: tokens seen (present or not), so the next goes to slot
-    S + num_tokens % W.
+    S + num_tokens % W; hidden_until: a window slot may be hidden only while num_tokens is below it (a
+    step's present key unhides its slot until then; afterwards every slot already holds one).
     """
 
     keys: Tensor
@@ -69,6 +70,7 @@ class RingWindow(BatchedState):
     value_dim: int
     num_tokens: int
     sinks_full: bool
+    hidden_until: int
 
     @property
     def sinks(self) -> int:
@@ -115,6 +117,7 @@ def ring_window(state: WindowState, tokens: int, *, ones_column: bool = False) -
         value_dim=state.values.shape[-1],
         num_tokens=int(tokens),
         sinks_full=bool((state.sink_count >= sinks).all()),
+        hidden_until=int(tokens) + window,  # empty slots, absent keys, sinks: all rewritten by then
     )
 
 
@@ -131,7 +134,8 @@ def write_key(ring: RingWindow, key: Tensor, value: Tensor) -> Tensor | None:
     ring.keys[:, :, slot] = key
     ring.values[:, :, slot, : ring.value_dim] = value
     if ring.sinks_full:
-        ring.bias[:, :, 0, slot] = 0.0  # the slot may have held a hidden key
+        if ring.num_tokens < ring.hidden_until:  # the slot may have held a hidden key
+            ring.bias[:, :, 0, slot] = 0.0
         return None
     sinks, count = ring.sinks, ring.sink_count
     fills = torch.arange(sinks, device=count.device) == count[..., None]  # (B, Hk, S): the slot it fills
@@ -144,6 +148,7 @@ def write_key(ring: RingWindow, key: Tensor, value: Tensor) -> Tensor | None:
         is_sink, NEGATIVE_INFINITY
     )
     ring.sink_count = count + is_sink
+    ring.hidden_until = ring.num_tokens + ring.window + 1  # token num_tokens + W rewrites this slot
     ring.sinks_full = bool((ring.sink_count >= sinks).all())
     return is_sink
 
@@ -267,7 +272,7 @@ def hybrid_decode_step(
 ) -> tuple[Tensor, RingHybridState]:
     """One present token of ``recurrent_hybrid_attention`` (sinks included, no soft-capping) on the ring
     layout: queries (B, Hk, G, D), q_features (B, Hk, G, F), key (B, Hk, D), k_features (B, Hk, F),
-    value (B, Hk, Dv), log_scale (B, Hk) finite, window_factor (Hk, G); every tensor and the state's
+    value (B, Hk, Dv), log_scale (B, Hk) finite, window_factor (Hk, G, 1); every tensor and the state's
     buffers in one dtype -> out (B, Hk, G, Dv) and the state after the token (a general ``HybridState``
     is converted first; a ring state's buffers are updated in place without autograd)."""
     state = ring_hybrid_state(state) if isinstance(state, HybridState) else _owned(state)
@@ -294,6 +299,6 @@ def hybrid_decode_step(
     sums = torch.lerp(
         linear_sums.view(batch, heads, group, -1),
         window_sums.view(batch, heads, group, -1),
-        window_factor.unsqueeze(-1),
+        window_factor,
     )  # (B, Hk, G, Dv + 1)
     return sums[..., :-1] / (sums[..., -1:] + eps), state
