@@ -50,7 +50,7 @@ def one_thread():
 
 
 @pytest.mark.parametrize("share", [True, False])
-@pytest.mark.parametrize("feature_map", ["learnable_prf", "t2r", "hedgehog"])
+@pytest.mark.parametrize("feature_map", ["learnable_prf", "t2r", "hedgehog", "elu1"])
 def test_decode_features_in_one_call_equal_separate_query_and_key_calls(share, feature_map):
     plan = LayerPlan(kind="linear", feature_map=feature_map, feature_dim=6, share_kv_heads=share)
     student = LinearAttention(plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)

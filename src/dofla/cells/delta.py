@@ -167,8 +167,9 @@ class GatedDeltaAttention(LinearAttention):
         log_decay = F.logsigmoid(self.decay.step_logits(values))  # (B, Hs)
         beta = torch.sigmoid(self.write.step_logits(values))  # (B, Hs)
         new_memory = update_delta_state(memory_state, features[:, :, -1], values, log_decay, beta)
-        output = features[:, :, :-1] @ new_memory.kv  # (B, Hs, G, Dv)
         batch, heads = query.shape[0], self.state_heads
+        queries = features[:, :, :-1]  # (B, Hs, G, K)
+        output = torch.bmm(queries.flatten(0, 1), new_memory.kv.flatten(0, 1)).view(*queries.shape[:3], -1)
         if self.kind == "linear":
             return output.view(batch, 1, self.num_heads, -1), new_memory
         group = self.num_heads // heads

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dofla.errors import DoflaError
-from dofla.feature_maps.base import FeatureMap, register_feature_map
+from dofla.feature_maps.base import FeatureMap, grouped_product, register_feature_map
 
 
 def identity_like(num_heads: int, rows: int, columns: int, generator, extra_std: float) -> Tensor:
@@ -62,13 +62,7 @@ class HedgehogFeatures(FeatureMap):
         softmax over the (F/2, 2) pairs' first axis (maps with head-wise dimensions run ``forward``)."""
         if self.has_headwise_dims:
             return self.forward(x, is_query=False)
-        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
-        batch, heads, group, length, dim = grouped.shape
-        weight = self._signed_weight(grouped.dtype)  # (Hm, D, F)
-        if batch == 1:
-            projection = torch.bmm(grouped.reshape(heads, group * length, dim), weight)  # (Hm, N, F)
-        else:
-            projection = torch.matmul(grouped.reshape(batch, heads, group * length, dim), weight)
+        projection = grouped_product(self.grouped_input(x), self._signed_weight(x.dtype))  # (.., N, F)
         features = torch.softmax(projection.unflatten(-1, (-1, 2)), dim=-2)  # (..., F/2, 2)
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
 
@@ -137,6 +131,14 @@ class ProjectionFeatures(FeatureMap):
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
         projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.to(grouped.dtype))
         features = self.masked(self.activation(projection))
+        return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
+
+    def decode_features(self, x: Tensor) -> tuple[Tensor, None]:
+        """``forward`` as one batched product (maps with head-wise dimensions run ``forward``)."""
+        if self.has_headwise_dims:
+            return self.forward(x, is_query=False)
+        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
+        features = self.activation(grouped_product(grouped, self.weight.to(grouped.dtype)))  # (.., N, F)
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
 
 
