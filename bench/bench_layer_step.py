@@ -31,6 +31,8 @@ SOURCE = Path(__file__).resolve().parents[1] / "src"
 # name -> LayerPlan fields (kind hybrid: window 64 and the long-context recipes' 4 sinks)
 CELLS = {
     "gla+window": dict(kind="hybrid", cell="gla", feature_map="hedgehog", sinks=4),
+    # bench_speed.py's gla+window row: the same cell on plan_for's default map
+    "gla+window/prf": dict(kind="hybrid", cell="gla", feature_map="learnable_prf", sinks=4),
     "gated_delta+window": dict(kind="hybrid", cell="gated_delta", feature_map="projection", sinks=4),
     "linear+window": dict(kind="hybrid", cell="linear", feature_map="hedgehog", sinks=0),
     "gla": dict(kind="linear", cell="gla", feature_map="hedgehog"),

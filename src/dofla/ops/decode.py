@@ -248,12 +248,10 @@ def _absorb_oldest_key(state: RingHybridState) -> None:
     # exp_relative of the old offset and of the key against the new one, sharing its clamp
     finite_offset = log_offset.clamp_min(torch.finfo(log_offset.dtype).min)
     decay = torch.exp(state.log_offset - finite_offset)  # (B, Hk) <= 1
-    weighted_key = state.key_features[:, :, old] * torch.exp(scale - finite_offset).unsqueeze(
-        -1
-    )  # (B, Hk, F)
-    state.sums.mul_(decay[..., None, None]).addcmul_(
-        weighted_key.unsqueeze(-1), ring.values[:, :, slot].unsqueeze(-2)
-    )  # (B, Hk, F, Dv + 1)
+    weight = torch.exp(scale - finite_offset).unsqueeze(-1)  # (B, Hk, 1)
+    weighted_key = state.key_features[:, :, old] * weight  # (B, Hk, F)
+    value = ring.values[:, :, slot]  # (B, Hk, Dv + 1): its last column, 1, adds to the normalizer
+    state.sums.mul_(decay[..., None, None]).addcmul_(weighted_key.unsqueeze(-1), value.unsqueeze(-2))
     state.log_offset = log_offset
 
 
@@ -292,9 +290,8 @@ def hybrid_decode_step(
     scores = window_scores(ring, queries, scaling)  # (B * Hk, G, S + W)
     # the new key is visible (in the window or as a sink): every max is finite
     weights = torch.exp(scores - scores.amax(-1, keepdim=True))
-    window_sums = torch.bmm(
-        weights, ring.values.flatten(0, 1)
-    )  # (B * Hk, G, Dv + 1): numerator | denominator
+    # (B * Hk, G, Dv + 1): numerators, then denominators (the values' column of ones)
+    window_sums = torch.bmm(weights, ring.values.flatten(0, 1))
     linear_sums = torch.bmm(q_features.flatten(0, 1), state.sums.flatten(0, 1))  # relative to the offset
     sums = torch.lerp(
         linear_sums.view(batch, heads, group, -1),
