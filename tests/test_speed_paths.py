@@ -530,3 +530,38 @@ def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill,
         for a, b in zip(got._tensors(), want._tensors(), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_ring_layout_round_trip_keeps_padded_keys_sinks_and_a_partial_window():
+    """A general hybrid state (left-padded rows, sinks, window not yet full in one call and wrapped in the
+    other) put in the decoding layout and back is the same state, exactly."""
+    from dofla.ops import chunked_hybrid_attention
+    from dofla.ops.decode import ring_hybrid_state
+
+    for length in (5, 11):  # window 7: partial, then wrapped
+        inputs = make_inputs(2, 4, 2, length, 5, log_scale_std=1.0, seed=5)
+        key_mask = torch.ones(2, length, dtype=torch.bool)
+        key_mask[1, :3] = False  # left padding: absent keys, sinks counted from the first real token
+        with torch.no_grad():
+            _, state = chunked_hybrid_attention(
+                inputs["query"],
+                inputs["key"],
+                inputs["q_features"],
+                inputs["k_features"],
+                inputs["v"],
+                k_log_scale=inputs["k_log_scale"],
+                window_factor=inputs["window_factor"],
+                scaling=0.5,
+                window=7,
+                sinks=2,
+                key_mask=key_mask,
+                chunk_size=4,
+                return_state=True,
+            )
+        back = ring_hybrid_state(state).general_layout()
+        assert (
+            back.num_tokens == state.num_tokens == length
+            and back.linear.num_tokens == state.linear.num_tokens
+        )
+        for a, b in zip(back._tensors(), state._tensors(), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
