@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -119,6 +120,7 @@ def compare(args, argv: list[str]) -> str:
             for row in run_in(source, args, argv):
                 results[side].setdefault(row["cell"], []).append(row)
     lines = [
+        f"machine: {platform.machine()}, torch {torch.__version__}, float32",
         f"per-layer decode step, B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
         f"F={args.feature_dim}, window {args.window}, after {args.fill} tokens, {args.threads} thread(s), "
         f"median of {args.runs} alternating runs",
@@ -171,9 +173,15 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"per-layer decode step, {args.threads} thread(s), after {args.fill} tokens")
+    print(f"command: {' '.join(['bench_layer_step.py', *argv])}")
+    print(f"machine: {platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), float32\n")
+    print(
+        f"per-layer decode step, B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
+        f"F={args.feature_dim}, window {args.window}, after {args.fill} tokens, median of {args.rounds} rounds\n"
+    )
+    print("| cell | µs per step | aten ops per step |\n|---|---:|---:|")
     for row in rows:
-        print(f"{row['cell']:>20}: {row['us']:7.1f} µs per step, {row['ops']:.0f} aten ops per step")
+        print(f"| {row['cell']} | {row['us']:.1f} | {row['ops']:.0f} |")
     return 0
 
 

@@ -565,3 +565,26 @@ def test_ring_layout_round_trip_keeps_padded_keys_sinks_and_a_partial_window():
         )
         for a, b in zip(back._tensors(), state._tensors(), strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_layer_step_bench_prints_every_cell_alone_and_against_a_checkout(capsys, one_thread, monkeypatch):
+    """bench/bench_layer_step.py on a tiny layer: a row per cell, alone and against a source folder (the
+    subprocess of each side run in this process here: importing torch twice would take seconds)."""
+    bench = bench_script("bench_layer_step")
+    tiny = ["--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--feature-dim", "8", "--window", "4"]
+    tiny += ["--fill", "6", "--steps", "3", "--rounds", "1", "--cells", "gla+window,gated_delta+window"]
+    assert bench.main(tiny) == 0
+    printed = capsys.readouterr().out
+    assert "| gla+window |" in printed and "| gated_delta+window |" in printed
+    sides = []
+
+    def run_in(source, args, argv):
+        sides.append(source)
+        assert "--against" not in argv and "--json" not in argv
+        return bench.run_here(args)
+
+    monkeypatch.setattr(bench, "run_in", run_in)
+    assert bench.main([*tiny, "--against", "/elsewhere/src", "--runs", "1"]) == 0
+    assert sides == ["/elsewhere/src", str(bench.SOURCE)]
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| g")]
+    assert len(rows) == 2 and all(line.count("|") == 7 for line in rows)
