@@ -14,6 +14,7 @@ from ops_helpers import LINEAR_NAMES, assert_chunked_linear_matches_naive, make_
 
 import dofla.ops.chunked as chunked_module
 from dofla.attention import LinearAttention
+from dofla.cache import RecurrentCacheLayer
 from dofla.config import LayerPlan
 from dofla.ops import chunked_linear_attention, linear_attention
 
@@ -530,6 +531,24 @@ def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill,
         for a, b in zip(got._tensors(), want._tensors(), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_ring_state_made_in_inference_mode_decodes_on_outside_it():
+    """Ring buffers made under ``torch.inference_mode`` cannot be written outside it: the step copies them."""
+    from dofla.cells import build_student
+
+    plan = LayerPlan(kind="hybrid", cell="gla", feature_map="hedgehog", feature_dim=6, window=3, sinks=2)
+    student = build_student(plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)
+    query, key, value = (torch.randn(1, heads, 6, 8) for heads in (4, 2, 2))
+    layer, outputs = RecurrentCacheLayer(), []
+    for start, mode in ((0, torch.inference_mode), (4, torch.inference_mode), (5, torch.no_grad)):
+        stop = 4 if start == 0 else start + 1  # a prefill, then one step in each mode
+        with mode():
+            student.pending_cache_layer = layer
+            outputs.append(student(query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop]))
+    with torch.no_grad():
+        expected = student(query, key, value)
+    torch.testing.assert_close(torch.cat(outputs, dim=1), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_ring_layout_round_trip_keeps_padded_keys_sinks_and_a_partial_window():

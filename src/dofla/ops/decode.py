@@ -121,9 +121,11 @@ def ring_window(state: WindowState, tokens: int, *, ones_column: bool = False) -
     )
 
 
-def _owned(state: BatchedState) -> BatchedState:
-    """The state a step may update in place: itself without autograd (generation), else a copy."""
-    return state._map(torch.clone) if torch.is_grad_enabled() else state
+def _owned(state: BatchedState, buffer: Tensor) -> BatchedState:
+    """The state a step may update in place: itself without autograd (generation), else a copy (with
+    autograd, or when its buffers, ``buffer`` one of them, were made in inference mode and this is not)."""
+    made_in_inference = buffer.is_inference() and not torch.is_inference_mode_enabled()
+    return state._map(torch.clone) if torch.is_grad_enabled() or made_in_inference else state
 
 
 def write_key(ring: RingWindow, key: Tensor, value: Tensor) -> Tensor | None:
@@ -165,7 +167,7 @@ def ring_window_step(
     """One present token of ``recurrent_window_attention`` (sinks included, no soft-capping): queries
     (B, Hk, G, D), key (B, Hk, D), value (B, Hk, Dv), in the ring's dtype -> out (B, Hk, G, Dv) and the
     ring after the token (the same buffers, updated in place without autograd)."""
-    ring = _owned(ring)
+    ring = _owned(ring, ring.keys)
     write_key(ring, key, value)
     ring.num_tokens += 1
     # one fused softmax over all slots; the new key is visible (in the window or as a sink)
@@ -273,7 +275,7 @@ def hybrid_decode_step(
     value (B, Hk, Dv), log_scale (B, Hk) finite, window_factor (Hk, G, 1); every tensor and the state's
     buffers in one dtype -> out (B, Hk, G, Dv) and the state after the token (a general ``HybridState``
     is converted first; a ring state's buffers are updated in place without autograd)."""
-    state = ring_hybrid_state(state) if isinstance(state, HybridState) else _owned(state)
+    state = ring_hybrid_state(state) if isinstance(state, HybridState) else _owned(state, state.sums)
     ring = state.ring
     batch, heads, group, _ = queries.shape
     if ring.num_tokens >= ring.window:  # the oldest key leaves the window and joins the linear sums
