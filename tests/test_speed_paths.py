@@ -305,9 +305,8 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
         return tensor.requires_grad_(grad)
 
     layer = RecurrentCacheLayer()
-    with torch.no_grad():
-        student.pending_cache_layer = layer
-        student(draw(4, 7), draw(2, 7), draw(2, 7))  # the prefill that makes the state
+    student.pending_cache_layer = layer
+    student(draw(4, 7), draw(2, 7), draw(2, 7))  # the prefill that makes the state (its graph kept)
     state = layer.state
     query, key, value = draw(4, 1, True), draw(2, 1, True), draw(2, 1, True)
     assert student._decode_step(query, key, value, state, 8**-0.5) is not None
@@ -319,7 +318,9 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
         weights = torch.linspace(-1, 1, output.numel(), dtype=output.dtype).view_as(output)
         inputs = [query, key, value, *student.trainable_parameters()]
         # allow_unused: a hybrid step's new key only enters the window, so its decay gate is unused
-        gradients = torch.autograd.grad((output * weights).sum(), inputs, allow_unused=True)
+        gradients = torch.autograd.grad(
+            (output * weights).sum(), inputs, allow_unused=True, retain_graph=True
+        )  # the prefill's graph serves both forms
         results[form] = (output, layer.state, gradients)
     (fast, fast_state, fast_gradients), (slow, slow_state, slow_gradients) = (
         results[None],

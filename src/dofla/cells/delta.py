@@ -154,10 +154,15 @@ class GatedDeltaAttention(LinearAttention):
         """One token (see ``LinearAttention._decode_step``): queries and key normalised together, the two
         gates from the value, one delta-rule update and one read; with a window, its ring step
         (``dofla.ops.decode``) mixed in per head."""
-        memory_state = state.delta if isinstance(state, DeltaHybridState) else state
-        if not isinstance(memory_state, DeltaState) or (self.kind == "linear") != (state is memory_state):
+        if self.kind == "linear":
+            memory_state = state
+        elif isinstance(state, DeltaHybridState):
+            memory_state = state.delta
+            if not _takes_window_step(self, state.window, memory_state.kv.dtype):
+                return None
+        else:
             return None
-        if self.kind == "hybrid" and not _takes_window_step(self, state.window, memory_state.kv.dtype):
+        if not isinstance(memory_state, DeltaState):
             return None
         inputs = self._decode_inputs(query, key, value, memory_state.kv.dtype)
         if inputs is None:

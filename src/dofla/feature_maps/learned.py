@@ -62,7 +62,8 @@ class HedgehogFeatures(FeatureMap):
         softmax over the (F/2, 2) pairs' first axis (maps with head-wise dimensions run ``forward``)."""
         if self.has_headwise_dims:
             return self.forward(x, is_query=False)
-        projection = grouped_product(self.grouped_input(x), self._signed_weight(x.dtype))  # (.., N, F)
+        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
+        projection = grouped_product(grouped, self._signed_weight(grouped.dtype))  # (..., N, F)
         features = torch.softmax(projection.unflatten(-1, (-1, 2)), dim=-2)  # (..., F/2, 2)
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
 

@@ -239,20 +239,21 @@ def ring_hybrid_state(state: HybridState) -> RingHybridState:
     )
 
 
-def _absorb_oldest_key(state: RingHybridState) -> None:
+def _absorb_oldest_key(state: RingHybridState, source: RingHybridState) -> None:
     """The key in the ring's next slot (the oldest, the window being full) joins the linear sums, in place:
-    ``update_linear_state`` on the (kv | normalizer) sums, its value's column of ones giving the normalizer."""
-    ring = state.ring
-    slot = ring.next_slot
-    old = slot - ring.sinks
-    scale = state.key_log_scales[:, :, old]  # (B, Hk): -inf for sinks and absent keys
+    ``update_linear_state`` on the (kv | normalizer) sums, its value's column of ones giving the normalizer.
+    The key is read from ``source``: ``state`` itself without autograd, else the state before its copy
+    (autograd keeps what it reads, and the new key overwrites the slot in ``state``)."""
+    slot = state.ring.next_slot
+    old = slot - state.ring.sinks
+    scale = source.key_log_scales[:, :, old]  # (B, Hk): -inf for sinks and absent keys
     log_offset = torch.maximum(state.log_offset, scale)
     # exp_relative of the old offset and of the key against the new one, sharing its clamp
     finite_offset = log_offset.clamp_min(torch.finfo(log_offset.dtype).min)
     decay = torch.exp(state.log_offset - finite_offset)  # (B, Hk) <= 1
     weight = torch.exp(scale - finite_offset).unsqueeze(-1)  # (B, Hk, 1)
-    weighted_key = state.key_features[:, :, old] * weight  # (B, Hk, F)
-    value = ring.values[:, :, slot]  # (B, Hk, Dv + 1): its last column, 1, adds to the normalizer
+    weighted_key = source.key_features[:, :, old] * weight  # (B, Hk, F)
+    value = source.ring.values[:, :, slot]  # (B, Hk, Dv + 1): its last column, 1, adds to the normalizer
     state.sums.mul_(decay[..., None, None]).addcmul_(weighted_key.unsqueeze(-1), value.unsqueeze(-2))
     state.log_offset = log_offset
 
@@ -275,11 +276,12 @@ def hybrid_decode_step(
     value (B, Hk, Dv), log_scale (B, Hk) finite, window_factor (Hk, G, 1); every tensor and the state's
     buffers in one dtype -> out (B, Hk, G, Dv) and the state after the token (a general ``HybridState``
     is converted first; a ring state's buffers are updated in place without autograd)."""
-    state = ring_hybrid_state(state) if isinstance(state, HybridState) else _owned(state, state.sums)
+    source = ring_hybrid_state(state) if isinstance(state, HybridState) else state
+    state = _owned(source, source.sums)
     ring = state.ring
     batch, heads, group, _ = queries.shape
     if ring.num_tokens >= ring.window:  # the oldest key leaves the window and joins the linear sums
-        _absorb_oldest_key(state)
+        _absorb_oldest_key(state, source)
     old = ring.next_slot - ring.sinks
     is_sink = write_key(ring, key, value)
     state.key_features[:, :, old] = k_features
