@@ -21,7 +21,11 @@ BENCHMARKS = {
     # the CPU, which stays for GPU runs: `bench/run_all.py generation` still runs it)
     "speed": ["bench_speed.py"],
 }
-OPTIONAL = {"generation": ["bench_generation.py", "--contexts", "1024,4096"]}
+OPTIONAL = {
+    "generation": ["bench_generation.py", "--contexts", "1024,4096"],
+    # one layer's decode step per cell at one thread (µs and aten operators per step)
+    "layer_step": ["bench_layer_step.py"],
+}
 
 
 def main() -> int:

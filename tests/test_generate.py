@@ -91,7 +91,7 @@ def test_cache_memory_is_constant_for_linear_layers_and_bounded_for_hybrid():
     assert all(layer.keys.numel() == 0 for layer in cache.layers)
     linear_state = cache.layers[0].state
     assert linear_state.kv.shape == (1, 2, 8, 16)  # (B, Hkv, F, Dv): per key/value head
-    assert cache.layers[1].state.keys.shape[2] == 4  # only the window's keys
+    assert cache.layers[1].state.general_layout().keys.shape[2] == 4  # only the window's keys
 
 
 def test_mixed_plan_keeps_softmax_cache_for_softmax_layers():

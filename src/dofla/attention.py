@@ -27,7 +27,8 @@ from dofla.ops import (
     recurrent_linear_attention,
 )
 from dofla.ops.chunked import choose_chunk_size
-from dofla.ops.recurrent import hybrid_decode_step, linear_decode_step
+from dofla.ops.decode import RingHybridState, hybrid_decode_step
+from dofla.ops.recurrent import linear_decode_step
 from dofla.ops.state import HybridState, LinearState
 
 FORMS = ("naive", "chunked", "recurrent")
@@ -37,6 +38,8 @@ DEFAULT_DECODE_TOKENS = 4  # calls with at most this many new tokens and a state
 
 def state_dtype(state) -> torch.dtype:
     """The dtype of a linear or hybrid state's sums (a hybrid's buffers must share it, see ``_decode_inputs``)."""
+    if isinstance(state, RingHybridState):
+        return state.sums.dtype
     return state.kv.dtype if isinstance(state, LinearState) else state.linear.kv.dtype
 
 
@@ -150,6 +153,7 @@ class LinearAttention(nn.Module):
             self.window_factor_logit = None
         # The cache layer of the current forward (set by convert's pre-hook, taken by forward); not a module.
         self.pending_cache_layer = None
+        self._step_window_factor: tuple | None = None  # (key, gamma), see step_window_factor
 
     @property
     def state_heads(self) -> int:
@@ -159,6 +163,19 @@ class LinearAttention(nn.Module):
     def window_factor(self) -> Tensor | None:
         """gamma (H,) in (0, 1): weight of the sliding-window softmax part (hybrid layers), else None."""
         return None if self.window_factor_logit is None else torch.sigmoid(self.window_factor_logit)
+
+    def step_window_factor(self) -> Tensor:
+        """gamma as (Hs, G, 1) for decoding steps (G = H // Hs); kept between calls without autograd until
+        the logits change (an optimiser step, a load), a step's cost being its number of operators."""
+        logit = self.window_factor_logit
+        tracked = torch.is_grad_enabled() and logit.requires_grad
+        key = (logit.data_ptr(), logit._version, logit.dtype)
+        if not tracked and self._step_window_factor is not None and self._step_window_factor[0] == key:
+            return self._step_window_factor[1]
+        gamma = self.window_factor().view(self.state_heads, self.num_heads // self.state_heads, 1)
+        if not tracked:
+            self._step_window_factor = (key, gamma)
+        return gamma
 
     def _state_heads_view(self, tensor: Tensor) -> Tensor:
         """(B, Hkv, T, X) -> (B, Hs, T, X): repeat key/value heads when each query head has its own map."""
@@ -245,6 +262,8 @@ class LinearAttention(nn.Module):
         a hybrid layer's HybridState of this layer's window and sinks without soft-capping."""
         if self.kind == "linear":
             return isinstance(state, LinearState)
+        if isinstance(state, RingHybridState):  # made by an earlier step, in its one dtype
+            return self.softcap is None and state.window == self.window and state.sinks == self.sinks
         return (
             isinstance(state, HybridState)
             and self.softcap is None
@@ -272,11 +291,11 @@ class LinearAttention(nn.Module):
             state,
             query.view(batch, heads, group, self.head_dim),
             features[:, :, :-1],
-            keys,
+            keys.squeeze(2),
             features[:, :, -1],
-            values.unsqueeze(2),
+            values,
             k_log_scale,
-            self.window_factor().view(heads, group),
+            self.step_window_factor(),
             scaling=scaling,
         )
         return output.view(batch, 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
@@ -332,6 +351,8 @@ class LinearAttention(nn.Module):
             if step is not None:
                 output, cache_layer.state = step
                 return output
+        if state is not None:  # a decoding step's ring buffers, put back in order for the general forms
+            state = state.general_layout()
         q_features, k_features, k_log_scale = (
             self.features(query, key) if self.uses_features else (None, None, None)
         )

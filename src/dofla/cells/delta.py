@@ -38,7 +38,7 @@ from dofla.ops import (
     update_delta_state,
     window_attention,
 )
-from dofla.ops.recurrent import window_decode_step
+from dofla.ops.decode import RingWindow, ring_window, ring_window_step
 from dofla.ops.state import BatchedState
 
 DEFAULT_BETA = 0.5
@@ -47,9 +47,10 @@ DEFAULT_DELTA_WINDOW_FACTOR = 0.5
 
 @dataclass
 class DeltaHybridState(BatchedState):
-    """A hybrid gated-delta layer's state: the window's last keys (and sinks) and the memory."""
+    """A hybrid gated-delta layer's state: the window's last keys (and sinks) and the memory; decoding steps
+    keep the window as a ``RingWindow`` (``general_layout`` gives the ``WindowState`` back)."""
 
-    window: WindowState
+    window: WindowState | RingWindow
     delta: DeltaState
 
     @property
@@ -74,6 +75,18 @@ def _window_part(cell: LinearAttention, form, query, keys, values, key_mask, sca
         initial_state=state,
         return_state=True,
         **common,
+    )
+
+
+def _takes_window_step(cell: LinearAttention, window, dtype: torch.dtype) -> bool:
+    """Whether a layer's window state takes the ring step: no soft-capping, the layer's window and sinks,
+    its buffers in ``dtype`` (the step's)."""
+    return (
+        cell.softcap is None
+        and isinstance(window, (WindowState, RingWindow))
+        and window.window == cell.window
+        and window.sinks == cell.sinks
+        and window.keys.dtype == window.values.dtype == dtype
     )
 
 
@@ -139,19 +152,44 @@ class GatedDeltaAttention(LinearAttention):
 
     def _decode_step(self, query, key, value, state, scaling):
         """One token (see ``LinearAttention._decode_step``): queries and key normalised together, the two
-        gates from the value, one delta-rule update and one read."""
-        if self.kind != "linear" or not isinstance(state, DeltaState):
+        gates from the value, one delta-rule update and one read; with a window, its ring step
+        (``dofla.ops.decode``) mixed in per head."""
+        if self.kind == "linear":
+            memory_state = state
+        elif isinstance(state, DeltaHybridState):
+            memory_state = state.delta
+            if not _takes_window_step(self, state.window, memory_state.kv.dtype):
+                return None
+        else:
             return None
-        inputs = self._decode_inputs(query, key, value, state.kv.dtype)
+        if not isinstance(memory_state, DeltaState):
+            return None
+        inputs = self._decode_inputs(query, key, value, memory_state.kv.dtype)
         if inputs is None:
             return None
         features, _, values = inputs  # a map's log scale cancels in the normalisation
         features = F.normalize(features, dim=-1)  # (B, Hs, G + 1, K)
         log_decay = F.logsigmoid(self.decay.step_logits(values))  # (B, Hs)
         beta = torch.sigmoid(self.write.step_logits(values))  # (B, Hs)
-        new_state = update_delta_state(state, features[:, :, -1], values, log_decay, beta)
-        output = features[:, :, :-1] @ new_state.kv  # (B, Hs, G, Dv)
-        return output.view(query.shape[0], 1, self.num_heads, -1), new_state
+        new_memory = update_delta_state(memory_state, features[:, :, -1], values, log_decay, beta)
+        batch, heads = query.shape[0], self.state_heads
+        queries = features[:, :, :-1]  # (B, Hs, G, K)
+        output = torch.bmm(queries.flatten(0, 1), new_memory.kv.flatten(0, 1)).view(*queries.shape[:3], -1)
+        if self.kind == "linear":
+            return output.view(batch, 1, self.num_heads, -1), new_memory
+        group = self.num_heads // heads
+        ring = state.window
+        if not isinstance(ring, RingWindow):
+            ring = ring_window(ring, ring.num_tokens)
+        window, ring = ring_window_step(
+            ring,
+            query.view(batch, heads, group, self.head_dim),
+            self._state_heads_view(key).view(batch, heads, self.head_dim),
+            values,
+            scaling=scaling,
+        )  # (B, Hs, G, Dv)
+        output = torch.lerp(output, window, self.step_window_factor())
+        return output.view(batch, 1, self.num_heads, -1), DeltaHybridState(window=ring, delta=new_memory)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)
@@ -178,16 +216,19 @@ class WindowAttention(LinearAttention):
         return _window_part(self, form, query, keys, values, key_mask, scaling, state)
 
     def _decode_step(self, query, key, value, state, scaling):
-        """One token (see ``LinearAttention._decode_step``): the window's fused softmax step, without
-        sinks or soft-capping (the recurrent form serves those)."""
+        """One token (see ``LinearAttention._decode_step``): the window's ring step (``dofla.ops.decode``),
+        sinks included, without soft-capping."""
         exact = query.dtype in (torch.float32, torch.float64)  # the general form computes in these
-        if self.sinks or self.softcap or not isinstance(state, WindowState) or not exact:
-            return None
-        if state.keys.dtype != query.dtype or state.values.dtype != value.dtype:
+        if not exact or value.dtype != query.dtype or not _takes_window_step(self, state, query.dtype):
             return None
         batch, num_heads, _, head_dim = query.shape
         heads = self.state_heads
-        keys, values = self._state_heads_view(key), self._state_heads_view(value)  # (B, Hs, 1, D)
-        queries = query.view(batch, heads, num_heads // heads, head_dim)  # (B, Hs, G, D)
-        output, new_state = window_decode_step(state, queries, keys, values, scaling=scaling)
+        ring = state if isinstance(state, RingWindow) else ring_window(state, state.num_tokens)
+        output, new_state = ring_window_step(
+            ring,
+            query.view(batch, heads, num_heads // heads, head_dim),  # (B, Hs, G, D)
+            self._state_heads_view(key).view(batch, heads, head_dim),
+            self._state_heads_view(value).view(batch, heads, -1),
+            scaling=scaling,
+        )
         return output.view(batch, 1, num_heads, -1), new_state  # (B, 1, H, Dv)

@@ -18,6 +18,15 @@ def register_feature_map(name: str):
     return FEATURE_MAPS.decorator(name, attribute="name")
 
 
+def grouped_product(grouped: Tensor, weight: Tensor) -> Tensor:
+    """grouped (B, Hm, G, T, D) @ weight (Hm, D, F) -> (B, Hm, G * T, F) per map head, as one batched product
+    ((Hm, G * T, F) for a batch of one): a decoding step's cost is its number of operators."""
+    batch, heads, group, length, dim = grouped.shape
+    if batch == 1:
+        return torch.bmm(grouped.reshape(heads, group * length, dim), weight)
+    return torch.matmul(grouped.reshape(batch, heads, group * length, dim), weight)
+
+
 class FeatureMap(nn.Module):
     """phi: (B, Hx, T, D) -> (B, Hx, T, F) non-negative features, one parameter set per map head.
 

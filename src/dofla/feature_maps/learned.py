@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dofla.errors import DoflaError
-from dofla.feature_maps.base import FeatureMap, register_feature_map
+from dofla.feature_maps.base import FeatureMap, grouped_product, register_feature_map
 
 
 def identity_like(num_heads: int, rows: int, columns: int, generator, extra_std: float) -> Tensor:
@@ -44,6 +44,7 @@ class HedgehogFeatures(FeatureMap):
                 self.num_heads, self.head_dim, self.feature_dim // 2, generator, self.head_dim**-0.5
             )
         )
+        self._signed_weight_cache: tuple | None = None  # (key, weight), see _signed_weight
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
@@ -55,6 +56,29 @@ class HedgehogFeatures(FeatureMap):
         negative = torch.softmax((-projection).masked_fill(~half_mask, float("-inf")), dim=-1)
         features = torch.stack([positive, negative], dim=-1)  # (B, Hm, G, T, F/2, 2): interleaved
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
+
+    def decode_features(self, x: Tensor) -> tuple[Tensor, None]:
+        """``forward`` in three operators: one product with the interleaved columns (W_f, -W_f) and one
+        softmax over the (F/2, 2) pairs' first axis (maps with head-wise dimensions run ``forward``)."""
+        if self.has_headwise_dims:
+            return self.forward(x, is_query=False)
+        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
+        projection = grouped_product(grouped, self._signed_weight(grouped.dtype))  # (..., N, F)
+        features = torch.softmax(projection.unflatten(-1, (-1, 2)), dim=-2)  # (..., F/2, 2)
+        return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
+
+    def _signed_weight(self, dtype: torch.dtype) -> Tensor:
+        """(Hm, D, F): W's columns interleaved with their negations; kept between calls without autograd
+        until the weight changes (an optimiser step, a load)."""
+        tracked = torch.is_grad_enabled() and self.weight.requires_grad
+        key = (dtype, self.weight.data_ptr(), self.weight._version)
+        if not tracked and self._signed_weight_cache is not None and self._signed_weight_cache[0] == key:
+            return self._signed_weight_cache[1]
+        weight = self.weight.to(dtype)
+        signed = torch.stack([weight, -weight], dim=-1).flatten(-2)  # (Hm, D, F)
+        if not tracked:
+            self._signed_weight_cache = (key, signed)
+        return signed
 
 
 @register_feature_map("t2r")
@@ -108,6 +132,14 @@ class ProjectionFeatures(FeatureMap):
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
         projection = torch.einsum("bhgtd,hdf->bhgtf", grouped, self.weight.to(grouped.dtype))
         features = self.masked(self.activation(projection))
+        return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
+
+    def decode_features(self, x: Tensor) -> tuple[Tensor, None]:
+        """``forward`` as one batched product (maps with head-wise dimensions run ``forward``)."""
+        if self.has_headwise_dims:
+            return self.forward(x, is_query=False)
+        grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
+        features = self.activation(grouped_product(grouped, self.weight.to(grouped.dtype)))  # (.., N, F)
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
 
 

@@ -1,7 +1,8 @@
 """Causal attention ops in three forms with identical semantics: linear attention, the sliding-window
 hybrid (with optional attention sinks), sliding-window softmax attention, and the gated delta rule.
 
-``naive`` (reference, tests only), ``chunked`` (training and prefill), ``recurrent`` (decoding).
+``naive`` (reference, tests only), ``chunked`` (training and prefill), ``recurrent`` (decoding), and
+``decode``: the window and hybrid recurrent forms' one-token steps on ring buffers (generation).
 States from the chunked form continue in the recurrent form and back.
 """
 

@@ -7,7 +7,6 @@ maximum m of the keys' log scales, so the per-token offsets agree exactly with t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dofla.ops._checks import (
@@ -271,24 +270,6 @@ def recurrent_hybrid_attention(
     return out.to(v.dtype), new_state
 
 
-def window_decode_step(
-    state: WindowState, queries: Tensor, key: Tensor, value: Tensor, *, scaling: float
-) -> tuple[Tensor, WindowState]:
-    """One present token of ``recurrent_window_attention`` without sinks or soft-capping, in its fewest
-    operators (decoding): queries (B, Hk, G, D), key (B, Hk, 1, D), value (B, Hk, 1, Dv), all in the
-    state's dtype -> out (B, Hk, G, Dv) and the new state. The new key is present, so every query sees
-    at least one key and one fused softmax attention call reads the window."""
-    start = 1 if state.keys.shape[2] >= state.window else 0  # the oldest key leaves a full window
-    keys = torch.cat([state.keys[:, :, start:], key], dim=2)  # (B, Hk, L, D)
-    values = torch.cat([state.values[:, :, start:], value], dim=2)  # (B, Hk, L, Dv)
-    key_present = torch.cat([state.key_present[:, :, start:], present_keys(None, key)], dim=2)  # (B, Hk, L)
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=key_present[:, :, None], scale=scaling
-    )
-    sinks = (state.sink_keys, state.sink_values, state.sink_count)
-    return out, WindowState(keys, values, key_present, *sinks, state.window, state.num_tokens + 1)
-
-
 def recurrent_window_attention(
     query: Tensor,
     key: Tensor,
@@ -329,70 +310,3 @@ def recurrent_window_attention(
         outputs.append(numerator / denominator.clamp_min(1.0)[..., None])  # (B, Hk, G, Dv)
     out = stack_tokens(outputs).reshape(batch, num_heads, length, v.shape[-1])
     return out.to(v.dtype), state
-
-
-def hybrid_decode_step(
-    state: HybridState,
-    queries: Tensor,
-    q_features: Tensor,
-    key: Tensor,
-    k_features: Tensor,
-    value: Tensor,
-    log_scale: Tensor,
-    window_factor: Tensor,
-    *,
-    scaling: float,
-    eps: float = 1e-6,
-) -> tuple[Tensor, HybridState]:
-    """One present token of ``recurrent_hybrid_attention`` (sinks included, no soft-capping) in fewer
-    operators (decoding): queries (B, Hk, G, D), q_features (B, Hk, G, F), key (B, Hk, 1, D),
-    k_features (B, Hk, F), value (B, Hk, 1, Dv), log_scale (B, Hk) finite, window_factor (Hk, G); every
-    tensor and the state's buffers in one dtype -> out (B, Hk, G, Dv) and the new state."""
-    linear, features, scales = state.linear, state.key_features, state.key_log_scales
-    keys, values = state.keys, state.values
-    if scales.shape[2] >= state.window:  # the oldest key leaves the window and joins the linear state
-        linear = update_linear_state(linear, features[:, :, 0], values[:, :, 0], scales[:, :, 0])
-        keys, values, features, scales = (
-            keys[:, :, 1:],
-            values[:, :, 1:],
-            features[:, :, 1:],
-            scales[:, :, 1:],
-        )
-    scale = log_scale.unsqueeze(-1)  # (B, Hk, 1)
-    sink_keys, sink_values, count = state.sink_keys, state.sink_values, state.sink_count
-    if state.sinks:  # the key fills slot `count` while one is free; a sink never reaches the linear state
-        slots = torch.arange(state.sinks, device=count.device)
-        slot = (slots == count[..., None]).unsqueeze(-1)  # (B, Hk, S, 1)
-        sink_keys, sink_values = torch.where(slot, key, sink_keys), torch.where(slot, value, sink_values)
-        is_sink = count < state.sinks  # (B, Hk)
-        scale = scale.masked_fill(is_sink.unsqueeze(-1), float("-inf"))
-        empty = slots > count[..., None]  # (B, Hk, S): the slots still empty after this key
-        count = count + is_sink
-    keys, values = torch.cat([keys, key], dim=2), torch.cat([values, value], dim=2)  # (B, Hk, L, D|Dv)
-    features = torch.cat([features, k_features.unsqueeze(2)], dim=2)  # (B, Hk, L, F)
-    scales = torch.cat([scales, scale], dim=2)  # (B, Hk, L)
-    hidden = scales == float("-inf")  # absent (padding) keys and sinks
-    seen_keys, seen_values = keys, values
-    if state.sinks:
-        seen_keys, seen_values = torch.cat([keys, sink_keys], dim=2), torch.cat([values, sink_values], dim=2)
-        hidden = torch.cat([hidden, empty], dim=2)
-    scores = torch.matmul(queries * scaling, seen_keys.transpose(-1, -2))  # (B, Hk, G, L + S)
-    scores = scores.masked_fill(hidden.unsqueeze(2), float("-inf"))
-    # the new key is visible (in the window or as a sink): every max is finite
-    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
-    window_numerator, window_denominator = weights @ seen_values, weights.sum(-1)  # (B,Hk,G,Dv), (B,Hk,G)
-    linear_numerator, linear_denominator = _read_linear_state(linear, q_features)
-    numerator = torch.lerp(linear_numerator, window_numerator, window_factor.unsqueeze(-1))
-    denominator = torch.lerp(linear_denominator, window_denominator, window_factor)  # (B, Hk, G)
-    new_state = HybridState(
-        linear=linear,
-        keys=keys,
-        values=values,
-        key_features=features,
-        key_log_scales=scales,
-        sink_keys=sink_keys,
-        sink_values=sink_values,
-        sink_count=count,
-        window=state.window,
-    )
-    return numerator / (denominator.unsqueeze(-1) + eps), new_state

@@ -68,6 +68,20 @@ class BatchedState:
     def nbytes(self) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in self._tensors())
 
+    def general_layout(self) -> Self:
+        """This state as every form reads it: the ring buffers of decoding steps (``dofla.ops.decode``), which
+        override this, put back in order (copies); a state without nested states is returned as it is."""
+        nested = {
+            item.name: getattr(self, item.name)
+            for item in fields(self)
+            if isinstance(getattr(self, item.name), BatchedState)
+        }
+        if not nested:
+            return self
+        updated = {item.name: getattr(self, item.name) for item in fields(self)}
+        updated.update({name: state.general_layout() for name, state in nested.items()})
+        return type(self)(**updated)
+
 
 @dataclass
 class LinearState(BatchedState):

@@ -1,0 +1,189 @@
+"""One layer's decode step in isolation: microseconds per step and aten operators per step, per cell.
+
+The step is what ``generate()`` runs in every converted layer for each new token: the student module's
+forward on one token's q, k, v with a cache layer holding the state (from a real chunked prefill of
+``--fill`` tokens), as the conversion hook hands it over. Shape (defaults): SmolLM2-135M's attention,
+B=1, H=9 query heads, Hkv=3 key/value heads, head size 64, F=64 features, float32, one thread.
+The machine may be busy: each timing is the median over ``--rounds`` rounds of ``--steps`` steps.
+
+``--against SRC`` compares with another checkout's ``src`` folder (e.g. an exported older commit): the two
+run in alternating subprocesses, ``--runs`` times each, and the table gives the medians of both.
+
+    python bench/bench_layer_step.py
+    python bench/bench_layer_step.py --cells "gla+window,gated_delta+window" --against /tmp/before/src
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+SOURCE = Path(__file__).resolve().parents[1] / "src"
+# name -> LayerPlan fields (kind hybrid: window 64 and the long-context recipes' 4 sinks)
+CELLS = {
+    "gla+window": dict(kind="hybrid", cell="gla", feature_map="hedgehog", sinks=4),
+    # bench_speed.py's gla+window row: the same cell on plan_for's default map
+    "gla+window/prf": dict(kind="hybrid", cell="gla", feature_map="learnable_prf", sinks=4),
+    "gated_delta+window": dict(kind="hybrid", cell="gated_delta", feature_map="projection", sinks=4),
+    "linear+window": dict(kind="hybrid", cell="linear", feature_map="hedgehog", sinks=0),
+    "gla": dict(kind="linear", cell="gla", feature_map="hedgehog"),
+    "window": dict(kind="hybrid", cell="window", feature_map="hedgehog", sinks=0),
+}
+DEFAULT_CELLS = ("gla+window", "gated_delta+window", "linear+window", "gla")
+
+
+def build_layer(name: str, args):
+    from dofla.cells import build_student
+    from dofla.config import LayerPlan
+
+    plan = LayerPlan(feature_dim=args.feature_dim, window=args.window, **CELLS[name])
+    student = build_student(
+        plan,
+        layer_index=0,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        scaling=args.head_dim**-0.5,
+    ).eval()
+    with torch.no_grad():  # trained-looking parameters, not the initial ones
+        generator = torch.Generator().manual_seed(0)
+        for parameter in student.parameters():
+            parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
+    return student
+
+
+def measure(name: str, args) -> dict:
+    """Median microseconds per step and aten operators per step of one cell's layer."""
+    from dofla.cache import RecurrentCacheLayer
+
+    student = build_layer(name, args)
+    generator = torch.Generator().manual_seed(1)
+
+    def draw(heads: int, length: int) -> torch.Tensor:
+        return torch.randn(1, heads, length, args.head_dim, generator=generator)
+
+    layer = RecurrentCacheLayer()
+    steps = [(draw(args.heads, 1), draw(args.kv_heads, 1), draw(args.kv_heads, 1)) for _ in range(args.steps)]
+
+    def run_steps() -> None:
+        for query, key, value in steps:
+            student.pending_cache_layer = layer
+            student(query, key, value)
+
+    with torch.no_grad():
+        student.pending_cache_layer = layer
+        student(draw(args.heads, args.fill), draw(args.kv_heads, args.fill), draw(args.kv_heads, args.fill))
+        prefilled = layer.state
+        run_steps()  # warm-up
+        times = []
+        for _ in range(args.rounds):
+            layer.state = prefilled
+            start = time.perf_counter()
+            run_steps()
+            times.append((time.perf_counter() - start) / args.steps)
+        layer.state = prefilled
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            run_steps()
+    calls = sum(event.count for event in profiler.key_averages() if event.key.startswith("aten::"))
+    return dict(cell=name, us=statistics.median(times) * 1e6, ops=calls / args.steps)
+
+
+def run_here(args) -> list[dict]:
+    torch.set_num_threads(args.threads)
+    return [measure(name, args) for name in args.cells]
+
+
+def run_in(source: str, args, argv: list[str]) -> list[dict]:
+    """This script in a subprocess with ``source`` first on the path; its rows."""
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([source, os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, __file__, *argv, "--json"]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def compare(args, argv: list[str]) -> str:
+    """Alternate runs of ``--against`` and this checkout; a markdown table of the medians."""
+    argv = [item for index, item in enumerate(argv) if not _is_against(argv, index)]
+    results = {"before": {}, "after": {}}
+    for _ in range(args.runs):
+        for side, source in (("before", args.against), ("after", str(SOURCE))):
+            for row in run_in(source, args, argv):
+                results[side].setdefault(row["cell"], []).append(row)
+    lines = [
+        f"machine: {platform.machine()}, torch {torch.__version__}, float32",
+        f"per-layer decode step, B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
+        f"F={args.feature_dim}, window {args.window}, after {args.fill} tokens, {args.threads} thread(s), "
+        f"median of {args.runs} alternating runs",
+        "",
+        "| cell | before µs | after µs | speed-up | before ops | after ops |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in args.cells:
+        before = statistics.median(row["us"] for row in results["before"][name])
+        after = statistics.median(row["us"] for row in results["after"][name])
+        ops = [results[side][name][0]["ops"] for side in ("before", "after")]
+        lines.append(
+            f"| {name} | {before:.0f} | {after:.0f} | {before / after:.2f}x | {ops[0]:.0f} | {ops[1]:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _is_against(argv: list[str], index: int) -> bool:
+    item = argv[index]
+    return item.startswith("--against") or (index > 0 and argv[index - 1] == "--against")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cells", default=",".join(DEFAULT_CELLS), help=f"cells: {', '.join(CELLS)}")
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--feature-dim", type=int, default=64)
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--fill", type=int, default=256, help="prefill tokens before the timed steps")
+    parser.add_argument("--steps", type=int, default=200, help="steps per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--against", default=None, help="another checkout's src folder to compare with")
+    parser.add_argument("--runs", type=int, default=3, help="alternating runs per side with --against")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    args.cells = [name.strip() for name in args.cells.split(",") if name.strip()]
+    unknown = [name for name in args.cells if name not in CELLS]
+    if unknown:
+        parser.error(f"unknown cell {unknown[0]!r}; known: {', '.join(CELLS)}")
+    if args.against:
+        print(compare(args, argv))
+        return 0
+    rows = run_here(args)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"command: {' '.join(['bench_layer_step.py', *argv])}")
+    print(f"machine: {platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), float32\n")
+    print(
+        f"per-layer decode step, B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
+        f"F={args.feature_dim}, window {args.window}, after {args.fill} tokens, median of {args.rounds} rounds\n"
+    )
+    print("| cell | µs per step | aten ops per step |\n|---|---:|---:|")
+    for row in rows:
+        print(f"| {row['cell']} | {row['us']:.1f} | {row['ops']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Decoding steps on ring buffers: one token of the window and hybrid ops in the fewest small operators.
+
+A decoding step's cost at batch 1 is its number of small operators, not its arithmetic. The general states
+(``WindowState``, ``HybridState``) keep the window's keys in order and grow or shift them with a copy per
+token; the decoding layout here keeps them in a fixed buffer of ``sinks + window`` slots instead: the sinks
+first, then the window as a ring where token t lives in slot ``sinks + t % window``. The softmax over the
+slots does not depend on their order, so a step writes the new key over the oldest one in place and reads
+every slot at once, hidden slots (empty, absent keys, sinks still held in the window) masked by an additive
+score bias of -inf.
+
+A step converts a general state on its first call (``ring_window``, ``ring_hybrid_state``); the general forms
+read a ring state back through ``BatchedState.general_layout`` (the cells call it before any other form).
+Ring buffers are updated in place when autograd is off (generation), so a ring state is consumed by the step
+it is given to: keep ``state.general_layout()`` (a copy) to reuse one. With autograd on, a step copies the
+buffers first, so its gradients are those of the general recurrent form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dofla.ops.state import BatchedState, HybridState, LinearState, WindowState
+
+NEGATIVE_INFINITY = float("-inf")
+
+
+def _ring_slots(ordered: Tensor, tokens: int, window: int, fill: float) -> Tensor:
+    """(B, Hk, L, ...) the last L = min(tokens, window) entries in order -> (B, Hk, window, ...) with token t's
+    entry in slot t % window and ``fill`` in the empty slots."""
+    length = ordered.shape[2]
+    padding = ordered.new_full((*ordered.shape[:2], window - length, *ordered.shape[3:]), fill)
+    return torch.cat([ordered, padding], dim=2).roll((tokens - length) % window, dims=2)
+
+
+def _ordered_slots(slots: Tensor, tokens: int, window: int) -> Tensor:
+    """The inverse of ``_ring_slots``: (B, Hk, window, ...) -> (B, Hk, L, ...) oldest first (a copy)."""
+    length = min(tokens, window)
+    return slots.roll(-((tokens - length) % window), dims=2)[:, :, :length].clone()
+
+
+def _visible_bias(visible: Tensor, dtype: torch.dtype) -> Tensor:
+    """visible (B, Hk, L) bool -> additive score bias (B, Hk, 1, L): 0 where visible, -inf elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
+        ~visible, NEGATIVE_INFINITY
+    )[:, :, None]
+
+
+@dataclass
+class RingWindow(BatchedState):
+    """The sliding window and sinks in the decoding layout (see the module docstring).
+
+    keys: (B, Hk, S + W, D), values: (B, Hk, S + W, Dv') with Dv' >= value_dim (the hybrid keeps a column
+    of ones after the values, whose softmax-weighted sum is the softmax's denominator); sink slots first.
+    bias: (B, Hk, 1, S + W) 0 for the keys the next query sees, -inf for hidden slots.
+    sink_count: (B, Hk) int64 filled sink slots; sinks_full: whether every row's are (no sink bookkeeping).
+    window: W; value_dim: Dv; num_tokens: tokens seen (present or not), so the next goes to slot
+    S + num_tokens % W; hidden_until: a window slot may be hidden only while num_tokens is below it (a
+    step's present key unhides its slot until then; afterwards every slot already holds one).
+    """
+
+    keys: Tensor
+    values: Tensor
+    bias: Tensor
+    sink_count: Tensor
+    window: int
+    value_dim: int
+    num_tokens: int
+    sinks_full: bool
+    hidden_until: int
+
+    @property
+    def sinks(self) -> int:
+        return self.keys.shape[2] - self.window
+
+    @property
+    def next_slot(self) -> int:
+        return self.sinks + self.num_tokens % self.window
+
+    def general_layout(self) -> WindowState:
+        """The ``WindowState`` this ring holds (copies)."""
+        sinks, tokens, window = self.sinks, self.num_tokens, self.window
+        present = _ordered_slots(self.bias[:, :, 0, sinks:] == 0, tokens, window)  # (B, Hk, L)
+        return WindowState(
+            keys=_ordered_slots(self.keys[:, :, sinks:], tokens, window),
+            values=_ordered_slots(self.values[:, :, sinks:, : self.value_dim], tokens, window),
+            key_present=present,
+            sink_keys=self.keys[:, :, :sinks].clone(),
+            sink_values=self.values[:, :, :sinks, : self.value_dim].clone(),
+            sink_count=self.sink_count.clone(),
+            window=window,
+            num_tokens=tokens,
+        )
+
+
+def ring_window(state: WindowState, tokens: int, *, ones_column: bool = False) -> RingWindow:
+    """A general window state that has seen ``tokens`` tokens in the decoding layout (new buffers, in the
+    state's key dtype); ``ones_column`` appends the column of ones to the values (the hybrid's)."""
+    window, sinks = state.window, state.sinks
+    dtype = state.keys.dtype
+    filled = torch.arange(sinks, device=state.keys.device) < state.sink_count[..., None]  # (B, Hk, S)
+    window_bias = _ring_slots(
+        _visible_bias(state.key_present, dtype)[:, :, 0], tokens, window, NEGATIVE_INFINITY
+    )
+    values = torch.cat([state.sink_values, _ring_slots(state.values, tokens, window, 0.0)], dim=2)
+    if ones_column:  # in every slot, empty ones included: a key written there later keeps it
+        values = F.pad(values, (0, 1), value=1.0)
+    return RingWindow(
+        keys=torch.cat([state.sink_keys, _ring_slots(state.keys, tokens, window, 0.0)], dim=2),
+        values=values,
+        bias=torch.cat([_visible_bias(filled, dtype)[:, :, 0], window_bias], dim=2)[:, :, None],
+        sink_count=state.sink_count.clone(),
+        window=window,
+        value_dim=state.values.shape[-1],
+        num_tokens=int(tokens),
+        sinks_full=bool((state.sink_count >= sinks).all()),
+        hidden_until=int(tokens) + window,  # empty slots, absent keys, sinks: all rewritten by then
+    )
+
+
+def _owned(state: BatchedState, buffer: Tensor) -> BatchedState:
+    """The state a step may update in place: itself without autograd (generation), else a copy (with
+    autograd, or when its buffers, ``buffer`` one of them, were made in inference mode and this is not)."""
+    made_in_inference = buffer.is_inference() and not torch.is_inference_mode_enabled()
+    return state._map(torch.clone) if torch.is_grad_enabled() or made_in_inference else state
+
+
+def write_key(ring: RingWindow, key: Tensor, value: Tensor) -> Tensor | None:
+    """Put one present key, key (B, Hk, D) and value (B, Hk, Dv), in the ring's next slot, in place, and
+    into the free sink slot while there is one. Returns is_sink (B, Hk) while sinks are still filling,
+    else None. Does not advance ``num_tokens`` (the caller does, once everything is written)."""
+    slot = ring.next_slot
+    ring.keys[:, :, slot] = key
+    ring.values[:, :, slot, : ring.value_dim] = value
+    if ring.sinks_full:
+        if ring.num_tokens < ring.hidden_until:  # the slot may have held a hidden key
+            ring.bias[:, :, 0, slot] = 0.0
+        return None
+    sinks, count = ring.sinks, ring.sink_count
+    fills = torch.arange(sinks, device=count.device) == count[..., None]  # (B, Hk, S): the slot it fills
+    sink_keys, sink_values = ring.keys[:, :, :sinks], ring.values[:, :, :sinks, : ring.value_dim]
+    sink_keys.copy_(torch.where(fills[..., None], key[:, :, None], sink_keys))
+    sink_values.copy_(torch.where(fills[..., None], value[:, :, None], sink_values))
+    ring.bias[:, :, 0, :sinks].masked_fill_(fills, 0.0)
+    is_sink = count < sinks  # (B, Hk): a sink is hidden in the window (the sink slot shows it)
+    ring.bias[:, :, 0, slot] = torch.zeros_like(ring.bias[:, :, 0, slot]).masked_fill(
+        is_sink, NEGATIVE_INFINITY
+    )
+    ring.sink_count = count + is_sink
+    ring.hidden_until = ring.num_tokens + ring.window + 1  # token num_tokens + W rewrites this slot
+    ring.sinks_full = bool((ring.sink_count >= sinks).all())
+    return is_sink
+
+
+def window_scores(ring: RingWindow, queries: Tensor, scaling: float) -> Tensor:
+    """queries (B, Hk, G, D) -> scaling * q.k + bias (B * Hk, G, S + W) over every slot, in one operator."""
+    keys = ring.keys.flatten(0, 1)  # (B * Hk, S + W, D)
+    return torch.baddbmm(ring.bias.flatten(0, 1), queries.flatten(0, 1), keys.transpose(1, 2), alpha=scaling)
+
+
+def ring_window_step(
+    ring: RingWindow, queries: Tensor, key: Tensor, value: Tensor, *, scaling: float
+) -> tuple[Tensor, RingWindow]:
+    """One present token of ``recurrent_window_attention`` (sinks included, no soft-capping): queries
+    (B, Hk, G, D), key (B, Hk, D), value (B, Hk, Dv), in the ring's dtype -> out (B, Hk, G, Dv) and the
+    ring after the token (the same buffers, updated in place without autograd)."""
+    ring = _owned(ring, ring.keys)
+    write_key(ring, key, value)
+    ring.num_tokens += 1
+    # one fused softmax over all slots; the new key is visible (in the window or as a sink)
+    out = F.scaled_dot_product_attention(queries, ring.keys, ring.values, attn_mask=ring.bias, scale=scaling)
+    return out, ring
+
+
+@dataclass
+class RingHybridState(BatchedState):
+    """``HybridState`` in the decoding layout: the window and sinks as a ``RingWindow`` (values with a column of
+    ones), the window slots' key features and log scales, and the linear sums of the keys that left.
+
+    sums: (B, Hk, F, Dv + 1) the linear state's kv with its normalizer as the last column (one product reads
+    both); log_offset: (B, Hk) as in ``LinearState``.
+    key_features: (B, Hk, W, F), key_log_scales: (B, Hk, W) of the window slots (-inf: empty, absent, sink).
+    """
+
+    ring: RingWindow
+    key_features: Tensor
+    key_log_scales: Tensor
+    sums: Tensor
+    log_offset: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ring.num_tokens
+
+    @property
+    def window(self) -> int:
+        return self.ring.window
+
+    @property
+    def sinks(self) -> int:
+        return self.ring.sinks
+
+    def general_layout(self) -> HybridState:
+        """The ``HybridState`` this holds (copies)."""
+        window_state, window = self.ring.general_layout(), self.ring.window
+        tokens = self.num_tokens
+        linear = LinearState(
+            kv=self.sums[..., :-1].clone(),
+            normalizer=self.sums[..., -1].clone(),
+            log_offset=self.log_offset.clone(),
+            num_tokens=max(0, tokens - window),
+        )
+        return HybridState(
+            linear=linear,
+            keys=window_state.keys,
+            values=window_state.values,
+            key_features=_ordered_slots(self.key_features, tokens, window),
+            key_log_scales=_ordered_slots(self.key_log_scales, tokens, window),
+            sink_keys=window_state.sink_keys,
+            sink_values=window_state.sink_values,
+            sink_count=window_state.sink_count,
+            window=window,
+        )
+
+
+def ring_hybrid_state(state: HybridState) -> RingHybridState:
+    """A general hybrid state in the decoding layout (new buffers)."""
+    tokens, window = state.num_tokens, state.window
+    linear = state.linear
+    return RingHybridState(
+        ring=ring_window(state.window_state(), tokens, ones_column=True),
+        key_features=_ring_slots(state.key_features, tokens, window, 0.0),
+        key_log_scales=_ring_slots(state.key_log_scales, tokens, window, NEGATIVE_INFINITY),
+        sums=torch.cat([linear.kv, linear.normalizer.unsqueeze(-1)], dim=-1),
+        log_offset=linear.log_offset.clone(),
+    )
+
+
+def _absorb_oldest_key(state: RingHybridState, source: RingHybridState) -> None:
+    """The key in the ring's next slot (the oldest, the window being full) joins the linear sums, in place:
+    ``update_linear_state`` on the (kv | normalizer) sums, its value's column of ones giving the normalizer.
+    The key is read from ``source``: ``state`` itself without autograd, else the state before its copy
+    (autograd keeps what it reads, and the new key overwrites the slot in ``state``)."""
+    slot = state.ring.next_slot
+    old = slot - state.ring.sinks
+    scale = source.key_log_scales[:, :, old]  # (B, Hk): -inf for sinks and absent keys
+    log_offset = torch.maximum(state.log_offset, scale)
+    # exp_relative of the old offset and of the key against the new one, sharing its clamp
+    finite_offset = log_offset.clamp_min(torch.finfo(log_offset.dtype).min)
+    decay = torch.exp(state.log_offset - finite_offset)  # (B, Hk) <= 1
+    weight = torch.exp(scale - finite_offset).unsqueeze(-1)  # (B, Hk, 1)
+    weighted_key = source.key_features[:, :, old] * weight  # (B, Hk, F)
+    value = source.ring.values[:, :, slot]  # (B, Hk, Dv + 1): its last column, 1, adds to the normalizer
+    state.sums.mul_(decay[..., None, None]).addcmul_(weighted_key.unsqueeze(-1), value.unsqueeze(-2))
+    state.log_offset = log_offset
+
+
+def hybrid_decode_step(
+    state: HybridState | RingHybridState,
+    queries: Tensor,
+    q_features: Tensor,
+    key: Tensor,
+    k_features: Tensor,
+    value: Tensor,
+    log_scale: Tensor,
+    window_factor: Tensor,
+    *,
+    scaling: float,
+    eps: float = 1e-6,
+) -> tuple[Tensor, RingHybridState]:
+    """One present token of ``recurrent_hybrid_attention`` (sinks included, no soft-capping) on the ring
+    layout: queries (B, Hk, G, D), q_features (B, Hk, G, F), key (B, Hk, D), k_features (B, Hk, F),
+    value (B, Hk, Dv), log_scale (B, Hk) finite, window_factor (Hk, G, 1); every tensor and the state's
+    buffers in one dtype -> out (B, Hk, G, Dv) and the state after the token (a general ``HybridState``
+    is converted first; a ring state's buffers are updated in place without autograd)."""
+    source = ring_hybrid_state(state) if isinstance(state, HybridState) else state
+    state = _owned(source, source.sums)
+    ring = state.ring
+    batch, heads, group, _ = queries.shape
+    if ring.num_tokens >= ring.window:  # the oldest key leaves the window and joins the linear sums
+        _absorb_oldest_key(state, source)
+    old = ring.next_slot - ring.sinks
+    is_sink = write_key(ring, key, value)
+    state.key_features[:, :, old] = k_features
+    if is_sink is None:
+        state.key_log_scales[:, :, old] = log_scale
+    else:  # a sink never reaches the linear state
+        state.key_log_scales[:, :, old] = log_scale.masked_fill(is_sink, NEGATIVE_INFINITY)
+    ring.num_tokens += 1
+
+    scores = window_scores(ring, queries, scaling)  # (B * Hk, G, S + W)
+    # the new key is visible (in the window or as a sink): every max is finite
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    # (B * Hk, G, Dv + 1): numerators, then denominators (the values' column of ones)
+    window_sums = torch.bmm(weights, ring.values.flatten(0, 1))
+    linear_sums = torch.bmm(q_features.flatten(0, 1), state.sums.flatten(0, 1))  # relative to the offset
+    sums = torch.lerp(
+        linear_sums.view(batch, heads, group, -1),
+        window_sums.view(batch, heads, group, -1),
+        window_factor,
+    )  # (B, Hk, G, Dv + 1)
+    return sums[..., :-1] / (sums[..., -1:] + eps), state
