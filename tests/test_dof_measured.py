@@ -137,3 +137,21 @@ def test_measure_and_plan_with_the_measured_allocation_on_a_tiny_model(tmp_path)
     assert all(layer.feature_dim == max(layer.head_feature_dims) for layer in headwise.layers)
     with pytest.raises(DoflaError, match="no per-head errors"):
         curves_of({0: [1.0, 0.5, 0.2], 1: [1.0, 0.5, 0.2]}).head_error(0, 0, 4)
+
+
+def test_measured_plan_records_its_predicted_gain_and_warns_when_it_is_small():
+    from dofla.dof.allocate import predicted_gain_over_fix
+
+    model = small_llama()  # 2 layers
+    steep = curves_of({0: [8.0, 4.0, 2.0], 1: [1.0, 1.0, 1.0]})
+    # fix at 8: 4 + 1; measured: layer 0 gets 12 (error 3 - ... by the fitted line), layer 1 the minimum 4
+    plan = dof.make_plan(model, budget=8, variant="measured", curves=steep)
+    dims = [layer.feature_dim for layer in plan.layers]
+    expected = 1 - (steep.error(0, dims[0]) + steep.error(1, dims[1])) / (steep.error(0, 8) + steep.error(1, 8))
+    assert plan.metadata["predicted_error_reduction_vs_fix"] == pytest.approx(expected)
+    assert expected > 0.1
+    assert predicted_gain_over_fix(steep, [8, 8], 8) == pytest.approx(0.0)
+    assert predicted_gain_over_fix(steep, [8, 0], 8) == pytest.approx(0.0)  # softmax layers are left out
+    flat = curves_of({0: [1.0, 0.99, 0.98], 1: [1.0, 0.99, 0.98]})
+    with pytest.warns(UserWarning, match="unlikely to beat fix"):
+        dof.make_plan(model, budget=8, variant="measured", curves=flat)

@@ -64,6 +64,11 @@ def test_frontier_runs_every_cell_once_and_writes_the_summary(tmp_path, monkeypa
     )
     assert [target["kind"] for target in summary["targets"]] == ["softmax layers"]
     assert "| measured-b4-k0 |" in (grid_dir / "frontier.md").read_text()
+    # the reference lines come from the fully converted cell; the K = 1 cells have their own baselines
+    assert rows["measured-b4-k0"]["window_layers"] is None
+    assert rows["measured-b4-k1-uniform"]["window_layers"] == [0]
+    assert frontier.reference_row(summary["rows"])["name"] == "measured-b4-k0"
+    assert "(every layer restricted)" in (grid_dir / "frontier.md").read_text()
     assert (grid_dir / "frontier.png").stat().st_size > 0 and (grid_dir / "curves.png").stat().st_size > 0
 
     def refuse(*args, **kwargs):
@@ -94,3 +99,12 @@ def test_frontier_refuses_k_that_leaves_nothing_to_convert(tmp_path):
     config = tiny_grid(tmp_path, softmax_counts=[2])
     with pytest.raises(DoflaError, match="K = 2 softmax layers leaves nothing to convert in a 2-layer"):
         run_frontier(config, progress=False)
+
+
+def test_the_reference_row_restricts_every_layer():
+    from dofla.frontier import _own_baseline, reference_row
+
+    kept = dict(name="k3", window_layers=[0, 2], window_perplexity={"window": 50.0, "window+sinks4": 12.5})
+    full = dict(name="k0", window_layers=None, window_perplexity={"window": 40.0, "window+sinks4": 13.0})
+    assert reference_row([kept, full])["name"] == "k0" and reference_row([kept])["name"] == "k3"
+    assert _own_baseline(kept) == "12.500" and _own_baseline(full) == ""

@@ -248,10 +248,26 @@ def _row(cell: GridCell, cell_dir: Path, length: int) -> dict | None:
         perplexity=models["student"]["perplexity"],
         teacher_perplexity=models["teacher"]["perplexity"],
         window_perplexity=window,
+        window_layers=result["long_context"].get("window_layers"),
         state_bytes=speed.get("cache_bytes_after_decode"),
         decode_tokens_per_second=speed.get("decode_tokens_per_second"),
         distill_tokens=result["distill_tokens"],
     )
+
+
+def reference_row(rows: list[dict]) -> dict:
+    """The row whose window baselines restrict every layer (a cell without softmax layers): the grid's
+    reference lines. A cell keeping softmax layers has its own baselines, restricting only the layers it
+    converted; with no other cell, the first row's are used."""
+    return next((row for row in rows if row.get("window_layers") is None), rows[0])
+
+
+def _own_baseline(row: dict) -> str:
+    """The cell's own window + sinks baseline when it differs from the reference (softmax layers kept)."""
+    if row.get("window_layers") is None or not row["window_perplexity"]:
+        return ""
+    name = max(row["window_perplexity"], key=lambda key: (key != "window", key))
+    return f"{row['window_perplexity'][name]:.3f}"
 
 
 def excess_removed(perplexity: float, baseline: float, teacher: float) -> float:
@@ -358,23 +374,27 @@ def markdown(summary: dict, length: int) -> str:
     if summary.get("data"):
         lines += [f"Data: {summary['data']}.", ""]
     if rows:
-        windows = ", ".join(f"{name} {value:.3f}" for name, value in rows[0]["window_perplexity"].items())
+        reference = reference_row(rows)
+        windows = ", ".join(f"{name} {value:.3f}" for name, value in reference["window_perplexity"].items())
+        every = "every layer restricted" if reference.get("window_layers") is None else "converted layers only"
         lines += [
-            f"Held-out perplexity at {length} tokens: teacher {rows[0]['teacher_perplexity']:.3f}; no-training "
-            f"window baselines {windows}.",
+            f"Held-out perplexity at {length} tokens: teacher {reference['teacher_perplexity']:.3f}; no-training "
+            f"window baselines ({every}) {windows}. A cell that keeps softmax layers also has its own window "
+            "baseline, restricting only the layers it converted (column `own window baseline`, with the most "
+            "sinks).",
             "",
         ]
     lines += [
-        f"| cell | allocation | budget | K | choice | softmax layers | perplexity @ {length} | state bytes | "
-        "decode tok/s | distill tokens | feature dims |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| cell | allocation | budget | K | choice | softmax layers | perplexity @ {length} | own window "
+        "baseline | state bytes | decode tok/s | distill tokens | feature dims |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['name']} | {row['allocation']} | {row['budget']} | {row['softmax_count']} | "
             f"{row['softmax_choice'] or ''} | {row['softmax_layers']} | {row['perplexity']:.3f} | "
-            f"{row['state_bytes'] or ''} | {_number(row['decode_tokens_per_second'], 1)} | {row['distill_tokens']} | "
-            f"{' '.join(str(d) for d in row['feature_dims'])} |"
+            f"{_own_baseline(row)} | {row['state_bytes'] or ''} | {_number(row['decode_tokens_per_second'], 1)} | "
+            f"{row['distill_tokens']} | {' '.join(str(d) for d in row['feature_dims'])} |"
         )
     if summary["targets"]:
         lines += ["", "## Targets", ""]
@@ -423,7 +443,7 @@ def plot(summary: dict, path: Path, length: int) -> Path:
         teacher_x = teacher_speed.get({"state_bytes": "cache_bytes_after_decode"}.get(key, key))
         if teacher_x is not None:
             axis.scatter([teacher_x], [rows[0]["teacher_perplexity"]], marker="*", s=120, color="black")
-        for name, value in rows[0]["window_perplexity"].items():
+        for name, value in reference_row(rows)["window_perplexity"].items():
             axis.axhline(value, color="grey", lw=1, ls="--", label=f"{name} (no training)")
         axis.set_xlabel(label)
         axis.set_ylabel(f"held-out perplexity at {length} tokens")
