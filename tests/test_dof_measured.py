@@ -147,7 +147,9 @@ def test_measured_plan_records_its_predicted_gain_and_warns_when_it_is_small():
     # fix at 8: 4 + 1; measured: layer 0 gets 12 (error 3 - ... by the fitted line), layer 1 the minimum 4
     plan = dof.make_plan(model, budget=8, variant="measured", curves=steep)
     dims = [layer.feature_dim for layer in plan.layers]
-    expected = 1 - (steep.error(0, dims[0]) + steep.error(1, dims[1])) / (steep.error(0, 8) + steep.error(1, 8))
+    expected = 1 - (steep.error(0, dims[0]) + steep.error(1, dims[1])) / (
+        steep.error(0, 8) + steep.error(1, 8)
+    )
     assert plan.metadata["predicted_error_reduction_vs_fix"] == pytest.approx(expected)
     assert expected > 0.1
     assert predicted_gain_over_fix(steep, [8, 8], 8) == pytest.approx(0.0)

@@ -376,7 +376,9 @@ def markdown(summary: dict, length: int) -> str:
     if rows:
         reference = reference_row(rows)
         windows = ", ".join(f"{name} {value:.3f}" for name, value in reference["window_perplexity"].items())
-        every = "every layer restricted" if reference.get("window_layers") is None else "converted layers only"
+        every = (
+            "every layer restricted" if reference.get("window_layers") is None else "converted layers only"
+        )
         lines += [
             f"Held-out perplexity at {length} tokens: teacher {reference['teacher_perplexity']:.3f}; no-training "
             f"window baselines ({every}) {windows}. A cell that keeps softmax layers also has its own window "
