@@ -108,3 +108,5 @@ def test_the_reference_row_restricts_every_layer():
     full = dict(name="k0", window_layers=None, window_perplexity={"window": 40.0, "window+sinks4": 13.0})
     assert reference_row([kept, full])["name"] == "k0" and reference_row([kept])["name"] == "k3"
     assert _own_baseline(kept) == "12.500" and _own_baseline(full) == ""
+    kept["window_perplexity"]["window+sinks10"] = 11.0  # the most sinks, not the last name in order
+    assert _own_baseline(kept) == "11.000"

@@ -262,11 +262,16 @@ def reference_row(rows: list[dict]) -> dict:
     return next((row for row in rows if row.get("window_layers") is None), rows[0])
 
 
+def _sink_count(name: str) -> int:
+    """``window`` -> 0, ``window+sinks4`` -> 4 (the window baselines' row names)."""
+    return int(name.removeprefix("window+sinks")) if name.startswith("window+sinks") else 0
+
+
 def _own_baseline(row: dict) -> str:
     """The cell's own window + sinks baseline when it differs from the reference (softmax layers kept)."""
     if row.get("window_layers") is None or not row["window_perplexity"]:
         return ""
-    name = max(row["window_perplexity"], key=lambda key: (key != "window", key))
+    name = max(row["window_perplexity"], key=_sink_count)
     return f"{row['window_perplexity'][name]:.3f}"
 
 
