@@ -207,13 +207,14 @@ def window_restricted(
     dispatch.install(model)
     modules = list(get_adapter(model).attention_modules(model))
     if layers is not None:
-        wrong = sorted({int(layer) for layer in layers} - set(range(len(modules))))
+        chosen = sorted({int(layer) for layer in layers})
+        wrong = [layer for layer in chosen if not 0 <= layer < len(modules)]
         if wrong:
             raise DoflaError(
                 f"layers {wrong} are not attention layers of this model (it has {len(modules)}, 0 to "
                 f"{len(modules) - 1}); pass indices in that range."
             )
-        modules = [modules[int(layer)] for layer in sorted({int(layer) for layer in layers})]
+        modules = [modules[layer] for layer in chosen]
     taken = [module for module in modules if getattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE, None)]
     if taken:
         raise DoflaError("this model is already inside window_restricted; leave that block first.")
