@@ -12,9 +12,12 @@ the teacher of the same run:
 - cache/state bytes, and peak resident memory above the loaded model during the row;
 - "linear 32/96": the linear cell with layers alternating 32 and 96 features (mean 64, as a DoF
   allocation), against "linear" (64 everywhere, the ``fix`` allocation) at the same mean dimension.
-A setting that does not fit in memory prints one line and the run goes on with the rest.
+A setting that does not fit in memory prints one line and the run goes on with the rest. Every row runs
+in its own process (``--isolate rows``, the default), which loads the model, warms up with one short
+prefill and measures that row alone, so no row's figure depends on the memory the rows before it left
+(``--isolate none``: all rows of a model in one process, faster, for smoke tests).
 
-    python bench/bench_speed.py                       # full run, about 15 min on the idle 2-core CPU
+    python bench/bench_speed.py                       # full run, about 15-20 min on the idle 2-core CPU
     python bench/bench_speed.py --quick               # 1k context, few steps: a check, not a measurement
     python bench/bench_speed.py --cells linear,window --contexts 1024,4096 --batches 1
 """
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,71 +101,114 @@ def fits(needed_bytes: int, what: str, log) -> bool:
     return True
 
 
-def measure_model(model, name: str, args, log) -> list[dict]:
-    """Every prefill and decode row of one model (teacher or converted student)."""
-    rows = []
+def row_settings(args) -> list[tuple[str, int, int]]:
+    """(phase, batch, context) of every row a model is measured at, in the order they run."""
+    prefill = [("prefill", 1, context) for context in args.contexts]
+    return prefill + [("decode", batch, context) for batch in args.batches for context in args.contexts]
+
+
+def measure_row(model, name: str, phase: str, batch: int, context: int, args, log) -> dict:
+    """One prefill or decode row of one model (teacher or converted student); a setting that does not fit
+    in memory gives a row with ``error="memory"`` and one line in the log."""
     is_teacher = name == TEACHER
-    time_prefill(model, 1, min(args.contexts), seed=1)  # warm-up (allocator, threads, lazy init)
-    for context in args.contexts:
-        what = f"{name} prefill {context}"
+    what = f"{name} {phase} batch {batch} context {context}"
+    base = dict(model=name, phase=phase, batch=batch, context=context)
+    if phase == "prefill":
         # the teacher's cache plus one layer's (T, T)-free SDPA work and the MLP activations: a loose bound
-        estimate = kv_cache_bytes(model, 1, context) * (2 if is_teacher else 0) + context * 200_000
-        if not fits(estimate, what, log):
-            rows.append(dict(model=name, phase="prefill", batch=1, context=context, error="memory"))
-            continue
-        try:
-            with PeakMemory() as peak:
-                result = time_prefill(model, 1, context)
-        except (RuntimeError, MemoryError) as error:
-            if not out_of_memory(error):
-                raise
-            log(f"  skipped {what}: out of memory ({str(error).splitlines()[0][:120]})")
-            rows.append(dict(model=name, phase="prefill", batch=1, context=context, error="memory"))
-            continue
-        rows.append(
-            dict(model=name, phase="prefill", batch=1, context=context, peak_bytes=peak.extra_bytes, **result)
+        estimate = (
+            kv_cache_bytes(model, batch, context) * (2 if is_teacher else 0) + batch * context * 200_000
         )
-        log(f"  {what}: {result['tokens_per_second']:.0f} tok/s ({result['seconds']:.1f} s)")
-        release_freed_memory()
-    for batch in args.batches:
-        for context in args.contexts:
-            what = f"{name} decode batch {batch} context {context}"
-            estimate = kv_cache_bytes(model, batch, context + 64) * (2 if is_teacher else 0)
-            if not fits(estimate, what, log):
-                rows.append(dict(model=name, phase="decode", batch=batch, context=context, error="memory"))
-                continue
-            try:
-                with PeakMemory() as peak:
-                    if is_teacher:
-                        cache = synthetic_kv_cache(model, batch, context)
-                    else:
-                        cache = student_cache_at(model, batch, context, fill_tokens=max(128, 2 * args.window))
-                    result = time_decode(
-                        model, cache, batch, steps=args.steps or None, target_seconds=args.seconds_per_row
-                    )
-                del cache
-            except (RuntimeError, MemoryError) as error:
-                if not out_of_memory(error):
-                    raise
-                log(f"  skipped {what}: out of memory ({str(error).splitlines()[0][:120]})")
-                rows.append(dict(model=name, phase="decode", batch=batch, context=context, error="memory"))
-                continue
-            release_freed_memory()
-            rows.append(
-                dict(
-                    model=name,
-                    phase="decode",
-                    batch=batch,
-                    context=context,
-                    peak_bytes=peak.extra_bytes,
-                    **result,
+    else:
+        estimate = kv_cache_bytes(model, batch, context + 64) * (2 if is_teacher else 0)
+    if not fits(estimate, what, log):
+        return dict(base, error="memory")
+    try:
+        with PeakMemory() as peak:
+            if phase == "prefill":
+                result = time_prefill(model, batch, context)
+            else:
+                if is_teacher:
+                    cache = synthetic_kv_cache(model, batch, context)
+                else:
+                    cache = student_cache_at(model, batch, context, fill_tokens=max(128, 2 * args.window))
+                result = time_decode(
+                    model, cache, batch, steps=args.steps or None, target_seconds=args.seconds_per_row
                 )
-            )
-            log(
-                f"  {what}: {result['tokens_per_second']:.1f} tok/s ({result['steps']} steps, "
-                f"{result['seconds_per_step'] * 1000:.0f} ms/step)"
-            )
+                del cache
+    except (RuntimeError, MemoryError) as error:
+        if not out_of_memory(error):
+            raise
+        log(f"  skipped {what}: out of memory ({str(error).splitlines()[0][:120]})")
+        return dict(base, error="memory")
+    release_freed_memory()
+    if phase == "prefill":
+        log(f"  {what}: {result['tokens_per_second']:.0f} tok/s ({result['seconds']:.1f} s)")
+    else:
+        log(
+            f"  {what}: {result['tokens_per_second']:.1f} tok/s ({result['steps']} steps, "
+            f"{result['seconds_per_step'] * 1000:.0f} ms/step)"
+        )
+    return dict(base, peak_bytes=peak.extra_bytes, **result)
+
+
+def warm_up(model, args) -> None:
+    """One short prefill before the first timed row (allocator, threads, lazy initialisation)."""
+    time_prefill(model, 1, min(args.contexts), seed=1)
+
+
+def prepared_model(model, name: str, args, log):
+    """The teacher as loaded, or the student ``name`` converted from it (undo with ``unconvert``)."""
+    if name == TEACHER:
+        log(f"{TEACHER}: softmax SDPA, DynamicCache")
+        return model
+    plan = student_plan(model, name, args.feature_dim, args.window)
+    convert(model, plan)
+    log(f"{name}: {plan.layers[0].cell} cell, kind {plan.layers[0].kind}")
+    return model
+
+
+def measure_in_process(model, name: str, args, log) -> list[dict]:
+    """Every row of one model in this process, one after the other (``--isolate none``)."""
+    prepared_model(model, name, args, log)
+    try:
+        warm_up(model, args)
+        return [measure_row(model, name, *setting, args, log) for setting in row_settings(args)]
+    finally:
+        if name != TEACHER:
+            unconvert(model)
+
+
+ROW_FLAG = "--row"
+
+
+def measure_isolated(name: str, args, log) -> list[dict]:
+    """Every row of one model, each in a fresh Python process that loads the model, warms up and measures
+    that row alone: no row inherits the memory another row left behind (a teacher's decode after its 16k
+    prefill was measured at a third of its speed alone). A process that dies (e.g. killed by the kernel
+    for memory) gives a row with ``error="memory"`` and the run goes on."""
+    rows = []
+    for phase, batch, context in row_settings(args):
+        spec = json.dumps(dict(model=name, phase=phase, batch=batch, context=context))
+        command = [sys.executable, str(Path(__file__).resolve()), *args.argv, ROW_FLAG, spec]
+        completed = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+        base = dict(model=name, phase=phase, batch=batch, context=context)
+        if completed.returncode != 0:
+            reason = "killed" if completed.returncode < 0 else f"exit status {completed.returncode}"
+            log(f"  skipped {name} {phase} batch {batch} context {context}: its process stopped ({reason})")
+            rows.append(dict(base, error="memory" if completed.returncode < 0 else "failed"))
+            continue
+        rows.append(json.loads(completed.stdout.strip().splitlines()[-1]))
     return rows
+
+
+def run_one_row(model, spec: str, args, log) -> int:
+    """The child side of ``measure_isolated``: measure the row ``spec`` and print it as one JSON line."""
+    row = json.loads(spec)
+    prepared_model(model, row["model"], args, log)
+    warm_up(model, args)
+    result = measure_row(model, row["model"], row["phase"], row["batch"], row["context"], args, log)
+    print(json.dumps(dict(result, process=os.getpid())))
+    return 0
 
 
 def _row(rows, model, phase, batch, context):
@@ -175,6 +222,13 @@ def _ratio(row, teacher, key):
     if row is None or teacher is None or key not in row or key not in teacher:
         return "-"
     return f"{row[key] / teacher[key]:.2f}x"
+
+
+def _missing(row) -> str:
+    """What a table shows for a row without a figure."""
+    if row is None:
+        return "-"
+    return "failed" if row.get("error") == "failed" else "does not fit"
 
 
 def _mib(value) -> str:
@@ -194,7 +248,7 @@ def tables(rows: list[dict], models: list[str], args) -> str:
                 _row(rows, TEACHER, "prefill", 1, context),
             )
             if row is None or "tokens_per_second" not in row:
-                cells += ["does not fit" if row else "-", "-"]
+                cells += [_missing(row), "-"]
             else:
                 cells += [f"{row['tokens_per_second']:.0f}", _ratio(row, teacher, "tokens_per_second")]
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
@@ -207,7 +261,7 @@ def tables(rows: list[dict], models: list[str], args) -> str:
                 row = _row(rows, model, "decode", batch, context)
                 teacher = _row(rows, TEACHER, "decode", batch, context)
                 if row is None or "tokens_per_second" not in row:
-                    cells += ["does not fit" if row else "-", "-"]
+                    cells += [_missing(row), "-"]
                 else:
                     cells += [f"{row['tokens_per_second']:.1f}", _ratio(row, teacher, "tokens_per_second")]
             lines.append(f"| {model} | " + " | ".join(cells) + " |")
@@ -324,7 +378,16 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="1k context only, batch 1 and 2, 2 decode steps")
     parser.add_argument("--out", default=str(HERE / "results"), help="folder for speed.json and the plot")
     parser.add_argument("--plot", default=str(REPOSITORY / "docs" / "results" / "speed" / "speed.png"))
+    parser.add_argument(
+        "--isolate",
+        choices=("rows", "none"),
+        default="rows",
+        help="rows: every row in its own process (default); none: all rows of a model in this process",
+    )
+    parser.add_argument(ROW_FLAG, default=None, help=argparse.SUPPRESS)  # internal: one row, printed as JSON
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     if args.quick:
         args.contexts, args.batches, args.steps = "1024", "1,2", 2
     args.contexts = [int(c) for c in str(args.contexts).split(",")]
@@ -341,22 +404,21 @@ def main(argv=None) -> int:
     def log(message: str) -> None:
         print(f"[{time.time() - started:6.0f} s] {message}", file=sys.stderr, flush=True)
 
+    if args.row is not None:
+        return run_one_row(build_model(args), args.row, args, log)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    model = build_model(args)
-    rows = []
-    log(f"{TEACHER}: softmax SDPA, DynamicCache")
-    rows += measure_model(model, TEACHER, args, log)
-    for name in names:
-        plan = student_plan(model, name, args.feature_dim, args.window)
-        convert(model, plan)
-        log(f"{name}: {plan.layers[0].cell} cell, kind {plan.layers[0].kind}")
-        try:
-            rows += measure_model(model, name, args, log)
-        finally:
-            unconvert(model)
-        release_freed_memory(collect=not args.tiny)  # a tiny model leaves nothing worth 0.5 s of collection
-
     models = [TEACHER, *names]
+    rows = []
+    if args.isolate == "rows":
+        for name in models:
+            rows += measure_isolated(name, args, log)
+    else:
+        model = build_model(args)
+        for name in models:
+            rows += measure_in_process(model, name, args, log)
+            release_freed_memory(
+                collect=not args.tiny
+            )  # a tiny model leaves nothing worth 0.5 s of collection
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot_path = Path(args.plot)
@@ -364,7 +426,7 @@ def main(argv=None) -> int:
     plot(rows, models, args, plot_path)
     (out / "speed.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str))
 
-    print(f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
+    print(f"command: {' '.join([Path(__file__).name, *args.argv])}")
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads, float32; load average before the run: {load}; "
@@ -375,10 +437,15 @@ def main(argv=None) -> int:
         f"window {args.window}; teacher decode from a synthetic (random) KV cache of the context length; "
         f"student decode from a real prefill of {max(128, 2 * args.window)} tokens with the token count set to "
         f"the context (state size and step work do not depend on it); decode: "
-        f"{args.steps or 'timed'} steps after 1 warm-up step; plot: {plot_path.name}\n"
+        f"{args.steps or 'timed'} steps after 1 warm-up step; "
+        f"{'every row in its own process' if args.isolate == 'rows' else 'all rows of a model in one process'}; "
+        f"plot: {plot_path.name}\n"
     )
     print(tables(rows, models, args))
-    return 0
+    failed = [row for row in rows if row.get("error") == "failed"]
+    if failed:
+        print(f"{len(failed)} rows failed (their errors are above)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -114,6 +116,7 @@ def test_bench_speed_runs_every_cell_on_a_tiny_model_and_skips_what_does_not_fit
 ):
     bench = bench_script("bench_speed")
     arguments = ["--tiny", "--contexts", "32,64", "--batches", "1,2", "--steps", "1", "--window", "8"]
+    arguments += ["--isolate", "none"]
     arguments += [
         "--cells",
         ",".join(bench.STUDENTS),
@@ -147,14 +150,52 @@ def test_bench_speed_runs_every_cell_on_a_tiny_model_and_skips_what_does_not_fit
     assert (
         bench.main(
             ["--tiny", "--contexts", "32", "--batches", "1", "--steps", "1", "--cells", "linear"]
-            + ["--out", str(tmp_path), "--plot", str(tmp_path / "t.png")]
+            + ["--isolate", "none", "--out", str(tmp_path), "--plot", str(tmp_path / "t.png")]
         )
         == 0
     )
     captured = capsys.readouterr()
-    assert "skipped teacher prefill 32: needs about" in captured.err
+    assert "skipped teacher prefill batch 1 context 32: needs about" in captured.err
     assert "does not fit" in captured.out
     assert "linear decode batch 1 context 32" in captured.err  # a student's row still ran
+
+
+def test_bench_speed_measures_every_row_in_its_own_process(tmp_path, capsys):
+    bench = bench_script("bench_speed")
+    arguments = ["--tiny", "--contexts", "32", "--batches", "2", "--steps", "1", "--window", "8"]
+    arguments += ["--cells", "linear", "--out", str(tmp_path), "--plot", str(tmp_path / "s.png")]
+    assert bench.main(arguments) == 0
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    assert [(r["model"], r["phase"], r["batch"]) for r in rows] == [
+        ("teacher", "prefill", 1),
+        ("teacher", "decode", 2),
+        ("linear", "prefill", 1),
+        ("linear", "decode", 2),
+    ]
+    processes = {row["process"] for row in rows}
+    assert len(processes) == 4 and os.getpid() not in processes
+    assert all(row["tokens_per_second"] > 0 for row in rows)
+    assert "every row in its own process" in capsys.readouterr().out
+
+
+def test_bench_speed_goes_on_when_a_row_process_fails_or_is_killed(tmp_path, capsys, monkeypatch):
+    bench = bench_script("bench_speed")
+    statuses = iter([0, 1, -9, 0])  # teacher prefill, teacher decode, linear prefill, linear decode
+
+    def fake_run(command, **_):
+        row = json.loads(command[command.index(bench.ROW_FLAG) + 1])
+        row.update(tokens_per_second=1.0, cache_bytes=1)
+        return subprocess.CompletedProcess(command, next(statuses), stdout=json.dumps(row) + "\n")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    arguments = ["--tiny", "--contexts", "32", "--batches", "2", "--cells", "linear"]
+    assert bench.main([*arguments, "--out", str(tmp_path), "--plot", str(tmp_path / "s.png")]) == 1
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    assert [row.get("error") for row in rows] == [None, "failed", "memory", None]
+    captured = capsys.readouterr()
+    assert "skipped teacher decode batch 2 context 32: its process stopped (exit status 1)" in captured.err
+    assert "skipped linear prefill batch 1 context 32: its process stopped (killed)" in captured.err
+    assert "| linear | does not fit | - |" in captured.out and "| teacher | failed | - |" in captured.out
 
 
 def test_profile_decode_prints_top_operators_per_model(capsys, one_thread):
