@@ -103,8 +103,22 @@ def fits(needed_bytes: int, what: str, log) -> bool:
 
 def row_settings(args) -> list[tuple[str, int, int]]:
     """(phase, batch, context) of every row a model is measured at, in the order they run."""
-    prefill = [("prefill", 1, context) for context in args.contexts]
+    prefill = [(phase, 1, context) for phase in prefill_phases(args) for context in args.contexts]
     return prefill + [("decode", batch, context) for batch in args.batches for context in args.contexts]
+
+
+def prefill_phase(chunk: int) -> str:
+    """A prefill row's phase: "prefill" (one forward) or "prefill/N" (the prompt in pieces of N tokens)."""
+    return f"prefill/{chunk}" if chunk else "prefill"
+
+
+def prefill_phases(args) -> list[str]:
+    return [prefill_phase(chunk) for chunk in args.prefill_chunks]
+
+
+def phase_chunk(phase: str) -> int | None:
+    """The piece size of a prefill phase (None: one forward)."""
+    return int(phase.split("/")[1]) if "/" in phase else None
 
 
 def measure_row(model, name: str, phase: str, batch: int, context: int, args, log) -> dict:
@@ -113,7 +127,7 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
     is_teacher = name == TEACHER
     what = f"{name} {phase} batch {batch} context {context}"
     base = dict(model=name, phase=phase, batch=batch, context=context)
-    if phase == "prefill":
+    if phase.startswith("prefill"):
         # the teacher's cache plus one layer's (T, T)-free SDPA work and the MLP activations: a loose bound
         estimate = (
             kv_cache_bytes(model, batch, context) * (2 if is_teacher else 0) + batch * context * 200_000
@@ -124,8 +138,8 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
         return dict(base, error="memory")
     try:
         with PeakMemory() as peak:
-            if phase == "prefill":
-                result = time_prefill(model, batch, context)
+            if phase.startswith("prefill"):
+                result = time_prefill(model, batch, context, chunk_size=phase_chunk(phase))
             else:
                 if is_teacher:
                     cache = synthetic_kv_cache(model, batch, context)
@@ -141,7 +155,7 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
         log(f"  skipped {what}: out of memory ({str(error).splitlines()[0][:120]})")
         return dict(base, error="memory")
     release_freed_memory()
-    if phase == "prefill":
+    if phase.startswith("prefill"):
         log(f"  {what}: {result['tokens_per_second']:.0f} tok/s ({result['seconds']:.1f} s)")
     else:
         log(
@@ -235,23 +249,62 @@ def _mib(value) -> str:
     return "-" if value is None else f"{value / MIB:,.2f}"
 
 
-def tables(rows: list[dict], models: list[str], args) -> str:
-    """The markdown tables: prefill, decode (per batch), memory, and the non-uniform vs fix comparison."""
-    lines = ["### Prefill (batch 1): tokens/s and ratio to the teacher", ""]
-    header = "| model | " + " | ".join(f"{c} tok/s | ratio" for c in args.contexts) + " |"
-    lines += [header, "|---|" + "---:|---:|" * len(args.contexts)]
+def phase_title(phase: str) -> str:
+    chunk = phase_chunk(phase)
+    return "Prefill, one forward" if chunk is None else f"Prefill in pieces of {chunk} tokens"
+
+
+def _best_prefill_table(rows, models, args) -> list[str]:
+    """Each model's faster prefill (one forward or pieces) against the teacher's faster one."""
+    lines = ["### Prefill (batch 1): each model's faster way against the teacher's faster way", ""]
+    lines += ["| model | " + " | ".join(f"{c} tok/s | way | ratio" for c in args.contexts) + " |"]
+    lines.append("|---|" + "---:|---|---:|" * len(args.contexts))
+
+    def best(model, context):
+        found = [_row(rows, model, phase, 1, context) for phase in prefill_phases(args)]
+        found = [row for row in found if row is not None and "tokens_per_second" in row]
+        return max(found, key=lambda row: row["tokens_per_second"], default=None)
+
     for model in models:
         cells = []
         for context in args.contexts:
-            row, teacher = (
-                _row(rows, model, "prefill", 1, context),
-                _row(rows, TEACHER, "prefill", 1, context),
-            )
-            if row is None or "tokens_per_second" not in row:
-                cells += [_missing(row), "-"]
+            row, teacher = best(model, context), best(TEACHER, context)
+            if row is None:
+                cells += ["-", "-", "-"]
             else:
-                cells += [f"{row['tokens_per_second']:.0f}", _ratio(row, teacher, "tokens_per_second")]
+                way = (
+                    "one forward"
+                    if phase_chunk(row["phase"]) is None
+                    else f"pieces of {phase_chunk(row['phase'])}"
+                )
+                cells += [f"{row['tokens_per_second']:.0f}", way, _ratio(row, teacher, "tokens_per_second")]
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def tables(rows: list[dict], models: list[str], args) -> str:
+    """The markdown tables: prefill, decode (per batch), memory, and the non-uniform vs fix comparison."""
+    header = "| model | " + " | ".join(f"{c} tok/s | ratio" for c in args.contexts) + " |"
+    lines = []
+    for phase in prefill_phases(args):
+        lines += [
+            f"### {phase_title(phase)} (batch 1): tokens/s and ratio to the teacher's same prefill",
+            "",
+        ]
+        lines += [header, "|---|" + "---:|---:|" * len(args.contexts)]
+        for model in models:
+            cells = []
+            for context in args.contexts:
+                row, teacher = _row(rows, model, phase, 1, context), _row(rows, TEACHER, phase, 1, context)
+                if row is None or "tokens_per_second" not in row:
+                    cells += [_missing(row), "-"]
+                else:
+                    cells += [f"{row['tokens_per_second']:.0f}", _ratio(row, teacher, "tokens_per_second")]
+            lines.append(f"| {model} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if len(args.prefill_chunks) > 1:
+        lines += _best_prefill_table(rows, models, args)
+    lines = lines[:-1]
     for batch in args.batches:
         lines += ["", f"### Decode, batch {batch}: tokens/s (all rows together) and ratio to the teacher", ""]
         lines += [header, "|---|" + "---:|---:|" * len(args.contexts)]
@@ -269,7 +322,9 @@ def tables(rows: list[dict], models: list[str], args) -> str:
     memory = [
         ("decode", big, "cache_bytes", f"decode batch {big}: cache/state MiB (teacher's ÷ student's)"),
         ("decode", big, "peak_bytes", f"decode batch {big}: peak MiB above the loaded model"),
-        ("prefill", 1, "peak_bytes", "prefill batch 1: peak MiB above the loaded model"),
+    ] + [
+        (phase, 1, "peak_bytes", f"{phase_title(phase).lower()} batch 1: peak MiB above the loaded model")
+        for phase in prefill_phases(args)
     ]
     for phase, batch, key, title in memory:
         lines += ["", f"### {title}", "", "| model | " + " | ".join(str(c) for c in args.contexts) + " |"]
@@ -288,7 +343,7 @@ def tables(rows: list[dict], models: list[str], args) -> str:
                 else:
                     cells.append(_mib(row[key]))
             lines.append(f"| {model} | " + " | ".join(cells) + " |")
-    settings = [("prefill", 1, c) for c in args.contexts] + [
+    settings = [(phase, 1, c) for phase in prefill_phases(args) for c in args.contexts] + [
         ("decode", b, c) for b in args.batches for c in args.contexts
     ]
     if "linear" in models and "linear 32/96" in models:
@@ -318,7 +373,7 @@ def plot(rows: list[dict], models: list[str], args, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("prefill", 1, "tokens_per_second", "prefill tok/s (B=1)")]
+    panels = [(phase, 1, "tokens_per_second", f"{phase} tok/s (B=1)") for phase in prefill_phases(args)]
     panels += [("decode", b, "tokens_per_second", f"decode tok/s (B={b})") for b in args.batches]
     panels += [
         ("decode", max(args.batches), "cache_bytes", f"cache/state MiB (decode, B={max(args.batches)})")
@@ -374,6 +429,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--seconds-per-row", type=float, default=4.0, help="decode time per row with --steps 0"
     )
+    parser.add_argument(
+        "--prefill-chunks",
+        default="0,2048",
+        help="comma-separated prefill ways: 0 = one forward, N = the prompt in pieces of N tokens (as "
+        "generate(prefill_chunk_size=N)); each model is measured every way",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="1k context only, batch 1 and 2, 2 decode steps")
     parser.add_argument("--out", default=str(HERE / "results"), help="folder for speed.json and the plot")
@@ -389,9 +450,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     if args.quick:
-        args.contexts, args.batches, args.steps = "1024", "1,2", 2
+        args.contexts, args.batches, args.steps, args.prefill_chunks = "1024", "1,2", 2, "0"
     args.contexts = [int(c) for c in str(args.contexts).split(",")]
     args.batches = [int(b) for b in str(args.batches).split(",")]
+    args.prefill_chunks = [int(c) for c in str(args.prefill_chunks).split(",")]
     names = [name.strip() for name in args.cells.split(",") if name.strip()]
     unknown = [name for name in names if name not in STUDENTS]
     if unknown:

@@ -153,3 +153,31 @@ def test_passkey_answer_ends_with_five_digits_or_the_end_of_a_number():
     assert _answer_is_out(tokenizer, ids(" 12."))
     assert not _answer_is_out(tokenizer, ids(" 1234"))
     assert not _answer_is_out(tokenizer, ids(" the"))
+
+
+@pytest.mark.parametrize(
+    "kind, cell, sinks", [(None, None, 0), ("linear", "gla", 0), ("hybrid", "gated_delta", 2)]
+)
+def test_prefill_in_pieces_equals_one_forward(kind, cell, sinks):
+    from transformers import DynamicCache
+
+    from dofla.convert import convert, plan_for
+    from dofla.evaluation.speed import cache_bytes, prefill
+
+    torch.manual_seed(0)
+    model = small_llama().eval()
+    if kind is not None:
+        convert(model, plan_for(model, feature_dim=8, window=4, kind=kind, cell=cell, sinks=sinks))
+    ids = torch.randint(0, model.config.vocab_size, (2, 23))
+    whole, pieces = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    expected = prefill(model, ids, whole)
+    with torch.no_grad():
+        assert torch.allclose(expected, model(ids).logits[:, -1], atol=1e-5)
+    torch.testing.assert_close(prefill(model, ids, pieces, chunk_size=5), expected, atol=1e-5, rtol=1e-5)
+    assert cache_bytes(pieces) == cache_bytes(whole) and pieces.get_seq_length() == 23
+    # the next token continues both caches alike
+    token = expected.argmax(-1, keepdim=True)
+    with torch.no_grad():
+        after_whole = model(input_ids=token, past_key_values=whole, use_cache=True).logits[:, -1]
+        after_pieces = model(input_ids=token, past_key_values=pieces, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(after_pieces, after_whole, atol=1e-5, rtol=1e-5)

@@ -116,7 +116,7 @@ def test_bench_speed_runs_every_cell_on_a_tiny_model_and_skips_what_does_not_fit
 ):
     bench = bench_script("bench_speed")
     arguments = ["--tiny", "--contexts", "32,64", "--batches", "1,2", "--steps", "1", "--window", "8"]
-    arguments += ["--isolate", "none"]
+    arguments += ["--isolate", "none", "--prefill-chunks", "0,16"]
     arguments += [
         "--cells",
         ",".join(bench.STUDENTS),
@@ -130,7 +130,8 @@ def test_bench_speed_runs_every_cell_on_a_tiny_model_and_skips_what_does_not_fit
     rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
     models = ["teacher", *bench.STUDENTS]
     assert {row["model"] for row in rows} == set(models)
-    assert len(rows) == len(models) * (2 + 2 * 2)  # prefill at 2 contexts, decode at 2 batches x 2 contexts
+    # prefill two ways at 2 contexts, decode at 2 batches x 2 contexts
+    assert len(rows) == len(models) * (2 * 2 + 2 * 2)
     assert all(row["tokens_per_second"] > 0 and row["cache_bytes"] > 0 for row in rows)
     teacher = {
         (r["phase"], r["batch"], r["context"]): r["cache_bytes"] for r in rows if r["model"] == "teacher"
@@ -139,11 +140,15 @@ def test_bench_speed_runs_every_cell_on_a_tiny_model_and_skips_what_does_not_fit
         (r["phase"], r["batch"], r["context"]): r["cache_bytes"] for r in rows if r["model"] == "linear"
     }
     assert linear[("decode", 2, 32)] == linear[("decode", 2, 64)]  # the state does not grow with the context
+    # a prefill in pieces leaves the same cache as one forward
+    assert linear[("prefill/16", 1, 64)] == linear[("prefill", 1, 64)]
+    assert teacher[("prefill/16", 1, 64)] == teacher[("prefill", 1, 64)]
     assert teacher[("decode", 2, 64)] > teacher[("decode", 2, 32)]
     assert (tmp_path / "s.png").stat().st_size > 0
     for model in models:
         assert f"| {model} |" in printed
     assert "32/96 ÷ fix" in printed
+    assert "Prefill in pieces of 16 tokens" in printed and "each model's faster way" in printed
 
     # A setting that does not fit: one line for that row, the run goes on and still prints its tables.
     monkeypatch.setattr(bench, "available_memory_bytes", lambda: 1)
@@ -163,7 +168,16 @@ def test_bench_speed_runs_every_cell_on_a_tiny_model_and_skips_what_does_not_fit
 def test_bench_speed_measures_every_row_in_its_own_process(tmp_path, capsys):
     bench = bench_script("bench_speed")
     arguments = ["--tiny", "--contexts", "32", "--batches", "2", "--steps", "1", "--window", "8"]
-    arguments += ["--cells", "linear", "--out", str(tmp_path), "--plot", str(tmp_path / "s.png")]
+    arguments += [
+        "--prefill-chunks",
+        "0",
+        "--cells",
+        "linear",
+        "--out",
+        str(tmp_path),
+        "--plot",
+        str(tmp_path / "s.png"),
+    ]
     assert bench.main(arguments) == 0
     rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
     assert [(r["model"], r["phase"], r["batch"]) for r in rows] == [
@@ -188,7 +202,7 @@ def test_bench_speed_goes_on_when_a_row_process_fails_or_is_killed(tmp_path, cap
         return subprocess.CompletedProcess(command, next(statuses), stdout=json.dumps(row) + "\n")
 
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
-    arguments = ["--tiny", "--contexts", "32", "--batches", "2", "--cells", "linear"]
+    arguments = ["--tiny", "--contexts", "32", "--batches", "2", "--prefill-chunks", "0", "--cells", "linear"]
     assert bench.main([*arguments, "--out", str(tmp_path), "--plot", str(tmp_path / "s.png")]) == 1
     rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
     assert [row.get("error") for row in rows] == [None, "failed", "memory", None]

@@ -224,8 +224,27 @@ def _keep_last(model) -> dict:
 
 
 @torch.no_grad()
-def time_prefill(model, batch_size: int, context: int, seed: int = 0) -> dict[str, float]:
-    """One prefill of ``context`` random tokens: seconds, tokens/s and the cache bytes it leaves."""
+def prefill(model, input_ids: torch.Tensor, cache, chunk_size: int | None = None) -> torch.Tensor:
+    """Run ``input_ids`` (B, T) into ``cache`` and return the last position's logits (B, vocab).
+
+    ``chunk_size``: feed the prompt in pieces of that many tokens, each continuing the cache (as
+    ``generate(..., prefill_chunk_size=N)`` does); a converted model's activations then stay those of one
+    piece whatever the prompt length, and its result equals one forward up to rounding.
+    """
+    step = input_ids.shape[1] if not chunk_size else int(chunk_size)
+    logits = None
+    for start in range(0, input_ids.shape[1], step):
+        piece = input_ids[:, start : start + step]
+        logits = model(input_ids=piece, past_key_values=cache, use_cache=True, **_keep_last(model)).logits
+    return logits[:, -1]
+
+
+@torch.no_grad()
+def time_prefill(
+    model, batch_size: int, context: int, seed: int = 0, chunk_size: int | None = None
+) -> dict[str, float]:
+    """One prefill of ``context`` random tokens (in pieces of ``chunk_size``, see :func:`prefill`): seconds,
+    tokens/s and the cache bytes it leaves."""
     device = next(model.parameters()).device
     vocab = int(model.config.get_text_config().vocab_size)
     generator = torch.Generator().manual_seed(seed)
@@ -233,7 +252,7 @@ def time_prefill(model, batch_size: int, context: int, seed: int = 0) -> dict[st
     cache = DynamicCache(config=model.config)
     _synchronize(device)
     start = time.perf_counter()
-    model(input_ids=prompt, past_key_values=cache, use_cache=True, **_keep_last(model))
+    prefill(model, prompt, cache, chunk_size)
     _synchronize(device)
     seconds = time.perf_counter() - start
     return {
