@@ -103,7 +103,12 @@ def fits(needed_bytes: int, what: str, log) -> bool:
 
 def row_settings(args) -> list[tuple[str, int, int]]:
     """(phase, batch, context) of every row a model is measured at, in the order they run."""
-    prefill = [(phase, 1, context) for phase in prefill_phases(args) for context in args.contexts]
+    prefill = [
+        (phase, 1, context)
+        for phase in prefill_phases(args)
+        for context in args.contexts
+        if (phase_chunk(phase) or 0) < context  # a prompt of one piece is the one-forward row
+    ]
     return prefill + [("decode", batch, context) for batch in args.batches for context in args.contexts]
 
 

@@ -116,7 +116,7 @@ def test_bench_speed_runs_every_cell_on_a_tiny_model_and_skips_what_does_not_fit
 ):
     bench = bench_script("bench_speed")
     arguments = ["--tiny", "--contexts", "32,64", "--batches", "1,2", "--steps", "1", "--window", "8"]
-    arguments += ["--isolate", "none", "--prefill-chunks", "0,16"]
+    arguments += ["--isolate", "none", "--prefill-chunks", "0,16,32"]
     arguments += [
         "--cells",
         ",".join(bench.STUDENTS),
@@ -130,8 +130,9 @@ def test_bench_speed_runs_every_cell_on_a_tiny_model_and_skips_what_does_not_fit
     rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
     models = ["teacher", *bench.STUDENTS]
     assert {row["model"] for row in rows} == set(models)
-    # prefill two ways at 2 contexts, decode at 2 batches x 2 contexts
-    assert len(rows) == len(models) * (2 * 2 + 2 * 2)
+    # prefill one forward and in pieces of 16 at 2 contexts, in pieces of 32 only at 64 (at 32 it is one
+    # piece: the one-forward row), decode at 2 batches x 2 contexts
+    assert len(rows) == len(models) * (2 * 2 + 1 + 2 * 2)
     assert all(row["tokens_per_second"] > 0 and row["cache_bytes"] > 0 for row in rows)
     teacher = {
         (r["phase"], r["batch"], r["context"]): r["cache_bytes"] for r in rows if r["model"] == "teacher"
