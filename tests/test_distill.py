@@ -203,6 +203,29 @@ def test_bad_inputs_are_refused():
         distill(model, token_data(), token_data(4), quick_config(), "/nonexistent/dofla-run", resume=True)
 
 
+def test_lora_in_pieces_of_a_batch_takes_the_same_steps_as_one_forward():
+    from dofla.distill.lora import LoraConfig, train_lora
+
+    data = token_data(8)
+    weights = {}
+    for per_forward in (4 * LENGTH, LENGTH, 3 * LENGTH):  # the batch of 4 whole, in 4 pieces, in 3 + 1
+        model = tiny_converted()
+        config = LoraConfig(
+            tokens=4 * LENGTH * 3, lr=1e-2, progress=False, kl_weight=0.5, tokens_per_forward=per_forward
+        )
+        merged, result = train_lora(model, data, config)
+        weights[per_forward] = [parameter.detach().clone() for parameter in merged.parameters()]
+        losses = [record["loss"] for record in result.history]
+        if per_forward == 4 * LENGTH:
+            whole_losses = losses
+        else:
+            torch.testing.assert_close(losses, whole_losses, rtol=1e-5, atol=1e-6)
+            for piece, whole in zip(weights[per_forward], weights[4 * LENGTH], strict=True):
+                torch.testing.assert_close(piece, whole, rtol=1e-3, atol=5e-5)  # Adam on rounding
+    moved = [(a - b).abs().max() for a, b in zip(weights[LENGTH], tiny_converted().parameters(), strict=True)]
+    assert max(moved) > 1e-3  # the steps changed the weights (so the comparison above is not vacuous)
+
+
 def test_lora_trains_and_merged_logits_equal_peft_logits():
     from dofla.distill.lora import LoraConfig, attention_projection_names, merge_lora, train_lora
 

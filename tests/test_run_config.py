@@ -254,6 +254,7 @@ NEW_SINCE = {
     "distill.teacher_states": None,
     "plan.keep_softmax": 0,
     "plan.softmax_choice": "dof",
+    "lora.tokens_per_forward": 2048,  # the demo's batches (2 x 512) are one piece: the same steps
 }  # options added later, at defaults
 
 

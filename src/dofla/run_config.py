@@ -214,6 +214,13 @@ class LoraSettings:
     kl_weight: float = option(
         0.0, "weight of KL to the teacher's logits added to the next-token loss", flag="--lora-kl"
     )
+    tokens_per_forward: int = option(
+        2048,
+        "most tokens per forward/backward: a batch is split into pieces of whole sequences, gradients summed "
+        "(the same step with the activation memory of one piece)",
+        flag="--lora-tokens-per-forward",
+        minimum=1,
+    )
     baseline: bool = option(
         False,
         "also train the same LoRA stage on the unconverted teacher and report its perplexity (the LoRA stage "

@@ -26,7 +26,13 @@ from dofla.errors import DoflaError
 @dataclass
 class LoraConfig:
     """rank, alpha, targets (module name suffixes; None = the family's q/k/v/o projections), token budget,
-    learning rate (AdamW, warm-up + cosine as in the first stage), KL weight to the teacher's logits."""
+    learning rate (AdamW, warm-up + cosine as in the first stage), KL weight to the teacher's logits.
+
+    ``tokens_per_forward``: a batch goes through the model in pieces of whole sequences holding at most
+    this many tokens (at least one sequence), their gradients summed before the step: the same update as
+    one forward of the batch, with the activation memory of one piece (a whole model's backward holds
+    several megabytes per token on a CPU, mostly the vocabulary-sized logits and their softmaxes).
+    """
 
     rank: int = 8
     alpha: int = 16
@@ -42,6 +48,7 @@ class LoraConfig:
     seed: int = 0
     progress: bool = True
     max_bad_steps: int = 5
+    tokens_per_forward: int = 2048
 
     def validate(self) -> None:
         """Every option's range, checked before any work (the targets need the model: :func:`check_targets`)."""
@@ -63,6 +70,10 @@ class LoraConfig:
             isinstance(name, str) and name.strip() for name in self.targets
         ):
             raise DoflaError(f"--lora-targets must be comma-separated module names, got {self.targets}.")
+        if self.tokens_per_forward < 1:
+            raise DoflaError(
+                f"--lora-tokens-per-forward must be at least 1, got {self.tokens_per_forward}; pass e.g. 2048."
+            )
         if self.max_bad_steps < 1:
             raise DoflaError(f"max_bad_steps must be at least 1, got {self.max_bad_steps}.")
 
@@ -135,6 +146,7 @@ def train_lora(
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
     device = next(model.parameters()).device
     total_steps = math.ceil(config.tokens / (config.batch_size * train.shape[1]))
+    per_forward = max(1, config.tokens_per_forward // train.shape[1])  # sequences per forward
     schedule = _Schedule(config.warmup_fraction, config.min_lr_fraction)
     torch.manual_seed(config.seed)
     history = []
@@ -147,17 +159,11 @@ def train_lora(
         for group in optimizer.param_groups:
             group["lr"] = config.lr * learning_rate_factor(step, total_steps, schedule) * policy.lr_scale
         batch = train[batch_indices(step, config.batch_size, len(train), config.seed)].to(device)
-        teacher_logits = None
-        if config.kl_weight > 0:
-            with torch.no_grad(), dispatch.teacher_forced(), peft_model.disable_adapter():
-                teacher_logits = peft_model(input_ids=batch, use_cache=False).logits
-        with autocast_for(device):
-            logits = peft_model(input_ids=batch, use_cache=False).logits
-            loss = direct_loss(
-                logits, batch, teacher_logits, kl_weight=config.kl_weight, temperature=config.temperature
-            )
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = sum(
+            _piece_loss_backward(peft_model, piece, config, share=len(piece) / len(batch))
+            for piece in batch.split(per_forward)
+        )
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
 
         def bad_layer(batch=batch) -> int | None:
@@ -170,6 +176,22 @@ def train_lora(
     tokens = total_steps * config.batch_size * train.shape[1]
     result = LoraResult(steps=total_steps, tokens=tokens, history=history)
     return (merge_lora(peft_model, plan) if merge else peft_model), result
+
+
+def _piece_loss_backward(peft_model: nn.Module, piece: torch.Tensor, config: LoraConfig, share: float):
+    """Forward and backward of one piece (n, T) of a batch, its loss weighted by its ``share`` of the
+    batch's sequences (every row has T tokens, so the weighted sum is the batch's mean loss)."""
+    teacher_logits = None
+    if config.kl_weight > 0:
+        with torch.no_grad(), dispatch.teacher_forced(), peft_model.disable_adapter():
+            teacher_logits = peft_model(input_ids=piece, use_cache=False).logits
+    with autocast_for(piece.device):
+        logits = peft_model(input_ids=piece, use_cache=False).logits
+        loss = share * direct_loss(
+            logits, piece, teacher_logits, kl_weight=config.kl_weight, temperature=config.temperature
+        )
+    loss.backward()
+    return loss.detach()
 
 
 def merge_lora(peft_model: nn.Module, plan=None) -> nn.Module:
