@@ -32,10 +32,10 @@ SECTIONS = [
         "decode at 16k, batch 8 ≥ 10×; decode at 4k, batch 1 ≥ 1.3×; prefill at 16k ≥ 4×; state at 16k ≤ 1/50 "
         "of the KV cache, constant in length; the 32/96 allocation within 5% of fix. Plot: "
         "`docs/results/speed/speed.png`; what the steps spend their time on, before and after the hot-path "
-        "work: `docs/results/speed/README.md`. Batch-1 decode: the teacher's row depends on the memory "
-        "left by the rows before it; run alone (`bench/results/speed_decode_b1_recheck.md`) it decodes up to "
-        "2.8x faster than in the full run, and the students' ratios at 4k, batch 1 are 1.02x-1.30x there "
-        "(a batch-1 CPU step is bound by reading the weights).",
+        "work: `docs/results/speed/README.md`. Every row runs in its own process (a teacher row measured "
+        "after its own 16k prefill in one process decoded up to 2.8x slower than alone, which inflated "
+        "earlier batch-1 ratios; `bench/results/speed_decode_b1_recheck.md`). Prefill is measured as one "
+        "forward and in pieces of 2,048 tokens (`generate(prefill_chunk_size=2048)`), for the teacher too.",
     ),
     (
         "Whole-model generation on one H100, Llama-1B shape (random weights, bf16)",
