@@ -17,7 +17,7 @@ in its own process (``--isolate rows``, the default), which loads the model, war
 prefill and measures that row alone, so no row's figure depends on the memory the rows before it left
 (``--isolate none``: all rows of a model in one process, faster, for smoke tests).
 
-    python bench/bench_speed.py                       # full run, about 15-20 min on the idle 2-core CPU
+    python bench/bench_speed.py                       # full run, about 25 min on the idle 2-core CPU
     python bench/bench_speed.py --quick               # 1k context, few steps: a check, not a measurement
     python bench/bench_speed.py --cells linear,window --contexts 1024,4096 --batches 1
 """
@@ -129,10 +129,10 @@ def phase_chunk(phase: str) -> int | None:
 def measure_row(model, name: str, phase: str, batch: int, context: int, args, log) -> dict:
     """One prefill or decode row of one model (teacher or converted student); a setting that does not fit
     in memory gives a row with ``error="memory"`` and one line in the log."""
-    is_teacher = name == TEACHER
+    is_teacher, is_prefill = name == TEACHER, phase.startswith("prefill")
     what = f"{name} {phase} batch {batch} context {context}"
     base = dict(model=name, phase=phase, batch=batch, context=context)
-    if phase.startswith("prefill"):
+    if is_prefill:
         # the teacher's cache plus one layer's (T, T)-free SDPA work and the MLP activations: a loose bound
         estimate = (
             kv_cache_bytes(model, batch, context) * (2 if is_teacher else 0) + batch * context * 200_000
@@ -143,7 +143,7 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
         return dict(base, error="memory")
     try:
         with PeakMemory() as peak:
-            if phase.startswith("prefill"):
+            if is_prefill:
                 result = time_prefill(model, batch, context, chunk_size=phase_chunk(phase))
             else:
                 if is_teacher:
@@ -160,7 +160,7 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
         log(f"  skipped {what}: out of memory ({str(error).splitlines()[0][:120]})")
         return dict(base, error="memory")
     release_freed_memory()
-    if phase.startswith("prefill"):
+    if is_prefill:
         log(f"  {what}: {result['tokens_per_second']:.0f} tok/s ({result['seconds']:.1f} s)")
     else:
         log(
