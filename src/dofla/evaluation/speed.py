@@ -51,10 +51,6 @@ def measure_generation(
     generator = torch.Generator().manual_seed(seed)
     rows = []
     model.eval()
-    # Only the last position's logits are needed: (B, T, vocab) logits would dominate prefill memory.
-    keep_last = (
-        {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    )
     for context in context_lengths:
         prompt = torch.randint(0, vocab, (batch_size, context), generator=generator).to(device)
         cache = DynamicCache(config=model.config)
@@ -62,7 +58,7 @@ def measure_generation(
             torch.cuda.reset_peak_memory_stats(device)
         _synchronize(device)
         start = time.perf_counter()
-        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, **keep_last).logits[:, -1]
+        logits = prefill(model, prompt, cache)  # only the last position's logits, (B, vocab)
         _synchronize(device)
         prefill_seconds = time.perf_counter() - start
         bytes_after_prefill = cache_bytes(cache)
