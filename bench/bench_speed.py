@@ -483,9 +483,8 @@ def main(argv=None) -> int:
         model = build_model(args)
         for name in models:
             rows += measure_in_process(model, name, args, log)
-            release_freed_memory(
-                collect=not args.tiny
-            )  # a tiny model leaves nothing worth 0.5 s of collection
+            # a tiny model leaves nothing worth 0.5 s of collection
+            release_freed_memory(collect=not args.tiny)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot_path = Path(args.plot)

@@ -228,10 +228,11 @@ def prefill(model, input_ids: torch.Tensor, cache, chunk_size: int | None = None
     piece whatever the prompt length, and its result equals one forward up to rounding.
     """
     step = input_ids.shape[1] if not chunk_size else int(chunk_size)
+    keep_last = _keep_last(model)
     logits = None
     for start in range(0, input_ids.shape[1], step):
         piece = input_ids[:, start : start + step]
-        logits = model(input_ids=piece, past_key_values=cache, use_cache=True, **_keep_last(model)).logits
+        logits = model(input_ids=piece, past_key_values=cache, use_cache=True, **keep_last).logits
     return logits[:, -1]
 
 
