@@ -166,6 +166,23 @@ def test_generate_command_streams_tokens(tmp_path, capsys):
     assert "--max-new-tokens must be positive" in capsys.readouterr().err
 
 
+def test_generate_command_reads_a_prompt_file_and_prefills_in_pieces(tmp_path, capsys):
+    model = tiny_model("llama")
+    convert(model, PLANS["hybrid"](model))
+    tokenizer = build_tiny_tokenizer()
+    save_converted(model, tmp_path / "out", tokenizer=tokenizer)
+    prompt = "The cat sat on the mat and the dog sat on the log, the cat and the dog"
+    (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
+    assert len(tokenizer(prompt).input_ids) > 6
+    printed = []
+    for chunk in ("0", "3"):
+        arguments = ["generate", str(tmp_path / "out"), "--prompt-file", str(tmp_path / "prompt.txt")]
+        assert main([*arguments, "--max-new-tokens", "5", "--prefill-chunk", chunk]) == 0
+        printed.append(capsys.readouterr().out)
+    assert main(["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "5"]) == 0
+    assert printed == [capsys.readouterr().out] * 2
+
+
 def test_convert_command_validates_before_loading(tmp_path, capsys):
     assert main(["convert", "no-such-model", "--out", str(tmp_path / "x"), "--feature-dim", "0"]) == 1
     assert "--feature-dim must be positive, got 0" in capsys.readouterr().err

@@ -13,7 +13,9 @@ def register(subparsers) -> None:
         "printing each token as it is produced. Greedy by default; --sample draws tokens.",
     )
     parser.add_argument("converted", help="folder written by `dofla convert` or `dofla linearize`")
-    parser.add_argument("--prompt", required=True, help="text to continue")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text to continue")
+    prompt.add_argument("--prompt-file", help="UTF-8 text file to continue (for long prompts)")
     parser.add_argument("--max-new-tokens", type=int, default=50)
     parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --sample)")
@@ -21,6 +23,13 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed for --sample")
     parser.add_argument(
         "--teacher", default=None, help="teacher for a student-only folder (default: the recorded one)"
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=0,
+        help="feed the prompt in pieces of this many tokens, each continuing the cache (a converted model then "
+        "holds one piece's activations whatever the prompt length); 0: one forward (default)",
     )
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
@@ -30,17 +39,40 @@ def register(subparsers) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     from dofla.errors import DoflaError
 
+    if args.prompt_file is not None:
+        args.prompt = read_prompt_file(args.prompt_file)
     if not args.prompt.strip():
-        raise DoflaError("--prompt is empty; give some text for the model to continue.")
+        where = f"--prompt-file {args.prompt_file}" if args.prompt_file is not None else "--prompt"
+        raise DoflaError(f"{where} is empty; give some text for the model to continue.")
     if args.max_new_tokens <= 0:
         raise DoflaError(f"--max-new-tokens must be positive, got {args.max_new_tokens}.")
     if args.sample and not args.temperature > 0:
         raise DoflaError(f"--temperature must be positive, got {args.temperature}; drop --sample for greedy.")
     if not 0 < args.top_p <= 1:
         raise DoflaError(f"--top-p must lie in (0, 1], got {args.top_p}.")
+    if args.prefill_chunk < 0:
+        raise DoflaError(
+            f"--prefill-chunk must be 0 (one forward) or a positive token count, got {args.prefill_chunk}."
+        )
     from dofla.commands._common import check_device_and_dtype
 
     check_device_and_dtype(args)
+
+
+def read_prompt_file(path: str) -> str:
+    from pathlib import Path
+
+    from dofla.errors import DoflaError
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise DoflaError(f"--prompt-file {path} is not a file; give a UTF-8 text file.")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise DoflaError(
+            f"--prompt-file {path} is not UTF-8 text ({error.reason}); save it as UTF-8."
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     inputs = tokenizer(args.prompt, return_tensors="pt").to(device)
     streamer = TextStreamer(tokenizer, skip_special_tokens=True)
     options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.sample, streamer=streamer)
+    if args.prefill_chunk:
+        options.update(prefill_chunk_size=args.prefill_chunk)
     if args.sample:
         torch.manual_seed(args.seed)
         options.update(temperature=args.temperature, top_p=args.top_p)
