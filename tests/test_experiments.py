@@ -167,3 +167,36 @@ def test_passkey_softmax_layers(tiny, tmp_path):
     ]
     assert result["rows"][-1]["layers"] == [0, 1]
     assert "| 1 | uniform | [1] |" in (tmp_path / "passkey_softmax_layers.md").read_text()
+
+
+def test_softmax_layers_at_length(tiny, tmp_path):
+    folder, text = tiny
+    arguments = [
+        "--model",
+        folder,
+        "--data",
+        text,
+        "--out",
+        str(tmp_path),
+        "--keep",
+        "1",
+        "--lengths",
+        "32,64",
+    ]
+    arguments += ["--seq-len", "32", "--heldout-sequences", "2", "--score-rows", "2", "--score-length", "32"]
+    arguments += ["--window", "4", "--sinks", "1", "--given", "first=0"]
+    experiment("softmax_layers_at_length").main(arguments)
+    result = json.loads((tmp_path / "softmax_layers_at_length.json").read_text())
+    assert len(result["window_kl"]) == 2 and all(cost >= 0 for cost in result["window_kl"])
+    choices = [(row["keep"], row["choice"], row["layers"]) for row in result["rows"]]
+    best = max(range(2), key=lambda layer: result["window_kl"][layer])
+    assert choices == [
+        (0, "none", []),
+        (1, "first", [0]),
+        (1, "uniform", [1]),
+        (1, "window_kl", [best]),
+        (2, "all", [0, 1]),
+    ]
+    full, cut = result["rows"][-1]["perplexity"]["64"], result["rows"][0]["perplexity"]["64"]
+    assert full != cut  # a 4-token window changes a 64-token row's predictions
+    assert "| 1 | window_kl |" in (tmp_path / "softmax_layers_at_length.md").read_text()
