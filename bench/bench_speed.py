@@ -20,6 +20,7 @@ prefill and measures that row alone, so no row's figure depends on the memory th
     python bench/bench_speed.py                       # full run, about 25 min on the idle 2-core CPU
     python bench/bench_speed.py --quick               # 1k context, few steps: a check, not a measurement
     python bench/bench_speed.py --cells linear,window --contexts 1024,4096 --batches 1
+    python bench/bench_speed.py --contexts 4096 --batches 1 --prefill-chunks 0 --repeats 3   # medians of 3
 """
 
 from __future__ import annotations
@@ -230,9 +231,33 @@ def run_one_row(model, spec: str, args, log) -> int:
     return 0
 
 
+def row_key(row: dict) -> tuple:
+    return row["model"], row["phase"], row["batch"], row["context"]
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per (model, phase, batch, context) from ``--repeats`` rounds: the sample with the median
+    tokens/s (the lower one of an even count), with every sample's tokens/s under ``samples``; a setting
+    with no measured sample keeps its first (error) row."""
+    grouped: dict[tuple, list[dict]] = {}
+    for row in rows:
+        grouped.setdefault(row_key(row), []).append(row)
+    combined = []
+    for samples in grouped.values():
+        measured = sorted(
+            (row for row in samples if "tokens_per_second" in row), key=lambda row: row["tokens_per_second"]
+        )
+        if len(samples) == 1 or not measured:
+            combined.append(samples[0])
+            continue
+        median = measured[(len(measured) - 1) // 2]
+        combined.append(dict(median, samples=[row["tokens_per_second"] for row in measured]))
+    return combined
+
+
 def _row(rows, model, phase, batch, context):
     for row in rows:
-        if (row["model"], row["phase"], row["batch"], row["context"]) == (model, phase, batch, context):
+        if row_key(row) == (model, phase, batch, context):
             return row
     return None
 
@@ -368,7 +393,34 @@ def tables(rows: list[dict], models: list[str], args) -> str:
                     f"| {phase} B{batch} {context} | {fix['tokens_per_second']:.1f} | "
                     f"{mixed['tokens_per_second']:.1f} | {mixed['tokens_per_second'] / fix['tokens_per_second']:.3f} |"
                 )
-    return "\n".join(lines)
+    return "\n".join(lines + spread_table(rows, models))
+
+
+def spread_table(rows: list[dict], models: list[str]) -> list[str]:
+    """With ``--repeats``: each row's tokens/s over its samples and its ratio range against the teacher's
+    median (the tables above use the medians)."""
+    repeated = [row for row in rows if len(row.get("samples", ())) > 1]
+    if not repeated:
+        return []
+    lines = [
+        "",
+        "### Spread over the repeats: tokens/s min / median / max, and ratio to the teacher's median",
+        "",
+        "| model | phase | batch | context | samples | tok/s min / median / max | x teacher min - max |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
+    for row in sorted(repeated, key=lambda row: (models.index(row["model"]), *row_key(row)[1:])):
+        samples = row["samples"]
+        teacher = _row(rows, TEACHER, row["phase"], row["batch"], row["context"])
+        ratio = "-"
+        if teacher is not None and "tokens_per_second" in teacher:
+            base = teacher["tokens_per_second"]
+            ratio = f"{samples[0] / base:.2f}x - {samples[-1] / base:.2f}x"
+        lines.append(
+            f"| {row['model']} | {row['phase']} | {row['batch']} | {row['context']} | {len(samples)} | "
+            f"{samples[0]:.1f} / {row['tokens_per_second']:.1f} / {samples[-1]:.1f} | {ratio} |"
+        )
+    return lines
 
 
 def plot(rows: list[dict], models: list[str], args, path: Path) -> None:
@@ -450,10 +502,19 @@ def main(argv=None) -> int:
         default="rows",
         help="rows: every row in its own process (default); none: all rows of a model in this process",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds over every row (the models interleaved round by round); tables give each row's median "
+        "sample and a table of the spread",
+    )
     parser.add_argument(ROW_FLAG, default=None, help=argparse.SUPPRESS)  # internal: one row, printed as JSON
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.quick:
         args.contexts, args.batches, args.steps, args.prefill_chunks = "1024", "1,2", 2, "0"
     args.contexts = [int(c) for c in str(args.contexts).split(",")]
@@ -476,21 +537,25 @@ def main(argv=None) -> int:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     models = [TEACHER, *names]
     rows = []
-    if args.isolate == "rows":
+    model = build_model(args) if args.isolate == "none" else None
+    for round_index in range(args.repeats):
+        if args.repeats > 1:
+            log(f"round {round_index + 1} of {args.repeats}")
         for name in models:
-            rows += measure_isolated(name, args, log)
-    else:
-        model = build_model(args)
-        for name in models:
-            rows += measure_in_process(model, name, args, log)
-            # a tiny model leaves nothing worth 0.5 s of collection
-            release_freed_memory(collect=not args.tiny)
+            if model is None:
+                rows += measure_isolated(name, args, log)
+            else:
+                rows += measure_in_process(model, name, args, log)
+                # a tiny model leaves nothing worth 0.5 s of collection
+                release_freed_memory(collect=not args.tiny)
+    samples, rows = rows, median_rows(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot_path = Path(args.plot)
     plot_path.parent.mkdir(parents=True, exist_ok=True)
     plot(rows, models, args, plot_path)
-    (out / "speed.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str))
+    record = {"args": vars(args), "rows": rows, **({"samples": samples} if args.repeats > 1 else {})}
+    (out / "speed.json").write_text(json.dumps(record, indent=1, default=str))
 
     print(f"command: {' '.join([Path(__file__).name, *args.argv])}")
     print(
@@ -504,11 +569,12 @@ def main(argv=None) -> int:
         f"student decode from a real prefill of {max(128, 2 * args.window)} tokens with the token count set to "
         f"the context (state size and step work do not depend on it); decode: "
         f"{args.steps or 'timed'} steps after 1 warm-up step; "
+        f"{f'{args.repeats} rounds, each row its median sample; ' if args.repeats > 1 else ''}"
         f"{'every row in its own process' if args.isolate == 'rows' else 'all rows of a model in one process'}; "
         f"plot: {plot_path.name}\n"
     )
     print(tables(rows, models, args))
-    failed = [row for row in rows if row.get("error") == "failed"]
+    failed = [row for row in samples if row.get("error") == "failed"]
     if failed:
         print(f"{len(failed)} rows failed (their errors are above)", file=sys.stderr)
     return 1 if failed else 0

@@ -195,9 +195,12 @@ def test_bench_speed_measures_every_row_in_its_own_process(tmp_path, capsys):
 
 def test_bench_speed_goes_on_when_a_row_process_fails_or_is_killed(tmp_path, capsys, monkeypatch):
     bench = bench_script("bench_speed")
+    real_run = subprocess.run
     statuses = iter([0, 1, -9, 0])  # teacher prefill, teacher decode, linear prefill, linear decode
 
-    def fake_run(command, **_):
+    def fake_run(command, **options):
+        if bench.ROW_FLAG not in command:  # e.g. platform.processor() asking uname
+            return real_run(command, **options)
         row = json.loads(command[command.index(bench.ROW_FLAG) + 1])
         row.update(tokens_per_second=1.0, cache_bytes=1)
         return subprocess.CompletedProcess(command, next(statuses), stdout=json.dumps(row) + "\n")
@@ -664,3 +667,38 @@ def test_layer_step_bench_prints_every_cell_alone_and_against_a_checkout(capsys,
     assert sides == ["/elsewhere/src", str(bench.SOURCE)]
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| g")]
     assert len(rows) == 2 and all(line.count("|") == 7 for line in rows)
+
+
+def test_bench_speed_repeats_take_each_rows_median_sample_and_print_the_spread(tmp_path, capsys, monkeypatch):
+    bench = bench_script("bench_speed")
+    real_run = subprocess.run
+    speeds = iter([10.0, 4.0, 30.0, 2.0, 20.0, 5.0, 60.0, 8.0, 40.0, 3.0, 50.0, 6.0])  # 3 rounds x 4 rows
+
+    def fake_run(command, **options):
+        if bench.ROW_FLAG not in command:  # e.g. platform.processor() asking uname
+            return real_run(command, **options)
+        row = json.loads(command[command.index(bench.ROW_FLAG) + 1])
+        row.update(tokens_per_second=next(speeds), cache_bytes=1)
+        return subprocess.CompletedProcess(command, 0, stdout=json.dumps(row) + "\n")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    arguments = ["--tiny", "--contexts", "32", "--batches", "2", "--prefill-chunks", "0", "--cells", "linear"]
+    arguments += ["--repeats", "3", "--out", str(tmp_path), "--plot", str(tmp_path / "s.png")]
+    assert bench.main(arguments) == 0
+    record = json.loads((tmp_path / "speed.json").read_text())
+    assert len(record["samples"]) == 12
+    medians = {
+        (row["model"], row["phase"]): (row["tokens_per_second"], row["samples"]) for row in record["rows"]
+    }
+    assert medians == {
+        ("teacher", "prefill"): (20.0, [10.0, 20.0, 40.0]),
+        ("teacher", "decode"): (4.0, [3.0, 4.0, 5.0]),
+        ("linear", "prefill"): (50.0, [30.0, 50.0, 60.0]),
+        ("linear", "decode"): (6.0, [2.0, 6.0, 8.0]),
+    }
+    printed = capsys.readouterr().out
+    assert "| linear | decode | 2 | 32 | 3 | 2.0 / 6.0 / 8.0 | 0.50x - 2.00x |" in printed
+    assert "3 rounds, each row its median sample" in printed
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--repeats", "0"])
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
