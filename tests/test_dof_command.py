@@ -81,6 +81,30 @@ def test_empty_data_is_refused(tiny_folder, tmp_path):
         run_dof(folder, empty, tmp_path / "o")
 
 
+def test_dof_command_window_choice_records_the_window_costs(tiny_folder, tmp_path):
+    folder, text = tiny_folder
+    options = [
+        "--budget",
+        "8",
+        "--num-points",
+        "32",
+        "--seq-len",
+        "128",
+        "--sequences",
+        "4",
+        "--kind",
+        "hybrid",
+    ]
+    assert (
+        run_dof(folder, text, tmp_path / "w", *options, "--keep-softmax", "1", "--softmax-choice", "window")
+        == 0
+    )
+    plan = ConversionPlan.load(tmp_path / "w" / "plan.json")
+    costs = plan.metadata["window_cost"]
+    assert plan.metadata["softmax_layers"] == [max(range(len(costs)), key=costs.__getitem__)]
+    assert [layer.kind for layer in plan.layers].count("softmax") == 1
+
+
 def test_dof_command_measured_allocation_keeps_its_curves(tiny_folder, tmp_path):
     folder, text = tiny_folder
     out = tmp_path / "measured"

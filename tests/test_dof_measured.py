@@ -157,3 +157,45 @@ def test_measured_plan_records_its_predicted_gain_and_warns_when_it_is_small():
     flat = curves_of({0: [1.0, 0.99, 0.98], 1: [1.0, 0.99, 0.98]})
     with pytest.warns(UserWarning, match="unlikely to beat fix"):
         dof.make_plan(model, budget=8, variant="measured", curves=flat)
+
+
+def test_window_choice_keeps_the_layers_whose_window_costs_most_and_the_plan_records_the_costs():
+    costs = [0.1, 0.5, 0.05, 0.5, 0.2]
+    kept = dof.allocate_feature_dims(
+        [0.0] * 5, budget=8, variant="fix", keep_softmax=2, softmax_choice="window", window_cost=costs
+    )
+    assert kept.softmax_layers == [1, 3] and kept.layer_dims == [8, 0, 8, 0, 8]  # ties: the earlier layer
+    only = dof.allocate_feature_dims(
+        [0.0] * 5,
+        budget=8,
+        variant="fix",
+        keep_softmax=1,
+        softmax_choice="window",
+        window_cost=costs,
+        layers=[0, 2, 4],
+    )
+    assert only.softmax_layers == [4]  # among the layers given
+    with pytest.raises(DoflaError, match="the window softmax-layer choice needs each layer's window cost"):
+        dof.allocate_feature_dims([0.0] * 5, budget=8, variant="fix", keep_softmax=1, softmax_choice="window")
+
+    model = small_llama()
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(3, 64, (2, 40), generator=generator) for _ in range(2)]
+    plan = dof.measure_and_plan(
+        model,
+        batches,
+        variant="fix",
+        budget=4,
+        kind="hybrid",
+        window=4,
+        sinks=1,
+        keep_softmax=1,
+        softmax_choice="window",
+    )
+    from dofla.evaluation.window_baseline import window_costs
+
+    measured = window_costs(model, batches, window=4, sinks=1)
+    assert plan.metadata["window_cost"] == pytest.approx(measured, rel=1e-4, abs=1e-6)
+    assert plan.metadata["softmax_choice"] == "window"
+    assert plan.metadata["softmax_layers"] == [max(range(2), key=lambda layer: measured[layer])]
+    assert [layer.kind for layer in plan.layers].count("softmax") == 1

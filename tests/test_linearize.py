@@ -253,6 +253,18 @@ def test_rows_fall_back_to_the_longest_length_the_data_fills(tmp_path):
         pack_rows(Tokenizer(), ["x" * 20], [16, 64], 16)
 
 
+def test_window_choice_of_softmax_layers_from_the_run_config(tmp_path):
+    """--softmax-choice window measures each layer's window cost on the calibration batches and keeps the
+    costliest as softmax; the plan records the costs, the report's window baseline cuts only the others."""
+    plan = dict(kind="hybrid", window=4, sinks=1, keep_softmax=1, softmax_choice="window")
+    settings = dict(plan=plan, distill=dict(loss="output_mse"))
+    linearize(config(tmp_path, **settings), teacher=tiny_teacher(), sequences=sequences())
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    costs = plan["metadata"]["window_cost"]
+    assert len(costs) == 2 and plan["metadata"]["softmax_layers"] == [max(range(2), key=costs.__getitem__)]
+    assert [layer["kind"] for layer in plan["layers"]].count("softmax") == 1
+
+
 def test_measured_allocation_and_kept_softmax_layers_from_the_run_config(tmp_path):
     """--allocation measured keeps its error curves in the run folder (a rerun reads them instead of fitting
     again); --keep-softmax K leaves K layers softmax, chosen by --softmax-choice."""

@@ -193,3 +193,29 @@ def test_a_subset_of_layers_is_restricted_against_a_brute_force_reference():
     with pytest.raises(DoflaError, match="not attention layers"):
         with window_restricted(model, 3, layers=[len(model.model.layers)]):
             pass
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma3"])
+def test_window_costs_equal_full_forwards_with_one_layer_cut(family):
+    """Each layer's cost (forward from the hidden states entering it, head in row chunks) equals the KL
+    of a full forward with only that layer restricted, by plain full-vocabulary log-softmaxes."""
+    from dofla.models.tiny import build_tiny_model
+
+    model = build_tiny_model(family, seed=1).eval()  # 2 layers
+    vocabulary = model.get_output_embeddings().weight.shape[0]
+    batches = [
+        torch.randint(0, vocabulary, (2, 24), generator=torch.Generator().manual_seed(i)) for i in (0, 1)
+    ]
+    costs = window_baseline.window_costs(model, batches, window=4, sinks=1)
+    expected = []
+    with torch.no_grad():
+        full = [torch.log_softmax(model(batch).logits.float(), -1) for batch in batches]
+        for layer in range(2):
+            with window_restricted(model, 4, 1, layers=[layer]):
+                cut = [torch.log_softmax(model(batch).logits.float(), -1) for batch in batches]
+            kl = sum((f.exp() * (f - c)).sum().item() for f, c in zip(full, cut, strict=True))
+            expected.append(kl / sum(batch.numel() for batch in batches))
+    assert all(value > 1e-6 for value in expected)  # a 4-token window changes every layer's output here
+    assert costs == pytest.approx(expected, rel=1e-3, abs=1e-7)
+    only = window_baseline.window_costs(model, batches, window=4, sinks=1, layers=[1])
+    assert only[0] == 0.0 and only[1] == pytest.approx(costs[1], rel=1e-5)

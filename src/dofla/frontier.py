@@ -9,7 +9,7 @@ state bytes and decode tokens/s, with the teacher and the sliding-window baselin
 ``OUT/curves.png`` (the measured error curves, when the grid measured them).
 
 A cell is (allocation, budget, K, choice): K layers stay softmax, chosen by the softmax-layer choice
-(:data:`dofla.dof.SOFTMAX_CHOICES`: ``uniform``, ``dof``, ``measured``) and passed to the pipeline as the
+(:data:`dofla.dof.SOFTMAX_CHOICES`: ``uniform``, ``dof``, ``measured``, ``window``) and passed to the pipeline as the
 layers to convert; the budget is the mean feature dimension per converted layer. Measured error curves
 (:mod:`dofla.dof.error_curves`) are measured once on the pipeline's own calibration batches and kept in
 ``OUT/curves/`` where every cell's plan finds them.
@@ -139,11 +139,16 @@ def _calibration(linearize_config, teacher, tokenizer, out_dir: Path):
     return data.rows, pipeline.calibration_batches(linearize_config, teacher, data.train), data.source
 
 
-def _softmax_layers(cell: GridCell, num_layers: int, *, curves, measure) -> list[int]:
+def _softmax_layers(cell: GridCell, num_layers: int, *, curves, measure, window_cost=None) -> list[int]:
     if cell.softmax_count == 0:
         return []
     return dof.SOFTMAX_CHOICES[cell.softmax_choice](
-        list(range(num_layers)), cell.softmax_count, measure=measure, curves=curves, budget=cell.budget
+        list(range(num_layers)),
+        cell.softmax_count,
+        measure=measure,
+        curves=curves,
+        budget=cell.budget,
+        window_cost=window_cost,
     )
 
 
@@ -196,6 +201,12 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
             teacher, batches, num_points=first.plan.dof_points, measure=first.plan.measure
         )
         measure = estimate.layer_measure()
+    window_cost = None
+    if any(c.softmax_choice == "window" for c in cells):
+        from dofla.evaluation.window_baseline import window_costs
+
+        options = plan_options(first)
+        window_cost = window_costs(teacher, batches, window=options["window"], sinks=options["sinks"])
 
     reference_path = out / "teacher_speed.json"
     if config.decode_tokens > 0 and not reference_path.is_file():
@@ -207,7 +218,9 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
         cell_dir = out / "cells" / cell.name
         if (cell_dir / "result.json").is_file() and (cell_dir / CELL_RESULT).is_file():
             continue
-        softmax = _softmax_layers(cell, facts.num_layers, curves=curves, measure=measure)
+        softmax = _softmax_layers(
+            cell, facts.num_layers, curves=curves, measure=measure, window_cost=window_cost
+        )
         layers = [index for index in range(facts.num_layers) if index not in softmax] if softmax else None
         linearize_config = cell_config(config, cell, layers)
         if not (cell_dir / "result.json").is_file():

@@ -143,7 +143,8 @@ class PlanSettings:
     keep_softmax: int = option(0, "layers left as full softmax, chosen by --softmax-choice", minimum=0)
     softmax_choice: str = option(
         "dof",
-        "how the --keep-softmax layers are chosen (measured: by error curves)",
+        "how the --keep-softmax layers are chosen (measured: by error curves; window: the layers whose cut to "
+        "the window costs most at the training length)",
         choices=_softmax_choices,
     )
     dof_points: int = option(1024, "points per head captured for the DoF estimate", minimum=1)

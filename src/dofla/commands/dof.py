@@ -147,6 +147,12 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
         note("measuring each layer's error curve (short teacher-forced fits at a few feature dimensions)")
         settings = settings_for(dict(kind=args.kind, feature_map=args.feature_map))
         curves = dof.cached_error_curves(teacher.model, batches, settings, folder=args.out, progress=True)
+    window_cost = None
+    if args.keep_softmax and args.softmax_choice == "window":
+        from dofla.evaluation.window_baseline import window_costs
+
+        note("measuring what cutting each layer alone to the plan's 64-token window costs (KL per token)")
+        window_cost = window_costs(teacher.model, batches, window=64)
     plan = dof.make_plan(
         teacher.model,
         estimate,
@@ -155,6 +161,7 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
         feature_map=args.feature_map,
         softmax_choice=args.softmax_choice,
         curves=curves,
+        window_cost=window_cost,
         **options,
     )
     plan.metadata.update(teacher=args.model, calibration=source, seed=args.seed)

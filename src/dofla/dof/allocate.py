@@ -122,9 +122,10 @@ SOFTMAX_CHOICES: Registry[SoftmaxChoice] = Registry("softmax-layer choice")
 
 
 def register_softmax_choice(name: str):
-    """Function decorator: ``function(layers, count, *, measure, curves, budget) -> chosen layers``, the
-    ``count`` layers of ``layers`` that stay softmax (``measure``: one value per model layer; ``curves``: the
-    measured error curves or None)."""
+    """Function decorator: ``function(layers, count, *, measure, curves, budget, window_cost) -> chosen
+    layers``, the ``count`` layers of ``layers`` that stay softmax (``measure``: one value per model layer;
+    ``curves``: the measured error curves or None; ``window_cost``: per model layer, what cutting that layer
+    alone to the window costs (:func:`dofla.evaluation.window_baseline.window_costs`) or None)."""
 
     def register(function: SoftmaxChoice) -> SoftmaxChoice:
         SOFTMAX_CHOICES.add(name, function)
@@ -134,20 +135,20 @@ def register_softmax_choice(name: str):
 
 
 @register_softmax_choice("dof")
-def by_measure(layers, count, *, measure, curves, budget) -> list[int]:
+def by_measure(layers, count, *, measure, curves, budget, window_cost=None) -> list[int]:
     """The layers with the highest DoF measure (ties: the earlier layer)."""
     return sorted(sorted(layers, key=lambda i: (-measure[i], i))[:count])
 
 
 @register_softmax_choice("uniform")
-def evenly_spaced(layers, count, *, measure, curves, budget) -> list[int]:
+def evenly_spaced(layers, count, *, measure, curves, budget, window_cost=None) -> list[int]:
     """Evenly spaced through the layers: position (i + 1/2) * n / count of the n layers, i = 0..count-1."""
     layers = sorted(layers)
     return sorted({layers[int((i + 0.5) * len(layers) / count)] for i in range(count)})
 
 
 @register_softmax_choice("measured")
-def by_measured_error(layers, count, *, measure, curves, budget) -> list[int]:
+def by_measured_error(layers, count, *, measure, curves, budget, window_cost=None) -> list[int]:
     """The layers whose measured error at the budget is highest (restoring them removes the most error)."""
     if curves is None:
         raise DoflaError(
@@ -155,6 +156,18 @@ def by_measured_error(layers, count, *, measure, curves, budget) -> list[int]:
             "curves=dof.measure_error_curves(...) to make_plan."
         )
     return choose_by_error(curves, layers, count, budget)
+
+
+@register_softmax_choice("window")
+def by_window_cost(layers, count, *, measure, curves, budget, window_cost=None) -> list[int]:
+    """The layers whose restriction alone to the plan's window (and sinks) costs the model the most KL at
+    the calibration length: the layers that most need the whole context (ties: the earlier layer)."""
+    if window_cost is None:
+        raise DoflaError(
+            "the window softmax-layer choice needs each layer's window cost: use dof.measure_and_plan, or give "
+            "window_cost=dofla.evaluation.window_baseline.window_costs(...) to make_plan."
+        )
+    return sorted(sorted(layers, key=lambda i: (-window_cost[i], i))[:count])
 
 
 def largest_remainder(shares: Sequence[float], total: int, minimum: int, maximum: int | None) -> list[int]:
@@ -326,6 +339,7 @@ def allocate_feature_dims(
     maximum: int | None = None,
     softmax_choice: str | None = None,
     curves: ErrorCurves | None = None,
+    window_cost: Sequence[float] | None = None,
 ) -> Allocation:
     """Feature dimensions per layer (and per head for ``headwise``) with mean ``budget`` over converted layers.
 
@@ -333,7 +347,8 @@ def allocate_feature_dims(
     to convert (default all; the others get 0, i.e. stay softmax); maximum: features per layer at most (rules
     that spread features unevenly honour it); keep_softmax: that many of the layers stay softmax, chosen by
     ``softmax_choice`` (:data:`SOFTMAX_CHOICES`; default ``measured`` when ``curves`` are given, else ``dof``);
-    curves: measured error curves (:mod:`dofla.dof.error_curves`) for ``measured`` rules and choices.
+    curves: measured error curves (:mod:`dofla.dof.error_curves`) for ``measured`` rules and choices;
+    window_cost: per layer, the cost of cutting it alone to the window, for the ``window`` choice.
     """
     rule = ALLOCATIONS[variant]
     choice = SOFTMAX_CHOICES[softmax_choice or ("measured" if curves is not None else "dof")]
@@ -363,7 +378,14 @@ def allocate_feature_dims(
     if any(not math.isfinite(value) or value < 0 for value in layer_measure):
         raise DoflaError("the layer measures must be finite and non-negative.")
     softmax_layers = (
-        choice(selected, keep_softmax, measure=list(layer_measure), curves=curves, budget=budget)
+        choice(
+            selected,
+            keep_softmax,
+            measure=list(layer_measure),
+            curves=curves,
+            budget=budget,
+            window_cost=None if window_cost is None else list(window_cost),
+        )
         if keep_softmax
         else []
     )
@@ -462,14 +484,16 @@ def make_plan(
     maximum: int | None = None,
     softmax_choice: str | None = None,
     curves: ErrorCurves | None = None,
+    window_cost: Sequence[float] | None = None,
 ) -> ConversionPlan:
     """The conversion plan for ``model``: from a DoF estimate (allocated here by ``variant``), a ready
     allocation, or nothing (a ``variant`` that needs no measure, e.g. ``fix``).
 
     layers: the layers to convert (default all); options: the feature map's own options; cell and sinks: the
     student cell (:mod:`dofla.cells`) and its attention-sink tokens; ``metadata`` is merged into what the
-    plan records about its allocation. maximum, keep_softmax, softmax_choice and curves (measured error
-    curves, for ``variant="measured"`` and ``softmax_choice="measured"``): see :func:`allocate_feature_dims`.
+    plan records about its allocation. maximum, keep_softmax, softmax_choice, curves (measured error
+    curves, for ``variant="measured"`` and ``softmax_choice="measured"``) and window_cost (for
+    ``softmax_choice="window"``): see :func:`allocate_feature_dims`.
     """
     from dofla.models import get_adapter
 
@@ -514,10 +538,13 @@ def make_plan(
             maximum=maximum,
             softmax_choice=softmax_choice,
             curves=curves,
+            window_cost=window_cost,
         )
         if keep_softmax:
             recorded.update(keep_softmax=keep_softmax, softmax_layers=list(allocation.softmax_layers))
             recorded["softmax_choice"] = softmax_choice or ("measured" if curves is not None else "dof")
+            if recorded["softmax_choice"] == "window":
+                recorded["window_cost"] = [round(float(value), 6) for value in window_cost]
         if variant == "measured" and curves is not None:
             gain = predicted_gain_over_fix(curves, allocation.layer_dims, budget)
             recorded["predicted_error_reduction_vs_fix"] = gain
@@ -575,8 +602,10 @@ def measure_and_plan(
     when the allocation needs a measure (a measure-free allocation such as ``fix`` runs no teacher forward).
     ``plan_options``: :func:`make_plan`'s keyword arguments (budget, kind, feature_map, window, layers, ...).
 
-    Error curves (:mod:`dofla.dof.error_curves`) are measured on the same batches when the allocation or the
-    softmax-layer choice needs them, with the planned student and ``curve_options`` (dims, steps, lr, loss,
+    For ``softmax_choice="window"`` each layer's window cost (the KL of cutting it alone to the plan's window
+    and sinks, :func:`~dofla.evaluation.window_baseline.window_costs`) is measured on the batches first, so
+    measure at the length the model must serve. Error curves (:mod:`dofla.dof.error_curves`) are measured on
+    the same batches when the allocation or the softmax-layer choice needs them, with the planned student and ``curve_options`` (dims, steps, lr, loss,
     criterion, heldout_rows), and kept in ``curves_folder`` (default: the innermost
     :func:`~dofla.dof.error_curves.curve_cache`) for the next run with the same key.
     """
@@ -590,6 +619,16 @@ def measure_and_plan(
         settings = settings_for(plan_options, **dict(curve_options or {}))
         # every layer's curve, whichever are converted: one measurement serves any choice of layers
         plan_options["curves"] = cached_error_curves(model, batches, settings, folder=curves_folder)
+    if plan_options.get("keep_softmax", 0) and choice == "window" and plan_options.get("window_cost") is None:
+        from dofla.evaluation.window_baseline import window_costs
+
+        plan_options["window_cost"] = window_costs(
+            model,
+            batches,
+            window=plan_options.get("window", 64),
+            sinks=plan_options.get("sinks", 0),
+            layers=plan_options.get("layers"),
+        )
     measured = None
     if rule.needs_measure or (
         plan_options.get("keep_softmax", 0)
