@@ -4,8 +4,9 @@ The teacher is measured on held-out text with every layer's softmax restricted t
 tokens plus ``--sinks`` first ones (the no-training window baseline) except K layers that keep their full
 softmax, for each K in ``--keep`` and each way of choosing them:
 
-- ``window_kl``: the K layers whose restriction alone costs the most: for each layer, the mean KL from the
-  full teacher's next-token distribution when only that layer is cut to the window, on ``--score-rows``
+- ``window_kl``: the K layers whose restriction alone costs the most (``--softmax-choice window``,
+  :func:`dofla.evaluation.window_baseline.window_costs`): for each layer, the mean KL from the full
+  teacher's next-token distribution when only that layer is cut to the window, on ``--score-rows``
   training rows of ``--score-length`` tokens (rows the held-out text does not contain);
 - ``uniform``: K layers evenly spaced (as ``--softmax-choice uniform``);
 - ``--given NAME=L1,L2,...``: layer sets chosen elsewhere, e.g. a run's ``measured`` choice from its plan.
@@ -34,7 +35,7 @@ import torch
 
 from dofla.commands._common import integer_list
 from dofla.data import cut_rows, load_texts, pack_rows, split_train_heldout
-from dofla.evaluation.window_baseline import window_restricted
+from dofla.evaluation.window_baseline import window_costs, window_restricted
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
 
@@ -42,27 +43,6 @@ from dofla.models import load_teacher
 def uniform_layers(count: int, layers: int) -> list[int]:
     """``count`` layers evenly spaced over ``layers``, centred in their strides (``--softmax-choice uniform``)."""
     return sorted({int((index + 0.5) * layers / count) for index in range(count)}) if count else []
-
-
-def log_probs(model, rows: torch.Tensor) -> list[torch.Tensor]:
-    """Next-token log-probabilities per row, (T - 1, V) each, one row per forward."""
-    with torch.no_grad():
-        return [torch.log_softmax(model(row[None]).logits[0, :-1].float(), -1) for row in rows]
-
-
-def window_costs(model, rows: torch.Tensor, window: int, sinks: int) -> list[float]:
-    """Per layer: mean KL(full teacher || teacher with only that layer cut to the window) per token."""
-    reference = log_probs(model, rows)
-    costs = []
-    for layer in range(model.config.num_hidden_layers):
-        with window_restricted(model, window, sinks, layers=[layer]):
-            restricted = log_probs(model, rows)
-        total = sum(
-            (full.exp() * (full - cut)).sum().item() for full, cut in zip(reference, restricted, strict=True)
-        )
-        costs.append(total / sum(len(full) for full in reference))
-        print(f"layer {layer}: KL {costs[-1]:.4f}", flush=True)
-    return costs
 
 
 def perplexities(model, rows: torch.Tensor, start: int) -> tuple[float, float]:
@@ -126,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     train, heldout = split_train_heldout(sequences, args.heldout_fraction, args.seed)
     heldout = heldout[: args.heldout_sequences]
     score_rows = cut_rows(train, min(args.score_length, train.shape[1]))[: args.score_rows]
-    costs = window_costs(model, score_rows, args.window, args.sinks)
+    costs = window_costs(model, list(score_rows.split(1)), args.window, args.sinks)
     ranked = sorted(range(layers), key=lambda layer: -costs[layer])
     start = min(args.lengths)
     choices = {(0, "none"): []}
