@@ -8,7 +8,8 @@ the teacher of the same run:
   (every row of the batch counts): the teacher's KV cache is filled with random keys and values
   of the right shape (a real prefill at 16k would take minutes; decoding cost does not depend on the
   values); a student's state comes from a real prefill of a short prompt (at least twice its window)
-  with its token counter moved on to the context (its state and step do not grow with length);
+  with its token counter moved on to the context (its state and step do not grow with length; layers
+  a student keeps as full softmax get random keys and values up to the context, as the teacher);
 - cache/state bytes, and peak resident memory above the loaded model during the row;
 - "linear 32/96": the linear cell with layers alternating 32 and 96 features (mean 64, as a DoF
   allocation), against "linear" (64 everywhere, the ``fix`` allocation) at the same mean dimension.
@@ -62,12 +63,26 @@ STUDENTS = {
     "linear+window": (dict(kind="hybrid", cell="linear"), None),
     # the default (gla) recipe's cell: gla sharing one normalisation with the window and 4 sinks
     "gla+window": (dict(kind="hybrid", cell="gla", sinks=4), None),
+    # the gated-delta recipe's cell, alone and with 3 layers kept as full softmax (evenly spaced: which
+    # layers does not change the speed)
+    "gated_delta+window": (dict(kind="hybrid", cell="gated_delta", sinks=4), None),
+    "gated_delta+window (3 softmax)": (
+        dict(kind="hybrid", cell="gated_delta", sinks=4, keep_softmax=3),
+        None,
+    ),
 }
 DEFAULT_STUDENTS = ("linear", "linear 32/96", "gla", "gated_delta", "window", "gla+window")
 
 
 def student_plan(model, name: str, feature_dim: int, window: int):
     options, alternating = STUDENTS[name]
+    options = dict(options)
+    keep = options.pop("keep_softmax", 0)
+    if keep:
+        count = model.config.get_text_config().num_hidden_layers
+        keep = min(keep, count - 1)
+        kept = {int((index + 0.5) * count / keep) for index in range(keep)}
+        options["layers"] = [layer for layer in range(count) if layer not in kept]
     plan = plan_for(model, feature_dim=feature_dim, window=window, **options)
     if alternating is not None:
         for index, layer in enumerate(plan.layers):
@@ -150,7 +165,8 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
                 if is_teacher:
                     cache = synthetic_kv_cache(model, batch, context)
                 else:
-                    cache = student_cache_at(model, batch, context, fill_tokens=max(128, 2 * args.window))
+                    fill = min(context, max(128, 2 * args.window))
+                    cache = student_cache_at(model, batch, context, fill_tokens=fill)
                 result = time_decode(
                     model, cache, batch, steps=args.steps or None, target_seconds=args.seconds_per_row
                 )
@@ -566,8 +582,9 @@ def main(argv=None) -> int:
     print(
         f"model: {'tiny random Llama' if args.tiny else args.teacher}; students untrained, F={args.feature_dim}, "
         f"window {args.window}; teacher decode from a synthetic (random) KV cache of the context length; "
-        f"student decode from a real prefill of {max(128, 2 * args.window)} tokens with the token count set to "
-        f"the context (state size and step work do not depend on it); decode: "
+        f"student decode from a real prefill of {max(128, 2 * args.window)} tokens (at most the context) with the "
+        "token count set to the context (state size and step work do not depend on it; layers kept as softmax "
+        "get random keys and values up to the context); decode: "
         f"{args.steps or 'timed'} steps after 1 warm-up step; "
         f"{f'{args.repeats} rounds, each row its median sample; ' if args.repeats > 1 else ''}"
         f"{'every row in its own process' if args.isolate == 'rows' else 'all rows of a model in one process'}; "

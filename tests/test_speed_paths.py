@@ -141,6 +141,12 @@ def test_bench_speed_runs_every_cell_on_a_tiny_model_and_skips_what_does_not_fit
         (r["phase"], r["batch"], r["context"]): r["cache_bytes"] for r in rows if r["model"] == "linear"
     }
     assert linear[("decode", 2, 32)] == linear[("decode", 2, 64)]  # the state does not grow with the context
+    mixed = {
+        (r["phase"], r["batch"], r["context"]): r["cache_bytes"]
+        for r in rows
+        if r["model"] == "gated_delta+window (3 softmax)"
+    }
+    assert mixed[("decode", 2, 64)] > mixed[("decode", 2, 32)]  # its softmax layer's cache grows
     # a prefill in pieces leaves the same cache as one forward
     assert linear[("prefill/16", 1, 64)] == linear[("prefill", 1, 64)]
     assert teacher[("prefill/16", 1, 64)] == teacher[("prefill", 1, 64)]

@@ -197,7 +197,8 @@ def student_cache_at(model, batch_size: int, context: int, fill_tokens: int, see
 
     A student's state has the same size and the decode step the same work whatever the length (a window
     needs ``fill_tokens`` >= its window to be full); only the token counter, which sets the position of the
-    next token, is moved on to ``context``.
+    next token, is moved on to ``context``. Layers the plan keeps as full softmax get random keys and values
+    in front of their real ones up to ``context`` (their decoding cost grows with it, as the teacher's).
     """
     from dofla.cache import RecurrentCacheLayer, self_attention_cache
 
@@ -211,6 +212,16 @@ def student_cache_at(model, batch_size: int, context: int, fill_tokens: int, see
     for layer in self_attention_cache(cache).layers:
         if isinstance(layer, RecurrentCacheLayer):
             layer.num_tokens = max(layer.num_tokens, int(context))
+        elif getattr(layer, "keys", None) is not None and layer.keys.shape[-2] < context:
+            extra = (
+                batch_size,
+                layer.keys.shape[1],
+                int(context) - layer.keys.shape[-2],
+                layer.keys.shape[-1],
+            )
+            filler = [torch.randn(extra, generator=generator).to(layer.keys) for _ in range(2)]
+            layer.keys = torch.cat([filler[0], layer.keys], dim=-2)
+            layer.values = torch.cat([filler[1], layer.values], dim=-2)
     return cache
 
 
