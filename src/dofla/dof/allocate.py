@@ -605,9 +605,9 @@ def measure_and_plan(
     For ``softmax_choice="window"`` each layer's window cost (the KL of cutting it alone to the plan's window
     and sinks, :func:`~dofla.evaluation.window_baseline.window_costs`) is measured on the batches first, so
     measure at the length the model must serve. Error curves (:mod:`dofla.dof.error_curves`) are measured on
-    the same batches when the allocation or the softmax-layer choice needs them, with the planned student and ``curve_options`` (dims, steps, lr, loss,
-    criterion, heldout_rows), and kept in ``curves_folder`` (default: the innermost
-    :func:`~dofla.dof.error_curves.curve_cache`) for the next run with the same key.
+    the same batches when the allocation or the softmax-layer choice needs them, with the planned student
+    and ``curve_options`` (dims, steps, lr, loss, criterion, heldout_rows), and kept in ``curves_folder``
+    (default: the innermost :func:`~dofla.dof.error_curves.curve_cache`) for the next run with the same key.
     """
     from dofla.dof.error_curves import cached_error_curves, settings_for
     from dofla.dof.estimation import estimate
