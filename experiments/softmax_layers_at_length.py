@@ -35,14 +35,10 @@ import torch
 
 from dofla.commands._common import integer_list
 from dofla.data import cut_rows, load_texts, pack_rows, split_train_heldout
+from dofla.dof import SOFTMAX_CHOICES
 from dofla.evaluation.window_baseline import window_costs, window_restricted
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
-
-
-def uniform_layers(count: int, layers: int) -> list[int]:
-    """``count`` layers evenly spaced over ``layers``, centred in their strides (``--softmax-choice uniform``)."""
-    return sorted({int((index + 0.5) * layers / count) for index in range(count)}) if count else []
 
 
 def perplexities(model, rows: torch.Tensor, start: int) -> tuple[float, float]:
@@ -113,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     for keep in args.keep:
         if keep:
             choices[(keep, "window_kl")] = sorted(ranked[:keep])
-            choices[(keep, "uniform")] = uniform_layers(keep, layers)
+            choices[(keep, "uniform")] = SOFTMAX_CHOICES["uniform"](
+                list(range(layers)), keep, measure=None, curves=None, budget=0
+            )
     for name, chosen in given.items():
         choices[(len(chosen), name)] = chosen
     choices[(layers, "all")] = list(range(layers))

@@ -144,11 +144,17 @@ def test_bad_folders_and_unconverted_models_are_refused(tmp_path):
         save_converted(tiny_model("llama"), tmp_path / "out")
 
 
-def test_generate_command_streams_tokens(tmp_path, capsys):
+def saved_hybrid(folder):
+    """A tiny converted Llama (hybrid plan) saved with its tokenizer to ``folder``: (model, tokenizer)."""
     model = tiny_model("llama")
     convert(model, PLANS["hybrid"](model))
     tokenizer = build_tiny_tokenizer()
-    save_converted(model, tmp_path / "out", tokenizer=tokenizer)
+    save_converted(model, folder, tokenizer=tokenizer)
+    return model, tokenizer
+
+
+def test_generate_command_streams_tokens(tmp_path, capsys):
+    model, tokenizer = saved_hybrid(tmp_path / "out")
     prompt = "The cat"
     assert main(["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "6"]) == 0
     printed = capsys.readouterr().out
@@ -167,10 +173,7 @@ def test_generate_command_streams_tokens(tmp_path, capsys):
 
 
 def test_generate_command_reads_a_prompt_file_and_prefills_in_pieces(tmp_path, capsys):
-    model = tiny_model("llama")
-    convert(model, PLANS["hybrid"](model))
-    tokenizer = build_tiny_tokenizer()
-    save_converted(model, tmp_path / "out", tokenizer=tokenizer)
+    _, tokenizer = saved_hybrid(tmp_path / "out")
     prompt = "The cat sat on the mat and the dog sat on the log, the cat and the dog"
     (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
     assert len(tokenizer(prompt).input_ids) > 6
