@@ -283,15 +283,18 @@ def window_costs(
         reference = final_hidden_states(model, ids).flatten(0, 1)  # (B * T, E)
         entering = hidden_states_entering(model, ids, chosen)
         vocabulary = model.get_output_embeddings().weight.shape[0]
+        cut = {}  # layer -> (B * T, E): small next to the logits, so the full model's head runs once per chunk
         for layer in chosen:
             with (
                 window_restricted(model, window, sinks, layers=[layer]),
                 starting_at_layer(model, layer, entering.pop(layer)),
             ):
-                cut = final_hidden_states(model, ids).flatten(0, 1)
-            for rows in row_chunks(len(cut), vocabulary):
-                full = torch.log_softmax(output_logits(model, reference[rows]), -1)
-                restricted = torch.log_softmax(output_logits(model, cut[rows]), -1)
-                totals[layer] += float(kl_from_teacher(full, full.exp(), restricted).sum())
+                cut[layer] = final_hidden_states(model, ids).flatten(0, 1)
+        for rows in row_chunks(len(reference), vocabulary):
+            full = torch.log_softmax(output_logits(model, reference[rows]), -1)
+            probabilities = full.exp()
+            for layer in chosen:
+                restricted = torch.log_softmax(output_logits(model, cut[layer][rows]), -1)
+                totals[layer] += float(kl_from_teacher(full, probabilities, restricted).sum())
         tokens += ids.numel()
     return [total / max(tokens, 1) for total in totals]
