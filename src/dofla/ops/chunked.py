@@ -298,9 +298,16 @@ def sliding_window_sums(
     num_chunks = -(-length // size)
     pad = num_chunks * size - length
     span = size + window - 1  # keys a chunk of queries can see
-    queries = F.pad(queries, (0, 0, 0, pad)).view(batch, num_kv_heads, group, num_chunks, size, head_dim)
+    # The G query heads of a key/value head are rows of one product per chunk (B, Hk, N, G * C, D), so the
+    # chunk's key and value blocks are read as they are (broadcasting them over G would copy them G times).
+    queries = (
+        F.pad(queries, (0, 0, 0, pad))
+        .view(batch, num_kv_heads, group, num_chunks, size, head_dim)
+        .transpose(2, 3)
+        .reshape(batch, num_kv_heads, num_chunks, group * size, head_dim)
+    )
     # Keys shifted right by window - 1 so that block n starts at absolute position n * C - (window - 1).
-    key_blocks = F.pad(keys, (0, 0, window - 1, pad)).unfold(2, span, size).transpose(-1, -2)  # (B,Hk,N,S,D)
+    key_blocks = F.pad(keys, (0, 0, window - 1, pad)).unfold(2, span, size)  # (B, Hk, N, D, S)
     value_blocks = (
         F.pad(values, (0, 0, window - 1, pad)).unfold(2, span, size).transpose(-1, -2)
     )  # (B,Hk,N,S,Dv)
@@ -312,18 +319,23 @@ def sliding_window_sums(
     )  # (N, C, S)
     absent = F.pad(~present, (window - 1, pad), value=True).unfold(2, span, size)  # (B,Hk,N,S)
     visible = visible & ~absent[:, :, :, None, :]  # (B, Hk, N, C, S)
-    scores = soft_cap(
-        scaling * (queries @ key_blocks.unsqueeze(2).transpose(-1, -2)), softcap
-    )  # (B,Hk,G,N,C,S)
-    scores = scores.masked_fill(~visible.unsqueeze(2), NEGATIVE_INFINITY)
+    scores = soft_cap(scaling * (queries @ key_blocks), softcap).view(
+        batch, num_kv_heads, num_chunks, group, size, span
+    )  # (B, Hk, N, G, C, S)
+    scores = scores.masked_fill(~visible.unsqueeze(3), NEGATIVE_INFINITY)
     window_max = scores.amax(-1, keepdim=True)  # -inf only for a query whose whole window is absent
     weights = torch.exp(scores - _finite_or_zero(window_max))
-    numerator = weights @ value_blocks.unsqueeze(2)  # (B, Hk, G, N, C, Dv)
-    denominator = weights.sum(-1)
-    numerator = numerator.reshape(batch, num_kv_heads, group, num_chunks * size, value_dim)[..., :length, :]
-    denominator = denominator.reshape(batch, num_kv_heads, group, num_chunks * size)[..., :length]
-    window_max = window_max.reshape(batch, num_kv_heads, group, num_chunks * size)[..., :length]
-    return numerator, denominator, window_max
+    numerator = (weights.view(batch, num_kv_heads, num_chunks, group * size, span) @ value_blocks).view(
+        batch, num_kv_heads, num_chunks, group, size, value_dim
+    )
+    denominator = weights.sum(-1, keepdim=True)  # (B, Hk, N, G, C, 1)
+
+    def by_token(tensor: Tensor) -> Tensor:  # (B, Hk, N, G, C, W) -> (B, Hk, G, T, W)
+        return tensor.transpose(2, 3).reshape(batch, num_kv_heads, group, num_chunks * size, -1)[
+            :, :, :, :length
+        ]
+
+    return by_token(numerator), by_token(denominator)[..., 0], by_token(window_max)[..., 0]
 
 
 def sink_sums(
