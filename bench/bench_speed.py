@@ -12,7 +12,11 @@ the teacher of the same run:
   a student keeps as full softmax get random keys and values up to the context, as the teacher);
 - cache/state bytes, and peak resident memory above the loaded model during the row;
 - "linear 32/96": the linear cell with layers alternating 32 and 96 features (mean 64, as a DoF
-  allocation), against "linear" (64 everywhere, the ``fix`` allocation) at the same mean dimension.
+  allocation), against "linear" (64 everywhere, the ``fix`` allocation) at the same mean dimension;
+- "no attention (prefill bound)" (asked for by name in ``--cells``; prefill rows only): the teacher with
+  its attention replaced by zeros and everything else its own (projections, norms, MLP, cache writes).
+  No student that keeps the teacher's projections and MLP prefills faster, so its ratio is the ceiling of
+  every student's prefill ratio on the machine.
 A setting that does not fit in memory prints one line and the run goes on with the rest. Every row runs
 in its own process (``--isolate rows``, the default), which loads the model, warms up with one short
 prefill and measures that row alone, so no row's figure depends on the memory the rows before it left
@@ -36,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AttentionInterface
 
 from dofla.convert import convert, plan_for, unconvert
 from dofla.evaluation.speed import (
@@ -72,6 +77,18 @@ STUDENTS = {
     ),
 }
 DEFAULT_STUDENTS = ("linear", "linear 32/96", "gla", "gated_delta", "window", "gla+window")
+# Not a student: the teacher attending to nothing (see the module docstring); prefill rows only.
+NO_ATTENTION = "no attention (prefill bound)"
+NO_ATTENTION_IMPLEMENTATION = "bench_no_attention"
+
+
+def no_attention(module, query, key, value, attention_mask, **kwargs):
+    """A transformers attention function that attends to nothing: zeros (B, T, H, Dv), one allocation."""
+    batch, heads, length, _ = query.shape
+    return query.new_zeros(batch, length, heads, value.shape[-1]), None
+
+
+AttentionInterface.register(NO_ATTENTION_IMPLEMENTATION, no_attention)
 
 
 def student_plan(model, name: str, feature_dim: int, window: int):
@@ -117,14 +134,16 @@ def fits(needed_bytes: int, what: str, log) -> bool:
     return True
 
 
-def row_settings(args) -> list[tuple[str, int, int]]:
-    """(phase, batch, context) of every row a model is measured at, in the order they run."""
+def row_settings(args, name: str = TEACHER) -> list[tuple[str, int, int]]:
+    """(phase, batch, context) of every row model ``name`` is measured at, in the order they run."""
     prefill = [
         (phase, 1, context)
         for phase in prefill_phases(args)
         for context in args.contexts
         if (phase_chunk(phase) or 0) < context  # a prompt of one piece is the one-forward row
     ]
+    if name == NO_ATTENTION:
+        return prefill
     return prefill + [("decode", batch, context) for batch in args.batches for context in args.contexts]
 
 
@@ -197,6 +216,10 @@ def prepared_model(model, name: str, args, log):
     if name == TEACHER:
         log(f"{TEACHER}: softmax SDPA, DynamicCache")
         return model
+    if name == NO_ATTENTION:
+        log(f"{NO_ATTENTION}: the teacher with its attention replaced by zeros")
+        model.set_attn_implementation(NO_ATTENTION_IMPLEMENTATION)
+        return model
     plan = student_plan(model, name, args.feature_dim, args.window)
     convert(model, plan)
     log(f"{name}: {plan.layers[0].cell} cell, kind {plan.layers[0].kind}")
@@ -205,12 +228,15 @@ def prepared_model(model, name: str, args, log):
 
 def measure_in_process(model, name: str, args, log) -> list[dict]:
     """Every row of one model in this process, one after the other (``--isolate none``)."""
+    previous = model.config._attn_implementation
     prepared_model(model, name, args, log)
     try:
         warm_up(model, args)
-        return [measure_row(model, name, *setting, args, log) for setting in row_settings(args)]
+        return [measure_row(model, name, *setting, args, log) for setting in row_settings(args, name)]
     finally:
-        if name != TEACHER:
+        if name == NO_ATTENTION:
+            model.set_attn_implementation(previous)
+        elif name != TEACHER:
             unconvert(model)
 
 
@@ -223,7 +249,7 @@ def measure_isolated(name: str, args, log) -> list[dict]:
     prefill was measured at a third of its speed alone). A process that dies (e.g. killed by the kernel
     for memory) gives a row with ``error="memory"`` and the run goes on."""
     rows = []
-    for phase, batch, context in row_settings(args):
+    for phase, batch, context in row_settings(args, name):
         spec = json.dumps(dict(model=name, phase=phase, batch=batch, context=context))
         command = [sys.executable, str(Path(__file__).resolve()), *args.argv, ROW_FLAG, spec]
         completed = subprocess.run(command, stdout=subprocess.PIPE, text=True)
@@ -492,7 +518,9 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default="1024,4096,16384", help="comma-separated context lengths")
     parser.add_argument("--batches", default="1,8", help="comma-separated decode batch sizes")
     parser.add_argument(
-        "--cells", default=",".join(DEFAULT_STUDENTS), help=f"students: {', '.join(STUDENTS)}"
+        "--cells",
+        default=",".join(DEFAULT_STUDENTS),
+        help=f"students: {', '.join(STUDENTS)}; or {NO_ATTENTION!r}",
     )
     parser.add_argument("--feature-dim", type=int, default=64)
     parser.add_argument("--window", type=int, default=64)
@@ -537,9 +565,9 @@ def main(argv=None) -> int:
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.prefill_chunks = [int(c) for c in str(args.prefill_chunks).split(",")]
     names = [name.strip() for name in args.cells.split(",") if name.strip()]
-    unknown = [name for name in names if name not in STUDENTS]
+    unknown = [name for name in names if name not in STUDENTS and name != NO_ATTENTION]
     if unknown:
-        parser.error(f"unknown student {unknown[0]!r}; known: {', '.join(STUDENTS)}")
+        parser.error(f"unknown student {unknown[0]!r}; known: {', '.join([*STUDENTS, NO_ATTENTION])}")
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -3,6 +3,7 @@ scripts on a tiny model (timings are never asserted: only that every row and out
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -170,6 +171,35 @@ def test_bench_speed_runs_every_cell_on_a_tiny_model_and_skips_what_does_not_fit
     assert "skipped teacher prefill batch 1 context 32: needs about" in captured.err
     assert "does not fit" in captured.out
     assert "linear decode batch 1 context 32" in captured.err  # a student's row still ran
+
+
+def test_bench_speed_no_attention_bound_is_the_teacher_attending_to_nothing_in_prefill_rows_only(tmp_path):
+    bench = bench_script("bench_speed")
+    arguments = ["--tiny", "--contexts", "32,64", "--batches", "1", "--steps", "1", "--isolate", "none"]
+    arguments += ["--prefill-chunks", "0,16", "--cells", f"linear,{bench.NO_ATTENTION}"]
+    assert bench.main([*arguments, "--out", str(tmp_path), "--plot", str(tmp_path / "s.png")]) == 0
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    bound = sorted((r["phase"], r["context"]) for r in rows if r["model"] == bench.NO_ATTENTION)
+    assert bound == [("prefill", 32), ("prefill", 64), ("prefill/16", 32), ("prefill/16", 64)]
+    assert all(r["tokens_per_second"] > 0 for r in rows if r["model"] == bench.NO_ATTENTION)
+
+    # attending to nothing: a position's logits do not depend on the tokens before it; restored afterwards
+    model = bench.build_model(argparse.Namespace(tiny=True, contexts=[32], teacher=None))
+    tokens = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    changed = tokens.clone()
+    changed[0, :6] = (changed[0, :6] + 1) % model.config.vocab_size
+
+    def last_logits(ids):
+        with torch.no_grad():
+            return model(input_ids=ids).logits[0, -1]
+
+    before = last_logits(tokens)
+    assert not torch.allclose(before, last_logits(changed))  # the teacher reads its context
+    previous = model.config._attn_implementation
+    bench.prepared_model(model, bench.NO_ATTENTION, None, lambda message: None)
+    assert torch.equal(last_logits(tokens), last_logits(changed))
+    model.set_attn_implementation(previous)
+    assert torch.allclose(last_logits(tokens), before)
 
 
 def test_bench_speed_measures_every_row_in_its_own_process(tmp_path, capsys):
