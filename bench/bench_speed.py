@@ -66,7 +66,9 @@ STUDENTS = {
     "gated_delta": (dict(kind="linear", cell="gated_delta"), None),
     "window": (dict(kind="hybrid", cell="window"), None),
     "linear+window": (dict(kind="hybrid", cell="linear"), None),
-    # the default (gla) recipe's cell: gla sharing one normalisation with the window and 4 sinks
+    # the default (gla) recipe's cell: gla sharing one normalisation with the window and 4 sinks (here and
+    # below on plan_for's learnable PRF of --feature-dim features; the recipes use Hedgehog / projection keys,
+    # whose one-layer steps cost about the same: bench/bench_layer_step.py)
     "gla+window": (dict(kind="hybrid", cell="gla", sinks=4), None),
     # the gated-delta recipe's cell, alone and with 3 layers kept as full softmax (evenly spaced: which
     # layers does not change the speed)
