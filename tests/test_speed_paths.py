@@ -433,22 +433,42 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("length, window, chunk", [(13, 5, 4), (13, 3, 8), (16, 6, 4), (5, 8, 4)])
-def test_fresh_window_attention_matches_the_reference_and_the_general_chunked_path(length, window, chunk):
-    """A window prefill from no state (no padding, sinks or soft-capping) takes one fused softmax call per
-    chunk: against the naive form (forward and gradients) and the general blocked path (output, state)."""
+@pytest.mark.parametrize("sinks, query_heads", [(0, 4), (2, 4), (2, 2)])
+@pytest.mark.parametrize(
+    "length, window, chunk, split",
+    [(13, 5, 4, 6), (13, 3, 8, 9), (16, 6, 4, 1), (5, 8, 4, 2), (20, 3, 8, 13)],
+)
+def test_fused_window_attention_matches_the_reference_and_the_general_chunked_path(
+    length, window, chunk, split, sinks, query_heads
+):
+    """A window prefill with no padding or soft-capping takes one fused softmax call per chunk, from no state
+    or continuing one, with or without sinks: against the naive form over the whole sequence (forward and
+    gradients) and the general blocked path (output, state) call by call."""
     from dofla.ops import chunked_window_attention, window_attention
 
     generator = torch.Generator().manual_seed(3)
     query, key, value = (
         torch.randn(2, heads, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
-        for heads in (4, 2, 2)
+        for heads in (query_heads, 2, 2)
     )
-    settings = dict(scaling=8**-0.5, window=window)
-    fast, fast_state = chunked_window_attention(
-        query, key, value, chunk_size=chunk, return_state=True, **settings
-    )
-    expected = window_attention(query, key, value, **settings)
+    settings = dict(scaling=8**-0.5, window=window, sinks=sinks, chunk_size=chunk, return_state=True)
+    pieces = [slice(0, split), slice(split, length)]
+    fast, state, general_state = [], None, None
+    for piece in pieces:
+        q, k, v = query[:, :, piece], key[:, :, piece], value[:, :, piece]
+        out, state = chunked_window_attention(q, k, v, initial_state=state, **settings)
+        all_present = torch.ones(2, k.shape[2], dtype=torch.bool)  # a key mask takes the general path
+        slow, general_state = chunked_window_attention(
+            q, k, v, initial_state=general_state, key_mask=all_present, **settings
+        )
+        torch.testing.assert_close(out, slow, rtol=1e-10, atol=1e-12)
+        assert state.num_tokens == general_state.num_tokens
+        for a, b in zip(state._tensors(), general_state._tensors(), strict=True):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        fast.append(out)
+    fast = torch.cat(fast, dim=2)
+    expected = window_attention(query, key, value, scaling=8**-0.5, window=window, sinks=sinks)
     torch.testing.assert_close(fast, expected, rtol=1e-10, atol=1e-12)
     weights = torch.randn(expected.shape, generator=generator, dtype=expected.dtype)
     inputs = (query, key, value)
@@ -458,14 +478,6 @@ def test_fresh_window_attention_matches_the_reference_and_the_general_chunked_pa
         strict=True,
     ):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
-    all_present = torch.ones(2, length, dtype=torch.bool)  # a key mask takes the general blocked path
-    general, general_state = chunked_window_attention(
-        query, key, value, chunk_size=chunk, return_state=True, key_mask=all_present, **settings
-    )
-    torch.testing.assert_close(fast, general, rtol=1e-10, atol=1e-12)
-    assert fast_state.num_tokens == general_state.num_tokens == length
-    for a, b in zip(fast_state._tensors(), general_state._tensors(), strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def test_chunk_size_comes_from_the_measured_table_unless_the_plan_sets_one(tmp_path, capsys, one_thread):

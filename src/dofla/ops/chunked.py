@@ -536,47 +536,93 @@ def chunked_hybrid_attention(
     return out, state
 
 
-def _fresh_window_attention(
-    query: Tensor, key: Tensor, v: Tensor, *, scaling: float, window: int, chunk_size: int
+def _fused_window_attention(
+    query: Tensor,
+    key: Tensor,
+    v: Tensor,
+    state: WindowState | None,
+    *,
+    scaling: float,
+    window: int,
+    sinks: int,
+    chunk_size: int,
 ) -> tuple[Tensor, WindowState]:
-    """``chunked_window_attention`` from no state, with every key present and no sinks or soft-capping:
-    per chunk of C queries, one fused softmax attention call over the C + window - 1 keys it can see
-    (every query sees at least itself, so no row is empty). Returns out (B, H, T, Dv) in v's dtype (a
-    transposed view of a (B, T, H, Dv) tensor) and the WindowState after the call."""
+    """``chunked_window_attention`` with every key of the call present and no soft-capping, from ``state``
+    (None: nothing seen): per chunk of C queries, one fused softmax attention call over the sink slots and
+    the C + window - 1 window keys the chunk can see. Every query sees its own key (in the window, or as a
+    sink), so no real query's row is empty; the rows of padding queries past the end see every key (finite,
+    then dropped). Returns out (B, H, T, Dv) in v's dtype (a transposed view of a (B, T, H, Dv) tensor) and
+    the WindowState after the call."""
     dtype = compute_dtype(query, key, v)
     batch, num_heads, length, head_dim = query.shape
     num_kv_heads, value_dim = key.shape[1], v.shape[-1]
     group, size = num_heads // num_kv_heads, min(chunk_size, length)
     num_chunks = -(-length // size)
-    pad, span = num_chunks * size - length, size + window - 1  # span: the keys one chunk can see
+    pad, span = num_chunks * size - length, size + window - 1  # span: the window keys one chunk can see
+    if state is None:
+        state = WindowState.empty_like(key, v, window, sinks)
+    else:
+        check_state_window(state, window, sinks)
+    present = torch.ones(batch, num_kv_heads, length, dtype=torch.bool, device=key.device)
+    sink = add_sinks(state.sink_keys, state.sink_values, state.sink_count, key, v, present)
+    # the state's last keys, then the call's; sinks are read from the sink slots only
+    all_keys = torch.cat([state.keys.to(key.dtype), key], dim=2)  # (B, Hk, L + T, D)
+    all_values = torch.cat([state.values.to(v.dtype), v], dim=2)
+    all_present = torch.cat([state.key_present, ~sink.is_sink], dim=2)
+    buffered = state.keys.shape[2]
+
+    def blocks(tensor: Tensor, fill) -> Tensor:
+        """(B, Hk, L + T, ...) -> (B, Hk, N, ..., S): block n starts window - 1 keys before call token n * C."""
+        shift = (0, 0) * (tensor.dim() - 3) + (window - 1, pad)
+        return F.pad(tensor, shift, value=fill)[:, :, buffered:].unfold(2, span, size)
+
     queries = (
         F.pad(query.to(dtype), (0, 0, 0, pad))
         .view(batch, num_kv_heads, group, num_chunks, size, head_dim)
         .transpose(2, 3)
         .reshape(batch, num_kv_heads, num_chunks, group * size, head_dim)
     )  # (B, Hk, N, G * C, D): a chunk's queries of a key/value head are rows of one call
-    # keys shifted right by window - 1, so that block n starts at absolute position n * C - (window - 1)
-    key_blocks = F.pad(key.to(dtype), (0, 0, window - 1, pad)).unfold(2, span, size).transpose(-1, -2)
-    value_blocks = F.pad(v.to(dtype), (0, 0, window - 1, pad)).unfold(2, span, size).transpose(-1, -2)
     row = torch.arange(size, device=query.device)[:, None]  # query r in its chunk
     column = torch.arange(span, device=query.device)[None, :]  # key u in the block
-    chunk_start = (torch.arange(num_chunks, device=query.device) * size)[:, None, None]
-    visible = (column >= row) & (column <= row + window - 1) & (chunk_start + column - (window - 1) >= 0)
-    visible = visible.repeat(1, group, 1)  # (N, G * C, S)
+    token = torch.arange(num_chunks * size, device=query.device).view(num_chunks, size, 1)  # (N, C, 1)
+    visible = (column >= row) & (column <= row + window - 1) & blocks(all_present, False)[:, :, :, None, :]
+    keys = blocks(all_keys.to(dtype), 0.0).transpose(-1, -2)  # (B, Hk, N, S, D)
+    values = blocks(all_values.to(dtype), 0.0).transpose(-1, -2)
+    if sinks:  # the sink slots first: slot s is seen from call token position[s] on
+        sink_visible = sink.position[:, :, None, None, :] <= token  # (B, Hk, N, C, sinks)
+        visible = torch.cat([sink_visible, visible], dim=-1)
+        keys = torch.cat([sink.keys.to(dtype)[:, :, None].expand(-1, -1, num_chunks, -1, -1), keys], dim=3)
+        values = torch.cat(
+            [sink.values.to(dtype)[:, :, None].expand(-1, -1, num_chunks, -1, -1), values], dim=3
+        )
+    visible = visible | (token >= length)  # padding queries: see everything, dropped below
+    rows, width = batch * num_kv_heads, keys.shape[3]  # 4-D inputs: PyTorch's fused CPU kernel takes them
     out = F.scaled_dot_product_attention(
-        queries, key_blocks.contiguous(), value_blocks.contiguous(), attn_mask=visible, scale=scaling
-    )  # (B, Hk, N, G * C, Dv)
+        queries.reshape(rows, num_chunks, group * size, head_dim),
+        keys.reshape(rows, num_chunks, width, head_dim),
+        values.reshape(rows, num_chunks, width, value_dim),
+        attn_mask=visible.expand(batch, num_kv_heads, -1, -1, -1)  # rows g * C + r, as the queries
+        .repeat(1, 1, 1, group, 1)
+        .reshape(rows, num_chunks, group * size, width),
+        scale=scaling,
+    )  # (B * Hk, N, G * C, Dv)
     out = (
         out.view(batch, num_kv_heads, num_chunks, group, size, value_dim)
         .permute(0, 2, 4, 1, 3, 5)
         .reshape(batch, num_chunks * size, num_heads, value_dim)[:, :length]
     )  # (B, T, H, Dv)
-    keep = min(window, length)
-    state = WindowState.empty_like(key, v, window)
-    state.keys, state.values = key[:, :, -keep:].clone(), v[:, :, -keep:].clone()
-    state.key_present = torch.ones(batch, num_kv_heads, keep, dtype=torch.bool, device=key.device)
-    state.num_tokens = length
-    return out.transpose(1, 2).to(v.dtype), state
+    keep = min(window, all_keys.shape[2])
+    new_state = WindowState(
+        keys=all_keys[:, :, -keep:].clone(),  # copies, as in window_part_sums
+        values=all_values[:, :, -keep:].clone(),
+        key_present=all_present[:, :, -keep:].clone(),
+        sink_keys=sink.keys,
+        sink_values=sink.values,
+        sink_count=sink.count,
+        window=window,
+        num_tokens=state.num_tokens + length,
+    )
+    return out.transpose(1, 2).to(v.dtype), new_state
 
 
 def chunked_window_attention(
@@ -601,9 +647,16 @@ def chunked_window_attention(
     """
     group = check_window_inputs(query, key, v, window, sinks)
     size = _check_chunk_size(chunk_size)
-    if not sinks and not softcap and key_mask is None and initial_state is None:
-        out, state = _fresh_window_attention(
-            query, key, v, scaling=scaling, window=int(window), chunk_size=size
+    if not softcap and key_mask is None:
+        out, state = _fused_window_attention(
+            query,
+            key,
+            v,
+            initial_state,
+            scaling=scaling,
+            window=int(window),
+            sinks=int(sinks),
+            chunk_size=size,
         )
         return (out, state) if return_state else out
     present = present_keys(key_mask, key)  # (B, Hk, T)
