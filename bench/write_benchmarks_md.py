@@ -38,6 +38,19 @@ SECTIONS = [
         "forward and in pieces of 2,048 tokens (`generate(prefill_chunk_size=2048)`), for the teacher too.",
     ),
     (
+        "Speed at length, medians of 3 interleaved rounds: the recipes' cells and the 32/96 allocation (CPU)",
+        "bench/results/speed_repeats.md",
+        "`python bench/bench_speed.py --repeats 3` on the rows the targets name (command in the file): each "
+        "row's median sample and the spread over the rounds, the teacher measured in the same rounds.",
+    ),
+    (
+        "Prefill at 16k against the most any student can reach: the teacher attending to nothing (CPU)",
+        "bench/results/speed_prefill_bound.md",
+        "The `no attention (prefill bound)` row keeps the teacher's projections, norms, MLP and cache writes "
+        "and replaces its attention by zeros: its prefill ratio is the ceiling of every student's on the "
+        "machine.",
+    ),
+    (
         "Whole-model generation on one H100, Llama-1B shape (random weights, bf16)",
         "bench/results/gpu_generation_llama1b.md",
         "Pure-PyTorch chunked/recurrent forms (no custom kernels).",
