@@ -252,6 +252,19 @@ def test_bench_speed_goes_on_when_a_row_process_fails_or_is_killed(tmp_path, cap
     assert "| linear | does not fit | - |" in captured.out and "| teacher | failed | - |" in captured.out
 
 
+def test_bench_window_op_times_both_paths_and_they_agree(capsys, one_thread):
+    bench = bench_script("bench_window_op")
+    arguments = ["--length", "40", "--fill", "24", "--window", "8", "--sinks", "2", "--heads", "4"]
+    assert (
+        bench.main([*arguments, "--kv-heads", "2", "--head-dim", "8", "--chunk-size", "8", "--repeats", "1"])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "| general (blocked) |" in printed and "| fused |" in printed
+    difference = float(printed.split("largest output difference ")[1].split()[0])
+    assert difference < 1e-5
+
+
 def test_profile_decode_prints_top_operators_per_model(capsys, one_thread):
     profile = bench_script("profile_decode")
     arguments = [
