@@ -367,6 +367,30 @@ def merge_softmax_sums(
     return numerator, first[1] * first_scale + second[1] * second_scale
 
 
+def _window_state_after(
+    state: WindowState,
+    all_keys: Tensor,
+    all_values: Tensor,
+    all_present: Tensor,
+    sink: SinkUpdate,
+    length: int,
+) -> WindowState:
+    """The WindowState after a call of ``length`` tokens: the last ``window`` of the state's and the call's
+    keys (joined, (B, Hk, L + T, ...)) and the sinks ``sink`` holds."""
+    keep = min(state.window, all_keys.shape[2])
+    return WindowState(
+        # copies: views of the call's keys would keep every key of a long prefill alive in the state
+        keys=all_keys[:, :, -keep:].clone(),
+        values=all_values[:, :, -keep:].clone(),
+        key_present=all_present[:, :, -keep:].clone(),
+        sink_keys=sink.keys,
+        sink_values=sink.values,
+        sink_count=sink.count,
+        window=state.window,
+        num_tokens=state.num_tokens + length,
+    )
+
+
 def window_part_sums(
     queries: Tensor,
     key: Tensor,
@@ -417,18 +441,7 @@ def window_part_sums(
         numerator, denominator = merge_softmax_sums(
             window_sums, sink_sums(queries, sink, scaling=scaling, softcap=softcap)
         )
-    keep = min(window, all_keys.shape[2])
-    new_state = WindowState(
-        # copies: views of the call's keys would keep every key of a long prefill alive in the state
-        keys=all_keys[:, :, -keep:].clone(),
-        values=all_values[:, :, -keep:].clone(),
-        key_present=all_present[:, :, -keep:].clone(),
-        sink_keys=sink.keys,
-        sink_values=sink.values,
-        sink_count=sink.count,
-        window=window,
-        num_tokens=state.num_tokens + length,
-    )
+    new_state = _window_state_after(state, all_keys, all_values, all_present, sink, length)
     return numerator, denominator, sink.is_sink, new_state
 
 
@@ -611,17 +624,7 @@ def _fused_window_attention(
         .permute(0, 2, 4, 1, 3, 5)
         .reshape(batch, num_chunks * size, num_heads, value_dim)[:, :length]
     )  # (B, T, H, Dv)
-    keep = min(window, all_keys.shape[2])
-    new_state = WindowState(
-        keys=all_keys[:, :, -keep:].clone(),  # copies, as in window_part_sums
-        values=all_values[:, :, -keep:].clone(),
-        key_present=all_present[:, :, -keep:].clone(),
-        sink_keys=sink.keys,
-        sink_values=sink.values,
-        sink_count=sink.count,
-        window=window,
-        num_tokens=state.num_tokens + length,
-    )
+    new_state = _window_state_after(state, all_keys, all_values, all_present, sink, length)
     return out.transpose(1, 2).to(v.dtype), new_state
 
 
