@@ -367,6 +367,23 @@ def merge_softmax_sums(
     return numerator, first[1] * first_scale + second[1] * second_scale
 
 
+def _window_keys(
+    state: WindowState | None, key: Tensor, value: Tensor, present: Tensor, window: int, sinks: int
+) -> tuple[WindowState, SinkUpdate, Tensor, Tensor, Tensor]:
+    """Everything a call's window can see: the state before it (an empty one for None, else checked), the
+    sinks after adding the call's keys, and the state's last keys then the call's keys, values and presence
+    (B, Hk, L + T, ...); sinks count as absent there (they are read from the sink slots only)."""
+    if state is None:
+        state = WindowState.empty_like(key, value, window, sinks)
+    else:
+        check_state_window(state, window, sinks)
+    sink = add_sinks(state.sink_keys, state.sink_values, state.sink_count, key, value, present)
+    all_keys = torch.cat([state.keys.to(key.dtype), key], dim=2)  # (B, Hk, L + T, D)
+    all_values = torch.cat([state.values.to(value.dtype), value], dim=2)
+    all_present = torch.cat([state.key_present, present & ~sink.is_sink], dim=2)
+    return state, sink, all_keys, all_values, all_present
+
+
 def _window_state_after(
     state: WindowState,
     all_keys: Tensor,
@@ -412,17 +429,7 @@ def window_part_sums(
     maximum, is_sink (B, Hk, T) (the keys that became sinks) and the state after the call.
     """
     dtype, length = queries.dtype, queries.shape[3]
-    if state is None:
-        state = WindowState.empty_like(key, value, window, sinks)
-    else:
-        check_state_window(state, window, sinks)
-    sink = add_sinks(state.sink_keys, state.sink_values, state.sink_count, key, value, present)
-    present = present & ~sink.is_sink  # sinks are read from the sink buffer only
-
-    # Everything the window can still see: the state's last keys, then this call's keys.
-    all_keys = torch.cat([state.keys.to(key.dtype), key], dim=2)  # (B, Hk, L + T, D)
-    all_values = torch.cat([state.values.to(value.dtype), value], dim=2)
-    all_present = torch.cat([state.key_present, present], dim=2)
+    state, sink, all_keys, all_values, all_present = _window_keys(state, key, value, present, window, sinks)
     buffered = state.keys.shape[2]  # L <= window; its positions get dummy queries that are dropped
     padded_queries = F.pad(queries, (0, 0, buffered, 0))
     numerator, denominator, window_max = sliding_window_sums(
@@ -572,16 +579,8 @@ def _fused_window_attention(
     group, size = num_heads // num_kv_heads, min(chunk_size, length)
     num_chunks = -(-length // size)
     pad, span = num_chunks * size - length, size + window - 1  # span: the window keys one chunk can see
-    if state is None:
-        state = WindowState.empty_like(key, v, window, sinks)
-    else:
-        check_state_window(state, window, sinks)
     present = torch.ones(batch, num_kv_heads, length, dtype=torch.bool, device=key.device)
-    sink = add_sinks(state.sink_keys, state.sink_values, state.sink_count, key, v, present)
-    # the state's last keys, then the call's; sinks are read from the sink slots only
-    all_keys = torch.cat([state.keys.to(key.dtype), key], dim=2)  # (B, Hk, L + T, D)
-    all_values = torch.cat([state.values.to(v.dtype), v], dim=2)
-    all_present = torch.cat([state.key_present, ~sink.is_sink], dim=2)
+    state, sink, all_keys, all_values, all_present = _window_keys(state, key, v, present, window, sinks)
     buffered = state.keys.shape[2]
 
     def blocks(tensor: Tensor, fill) -> Tensor:
