@@ -10,6 +10,7 @@ import torch
 from dofla.data import (
     load_texts,
     pack_token_sequences,
+    repeat_spans,
     sample_teacher_texts,
     split_train_heldout,
 )
@@ -148,3 +149,31 @@ def test_perplexity_of_uniform_predictions_is_the_vocabulary_size():
         model.lm_head.weight.zero_()  # tied to the embedding; logits are all zero
     result = perplexity(model, torch.randint(0, 128, (2, 6)))
     assert result["perplexity"] == pytest.approx(128, rel=1e-5)
+
+
+def test_repeat_spans_copy_a_span_of_the_row_itself_at_least_the_gap_later():
+    rows = torch.arange(40 * 256).view(40, 256)  # every token id once: where a copy comes from is visible
+    out = repeat_spans(rows, 0.25, gap=64, seed=1)
+    changed = (out != rows).any(dim=1).nonzero().flatten().tolist()
+    assert len(changed) == 10
+    for row in range(len(rows)):
+        differs = (out[row] != rows[row]).nonzero().flatten()
+        if row not in changed:
+            assert len(differs) == 0
+            continue
+        start = int(differs[0])
+        assert torch.equal(differs, torch.arange(start, start + 32))  # one span of 256 // 8 tokens
+        source = int(out[row, start]) - row * 256  # where the copied tokens stood in the same row
+        assert torch.equal(out[row, start : start + 32], rows[row, source : source + 32])
+        assert start - (source + 32) >= 64  # the repeat begins at least the gap after the span ends
+    assert torch.equal(repeat_spans(rows, 0.25, gap=64, seed=1), out)  # seeded
+    assert not torch.equal(repeat_spans(rows, 0.25, gap=64, seed=2), out)
+    assert torch.equal(repeat_spans(rows, 0.0, gap=64), rows)
+    assert (repeat_spans(rows, 1.0, gap=64) != rows).any(dim=1).all()
+
+
+def test_repeat_spans_refuse_rows_too_short_for_the_gap():
+    with pytest.raises(DoflaError, match="too short to repeat a span more than 64 tokens later"):
+        repeat_spans(torch.zeros(4, 66, dtype=torch.long), 0.5, gap=64)
+    with pytest.raises(DoflaError, match=r"must lie in \[0, 1\], got 1.5"):
+        repeat_spans(torch.zeros(4, 256, dtype=torch.long), 1.5, gap=64)

@@ -149,6 +149,25 @@ def test_curriculum_rows_are_cut_from_training_rows_only(tmp_path):
         assert not set(stage_rows.flatten().tolist()) & heldout
 
 
+def test_recall_rows_repeat_training_text_only_and_at_every_curriculum_length(tmp_path):
+    rows = torch.arange(24 * 64).view(24, 64)
+    config = run_config(
+        tmp_path,
+        data=dict(recall_fraction=1.0),
+        plan=dict(kind="hybrid", window=8),
+        distill=dict(length_schedule=[[24, 0.5], [RUN_LENGTH, 0.5]]),
+    )
+    data = prepare_data(config, tiny_teacher(), None, rows, tmp_path / "cache")
+    plain_config = run_config(tmp_path, distill=dict(length_schedule=[[24, 0.5], [RUN_LENGTH, 0.5]]))
+    plain = prepare_data(plain_config, tiny_teacher(), None, rows, tmp_path / "cache")
+    for length, held in data.heldout_by_length.items():
+        assert torch.equal(held, plain.heldout_by_length[length])  # held-out text is never changed
+    for recalled, original in ((data.train, plain.train), (data.shorter_train[24], plain.shorter_train[24])):
+        assert recalled.shape == original.shape
+        assert (recalled != original).any(dim=1).all()  # every row repeats a span
+    assert "100% of the training rows repeat a span of their own text at least 8 tokens later" in data.source
+
+
 @pytest.mark.parametrize(
     "schedule, message",
     [

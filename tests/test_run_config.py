@@ -195,6 +195,12 @@ def test_a_config_file_with_a_mistake_is_one_sentence(tmp_path, text, message):
         (dict(distill=dict(loss="kl")), "unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax."),
         (dict(plan=dict(measure="nope")), "unknown measure 'nope'"),
         (dict(data=dict(heldout_fraction=1.0)), "the held-out fraction must lie in (0, 1), got 1.0"),
+        (dict(data=dict(recall_fraction=1.5)), "--recall-fraction must lie in [0, 1], got 1.5"),
+        (dict(data=dict(recall_fraction=-0.5)), "--recall-fraction must be at least 0.0, got -0.5"),
+        (
+            dict(data=dict(recall_fraction=0.5), distill=dict(teacher_states="s", sharding="layers")),
+            "without the repeated spans of --recall-fraction; drop one of the two",
+        ),
         (dict(resume=True, overwrite=True), "pass only one"),
         (dict(lora=dict(enabled=True, lr=0)), "--lora-lr must be a positive number, got 0"),
         (dict(distill=dict(sharding="heads")), "unknown sharding 'heads'; choose one of: data, layers."),
@@ -255,6 +261,7 @@ NEW_SINCE = {
     "plan.keep_softmax": 0,
     "plan.softmax_choice": "dof",
     "lora.tokens_per_forward": 2048,  # the demo's batches (2 x 512) are one piece: the same steps
+    "data.recall_fraction": 0.0,
 }  # options added later, at defaults
 
 

@@ -193,6 +193,36 @@ def cut_rows(rows: torch.Tensor, length: int) -> torch.Tensor:
     return rows[:, : pieces * length].reshape(-1, length)
 
 
+def repeat_spans(rows: torch.Tensor, fraction: float, *, gap: int, seed: int = 0) -> torch.Tensor:
+    """A copy of ``rows`` (N, T) in which a seeded ``fraction`` of the rows repeat a span of their own text.
+
+    In each chosen row a span of ``T // 8`` tokens (shorter where ``T`` is short) is copied over a later
+    part of the same row, starting at least ``gap`` tokens after the span ends. Predicting a repeated
+    token then means finding its first occurrence, more than ``gap`` tokens back: the recall a
+    window of ``gap`` tokens cannot do and a linear state must. Rows not chosen are left as they are.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise DoflaError(f"the share of rows with a repeated span must lie in [0, 1], got {fraction}.")
+    count, length = rows.shape
+    chosen = round(count * fraction)
+    if chosen == 0:
+        return rows
+    span = min(length // 8, (length - gap) // 2)
+    if span < 2:
+        raise DoflaError(
+            f"rows of {length} tokens are too short to repeat a span more than {gap} tokens later; use a "
+            f"--seq-len of at least {gap + 4} or a --recall-fraction of 0."
+        )
+    generator = torch.Generator().manual_seed(seed)
+    out = rows.clone()
+    for row in torch.randperm(count, generator=generator)[:chosen].tolist():
+        source = int(torch.randint(0, length - 2 * span - gap + 1, (1,), generator=generator))
+        earliest = source + span + gap
+        target = int(torch.randint(earliest, length - span + 1, (1,), generator=generator))
+        out[row, target : target + span] = rows[row, source : source + span]
+    return out
+
+
 def parse_tokens(text: str | int) -> int:
     """'2M' -> 2_000_000, '500k' -> 500_000, '1e6' -> 1_000_000, 1234 -> 1234."""
     if isinstance(text, int):

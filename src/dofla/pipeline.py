@@ -344,12 +344,30 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
             stacklevel=2,
         )
     shorter_train = {
-        length: cut_rows(train_rows, length)
+        length: with_recall(config, cut_rows(train_rows, length))
         for length, _ in config.distill.length_schedule or ()
         if length < seq_len
     }
-    train = cut_rows(train_rows, seq_len)
+    train = with_recall(config, cut_rows(train_rows, seq_len))
+    if config.data.recall_fraction > 0:
+        source += (
+            f"; {config.data.recall_fraction:.0%} of the training rows repeat a span of their own text "
+            f"at least {recall_gap(config)} tokens later (--recall-fraction)"
+        )
     return RunData(train, heldout_by_length, seq_len, skipped, source, sequences, shorter_train)
+
+
+def recall_gap(config: LinearizeConfig) -> int:
+    """How many tokens lie at least between a span and its repeat: the window's length."""
+    return config.plan.window
+
+
+def with_recall(config: LinearizeConfig, rows: torch.Tensor) -> torch.Tensor:
+    """Training rows with ``data.recall_fraction`` of them repeating a span beyond the window
+    (:func:`dofla.data.repeat_spans`)."""
+    from dofla.data import repeat_spans
+
+    return repeat_spans(rows, config.data.recall_fraction, gap=recall_gap(config), seed=config.seed)
 
 
 def evaluation_lengths(config: LinearizeConfig, limit: int | None) -> list[int]:

@@ -127,6 +127,12 @@ class DataSettings:
     heldout_sequences: int = option(32, "held-out rows of the longest length, never trained on", minimum=1)
     sampled_texts: int = option(64, "without --data: texts sampled from the teacher", minimum=1)
     sampled_tokens: int = option(256, "without --data: new tokens per sampled text", minimum=1)
+    recall_fraction: float = option(
+        0.0,
+        "share of training rows that repeat a span of their own text later, beyond the window (trains recall "
+        "past the window; held-out rows are left as they are)",
+        minimum=0.0,
+    )
 
 
 @dataclass
@@ -373,6 +379,13 @@ class LinearizeConfig:
         check_length_schedule(self.distill.length_schedule, self.data.seq_len)
         if not 0 < self.data.heldout_fraction < 1:
             raise DoflaError(f"the held-out fraction must lie in (0, 1), got {self.data.heldout_fraction}.")
+        if self.data.recall_fraction > 1:
+            raise DoflaError(f"--recall-fraction must lie in [0, 1], got {self.data.recall_fraction}.")
+        if self.distill.teacher_states is not None and self.data.recall_fraction > 0:
+            raise DoflaError(
+                "--teacher-states holds the rows as packed, without the repeated spans of --recall-fraction; "
+                "drop one of the two."
+            )
         resolve_dtype(self.teacher.dtype, resolve_device(self.teacher.device))
         self.distill_config().validate()
         if self.lora.enabled:
