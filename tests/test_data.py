@@ -169,6 +169,8 @@ def test_repeat_spans_copy_a_span_of_the_row_itself_at_least_the_gap_later():
     assert torch.equal(repeat_spans(rows, 0.25, gap=64, seed=1), out)  # seeded
     assert not torch.equal(repeat_spans(rows, 0.25, gap=64, seed=2), out)
     assert torch.equal(repeat_spans(rows, 0.0, gap=64), rows)
+    # not the trainer's order (torch.randperm seeded alike), which would put them all in the first steps
+    assert set(changed) != set(torch.randperm(40, generator=torch.Generator().manual_seed(1))[:10].tolist())
     assert (repeat_spans(rows, 1.0, gap=64) != rows).any(dim=1).all()
 
 

@@ -193,13 +193,17 @@ def cut_rows(rows: torch.Tensor, length: int) -> torch.Tensor:
     return rows[:, : pieces * length].reshape(-1, length)
 
 
+REPEAT_SPANS_SEED = 104_729  # offset of repeat_spans' seed from the run's
+
+
 def repeat_spans(rows: torch.Tensor, fraction: float, *, gap: int, seed: int = 0) -> torch.Tensor:
     """A copy of ``rows`` (N, T) in which a seeded ``fraction`` of the rows repeat a span of their own text.
 
     In each chosen row a span of ``T // 8`` tokens (shorter where ``T`` is short) is copied over a later
     part of the same row, starting at least ``gap`` tokens after the span ends. Predicting a repeated
     token then means finding its first occurrence, more than ``gap`` tokens back: the recall a
-    window of ``gap`` tokens cannot do and a linear state must. Rows not chosen are left as they are.
+    window of ``gap`` tokens cannot do and a linear state must. Rows not chosen are left as they are. The
+    chosen rows are spread over the training order (a seed stream apart from the trainer's batch order).
     """
     if not 0.0 <= fraction <= 1.0:
         raise DoflaError(f"the share of rows with a repeated span must lie in [0, 1], got {fraction}.")
@@ -213,7 +217,9 @@ def repeat_spans(rows: torch.Tensor, fraction: float, *, gap: int, seed: int = 0
             f"rows of {length} tokens are too short to repeat a span more than {gap} tokens later; use a "
             f"--seq-len of at least {gap + 4} or a --recall-fraction of 0."
         )
-    generator = torch.Generator().manual_seed(seed)
+    # A stream of its own: the trainer orders rows by torch.randperm(N) seeded with the run's seed, and the
+    # same permutation here would put every repeating row in the run's first steps.
+    generator = torch.Generator().manual_seed(REPEAT_SPANS_SEED + seed)
     out = rows.clone()
     for row in torch.randperm(count, generator=generator)[:chosen].tolist():
         source = int(torch.randint(0, length - 2 * span - gap + 1, (1,), generator=generator))
