@@ -175,7 +175,10 @@ def test_repeat_spans_copy_a_span_of_the_row_itself_at_least_the_gap_later():
 
 
 def test_repeat_spans_refuse_rows_too_short_for_the_gap():
-    with pytest.raises(DoflaError, match="too short to repeat a span more than 64 tokens later"):
+    with pytest.raises(
+        DoflaError,
+        match="too short to repeat a span more than 64 tokens later; use rows of at least 68 tokens",
+    ):
         repeat_spans(torch.zeros(4, 66, dtype=torch.long), 0.5, gap=64)
     with pytest.raises(DoflaError, match=r"must lie in \[0, 1\], got 1.5"):
         repeat_spans(torch.zeros(4, 256, dtype=torch.long), 1.5, gap=64)

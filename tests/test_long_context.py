@@ -178,6 +178,7 @@ def test_evaluate_command_writes_per_length_per_bucket_json(converted_folder, tm
     root = converted_folder
     arguments = ["evaluate", str(root / "student"), "--data", str(root / "heldout.txt"), "--lengths", "32,64"]
     arguments += ["--sequences", "3", "--passkey", "96", "--passkey-trials", "1", "--passkey-depths", "0.5"]
+    arguments += ["--recall"]
     arguments += ["--json", str(tmp_path / "out" / "eval.json"), "--plot", str(tmp_path / "loss.png")]
     assert main(arguments) == 0
     printed = capsys.readouterr().out
@@ -198,6 +199,12 @@ def test_evaluate_command_writes_per_length_per_bucket_json(converted_folder, tm
         "1",
     ]
     assert list(result["passkey"]["rows"]) == ["teacher", "window+sinks4", "student"]
+    assert [(item["length"], item["sequences"], item["tokens"]) for item in result["recall"]] == [
+        (32, 3, 3 * 3),  # spans of 32 // 8 tokens, 3 scored in each
+        (64, 3, 3 * 7),
+    ]
+    assert list(result["recall"][1]["models"]) == ["teacher", "window", "student"]
+    assert "## Recall beyond the window" in printed and "| window 8 + 4 sinks |" in printed
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
@@ -233,6 +240,20 @@ def test_evaluate_options_are_checked_before_loading(extra, message, tmp_path, c
     assert main(arguments) == 1
     error = capsys.readouterr().err
     assert message.replace("FILE", str(tmp_path / "FILE")) in error and error.count("\n") == 1
+
+
+def test_evaluate_recall_needs_data_and_rows_longer_than_the_window(converted_folder, tmp_path, capsys):
+    arguments = ["evaluate", str(tmp_path / "missing"), "--passkey", "96", "--recall"]
+    assert main(arguments) == 1
+    assert "--recall repeats spans of held-out text, which needs --data." in capsys.readouterr().err
+    root = converted_folder
+    arguments = ["evaluate", str(root / "student"), "--data", str(root / "heldout.txt"), "--lengths", "12"]
+    assert main([*arguments, "--recall"]) == 1  # window 8: no room for a span and its repeat
+    error = capsys.readouterr().err
+    assert (
+        "rows of 12 tokens are too short to repeat a span more than 8 tokens later; use rows of at least 16"
+        in error
+    )
 
 
 def test_evaluate_refuses_a_length_beyond_the_teacher(converted_folder, capsys):

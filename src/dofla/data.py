@@ -196,35 +196,49 @@ def cut_rows(rows: torch.Tensor, length: int) -> torch.Tensor:
 REPEAT_SPANS_SEED = 104_729  # offset of repeat_spans' seed from the run's
 
 
-def repeat_spans(rows: torch.Tensor, fraction: float, *, gap: int, seed: int = 0) -> torch.Tensor:
-    """A copy of ``rows`` (N, T) in which a seeded ``fraction`` of the rows repeat a span of their own text.
+def span_placements(
+    count: int, length: int, fraction: float, *, gap: int, seed: int = 0
+) -> list[tuple[int, int, int, int]]:
+    """Where :func:`repeat_spans` copies a span in rows (count, length): (row, source, target, span) each.
 
-    In each chosen row a span of ``T // 8`` tokens (shorter where ``T`` is short) is copied over a later
-    part of the same row, starting at least ``gap`` tokens after the span ends. Predicting a repeated
-    token then means finding its first occurrence, more than ``gap`` tokens back: the recall a
-    window of ``gap`` tokens cannot do and a linear state must. Rows not chosen are left as they are. The
-    chosen rows are spread over the training order (a seed stream apart from the trainer's batch order).
+    ``round(count * fraction)`` rows, seeded; a span of ``length // 8`` tokens (shorter where ``length`` is
+    short) from ``source`` is copied to ``target >= source + span + gap``. The rows are drawn from a seed
+    stream apart from the trainer's batch order (``torch.randperm`` seeded with the run's seed), which would
+    otherwise put every chosen row in a run's first steps.
     """
     if not 0.0 <= fraction <= 1.0:
         raise DoflaError(f"the share of rows with a repeated span must lie in [0, 1], got {fraction}.")
-    count, length = rows.shape
     chosen = round(count * fraction)
     if chosen == 0:
-        return rows
+        return []
     span = min(length // 8, (length - gap) // 2)
     if span < 2:
         raise DoflaError(
-            f"rows of {length} tokens are too short to repeat a span more than {gap} tokens later; use a "
-            f"--seq-len of at least {gap + 4} or a --recall-fraction of 0."
+            f"rows of {length} tokens are too short to repeat a span more than {gap} tokens later; use rows "
+            f"of at least {max(16, gap + 4)} tokens."
         )
-    # A stream of its own: the trainer orders rows by torch.randperm(N) seeded with the run's seed, and the
-    # same permutation here would put every repeating row in the run's first steps.
     generator = torch.Generator().manual_seed(REPEAT_SPANS_SEED + seed)
-    out = rows.clone()
+    placements = []
     for row in torch.randperm(count, generator=generator)[:chosen].tolist():
         source = int(torch.randint(0, length - 2 * span - gap + 1, (1,), generator=generator))
-        earliest = source + span + gap
-        target = int(torch.randint(earliest, length - span + 1, (1,), generator=generator))
+        target = int(torch.randint(source + span + gap, length - span + 1, (1,), generator=generator))
+        placements.append((row, source, target, span))
+    return placements
+
+
+def repeat_spans(rows: torch.Tensor, fraction: float, *, gap: int, seed: int = 0) -> torch.Tensor:
+    """A copy of ``rows`` (N, T) in which a seeded ``fraction`` of the rows repeat a span of their own text.
+
+    In each chosen row a span of ``T // 8`` tokens is copied over a later part of the same row, starting at
+    least ``gap`` tokens after the span ends (:func:`span_placements`). Predicting a repeated token then
+    means finding its first occurrence, more than ``gap`` tokens back: the recall a window of ``gap``
+    tokens cannot do and a linear state must. Rows not chosen are left as they are.
+    """
+    placements = span_placements(*rows.shape, fraction, gap=gap, seed=seed)
+    if not placements:
+        return rows
+    out = rows.clone()
+    for row, source, target, span in placements:
         out[row, target : target + span] = rows[row, source : source + span]
     return out
 

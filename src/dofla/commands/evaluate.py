@@ -81,6 +81,12 @@ def register(subparsers) -> None:
         help="comma-separated depths of the key (0 = start, 1 = end)",
     )
     parser.add_argument("--passkey-trials", type=int, default=3, help="keys tried per length and depth")
+    parser.add_argument(
+        "--recall",
+        action="store_true",
+        help="also score recall beyond the window at each --lengths: the same held-out sequences with a span "
+        "of their own text repeated past the window, loss and accuracy on the repeated tokens (needs --data)",
+    )
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument(
@@ -149,6 +155,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DoflaError(f"--limit must be at least 1, got {args.limit}.")
     if not (args.data or args.task_list or args.passkey_list):
         raise DoflaError("nothing to evaluate: give --data, --tasks with --tasks-dir, or --passkey.")
+    if args.recall and not args.data:
+        raise DoflaError("--recall repeats spans of held-out text, which needs --data.")
     if args.plot is not None:
         if not args.data:
             raise DoflaError("--plot draws the held-out loss by position, which needs --data.")
@@ -191,11 +199,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dofla.convert import check_teacher, load_converted
-    from dofla.data import load_texts
+    from dofla.data import load_texts, span_placements
     from dofla.errors import DoflaError
     from dofla.evaluation import harness, long_context
     from dofla.evaluation.attention_error import attention_errors
     from dofla.evaluation.passkey import passkey_comparison
+    from dofla.evaluation.recall import recall_beyond_window
     from dofla.io import write_json_atomic
     from dofla.models import load_teacher
     from dofla.models.loading import resolve_device
@@ -225,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
         long_context.check_context(teacher, length)
     for length in args.passkey_list:
         long_context.check_context(teacher, length, "a pass-key context")
+    if args.recall:  # the rows must be long enough to repeat a span beyond the window: refused now
+        for length in args.length_list:
+            span_placements(1, length, 1.0, gap=window)
 
     results: dict = {"window": window, "sinks": args.sink_list}
     if texts is not None:
@@ -254,6 +266,18 @@ def run(args: argparse.Namespace) -> int:
                 "seconds": round(time.perf_counter() - clock, 3),
                 "layers": {str(layer): values for layer, values in errors.items()},
             }
+        if args.recall:
+            results["recall"] = [
+                recall_beyond_window(
+                    teacher,
+                    student,
+                    packed,
+                    window=window,
+                    sinks=max(args.sink_list),
+                    batch_size=args.batch_size,
+                )
+                for packed in sequences.values()
+            ]
     if args.task_list:
         results["lm_eval"] = _lm_eval_tasks(args, teacher_spec, teacher, student, tokenizer)
     if args.passkey_list:
@@ -319,6 +343,7 @@ def _lm_eval_tasks(args, teacher_spec: str, teacher, student, tokenizer) -> dict
 def _print_results(results: dict) -> None:
     from dofla.evaluation import long_context
     from dofla.evaluation.passkey import passkey_markdown
+    from dofla.evaluation.recall import recall_markdown
 
     if "long_context" in results:
         quality = results["long_context"]
@@ -340,6 +365,8 @@ def _print_results(results: dict) -> None:
         print(long_context.aligned_table(["layer", "relative error", "cosine"], body) + "\n")
     if "lm_eval" in results:
         print(lm_eval_markdown(results["lm_eval"]))
+    if "recall" in results:
+        print(recall_markdown(results["recall"]))
     if "passkey" in results:
         print(passkey_markdown(results["passkey"]))
 
