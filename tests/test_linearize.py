@@ -76,6 +76,28 @@ def test_linearize_saves_evaluates_and_reports(tmp_path):
     assert "| attention error |" in report
 
 
+def test_the_report_scores_recall_beyond_the_window_on_the_held_out_rows(tmp_path):
+    from dofla.evaluation.recall import recall_beyond_window
+
+    data = sequences()
+    settings = config(tmp_path, plan=dict(kind="hybrid", window=8), evaluate=dict(passkey_trials=0))
+    result = linearize(settings, teacher=tiny_teacher(), sequences=data)
+    summary = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert [item["length"] for item in summary["recall"]] == [LENGTH]
+    model, _, _ = load_converted(result.out_dir)
+    _, heldout = split_train_heldout(data, 0.25, seed=0)
+    again = recall_beyond_window(tiny_teacher(), model, heldout, window=8, sinks=4, batch_size=2)
+    for name, row in summary["recall"][0]["models"].items():
+        assert row["nll"] == pytest.approx(again["models"][name]["nll"], rel=1e-5)
+    assert "## Recall beyond the window" in result.report_path.read_text()
+    # rows too short for a span beyond the window (64 here) are not scored
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["config"]["evaluate"]["recall"] is True
+    short = linearize(
+        config(tmp_path / "short", evaluate=dict(passkey_trials=0)), teacher=tiny_teacher(), sequences=data
+    )
+    assert json.loads((short.out_dir.parent / "result.json").read_text())["recall"] is None
+
+
 def test_resume_after_a_finished_run_gives_the_same_students(tmp_path):
     first = linearize(config(tmp_path), teacher=tiny_teacher(), sequences=sequences())
     again = linearize(config(tmp_path, resume=True), teacher=tiny_teacher(), sequences=sequences())

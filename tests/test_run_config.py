@@ -262,6 +262,7 @@ NEW_SINCE = {
     "plan.softmax_choice": "dof",
     "lora.tokens_per_forward": 2048,  # the demo's batches (2 x 512) are one piece: the same steps
     "data.recall_fraction": 0.0,
+    "evaluate.recall": True,
 }  # options added later, at defaults
 
 

@@ -196,6 +196,11 @@ def cut_rows(rows: torch.Tensor, length: int) -> torch.Tensor:
 REPEAT_SPANS_SEED = 104_729  # offset of repeat_spans' seed from the run's
 
 
+def min_span_length(gap: int) -> int:
+    """The shortest rows :func:`span_placements` can repeat a span of 2 tokens in, ``gap`` tokens later."""
+    return max(16, gap + 4)
+
+
 def span_placements(
     count: int, length: int, fraction: float, *, gap: int, seed: int = 0
 ) -> list[tuple[int, int, int, int]]:
@@ -215,7 +220,7 @@ def span_placements(
     if span < 2:
         raise DoflaError(
             f"rows of {length} tokens are too short to repeat a span more than {gap} tokens later; use rows "
-            f"of at least {max(16, gap + 4)} tokens."
+            f"of at least {min_span_length(gap)} tokens."
         )
     generator = torch.Generator().manual_seed(REPEAT_SPANS_SEED + seed)
     placements = []

@@ -76,6 +76,7 @@ class Evaluation:
 
     quality: dict
     passkeys: dict | None
+    recall: list[dict] | None
     layer_errors: dict[int, dict]
     teacher_ppl: float
     student_ppl: float
@@ -544,6 +545,7 @@ def evaluate_student(
     from dofla.evaluation.attention_error import attention_errors
     from dofla.evaluation.long_context import long_context_quality
     from dofla.evaluation.passkey import passkey_comparison
+    from dofla.evaluation.recall import min_recall_length, recall_beyond_window
 
     batch_size, window = config.distill.batch_size, config.plan.window
     baseline_sinks = config.plan.sinks or DEFAULT_BASELINE_SINKS
@@ -570,12 +572,23 @@ def evaluate_student(
             seed=config.seed,
         )
         timings.lap("pass key")
+    recall = None
+    if config.evaluate.recall:
+        recall = [
+            recall_beyond_window(
+                reference, model, rows, window=window, sinks=baseline_sinks, batch_size=batch_size
+            )
+            for length, rows in sorted(data.heldout_by_length.items())
+            if length >= min_recall_length(window)
+        ]
+        timings.lap("recall beyond the window")
     sequences = data.heldout[: config.evaluate.error_sequences]
     layer_errors = attention_errors(model, sequences.split(batch_size)) if len(sequences) else {}
     timings.lap("attention error")
     return Evaluation(
         quality=quality,
         passkeys=passkeys,
+        recall=recall or None,
         layer_errors=layer_errors,
         teacher_ppl=at_training_length["teacher"]["perplexity"],
         student_ppl=at_training_length["student"]["perplexity"],

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dofla.evaluation.long_context import long_context_markdown, plot_loss_by_position
 from dofla.evaluation.passkey import passkey_markdown
+from dofla.evaluation.recall import recall_markdown
 from dofla.io import write_atomic, write_json_atomic, write_text_atomic
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ def run_summary(
         long_context=evaluation.quality,
         skipped_lengths=data.skipped_lengths,
         passkey=evaluation.passkeys,
+        recall=evaluation.recall,
         train_sequences=len(data.train),
         heldout_sequences=len(data.heldout),
         distill_tokens=distilled.tokens,
@@ -179,6 +181,7 @@ def _perplexity_lines(result: LinearizeResult, summary: dict, config: LinearizeC
         "",
         long_context_markdown(summary["long_context"], plot="loss_by_position.png").rstrip(),
         *(["", passkey_markdown(summary["passkey"]).rstrip()] if summary.get("passkey") else []),
+        *(["", recall_markdown(summary["recall"]).rstrip()] if summary.get("recall") else []),
     ]
 
 

@@ -252,6 +252,11 @@ class EvaluateSettings:
         minimum=1,
     )
     passkey_trials: int = option(2, "pass-key trials per length and depth (0: no pass-key test)", minimum=0)
+    recall: bool = option(
+        True,
+        "score recall beyond the window on the held-out rows of every length (a span of each row repeated "
+        "past the window: teacher, window baseline and student)",
+    )
     error_sequences: int = option(8, "held-out sequences of the per-layer attention error", minimum=0)
 
 

@@ -20,13 +20,18 @@ from collections.abc import Sequence
 
 import torch
 
-from dofla.data import span_placements
+from dofla.data import min_span_length, span_placements
 from dofla.errors import DoflaError
 from dofla.evaluation.logits import final_hidden_states, output_logits, vocabulary_size
 from dofla.evaluation.perplexity import exp_or_inf
 from dofla.evaluation.window_baseline import baseline_layers, window_restricted
 
 RECALL_SEED = 0
+
+
+def min_recall_length(window: int) -> int:
+    """The shortest rows recall can be scored on beyond ``window``."""
+    return min_span_length(window)
 
 
 def repeated_rows(sequences: torch.Tensor, window: int, seed: int = RECALL_SEED):
