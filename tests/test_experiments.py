@@ -200,3 +200,29 @@ def test_softmax_layers_at_length(tiny, tmp_path):
     full, cut = result["rows"][-1]["perplexity"]["64"], result["rows"][0]["perplexity"]["64"]
     assert full != cut  # a 4-token window changes a 64-token row's predictions
     assert "| 1 | window_kl |" in (tmp_path / "softmax_layers_at_length.md").read_text()
+
+
+def test_recall_of_runs_scores_a_finished_run_on_its_own_held_out_rows(tiny, tmp_path):
+    from dofla.pipeline import linearize
+    from dofla.run_config import LinearizeConfig
+
+    folder, text = tiny
+    run = tmp_path / "run"
+    settings = dict(
+        out_dir=str(run),
+        progress=False,
+        teacher=dict(model=folder),
+        data=dict(path=text, seq_len=32, heldout_fraction=0.25, heldout_sequences=3),
+        plan=dict(kind="hybrid", window=4, allocation="fix", budget=8),
+        distill=dict(tokens=256, eval_every=4, checkpoint_every=4),
+        evaluate=dict(lengths=[64], passkey_trials=0, error_sequences=0),
+    )
+    linearize(LinearizeConfig.from_dict(settings))
+    experiment("recall_of_runs").main(["--runs", f"tiny={run}", "--out", str(tmp_path / "out")])
+    measured = json.loads((tmp_path / "out" / "recall_of_runs.json").read_text())["runs"]["tiny"]
+    in_run = json.loads((run / "result.json").read_text())["recall"]  # the run's own measurement
+    assert [item["length"] for item in measured] == [32, 64] == [item["length"] for item in in_run]
+    for again, first in zip(measured, in_run, strict=True):
+        for name in ("teacher", "window", "student"):
+            assert again["models"][name]["nll"] == pytest.approx(first["models"][name]["nll"], rel=1e-5)
+    assert "## tiny" in (tmp_path / "out" / "recall_of_runs.md").read_text()
