@@ -42,7 +42,6 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface
 
-from dofla.allocator import tune_allocator
 from dofla.convert import convert, plan_for, unconvert
 from dofla.evaluation.speed import (
     PeakMemory,
@@ -559,13 +558,6 @@ def main(argv=None) -> int:
         help="rounds over every row (the models interleaved round by round); tables give each row's median "
         "sample and a table of the spread",
     )
-    parser.add_argument(
-        "--allocator",
-        choices=("tuned", "default"),
-        default="tuned",
-        help="tuned: glibc's allocator as the dofla command line sets it (dofla.allocator), for the teacher "
-        "and every student alike; default: as the process starts",
-    )
     parser.add_argument(ROW_FLAG, default=None, help=argparse.SUPPRESS)  # internal: one row, printed as JSON
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -584,7 +576,6 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.allocator_tuned = args.allocator == "tuned" and tune_allocator()
     started = time.time()
 
     def log(message: str) -> None:
@@ -618,8 +609,7 @@ def main(argv=None) -> int:
     print(f"command: {' '.join([Path(__file__).name, *args.argv])}")
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads, float32, allocator "
-        f"{'tuned (dofla.allocator)' if args.allocator_tuned else 'as started'}; load average before the run: {load}; "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, float32; load average before the run: {load}; "
         f"run took {time.time() - started:.0f} s"
     )
     print(

@@ -62,9 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.debug:
         _quiet_libraries()
-    from dofla.allocator import tune_allocator
-
-    tune_allocator()  # large CPU temporaries reused instead of page-faulted in again (dofla.allocator)
     try:
         result = args.func(args)
     except DoflaError as error:
