@@ -230,6 +230,7 @@ def test_busy_cpu_hint_only_for_several_threads_beside_other_jobs():
         (["--passkey", "100", "--passkey-depths", "1.5"], "--passkey-depths must be"),
         (["--json", "FILE/eval.json"], "lies under FILE, which is a file"),
         (["--plot", "loss.txt"], "--plot loss.txt must end in .png"),
+        (["--skip-texts", "-1"], "--skip-texts must be 0 or more, got -1"),
     ],
 )
 def test_evaluate_options_are_checked_before_loading(extra, message, tmp_path, capsys):
@@ -254,6 +255,27 @@ def test_evaluate_recall_needs_data_and_rows_longer_than_the_window(converted_fo
         "rows of 12 tokens are too short to repeat a span more than 8 tokens later; use rows of at least 16"
         in error
     )
+
+
+def test_evaluate_skip_texts_evaluates_the_rest_of_the_file(converted_folder, tmp_path, capsys):
+    root = converted_folder
+    lines = (root / "heldout.txt").read_text().splitlines()
+    (tmp_path / "rest.txt").write_text("\n".join(lines[25:]))
+    common = ["--lengths", "32", "--sequences", "2", "--error-sequences", "0"]
+    for data, extra, name in (("heldout.txt", ["--skip-texts", "25"], "skipped"), ("rest.txt", [], "rest")):
+        folder = root if name == "skipped" else tmp_path
+        arguments = ["evaluate", str(root / "student"), "--data", str(folder / data), *common, *extra]
+        assert main([*arguments, "--json", str(tmp_path / f"{name}.json")]) == 0
+    skipped, rest = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("skipped", "rest"))
+    assert skipped["data"]["skip_texts"] == 25 and skipped["data"]["texts"] == rest["data"]["texts"] == 15
+    assert (
+        skipped["long_context"]["by_length"]["32"]["models"]
+        == rest["long_context"]["by_length"]["32"]["models"]
+    )
+    arguments = ["evaluate", str(root / "student"), "--data", str(root / "heldout.txt"), "--skip-texts", "40"]
+    capsys.readouterr()
+    assert main(arguments) == 1
+    assert "--skip-texts 40 leaves nothing of" in capsys.readouterr().err
 
 
 def test_evaluate_refuses_a_length_beyond_the_teacher(converted_folder, capsys):

@@ -34,6 +34,12 @@ def register(subparsers) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="one context length (same as --lengths N)")
     parser.add_argument("--sequences", type=int, default=16, help="held-out sequences per length")
     parser.add_argument(
+        "--skip-texts",
+        type=int,
+        default=0,
+        help="leave out the first N texts of --data (e.g. the part a run trained on); the rest is packed",
+    )
+    parser.add_argument(
         "--batch-size", type=int, default=4, help="sequences per forward pass (perplexity and lm-eval tasks)"
     )
     parser.add_argument(
@@ -155,6 +161,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DoflaError(f"--limit must be at least 1, got {args.limit}.")
     if not (args.data or args.task_list or args.passkey_list):
         raise DoflaError("nothing to evaluate: give --data, --tasks with --tasks-dir, or --passkey.")
+    if args.skip_texts < 0:
+        raise DoflaError(f"--skip-texts must be 0 or more, got {args.skip_texts}.")
+    if args.skip_texts and not args.data:
+        raise DoflaError("--skip-texts leaves out texts of --data; give --data.")
     if args.recall and not args.data:
         raise DoflaError("--recall repeats spans of held-out text, which needs --data.")
     if args.plot is not None:
@@ -216,6 +226,13 @@ def run(args: argparse.Namespace) -> int:
         if hint:
             _progress(hint)
     texts = load_texts(args.data) if args.data else None
+    if texts is not None and args.skip_texts:
+        if args.skip_texts >= len(texts):
+            raise DoflaError(
+                f"--skip-texts {args.skip_texts} leaves nothing of {args.data}, which holds {len(texts)} texts; "
+                "skip fewer."
+            )
+        texts = texts[args.skip_texts :]
     harness.check_task_files(args.task_list, args.tasks_dir)  # now, not after the models have run
     student, tokenizer, plan = load_converted(args.converted, dtype=args.dtype, device=args.device)
     teacher_spec = args.teacher or plan.metadata.get("teacher")
@@ -239,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
             span_placements(1, length, 1.0, gap=window)
 
     results: dict = {"window": window, "sinks": args.sink_list}
+    if texts is not None:
+        results["data"] = {"path": str(args.data), "skip_texts": args.skip_texts, "texts": len(texts)}
     if texts is not None:
         sequences = long_context.pack_by_length(tokenizer, texts, args.length_list, args.sequences)
         for length, packed in sequences.items():
