@@ -239,7 +239,11 @@ def repeat_spans(rows: torch.Tensor, fraction: float, *, gap: int, seed: int = 0
     means finding its first occurrence, more than ``gap`` tokens back: the recall a window of ``gap``
     tokens cannot do and a linear state must. Rows not chosen are left as they are.
     """
-    placements = span_placements(*rows.shape, fraction, gap=gap, seed=seed)
+    return copy_spans(rows, span_placements(*rows.shape, fraction, gap=gap, seed=seed))
+
+
+def copy_spans(rows: torch.Tensor, placements: list[tuple[int, int, int, int]]) -> torch.Tensor:
+    """``rows`` with each (row, source, target, span) of ``placements`` copied (a copy; ``rows`` if none)."""
     if not placements:
         return rows
     out = rows.clone()

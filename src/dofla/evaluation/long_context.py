@@ -311,6 +311,18 @@ def long_context_quality(
     return result
 
 
+def row_hidden_states(name: str, teacher, student, batch, window: int, sinks: int, layers) -> tuple:
+    """(the model whose output head a row reads, its final hidden states (B, T, E)) for a comparison row:
+    ``teacher``, ``student``, or any other name the teacher cut to ``window`` keys plus ``sinks`` first
+    ones in ``layers`` (None: all)."""
+    if name == "teacher":
+        return teacher, final_hidden_states(teacher, batch)
+    if name == "student":
+        return student, final_hidden_states(student, batch)
+    with window_restricted(teacher, window, sinks, layers=layers):
+        return teacher, final_hidden_states(teacher, batch)
+
+
 def _one_length(
     teacher, student, sequences, rows, buckets, window, restricted, batch_size, notes, progress
 ) -> dict:
@@ -323,13 +335,9 @@ def _one_length(
         hidden: dict[str, tuple[torch.nn.Module, torch.Tensor]] = {}
         for name, row in rows.items():
             clock = time.perf_counter()
-            if name == "teacher":
-                hidden[name] = (teacher, final_hidden_states(teacher, batch))
-            elif name == "student":
-                hidden[name] = (student, final_hidden_states(student, batch))
-            else:
-                with window_restricted(teacher, window, row["sinks"], layers=restricted):
-                    hidden[name] = (teacher, final_hidden_states(teacher, batch))
+            hidden[name] = row_hidden_states(
+                name, teacher, student, batch, window, row.get("sinks", 0), restricted
+            )
             seconds[name] += time.perf_counter() - clock
         clock = time.perf_counter()
         _score_batch(batch, hidden, sums)

@@ -20,11 +20,12 @@ from collections.abc import Sequence
 
 import torch
 
-from dofla.data import min_span_length, span_placements
+from dofla.data import copy_spans, min_span_length, span_placements
 from dofla.errors import DoflaError
-from dofla.evaluation.logits import final_hidden_states, output_logits, vocabulary_size
+from dofla.evaluation.logits import output_logits, vocabulary_size
+from dofla.evaluation.long_context import row_hidden_states
 from dofla.evaluation.perplexity import exp_or_inf
-from dofla.evaluation.window_baseline import baseline_layers, window_restricted
+from dofla.evaluation.window_baseline import baseline_layers
 
 RECALL_SEED = 0
 
@@ -37,12 +38,10 @@ def min_recall_length(window: int) -> int:
 def repeated_rows(sequences: torch.Tensor, window: int, seed: int = RECALL_SEED):
     """Held-out rows (N, T) with one span each repeated beyond ``window``: (rows, scored), where scored
     is a list of (row, positions (S - 1,) whose next token is a repeated one, those tokens (S - 1,))."""
-    count, length = sequences.shape
-    placements = span_placements(count, length, 1.0, gap=window, seed=seed)
-    rows = sequences.clone()
+    placements = span_placements(*sequences.shape, 1.0, gap=window, seed=seed)
+    rows = copy_spans(sequences, placements)
     scored = []
-    for row, source, target, span in placements:
-        rows[row, target : target + span] = sequences[row, source : source + span]
+    for row, _, target, span in placements:
         positions = torch.arange(target, target + span - 1)
         scored.append((row, positions, rows[row, positions + 1]))
     return rows, sorted(scored, key=lambda item: item[0])
@@ -94,12 +93,7 @@ def recall_beyond_window(
         batch = rows[start : start + batch_size]
         in_batch = [item for item in scored if start <= item[0] < start + len(batch)]
         for name in labels:
-            model = student if name == "student" else teacher
-            if name == "window":
-                with window_restricted(teacher, window, sinks, layers=restricted):
-                    hidden = final_hidden_states(teacher, batch)
-            else:
-                hidden = final_hidden_states(model, batch)
+            model, hidden = row_hidden_states(name, teacher, student, batch, window, sinks, restricted)
             for index, value in enumerate(_row_scores(model, hidden, in_batch, start)):
                 totals[name][index] += value
     models = {}
