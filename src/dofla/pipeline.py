@@ -542,10 +542,11 @@ def evaluate_student(
     """The trained student beside the teacher (``reference``) and its no-training window baselines (the
     teacher's softmax cut to the student's window, without and with sinks): held-out quality at every
     length, the pass key, and each layer's attention error."""
+    from dofla.data import min_span_length
     from dofla.evaluation.attention_error import attention_errors
     from dofla.evaluation.long_context import long_context_quality
     from dofla.evaluation.passkey import passkey_comparison
-    from dofla.evaluation.recall import min_recall_length, recall_beyond_window
+    from dofla.evaluation.recall import recall_beyond_window
 
     batch_size, window = config.distill.batch_size, config.plan.window
     baseline_sinks = config.plan.sinks or DEFAULT_BASELINE_SINKS
@@ -579,7 +580,7 @@ def evaluate_student(
                 reference, model, rows, window=window, sinks=baseline_sinks, batch_size=batch_size
             )
             for length, rows in sorted(data.heldout_by_length.items())
-            if length >= min_recall_length(window)
+            if length >= min_span_length(window)  # rows long enough for a span past the window
         ]
         timings.lap("recall beyond the window")
     sequences = data.heldout[: config.evaluate.error_sequences]

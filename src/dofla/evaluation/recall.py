@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dofla.data import copy_spans, min_span_length, span_placements
+from dofla.data import copy_spans, span_placements
 from dofla.errors import DoflaError
 from dofla.evaluation.logits import output_logits, vocabulary_size
 from dofla.evaluation.long_context import row_hidden_states
@@ -28,11 +28,6 @@ from dofla.evaluation.perplexity import exp_or_inf
 from dofla.evaluation.window_baseline import baseline_layers
 
 RECALL_SEED = 0
-
-
-def min_recall_length(window: int) -> int:
-    """The shortest rows recall can be scored on beyond ``window``."""
-    return min_span_length(window)
 
 
 def repeated_rows(sequences: torch.Tensor, window: int, seed: int = RECALL_SEED):
