@@ -55,18 +55,21 @@ def test_unknown_cell_lists_the_known_ones():
         LayerPlan(cell="nope").validate(0, H, HKV)
 
 
-FORM_CASES = [
-    ("gla", "linear", "hedgehog", True),
-    ("gla", "hybrid", "learnable_prf", False),
-    ("gated_delta", "linear", "projection", True),
-    ("gated_delta", "hybrid", "hedgehog", True),
-    ("gated_delta", "hybrid", "learnable_prf", False),
+ADAPTIVE = {"mix": "adaptive"}
+FORM_CASES = [  # cell, kind, feature map, share_kv_heads, cell options
+    ("gla", "linear", "hedgehog", True, {}),
+    ("gla", "hybrid", "learnable_prf", False, {}),
+    ("gated_delta", "linear", "projection", True, {}),
+    ("gated_delta", "hybrid", "hedgehog", True, {}),
+    ("gated_delta", "hybrid", "learnable_prf", False, {}),
+    ("gated_delta", "hybrid", "projection", True, ADAPTIVE),
+    ("gated_delta", "hybrid", "learnable_prf", False, ADAPTIVE),
 ]
 
 
-@pytest.mark.parametrize("cell, kind, feature_map, share", FORM_CASES)
-def test_cell_forms_agree_forward_and_gradients(cell, kind, feature_map, share):
-    student = make_cell(cell, kind, feature_map, share, sinks=2 if kind == "hybrid" else 0)
+@pytest.mark.parametrize("cell, kind, feature_map, share, options", FORM_CASES)
+def test_cell_forms_agree_forward_and_gradients(cell, kind, feature_map, share, options):
+    student = make_cell(cell, kind, feature_map, share, sinks=2 if kind == "hybrid" else 0, **options)
     query, key, value = qkv()
     _, reference_gradients = assert_student_forms_agree(student, query, key, value)
     assert all(gradient.abs().sum() > 0 for gradient in reference_gradients[3:])  # every parameter learns
@@ -98,16 +101,17 @@ def test_gla_is_normalised_linear_attention_with_decay():
 
 
 @pytest.mark.parametrize(
-    "cell, kind, feature_map",
+    "cell, kind, feature_map, options",
     [
-        ("gla", "linear", "learnable_prf"),
-        ("gla", "hybrid", "learnable_prf"),
-        ("gated_delta", "hybrid", "projection"),
-        ("window", "hybrid", "hedgehog"),
+        ("gla", "linear", "learnable_prf", {}),
+        ("gla", "hybrid", "learnable_prf", {}),
+        ("gated_delta", "hybrid", "projection", {}),
+        ("gated_delta", "hybrid", "projection", ADAPTIVE),
+        ("window", "hybrid", "hedgehog", {}),
     ],
 )
-def test_prefill_then_decode_equals_one_pass(cell, kind, feature_map):
-    student = make_cell(cell, kind, feature_map, sinks=2 if kind == "hybrid" else 0)
+def test_prefill_then_decode_equals_one_pass(cell, kind, feature_map, options):
+    student = make_cell(cell, kind, feature_map, sinks=2 if kind == "hybrid" else 0, **options)
     query, key, value = (tensor.detach() for tensor in qkv(length=13))
     full = student(query, key, value)
     layer, pieces = RecurrentCacheLayer(), []
@@ -172,6 +176,53 @@ def test_delta_cell_with_small_beta_starts_near_the_window():
     window = make_cell("window", "hybrid", window=5, sinks=1)
     query, key, value = (tensor.detach() for tensor in qkv(length=10))
     torch.testing.assert_close(near(query, key, value), window(query, key, value), rtol=1e-6, atol=1e-7)
+
+
+def test_adaptive_mix_is_the_memory_as_one_more_softmax_key():
+    """mix "adaptive" with lse weight 1 and value weight 0: gamma_t = sigmoid(l_h + lse_t), i.e. a softmax over
+    the window's keys and one more key of logit -l_h whose value is the memory's read-out (brute force)."""
+    window = 3
+    student = make_cell("gated_delta", "hybrid", "projection", window=window, **ADAPTIVE)
+    query, key, value = (tensor.detach() for tensor in qkv(length=9))
+    with torch.no_grad():
+        student.mix_value_weight.zero_()
+        student.mix_lse_weight.fill_(1.0)
+        logits = student.window_factor_logit.clone()
+        student.window_factor_logit.fill_(-60.0)  # gamma ~ 1e-26 with lse weight 0: the memory alone
+        student.mix_lse_weight.zero_()
+        memory = student(query, key, value, form="naive")  # (B, T, H, D)
+        student.window_factor_logit.copy_(logits)
+        student.mix_lse_weight.fill_(1.0)
+    scores = torch.einsum("bhtd,bhsd->bhts", query, key.repeat_interleave(H // HKV, dim=1)) * D**-0.5
+    position = torch.arange(9)
+    visible = (position[None, :] <= position[:, None]) & (position[None, :] > position[:, None] - window)
+    scores = scores.masked_fill(~visible, float("-inf"))  # (B, H, T, S)
+    memory_logit = (-logits).view(1, H, 1, 1).expand(B, H, 9, 1).to(scores.dtype)
+    weights = torch.softmax(torch.cat([scores, memory_logit], dim=-1), dim=-1)
+    values = value.repeat_interleave(H // HKV, dim=1)  # (B, H, S, D)
+    expected = weights[..., :-1] @ values + weights[..., -1:] * memory.transpose(1, 2)
+    for form in ("naive", "chunked", "recurrent"):
+        got = student(query, key, value, form=form)
+        torch.testing.assert_close(got, expected.transpose(1, 2), rtol=1e-9, atol=1e-10)
+
+
+def test_adaptive_mix_starts_as_the_fixed_mix_and_is_refused_without_a_window():
+    fixed = make_cell("gated_delta", "hybrid", "projection", sinks=1)
+    adaptive = make_cell("gated_delta", "hybrid", "projection", sinks=1, **ADAPTIVE)
+    adaptive.load_state_dict(fixed.state_dict(), strict=False)  # the mix's own weights stay 0
+    with torch.no_grad():
+        adaptive.mix_lse_weight.zero_()
+        adaptive.mix_value_weight.zero_()
+    query, key, value = (tensor.detach() for tensor in qkv(length=10))
+    torch.testing.assert_close(adaptive(query, key, value), fixed(query, key, value), rtol=1e-12, atol=1e-13)
+    fresh = build_student(LayerPlan(kind="hybrid", cell="gated_delta", options=ADAPTIVE), **SHAPE)
+    assert not fresh.mix_lse_weight.any() and not fresh.mix_value_weight.any()
+    names = {group["name"]: group["params"] for group in fresh.parameter_groups(1e-3)}
+    assert any(parameter is fresh.mix_lse_weight for parameter in names["gates"])
+    with pytest.raises(DoflaError, match="mix 'adaptive' .* needs kind hybrid"):
+        build_student(LayerPlan(cell="gated_delta", feature_map="projection", options=ADAPTIVE), **SHAPE)
+    with pytest.raises(DoflaError, match="unknown mix 'soft'.*fixed, adaptive"):
+        build_student(LayerPlan(kind="hybrid", cell="gated_delta", options={"mix": "soft"}), **SHAPE)
 
 
 def test_sinks_need_a_window_and_unknown_options_are_named():

@@ -4,6 +4,8 @@ the forms, padding, and closed-form checks computed here by brute force."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,6 +124,58 @@ def test_window_attention_equals_brute_force_softmax(sinks):
         recurrent_window_attention(**tensors, **kwargs)[0],
     ):
         assert relative_error(out, expected) < 1e-12
+
+
+def brute_force_window_lse(inputs, *, scaling, window, sinks):
+    query, key = (inputs[name].detach() for name in WINDOW_NAMES[:2])
+    batch, heads, length, _ = query.shape
+    group = heads // key.shape[1]
+    lse = torch.zeros(batch, heads, length, dtype=torch.float64)
+    for b, h, i in itertools.product(range(batch), range(heads), range(length)):
+        soft = brute_force_softmax_set(i, window, sinks)
+        lse[b, h, i] = torch.logsumexp(
+            torch.stack([scaling * query[b, h, i] @ key[b, h // group, j] for j in soft]), dim=0
+        )
+    return lse
+
+
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_window_log_sum_exp_equals_brute_force_in_every_form(sinks):
+    """``return_lse``: the log-sum-exp of each query's softmax scores over its window and sinks, what the
+    gated_delta cell's adaptive mix reads."""
+    inputs = make_inputs(2, 4, 2, 11, 2, head_dim=5, seed=4)
+    kwargs = {"scaling": 0.8, "window": 4, "sinks": sinks}
+    expected_out = brute_force_window(inputs, **kwargs)
+    expected = brute_force_window_lse(inputs, **kwargs)
+    tensors = {name: inputs[name].detach() for name in WINDOW_NAMES}
+    kwargs["return_lse"] = True
+    results = [
+        window_attention(**tensors, **kwargs),
+        chunked_window_attention(**tensors, **kwargs, chunk_size=3),
+        chunked_window_attention(**tensors, **kwargs, chunk_size=3, return_state=True)[:2],
+        recurrent_window_attention(**tensors, **kwargs)[:2],
+    ]
+    for out, lse in results:
+        assert relative_error(out, expected_out) < 1e-12
+        torch.testing.assert_close(lse, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["naive", "chunked", "recurrent"])
+def test_window_log_sum_exp_of_a_query_that_sees_nothing_is_minus_infinity_without_nan_gradients(form):
+    inputs = make_inputs(2, 4, 2, 9, 2, head_dim=5, seed=5)
+    key_mask = torch.ones(2, 9, dtype=torch.bool)
+    key_mask[0, :3] = False  # row 0: three absent keys first
+    function = {"naive": window_attention, "chunked": chunked_window_attention}.get(
+        form, recurrent_window_attention
+    )
+    tensors = {name: inputs[name] for name in WINDOW_NAMES}
+    results = function(**tensors, scaling=0.8, window=3, sinks=2, key_mask=key_mask, return_lse=True)
+    lse = results[1]
+    assert torch.isneginf(lse[0, :, :3]).all() and torch.isfinite(lse[0, :, 3:]).all()
+    assert torch.isfinite(lse[1]).all()
+    queries_and_keys = [tensors[name] for name in WINDOW_NAMES[:2]]  # lse does not read the values
+    gradients = torch.autograd.grad(torch.where(torch.isfinite(lse), lse, 0).sum(), queries_and_keys)
+    assert all(torch.isfinite(gradient).all() and gradient.abs().sum() > 0 for gradient in gradients)
 
 
 # ---------------------------------------------------------------- hybrid with sinks: fast forms vs reference

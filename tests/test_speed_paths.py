@@ -359,7 +359,7 @@ def test_values_kept_for_decoding_follow_an_in_place_change_of_their_parameter()
             student.window_factor_logit.add_(0.5)
 
 
-DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window, sinks (the prefill has 7 tokens)
+_DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window, sinks (the prefill has 7 tokens)
     ("linear", "linear", "learnable_prf", True, 64, 0),
     ("linear", "linear", "hedgehog", False, 64, 0),
     ("gla", "linear", "learnable_prf", True, 64, 0),
@@ -379,11 +379,16 @@ DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window, sinks (the 
     ("gated_delta", "hybrid", "projection", True, 3, 2),  # the gated_delta recipe's cell: sinks held
     ("gated_delta", "hybrid", "learnable_prf", False, 10, 8),  # window and sinks still filling
 ]
+DECODE_CASES = [  # ..., cell options
+    *[(*case, {}) for case in _DECODE_CASES],
+    ("gated_delta", "hybrid", "projection", True, 3, 2, {"mix": "adaptive"}),
+    ("gated_delta", "hybrid", "learnable_prf", False, 10, 8, {"mix": "adaptive"}),
+]
 
 
-@pytest.mark.parametrize("cell, kind, feature_map, share, window, sinks", DECODE_CASES)
+@pytest.mark.parametrize("cell, kind, feature_map, share, window, sinks, options", DECODE_CASES)
 def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
-    cell, kind, feature_map, share, window, sinks
+    cell, kind, feature_map, share, window, sinks, options
 ):
     """A single decoded token through the cell's ``_decode_step`` (what generation runs) against the
     recurrent form from the same state: output, new state, and gradients of the inputs and parameters."""
@@ -398,6 +403,7 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
         share_kv_heads=share,
         window=window,
         sinks=sinks,
+        options=options,
     )
     torch.manual_seed(0)
     student = build_student(

@@ -7,8 +7,13 @@ rule, ``S_t = a_t (S_{t-1} - b_t k_t k_t^T S_{t-1}) + b_t k_t v_t^T``, read as `
 map's per-key log scale cancels in the normalisation). The decay a_t and the write strength b_t are per-head,
 per-token gates from the token's value, starting at memories ``decay_memory`` and strength ``beta``.
 With a window (kind "hybrid"), the sliding-window softmax over the teacher's own q and k (plus ``sinks``
-first tokens) and the memory's read-out are mixed per head, ``gamma_h window + (1 - gamma_h) memory``:
-both are bounded, whatever the length (unlike a shared normalisation with an unbounded linear sum).
+first tokens) and the memory's read-out are mixed per head, ``gamma window + (1 - gamma) memory``: both are
+bounded, whatever the length (unlike a shared normalisation with an unbounded linear sum). With option
+``mix="fixed"`` (the default) gamma is one learned number per head; with ``mix="adaptive"`` it is per token,
+``gamma_t = sigmoid(l_h + c_h lse_t + v_t . u_h / sqrt(Dv))`` with lse_t the log-sum-exp of the window
+softmax's scores (how strongly the query matches a key in the window) and v_t the token's value: c_h = 1,
+u_h = 0 makes the memory one more softmax key with logit -l_h, the way a query that finds nothing in the
+window can turn to the memory. c and u start at 0, so training starts from the fixed mix.
 
 ``window``: the sliding-window softmax (plus sinks) alone, with no parameters: the teacher's attention cut
 to its window, as a student that decodes with a bounded cache.
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
 
 from dofla.attention import LinearAttention
 from dofla.cells.gated import DEFAULT_DECAY_MEMORY, TokenGate, initial_gate_logits
@@ -42,6 +48,7 @@ from dofla.ops.decode import RingWindow, ring_window, ring_window_step
 from dofla.ops.state import BatchedState
 
 DEFAULT_BETA = 0.5
+MIXES = ("fixed", "adaptive")  # how a hybrid layer mixes window and memory (option ``mix``)
 DEFAULT_DELTA_WINDOW_FACTOR = 0.5
 
 
@@ -58,13 +65,22 @@ class DeltaHybridState(BatchedState):
         return self.delta.num_tokens
 
 
-def _window_part(cell: LinearAttention, form, query, keys, values, key_mask, scaling, state):
-    """The sliding-window softmax (+ sinks) in ``form``: out (B, H, T, Dv) and its WindowState (or None)."""
+def _window_part(
+    cell: LinearAttention, form, query, keys, values, key_mask, scaling, state, return_lse: bool = False
+):
+    """The sliding-window softmax (+ sinks) in ``form``: out (B, H, T, Dv) and its WindowState (or None);
+    with ``return_lse`` (out, lse (B, H, T), state), lse the log-sum-exp of each query's scores."""
     common = dict(
-        scaling=scaling, window=cell.window, sinks=cell.sinks, key_mask=key_mask, softcap=cell.softcap
+        scaling=scaling,
+        window=cell.window,
+        sinks=cell.sinks,
+        key_mask=key_mask,
+        softcap=cell.softcap,
+        return_lse=return_lse,
     )
     if form == "naive":
-        return window_attention(query, keys, values, **common), None
+        result = window_attention(query, keys, values, **common)
+        return (*result, None) if return_lse else (result, None)
     if form == "recurrent":
         return recurrent_window_attention(query, keys, values, state=state, **common)
     return chunked_window_attention(
@@ -96,10 +112,10 @@ class GatedDeltaAttention(LinearAttention):
 
     Options: ``decay_memory`` (shortest, longest) initial memories in tokens (default 128, 2048), ``beta``
     the initial write strength in (0, 1) (default 0.5), ``window_factor`` the initial window share gamma
-    (default 0.5).
+    (default 0.5), ``mix`` "fixed" (gamma per head, the default) or "adaptive" (per token, hybrid only).
     """
 
-    CELL_OPTIONS = ("decay_memory", "beta")
+    CELL_OPTIONS = ("decay_memory", "beta", "mix")
     requires_nonnegative_features = False
     default_window_factor = DEFAULT_DELTA_WINDOW_FACTOR
 
@@ -112,6 +128,33 @@ class GatedDeltaAttention(LinearAttention):
         heads = self.state_heads
         self.decay = TokenGate(heads, self.head_dim, initial_gate_logits(heads, shortest, longest))
         self.write = TokenGate(heads, self.head_dim, torch.full((heads,), math.log(beta / (1 - beta))))
+        mix = self.cell_options.get("mix", "fixed")
+        if mix not in MIXES:
+            raise DoflaError(
+                f"layer {self.layer_index}: unknown mix {mix!r} for the gated_delta cell; use one of: "
+                f"{', '.join(MIXES)}."
+            )
+        if mix == "adaptive" and self.kind != "hybrid":
+            raise DoflaError(
+                f"layer {self.layer_index}: mix 'adaptive' mixes the window with the memory; it needs kind "
+                "hybrid (a window)."
+            )
+        self.adaptive_mix = mix == "adaptive"
+        if self.adaptive_mix:  # gamma_t's lse weight c (H,) and value weight u (Hs, G, Dv), both from 0
+            self.mix_lse_weight = nn.Parameter(torch.zeros(self.num_heads))
+            self.mix_value_weight = nn.Parameter(torch.zeros(heads, self.num_heads // heads, self.head_dim))
+
+    def window_share_logits(self, lse: Tensor, values: Tensor) -> Tensor:
+        """The adaptive mix's logit of gamma: lse (B, H, T) of the window softmax, values (B, Hs, T, Dv) ->
+        (B, H, T). A query that sees no key (lse -inf, only with padding) counts as lse 0."""
+        batch, heads, length, value_dim = values.shape
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        by_value = torch.einsum("bstd,sgd->bsgt", values, self.mix_value_weight.to(values.dtype))
+        return (
+            self.window_factor_logit.to(lse.dtype)[:, None]
+            + self.mix_lse_weight.to(lse.dtype)[:, None] * lse
+            + by_value.reshape(batch, self.num_heads, length).to(lse.dtype) * value_dim**-0.5
+        )
 
     def _attend(
         self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
@@ -144,8 +187,16 @@ class GatedDeltaAttention(LinearAttention):
             return memory, new_memory
         window_state = state.window if isinstance(state, DeltaHybridState) else None
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
-        window, new_window = _window_part(self, form, query, keys, values, key_mask, scaling, window_state)
-        gamma = self.window_factor().to(memory.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
+        if self.adaptive_mix:
+            window, lse, new_window = _window_part(
+                self, form, query, keys, values, key_mask, scaling, window_state, return_lse=True
+            )
+            gamma = torch.sigmoid(self.window_share_logits(lse, values))[..., None].to(memory.dtype)
+        else:
+            window, new_window = _window_part(
+                self, form, query, keys, values, key_mask, scaling, window_state
+            )
+            gamma = self.window_factor().to(memory.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
         output = gamma * window.to(memory.dtype) + (1 - gamma) * memory
         new_state = None if new_memory is None else DeltaHybridState(window=new_window, delta=new_memory)
         return output.to(values.dtype), new_state
@@ -181,19 +232,27 @@ class GatedDeltaAttention(LinearAttention):
         ring = state.window
         if not isinstance(ring, RingWindow):
             ring = ring_window(ring, ring.num_tokens)
-        window, ring = ring_window_step(
+        step = (
             ring,
             query.view(batch, heads, group, self.head_dim),
             self._state_heads_view(key).view(batch, heads, self.head_dim),
             values,
-            scaling=scaling,
-        )  # (B, Hs, G, Dv)
-        output = torch.lerp(output, window, self.step_window_factor())
+        )
+        if self.adaptive_mix:
+            window, lse, ring = ring_window_step(*step, scaling=scaling, return_lse=True)  # (B, Hs, G, ...)
+            logits = self.window_share_logits(lse.reshape(batch, -1, 1), values[:, :, None])  # (B, H, 1)
+            gamma = torch.sigmoid(logits).view(batch, heads, group, 1)
+        else:
+            window, ring = ring_window_step(*step, scaling=scaling)  # (B, Hs, G, Dv)
+            gamma = self.step_window_factor()
+        output = torch.lerp(output, window, gamma)
         return output.view(batch, 1, self.num_heads, -1), DeltaHybridState(window=ring, delta=new_memory)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)
         gates = [*self.decay.parameters(), *self.write.parameters()]
+        if self.adaptive_mix:
+            gates += [self.mix_lse_weight, self.mix_value_weight]
         groups.append({"params": gates, "lr": float(base_lr), "name": "gates"})
         return groups
 

@@ -31,7 +31,7 @@ from dofla.ops._checks import (
 )
 from dofla.ops.fla_backend import SimpleGLAKernel, kernel_linear_attention_sums
 from dofla.ops.sinks import SinkUpdate, add_sinks
-from dofla.ops.state import HybridState, LinearState, WindowState, exp_relative
+from dofla.ops.state import HybridState, LinearState, WindowState, exp_relative, log_sum_exp
 
 NEGATIVE_INFINITY = float("-inf")
 SCAN_ABOVE_CHUNKS = 16  # more chunks than this: the states entering them by a scan, not an (N, N) product
@@ -360,11 +360,12 @@ def merge_softmax_sums(
     first: tuple[Tensor, Tensor, Tensor], second: tuple[Tensor, Tensor, Tensor]
 ) -> tuple[Tensor, Tensor]:
     """Two (numerator (..., Dv), denominator (...), max (...)) softmax sums over disjoint keys -> one
-    numerator and denominator relative to their common maximum (exact rescaling, exponents <= 0)."""
+    numerator and denominator relative to their common maximum (exact rescaling, exponents <= 0), and that
+    maximum."""
     top = torch.maximum(first[2], second[2])
     first_scale, second_scale = exp_relative(first[2], top), exp_relative(second[2], top)
     numerator = first[0] * first_scale[..., None] + second[0] * second_scale[..., None]
-    return numerator, first[1] * first_scale + second[1] * second_scale
+    return numerator, first[1] * first_scale + second[1] * second_scale, top
 
 
 def _window_keys(
@@ -420,13 +421,14 @@ def window_part_sums(
     sinks: int,
     chunk_size: int,
     softcap: float | None,
-) -> tuple[Tensor, Tensor, Tensor, WindowState]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, WindowState]:
     """The softmax part shared by window and hybrid attention: the last ``window`` keys plus the sinks.
 
     queries (B, Hk, G, T, D) in the compute dtype; key (B, Hk, T, D), value (B, Hk, T, Dv) as given;
     present (B, Hk, T) bool; state: the window state before this call (None: nothing seen).
     Returns numerator (B, Hk, G, T, Dv), denominator (B, Hk, G, T) relative to each query's softmax
-    maximum, is_sink (B, Hk, T) (the keys that became sinks) and the state after the call.
+    maximum, that maximum (B, Hk, G, T) (-inf for a query that sees no key), is_sink (B, Hk, T) (the keys
+    that became sinks) and the state after the call.
     """
     dtype, length = queries.dtype, queries.shape[3]
     state, sink, all_keys, all_values, all_present = _window_keys(state, key, value, present, window, sinks)
@@ -443,13 +445,13 @@ def window_part_sums(
         softcap=softcap,
     )
     numerator, denominator = numerator[..., buffered:, :], denominator[..., buffered:]
+    maximum = window_max[..., buffered:]
     if sinks:
-        window_sums = (numerator, denominator, window_max[..., buffered:])
-        numerator, denominator = merge_softmax_sums(
-            window_sums, sink_sums(queries, sink, scaling=scaling, softcap=softcap)
+        numerator, denominator, maximum = merge_softmax_sums(
+            (numerator, denominator, maximum), sink_sums(queries, sink, scaling=scaling, softcap=softcap)
         )
     new_state = _window_state_after(state, all_keys, all_values, all_present, sink, length)
-    return numerator, denominator, sink.is_sink, new_state
+    return numerator, denominator, maximum, sink.is_sink, new_state
 
 
 def chunked_hybrid_attention(
@@ -495,7 +497,7 @@ def chunked_hybrid_attention(
 
     # Window part: the state's last keys and sinks, then this call's keys.
     queries = query.to(dtype).view(batch, num_kv_heads, group, length, head_dim)  # (B, Hk, G, T, D)
-    window_numerator, window_denominator, is_sink, window_state = window_part_sums(
+    window_numerator, window_denominator, _, is_sink, window_state = window_part_sums(
         queries,
         key,
         v,
@@ -640,16 +642,18 @@ def chunked_window_attention(
     return_state: bool = False,
     key_mask: Tensor | None = None,
     softcap: float | None = None,
+    return_lse: bool = False,
 ):
     """Sliding-window softmax attention with ``sinks`` sink keys, chunked; semantics in ``dofla.ops.naive``.
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary, v (B, Hk, T, Dv), key_mask (B, T) True for real
     tokens; initial_state: a WindowState from an earlier call of either form. Returns out (B, H, T, Dv) in
-    v's dtype, or (out, WindowState) when return_state.
+    v's dtype, or (out, WindowState) when return_state; ``return_lse`` puts lse (B, H, T), the log-sum-exp
+    of each query's softmax scores in the compute dtype (-inf when it sees no key), after out.
     """
     group = check_window_inputs(query, key, v, window, sinks)
     size = _check_chunk_size(chunk_size)
-    if not softcap and key_mask is None:
+    if not softcap and key_mask is None and not return_lse:
         out, state = _fused_window_attention(
             query,
             key,
@@ -667,7 +671,7 @@ def chunked_window_attention(
     dtype = compute_dtype(query, key, v)
     batch, num_heads, length, head_dim = query.shape
     queries = query.to(dtype).view(batch, key.shape[1], group, length, head_dim)  # (B, Hk, G, T, D)
-    numerator, denominator, _, state = window_part_sums(
+    numerator, denominator, maximum, _, state = window_part_sums(
         queries,
         key,
         v,
@@ -679,6 +683,12 @@ def chunked_window_attention(
         chunk_size=size,
         softcap=softcap,
     )
+    results = [None]
+    if return_lse:
+        results.append(log_sum_exp(denominator, maximum).reshape(batch, num_heads, length))
     denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))  # 0 / 1 if empty
     out = (numerator / denominator[..., None]).reshape(batch, num_heads, length, v.shape[-1]).to(v.dtype)
-    return (out, state) if return_state else out
+    results[0] = out
+    if return_state:
+        results.append(state)
+    return tuple(results) if len(results) > 1 else out

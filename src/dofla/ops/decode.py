@@ -162,17 +162,25 @@ def window_scores(ring: RingWindow, queries: Tensor, scaling: float) -> Tensor:
 
 
 def ring_window_step(
-    ring: RingWindow, queries: Tensor, key: Tensor, value: Tensor, *, scaling: float
-) -> tuple[Tensor, RingWindow]:
+    ring: RingWindow, queries: Tensor, key: Tensor, value: Tensor, *, scaling: float, return_lse: bool = False
+):
     """One present token of ``recurrent_window_attention`` (sinks included, no soft-capping): queries
     (B, Hk, G, D), key (B, Hk, D), value (B, Hk, Dv), in the ring's dtype -> out (B, Hk, G, Dv) and the
-    ring after the token (the same buffers, updated in place without autograd)."""
+    ring after the token (the same buffers, updated in place without autograd); with ``return_lse``
+    (out, lse, ring), lse (B, Hk, G) the log-sum-exp of the queries' softmax scores."""
     ring = _owned(ring, ring.keys)
     write_key(ring, key, value)
     ring.num_tokens += 1
-    # one fused softmax over all slots; the new key is visible (in the window or as a sink)
-    out = F.scaled_dot_product_attention(queries, ring.keys, ring.values, attn_mask=ring.bias, scale=scaling)
-    return out, ring
+    if not return_lse:
+        # one fused softmax over all slots; the new key is visible (in the window or as a sink)
+        out = F.scaled_dot_product_attention(
+            queries, ring.keys, ring.values, attn_mask=ring.bias, scale=scaling
+        )
+        return out, ring
+    scores = window_scores(ring, queries, scaling)  # (B * Hk, G, S + W)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # finite: the new key is visible
+    out = torch.bmm(torch.exp(scores - lse), ring.values.flatten(0, 1)).view(*queries.shape[:3], -1)
+    return out, lse.view(queries.shape[:3]), ring
 
 
 @dataclass

@@ -49,7 +49,7 @@ from dofla.ops._checks import (
     soft_cap,
 )
 from dofla.ops.sinks import sink_flags
-from dofla.ops.state import exp_relative
+from dofla.ops.state import exp_relative, log_sum_exp
 
 
 def _expand_kv_heads(tensor: Tensor | None, group: int) -> Tensor | None:
@@ -103,7 +103,7 @@ def softmax_part_weights(
     """The window part: query (B, H, T, D), keys (B, H, T, D), present (B, H, T) bool, compute dtype.
 
     Returns weights (B, H, T, T) = exp(score - c_i) on the softmax set W_i (window and sinks), 0 elsewhere,
-    and is_sink (B, H, T), which keys are sinks.
+    is_sink (B, H, T), which keys are sinks, and c_i (B, H, T, 1) (0 where W_i is empty).
     """
     length = query.shape[2]
     position = torch.arange(length, device=query.device)
@@ -116,7 +116,7 @@ def softmax_part_weights(
     scores = torch.where(softmax_set, scores, float("-inf"))
     window_max = scores.amax(-1, keepdim=True)  # c_i; -inf when W_i is empty
     window_max = torch.where(torch.isfinite(window_max), window_max, torch.zeros_like(window_max))
-    return torch.exp(scores - window_max), is_sink
+    return torch.exp(scores - window_max), is_sink, window_max
 
 
 def hybrid_attention(
@@ -158,7 +158,7 @@ def hybrid_attention(
         log_scale = _expand_kv_heads(k_log_scale, group).to(dtype)
 
     present = ~torch.isneginf(log_scale)  # (B, H, T): absent keys have log scale -inf
-    window_weights, is_sink = softmax_part_weights(
+    window_weights, is_sink, _ = softmax_part_weights(
         query.to(dtype), keys, present, scaling=scaling, window=window, sinks=sinks, softcap=softcap
     )  # (B, H, T, T), 0 outside the softmax set
 
@@ -185,18 +185,21 @@ def window_attention(
     sinks: int = 0,
     key_mask: Tensor | None = None,
     softcap: float | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+):
     """Sliding-window softmax attention with ``sinks`` attention-sink keys, quadratic reference.
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary, v (B, Hk, T, Dv), key_mask (B, T) True for real
-    tokens. Returns (B, H, T, Dv) in v's dtype; a query with no visible key gets 0.
+    tokens. Returns (B, H, T, Dv) in v's dtype; a query with no visible key gets 0. With ``return_lse``
+    also the log-sum-exp of each query's softmax scores, (B, H, T) in the compute dtype (-inf when it sees
+    no key).
     """
     group = check_window_inputs(query, key, v, window, sinks)
     present = present_keys(key_mask, key)
     dtype = compute_dtype(query, key, v)
     keys = _expand_kv_heads(key, group).to(dtype)  # (B, H, T, D)
     values = _expand_kv_heads(v.masked_fill(~present[..., None], 0), group).to(dtype)  # (B, H, T, Dv)
-    weights, _ = softmax_part_weights(
+    weights, _, window_max = softmax_part_weights(
         query.to(dtype),
         keys,
         _expand_kv_heads(present, group),
@@ -206,5 +209,7 @@ def window_attention(
         softcap=softcap,
     )  # (B, H, T, T)
     total = weights.sum(-1, keepdim=True)
-    out = (weights @ values) / torch.where(total > 0, total, torch.ones_like(total))
-    return out.to(v.dtype)
+    out = ((weights @ values) / torch.where(total > 0, total, torch.ones_like(total))).to(v.dtype)
+    if not return_lse:
+        return out
+    return out, log_sum_exp(total, window_max)[..., 0]

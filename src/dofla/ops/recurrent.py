@@ -22,7 +22,7 @@ from dofla.ops._checks import (
     stack_tokens,
 )
 from dofla.ops.sinks import add_sinks
-from dofla.ops.state import HybridState, LinearState, WindowState, exp_relative
+from dofla.ops.state import HybridState, LinearState, WindowState, exp_relative, log_sum_exp
 
 
 def update_linear_state(state: LinearState, k_features: Tensor, v: Tensor, log_scale: Tensor) -> LinearState:
@@ -168,7 +168,8 @@ def read_window(
     state: WindowState, queries: Tensor, *, scaling: float, softcap: float | None
 ) -> tuple[Tensor, Tensor]:
     """queries (B, Hk, G, D) in the compute dtype -> numerator (B, Hk, G, Dv), denominator (B, Hk, G) of
-    exp(score - max) over the window's present keys and the filled sink slots."""
+    exp(score - max) over the window's present keys and the filled sink slots, and that max (B, Hk, G)
+    (-inf for a query that sees no key)."""
     dtype = queries.dtype
     keys, values, visible = state.keys, state.values, state.key_present  # (B, Hk, L, ...)
     if state.sinks:
@@ -179,8 +180,9 @@ def read_window(
     scores = soft_cap(scaling * (queries @ keys.to(dtype).transpose(-1, -2)), softcap)  # (B, Hk, G, L)
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))  # absent keys
     # exp_relative: a query that sees no key has max -inf, and all its weights 0
-    weights = exp_relative(scores, scores.amax(-1, keepdim=True))
-    return weights @ values.to(dtype), weights.sum(-1)
+    maximum = scores.amax(-1, keepdim=True)
+    weights = exp_relative(scores, maximum)
+    return weights @ values.to(dtype), weights.sum(-1), maximum[..., 0]
 
 
 def recurrent_hybrid_attention(
@@ -249,7 +251,7 @@ def recurrent_hybrid_attention(
         linear_numerator, linear_denominator = _read_linear_state(
             linear, q[:, :, :, t]
         )  # (B,Hk,G,Dv), (B,Hk,G)
-        window_numerator, window_denominator = read_window(
+        window_numerator, window_denominator, _ = read_window(
             window_state, queries[:, :, :, t], scaling=scaling, softcap=softcap
         )
         numerator = gamma[..., None] * window_numerator + (1 - gamma[..., None]) * linear_numerator
@@ -281,13 +283,15 @@ def recurrent_window_attention(
     state: WindowState | None = None,
     key_mask: Tensor | None = None,
     softcap: float | None = None,
-) -> tuple[Tensor, WindowState]:
+    return_lse: bool = False,
+):
     """Sliding-window softmax attention with ``sinks`` sink keys, token by token (semantics in
     ``dofla.ops.naive``).
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary, v (B, Hk, T, Dv), key_mask (B, T) True for real
     tokens; state from an earlier call of either form, or None. Returns out (B, H, T, Dv) in v's dtype and
-    the new WindowState (memory bounded by window + sinks keys).
+    the new WindowState (memory bounded by window + sinks keys); with ``return_lse`` (out, lse, state),
+    lse (B, H, T) the log-sum-exp of each query's softmax scores (-inf when it sees no key).
     """
     group = check_window_inputs(query, key, v, window, sinks)
     window, sinks = int(window), int(sinks)
@@ -301,12 +305,17 @@ def recurrent_window_attention(
     else:
         check_state_window(state, window, sinks)
     queries = query.to(dtype).view(batch, key.shape[1], group, length, head_dim)  # (B, Hk, G, T, D)
-    outputs = []
+    outputs, lses = [], []
     for t in range(length):
         step = slice(t, t + 1)
         state, _ = advance_window(state, key[:, :, step], v[:, :, step], present[:, :, step])
-        numerator, denominator = read_window(state, queries[:, :, :, t], scaling=scaling, softcap=softcap)
+        numerator, denominator, maximum = read_window(
+            state, queries[:, :, :, t], scaling=scaling, softcap=softcap
+        )
         # a visible key contributes exp(0) = 1, so the sum is 0 (nothing seen: output 0) or >= 1
         outputs.append(numerator / denominator.clamp_min(1.0)[..., None])  # (B, Hk, G, Dv)
-    out = stack_tokens(outputs).reshape(batch, num_heads, length, v.shape[-1])
-    return out.to(v.dtype), state
+        lses.append(log_sum_exp(denominator, maximum))  # (B, Hk, G)
+    out = stack_tokens(outputs).reshape(batch, num_heads, length, v.shape[-1]).to(v.dtype)
+    if not return_lse:
+        return out, state
+    return out, torch.stack(lses, dim=-1).reshape(batch, num_heads, length), state

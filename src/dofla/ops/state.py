@@ -26,6 +26,14 @@ def exp_relative(log_value: Tensor, log_offset: Tensor) -> Tensor:
     return torch.exp(log_value - log_offset.clamp_min(torch.finfo(log_offset.dtype).min))
 
 
+def log_sum_exp(denominator: Tensor, maximum: Tensor) -> Tensor:
+    """A softmax's log-sum-exp from its sum of ``exp(score - maximum)``: ``log(denominator) + maximum``, -inf
+    where the sum is 0 (no key seen), with no NaN in the backward pass there."""
+    seen = denominator > 0
+    safe = torch.where(seen, denominator, torch.ones_like(denominator))
+    return torch.where(seen, torch.log(safe) + maximum, torch.full_like(safe, float("-inf")))
+
+
 class BatchedState:
     """Helpers shared by every state dataclass: each tensor field (or nested state) has the batch first."""
 
