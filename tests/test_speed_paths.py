@@ -499,6 +499,43 @@ def test_fused_window_attention_matches_the_reference_and_the_general_chunked_pa
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("sinks, query_heads", [(0, 4), (2, 4), (2, 2)])
+@pytest.mark.parametrize("length, window, chunk, split", [(13, 5, 4, 6), (16, 6, 4, 1), (20, 3, 8, 13)])
+def test_fused_window_log_sum_exp_without_gradients_matches_the_blocked_path(
+    length, window, chunk, split, sinks, query_heads, dtype
+):
+    """``return_lse`` without gradients to track takes the fused kernel's entry point that returns the
+    log-sum-exp; with them, the blocked path (the fused kernel gives no gradient for it)."""
+    from dofla.ops import chunked_window_attention
+    from dofla.ops.chunked import takes_fused_lse
+
+    generator = torch.Generator().manual_seed(4)
+    query, key, value = (
+        torch.randn(2, heads, length, 8, generator=generator, dtype=dtype) for heads in (query_heads, 2, 2)
+    )
+    settings = dict(scaling=8**-0.5, window=window, sinks=sinks, chunk_size=chunk, return_state=True)
+    fast_state = slow_state = None
+    tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for piece in (slice(0, split), slice(split, length)):
+        q, k, v = query[:, :, piece], key[:, :, piece], value[:, :, piece]
+        assert takes_fused_lse(q, k, v)
+        out, lse, fast_state = chunked_window_attention(
+            q, k, v, initial_state=fast_state, return_lse=True, **settings
+        )
+        all_present = torch.ones(2, k.shape[2], dtype=torch.bool)  # a key mask takes the blocked path
+        slow, slow_lse, slow_state = chunked_window_attention(
+            q, k, v, initial_state=slow_state, key_mask=all_present, return_lse=True, **settings
+        )
+        torch.testing.assert_close(out, slow, **tolerance)
+        torch.testing.assert_close(lse, slow_lse, **tolerance)
+        for a, b in zip(fast_state._tensors(), slow_state._tensors(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not takes_fused_lse(query.requires_grad_(), key, value)
+    with torch.no_grad():
+        assert takes_fused_lse(query, key, value)
+
+
 def test_chunk_size_comes_from_the_measured_table_unless_the_plan_sets_one(tmp_path, capsys, one_thread):
     from dofla.ops.chunked import CHUNK_SIZES, choose_chunk_size
 

@@ -568,13 +568,15 @@ def _fused_window_attention(
     window: int,
     sinks: int,
     chunk_size: int,
-) -> tuple[Tensor, WindowState]:
+    return_lse: bool = False,
+):
     """``chunked_window_attention`` with every key of the call present and no soft-capping, from ``state``
     (None: nothing seen): per chunk of C queries, one fused softmax attention call over the sink slots and
     the C + window - 1 window keys the chunk can see. Every query sees its own key (in the window, or as a
     sink), so no real query's row is empty; the rows of padding queries past the end see every key (finite,
     then dropped). Returns out (B, H, T, Dv) in v's dtype (a transposed view of a (B, T, H, Dv) tensor) and
-    the WindowState after the call."""
+    the WindowState after the call; with ``return_lse`` (out, lse (B, H, T), state) from PyTorch's fused CPU
+    kernel, which gives the log-sum-exp but no gradient for it (see ``takes_fused_lse``)."""
     dtype = compute_dtype(query, key, v)
     batch, num_heads, length, head_dim = query.shape
     num_kv_heads, value_dim = key.shape[1], v.shape[-1]
@@ -611,22 +613,45 @@ def _fused_window_attention(
         )
     visible = visible | (token >= length)  # padding queries: see everything, dropped below
     rows, width = batch * num_kv_heads, keys.shape[3]  # 4-D inputs: PyTorch's fused CPU kernel takes them
-    out = F.scaled_dot_product_attention(
+    arguments = (
         queries.reshape(rows, num_chunks, group * size, head_dim),
         keys.reshape(rows, num_chunks, width, head_dim),
         values.reshape(rows, num_chunks, width, value_dim),
-        attn_mask=visible.expand(batch, num_kv_heads, -1, -1, -1)  # rows g * C + r, as the queries
+    )
+    mask = (
+        visible.expand(batch, num_kv_heads, -1, -1, -1)  # rows g * C + r, as the queries
         .repeat(1, 1, 1, group, 1)
-        .reshape(rows, num_chunks, group * size, width),
-        scale=scaling,
-    )  # (B * Hk, N, G * C, Dv)
+        .reshape(rows, num_chunks, group * size, width)
+    )
+    if return_lse:  # the kernel's own entry point returns the log-sum-exp; it takes an additive mask
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, NEGATIVE_INFINITY)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *arguments, attn_mask=bias, scale=scaling
+        )  # (B * Hk, N, G * C, Dv), (B * Hk, N, G * C)
+    else:
+        out = F.scaled_dot_product_attention(*arguments, attn_mask=mask, scale=scaling)
     out = (
         out.view(batch, num_kv_heads, num_chunks, group, size, value_dim)
         .permute(0, 2, 4, 1, 3, 5)
         .reshape(batch, num_chunks * size, num_heads, value_dim)[:, :length]
     )  # (B, T, H, Dv)
     new_state = _window_state_after(state, all_keys, all_values, all_present, sink, length)
-    return out.transpose(1, 2).to(v.dtype), new_state
+    if not return_lse:
+        return out.transpose(1, 2).to(v.dtype), new_state
+    lse = (
+        lse.view(batch, num_kv_heads, num_chunks, group, size)
+        .transpose(2, 3)
+        .reshape(batch, num_heads, num_chunks * size)[:, :, :length]
+    )
+    return out.transpose(1, 2).to(v.dtype), lse, new_state
+
+
+def takes_fused_lse(*tensors: Tensor) -> bool:
+    """Whether the fused window path may return the log-sum-exp: on CPU (PyTorch's fused CPU kernel) and
+    without gradients to track, as the kernel gives none for it (training takes the blocked path)."""
+    on_cpu = all(tensor.device.type == "cpu" for tensor in tensors)
+    tracked = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+    return on_cpu and not tracked and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
 def chunked_window_attention(
@@ -653,8 +678,8 @@ def chunked_window_attention(
     """
     group = check_window_inputs(query, key, v, window, sinks)
     size = _check_chunk_size(chunk_size)
-    if not softcap and key_mask is None and not return_lse:
-        out, state = _fused_window_attention(
+    if not softcap and key_mask is None and (not return_lse or takes_fused_lse(query, key, v)):
+        *results, state = _fused_window_attention(
             query,
             key,
             v,
@@ -663,8 +688,10 @@ def chunked_window_attention(
             window=int(window),
             sinks=int(sinks),
             chunk_size=size,
+            return_lse=return_lse,
         )
-        return (out, state) if return_state else out
+        results = (*results, state) if return_state else tuple(results)
+        return results if len(results) > 1 else results[0]
     present = present_keys(key_mask, key)  # (B, Hk, T)
     if key_mask is not None:
         v = v.masked_fill(~present[..., None], 0)
