@@ -646,12 +646,15 @@ def _fused_window_attention(
     return out.transpose(1, 2).to(v.dtype), lse, new_state
 
 
-def takes_fused_lse(*tensors: Tensor) -> bool:
-    """Whether the fused window path may return the log-sum-exp: on CPU (PyTorch's fused CPU kernel) and
-    without gradients to track, as the kernel gives none for it (training takes the blocked path)."""
+def takes_fused_lse(query: Tensor, key: Tensor, v: Tensor) -> bool:
+    """Whether the fused window path may return the log-sum-exp: on CPU (PyTorch's fused CPU kernel, which
+    needs values as wide as the keys) and without gradients to track, as the kernel gives none for it
+    (training takes the blocked path)."""
+    tensors = (query, key, v)
     on_cpu = all(tensor.device.type == "cpu" for tensor in tensors)
     tracked = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
-    return on_cpu and not tracked and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    fused = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    return on_cpu and not tracked and fused and v.shape[-1] == key.shape[-1]
 
 
 def chunked_window_attention(
