@@ -452,6 +452,48 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_adaptive_mix_decoding_without_gradients_equals_the_recurrent_form(dtype):
+    """Generation (no autograd): the ring step's softmax and log-sum-exp come from one fused kernel call;
+    token by token, against the recurrent form from the same state."""
+    from dofla.cache import RecurrentCacheLayer
+    from dofla.cells import build_student
+
+    plan = LayerPlan(
+        kind="hybrid",
+        cell="gated_delta",
+        feature_map="projection",
+        feature_dim=6,
+        window=3,
+        sinks=2,
+        options={"mix": "adaptive"},
+    )
+    torch.manual_seed(0)
+    student = build_student(plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)
+    student = student.to(dtype)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for parameter in student.parameters():
+            parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator, dtype=dtype))
+
+        def draw(heads, length):
+            return torch.randn(2, heads, length, 8, generator=generator, dtype=dtype)
+
+        fast, slow = RecurrentCacheLayer(), RecurrentCacheLayer()
+        student.pending_cache_layer = fast
+        student(draw(4, 7), draw(2, 7), draw(2, 7))
+        slow.state = fast.state._map(torch.clone)  # steps update their state in place
+        tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+        for _ in range(4):
+            query, key, value = draw(4, 1), draw(2, 1), draw(2, 1)
+            student.pending_cache_layer = fast
+            got = student(query, key, value)
+            student.pending_cache_layer = slow
+            expected = student(query, key, value, form="recurrent")
+            torch.testing.assert_close(got, expected, **tolerance)
+    assert type(fast.state.window).__name__ == "RingWindow"  # the decoding layout ran
+
+
 @pytest.mark.parametrize("sinks, query_heads", [(0, 4), (2, 4), (2, 2)])
 @pytest.mark.parametrize(
     "length, window, chunk, split",

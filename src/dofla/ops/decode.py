@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dofla.ops.chunked import takes_fused_lse
 from dofla.ops.state import BatchedState, HybridState, LinearState, WindowState
 
 NEGATIVE_INFINITY = float("-inf")
@@ -177,6 +178,11 @@ def ring_window_step(
             queries, ring.keys, ring.values, attn_mask=ring.bias, scale=scaling
         )
         return out, ring
+    if takes_fused_lse(queries, ring.keys, ring.values):  # generation: the fused kernel gives both
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            queries, ring.keys, ring.values, attn_mask=ring.bias, scale=scaling
+        )
+        return out, lse, ring
     scores = window_scores(ring, queries, scaling)  # (B * Hk, G, S + W)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # finite: the new key is visible
     out = torch.bmm(torch.exp(scores - lse), ring.values.flatten(0, 1)).view(*queries.shape[:3], -1)
