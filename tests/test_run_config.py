@@ -95,6 +95,16 @@ def test_recipes_fill_only_what_is_not_set_explicitly(tmp_path):
     assert other_recipe.distill.loss == "l2" and other_recipe.out_dir == "from-file"
 
 
+def test_cell_options_given_go_over_the_recipes_key_by_key():
+    config = parse("--out", "o", "--recipe", "gated-delta", "--cell-options", "mix=adaptive")
+    assert config.student.cell_options == {"window_factor": 0.95, "mix": "adaptive"}
+    config.apply_recipe()  # idempotent
+    assert config.student.cell_options == {"window_factor": 0.95, "mix": "adaptive"}
+    replaced = parse("--out", "o", "--recipe", "gated-delta", "--cell-options", "window_factor=0.9")
+    assert replaced.student.cell_options == {"window_factor": 0.9}
+    assert parse("--out", "o", "--cell-options", "mix=adaptive").student.cell_options == {"mix": "adaptive"}
+
+
 def test_every_setting_has_a_flag_and_every_documented_flag_still_works():
     parser = next(
         action for action in build_parser()._subparsers._group_actions if action.dest == "command"

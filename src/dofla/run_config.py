@@ -344,13 +344,17 @@ class LinearizeConfig:
         return (getattr(self, section) if section else self), name
 
     def apply_recipe(self) -> None:
-        """Set the recipe's values, except those named in ``overrides`` (idempotent)."""
+        """Set the recipe's values, except those named in ``overrides`` (idempotent); a table of options
+        set explicitly (``student.cell_options``) goes over the recipe's key by key, so
+        ``--cell-options mix=adaptive`` keeps the recipe's other cell options."""
         if self.recipe is None:
             return
         recipe = checked_settings(_recipes()[self.recipe], f"recipe {self.recipe!r}")
         for key, value in flatten(recipe).items():
             if key not in self.overrides:
                 self.set(key, copy.deepcopy(value))
+            elif isinstance(value, dict) and isinstance(self.get(key), dict):
+                self.set(key, {**copy.deepcopy(value), **self.get(key)})
 
     def distill_config(self):
         """The trainer's :class:`~dofla.distill.trainer.DistillConfig`: the ``distill`` section's values."""
