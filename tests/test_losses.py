@@ -196,3 +196,96 @@ def test_output_mse_and_direct_losses():
     q = torch.log_softmax(logits[:, :-1], -1)
     kl = (p.exp() * (p - q)).sum(-1).mean()
     torch.testing.assert_close(direct_loss(logits, labels, other, kl_weight=0.5), expected + 0.5 * kl)
+
+
+def _hybrid_delta_call(length=12, window=3, sinks=2, mix="fixed", seed=0):
+    """A hybrid gated_delta layer (4 query, 2 key/value heads, head size 8) and a teacher-forced call of
+    random q, k, v whose output is the teacher's causal softmax."""
+    from dofla.cells import build_student
+    from dofla.config import LayerPlan
+    from dofla.dispatch import AttentionCall
+
+    plan = LayerPlan(
+        kind="hybrid", cell="gated_delta", feature_map="projection", feature_dim=6, window=window,
+        sinks=sinks, options={"mix": mix},
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    student = build_student(plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)
+    student = student.double()
+    with torch.no_grad():
+        for parameter in student.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    generator = torch.Generator().manual_seed(seed + 1)
+    query, key, value = (
+        torch.randn(2, heads, length, 8, generator=generator, dtype=torch.float64) for heads in (4, 2, 2)
+    )
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), is_causal=True, scale=8**-0.5
+    ).transpose(1, 2)  # (B, T, H, D)
+    call = AttentionCall(
+        module=None, layer_index=0, query=query, key=key, value=value, attention_mask=None,
+        scaling=8**-0.5, output=output,
+    )  # fmt: skip
+    return student, call
+
+
+@pytest.mark.parametrize("mix", ["fixed", "adaptive"])
+def test_split_mse_is_the_output_error_plus_its_mix_and_memory_halves_brute_force(mix):
+    """The teacher's output splits into its window-and-sinks part and the rest by its own attention mass on
+    the window; the loss adds the student's mix error and memory error against that split."""
+    window, sinks, length = 3, 2, 12
+    student, call = _hybrid_delta_call(length, window, sinks, mix)
+    scores = (call.query @ call.key.repeat_interleave(2, 1).transpose(-1, -2)) * call.scaling
+    i, j = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    probabilities = torch.softmax(scores.masked_fill(j > i, float("-inf")), dim=-1)  # (B, H, T, T)
+    near = (j <= i) & ((j > i - window) | (j < sinks))
+    share = (probabilities * near).sum(-1)  # (B, H, T)
+    far = (
+        (probabilities * ~near) @ call.value.repeat_interleave(2, 1) / (1 - share).clamp_min(1e-30)[..., None]
+    )
+    parts = student.window_memory_parts(call.query, call.key, call.value, scaling=call.scaling)
+    window_out, memory, gamma = (parts[name].detach() for name in ("window", "memory", "gamma"))
+    share, far = share.transpose(1, 2)[..., None], far.transpose(1, 2)  # (B, T, H, 1), (B, T, H, D)
+    torch.testing.assert_close(share * window_out + (1 - share) * far, call.output)  # the split is exact
+    output = student(call.query, call.key, call.value, scaling=call.scaling)
+    torch.testing.assert_close(output, gamma * window_out + (1 - gamma) * memory)
+    expected = (
+        (output - call.output).pow(2).mean()
+        + ((gamma - share) * (window_out - memory)).pow(2).mean()
+        + ((1 - share) * (memory - far)).pow(2).mean()
+    )
+    loss = losses.layer_loss("split_mse", student, call, query_chunk=5)
+    torch.testing.assert_close(loss, expected.float(), rtol=1e-5, atol=1e-9)  # output_mse sums in float32
+    loss.backward()
+    trained = {name for name, parameter in student.named_parameters() if parameter.grad is not None}
+    assert {"window_factor_logit", "decay.bias", "write.bias", "feature_map.weight"} <= trained
+    if mix == "adaptive":
+        assert {"mix_lse_weight", "mix_value_weight"} <= trained
+
+
+def test_causal_log_sum_exp_in_chunks_with_absent_keys():
+    query, key = torch.randn(2, 4, 9, 5, dtype=torch.float64), torch.randn(2, 2, 9, 5, dtype=torch.float64)
+    key_mask = torch.ones(2, 9, dtype=torch.bool)
+    key_mask[1, :3] = False
+    scores = 0.7 * (query @ key.repeat_interleave(2, 1).transpose(-1, -2))
+    i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    hidden = (j > i) | ~key_mask[:, None, None, :]
+    expected = torch.logsumexp(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    got = losses.causal_log_sum_exp(query, key, scaling=0.7, key_mask=key_mask, query_chunk=4)
+    torch.testing.assert_close(got, expected)
+    assert torch.isneginf(got[1, :, :3]).all() and torch.isfinite(got[0]).all()
+
+
+def test_split_mse_is_refused_for_layers_without_window_and_memory_halves():
+    from dofla.cells import build_student
+    from dofla.config import LayerPlan
+
+    _, call = _hybrid_delta_call()
+    shape = dict(layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)
+    for plan in (
+        LayerPlan(kind="hybrid", cell="gla", feature_dim=6, window=3),
+        LayerPlan(kind="linear", cell="gated_delta", feature_map="projection", feature_dim=6),
+    ):
+        student = build_student(plan, **shape).double()
+        with pytest.raises(DoflaError, match="split_mse loss trains the window and the memory"):
+            losses.layer_loss("split_mse", student, call)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dofla.attention import LinearAttention
+from dofla.attention import LinearAttention, key_mask_from_attention_mask
 from dofla.cells.gated import DEFAULT_DECAY_MEMORY, TokenGate, initial_gate_logits
 from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
@@ -159,6 +159,22 @@ class GatedDeltaAttention(LinearAttention):
     def _attend(
         self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
     ):
+        parts = self._parts(form, query, key, q_features, k_features, values, key_mask, scaling, state)
+        memory, new_memory = parts["memory"], parts["memory_state"]
+        if self.kind == "linear":
+            return memory, new_memory
+        output = parts["gamma"] * parts["window"].to(memory.dtype) + (1 - parts["gamma"]) * memory
+        new_state = (
+            None if new_memory is None else DeltaHybridState(window=parts["window_state"], delta=new_memory)
+        )
+        return output.to(values.dtype), new_state
+
+    def _parts(
+        self, form, query, key, q_features, k_features, values, key_mask, scaling, state, need_lse=False
+    ) -> dict:
+        """The memory's read-out (B, H, T, Dv) and state; with a window also the window's output (B, H, T, Dv),
+        its log-sum-exp (B, H, T; None unless the mix is adaptive or ``need_lse``), its state and gamma
+        ((B, H, T, 1) adaptive, else (1, H, 1, 1)), in the memory's dtype."""
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
         q = F.normalize(q_features, dim=-1)  # (B, H, T, K)
         k = F.normalize(k_features, dim=-1)  # (B, Hs, T, K); a map's log scale cancels here
@@ -183,23 +199,48 @@ class GatedDeltaAttention(LinearAttention):
                 key_mask=key_mask,
                 kernel=fla_backend.gated_delta_kernel(values, q.shape[-1]),  # None unless CUDA with fla
             )
+        parts = dict(memory=memory, memory_state=new_memory)
         if self.kind == "linear":
-            return memory, new_memory
+            return parts
         window_state = state.window if isinstance(state, DeltaHybridState) else None
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
-        if self.adaptive_mix:
+        if self.adaptive_mix or need_lse:
             window, lse, new_window = _window_part(
                 self, form, query, keys, values, key_mask, scaling, window_state, return_lse=True
             )
-            gamma = torch.sigmoid(self.window_share_logits(lse, values))[..., None].to(memory.dtype)
         else:
             window, new_window = _window_part(
                 self, form, query, keys, values, key_mask, scaling, window_state
             )
+            lse = None
+        if self.adaptive_mix:
+            gamma = torch.sigmoid(self.window_share_logits(lse, values))[..., None].to(memory.dtype)
+        else:
             gamma = self.window_factor().to(memory.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
-        output = gamma * window.to(memory.dtype) + (1 - gamma) * memory
-        new_state = None if new_memory is None else DeltaHybridState(window=new_window, delta=new_memory)
-        return output.to(values.dtype), new_state
+        return dict(parts, window=window.to(memory.dtype), lse=lse, window_state=new_window, gamma=gamma)
+
+    def window_memory_parts(
+        self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None, *, scaling=None
+    ) -> dict[str, Tensor]:
+        """The two halves of a hybrid layer's output on one call without a cache (the chunked form), for
+        losses that train them apart (``dofla.distill.losses``): window and memory (B, T, H, Dv), gamma
+        (B, T, H, 1) or (1, 1, H, 1), and the window softmax's log-sum-exp ``window_lse`` (B, H, T)
+        (computed here for either mix); the output is ``gamma * window + (1 - gamma) * memory``."""
+        if self.kind != "hybrid":
+            raise DoflaError(f"layer {self.layer_index}: window_memory_parts needs a window (kind hybrid).")
+        scaling = self.scaling if scaling is None else float(scaling)
+        key_mask = key_mask_from_attention_mask(attention_mask, query.shape[2])
+        q_features, k_features, _ = self.features(query, key)
+        values = self._state_heads_view(value)
+        parts = self._parts(
+            "chunked", query, key, q_features, k_features, values, key_mask, scaling, None, need_lse=True
+        )
+        return dict(
+            window=parts["window"].transpose(1, 2),
+            memory=parts["memory"].transpose(1, 2),
+            gamma=parts["gamma"].transpose(1, 2),
+            window_lse=parts["lse"],
+        )
 
     def _decode_step(self, query, key, value, state, scaling):
         """One token (see ``LinearAttention._decode_step``): queries and key normalised together, the two

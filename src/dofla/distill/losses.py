@@ -14,7 +14,8 @@ Every loss is registered in :data:`LOSSES` by name, at one of three scopes:
   ``softmax``: ``-sum_j P_ij log A_ij`` averaged over rows (the cross-entropy; its minimum over A is the
   teacher's row entropy, so the value is not 0 at a perfect fit); ``l2``: ``sum_j (P_ij - A_ij)^2``.
 * ``layer`` (a function of one student and its teacher-forced attention call):
-  ``output_mse``: mean squared error of the attention outputs before the output projection.
+  ``output_mse``: mean squared error of the attention outputs before the output projection;
+  ``split_mse``: that, plus its mix and memory halves trained apart (hybrid ``gated_delta`` layers).
 * ``model`` (the whole model end to end): ``direct``: next-token cross-entropy, optionally + KL to the
   teacher's logits.
 
@@ -297,6 +298,84 @@ def output_mse_layer_loss(
         call.query, call.key, call.value, call.attention_mask, scaling=call.scaling
     )  # (B, T, H, Dv)
     return output_mse_loss(output, call.output, key_mask)
+
+
+@torch.no_grad()
+def causal_log_sum_exp(
+    query: Tensor,
+    key: Tensor,
+    *,
+    scaling: float,
+    key_mask: Tensor | None = None,
+    softcap: float | None = None,
+    query_chunk: int = DEFAULT_QUERY_CHUNK,
+) -> Tensor:
+    """The teacher's causal softmax log-sum-exp per query, query (B, H, T, D), key (B, Hk, T, D) -> (B, H, T)
+    in float32 (float64 for float64 inputs), a chunk of queries at a time (O(chunk * T) memory); absent keys
+    (key_mask (B, T) False) take no part, a query that sees no key gets -inf. No gradient (a target)."""
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    length = query.shape[2]
+    keys = _expand_heads(key, query.shape[1]).to(dtype)  # (B, H, T, D)
+    columns = torch.arange(length, device=query.device)
+    pieces = []
+    for start in range(0, length, query_chunk):
+        queries = query[:, :, start : start + query_chunk].to(dtype)
+        scores = soft_cap(scaling * (queries @ keys.transpose(-1, -2)), softcap)  # (B, H, C, T)
+        visible = columns[None, :] <= columns[start : start + queries.shape[2], None]  # (C, T)
+        if key_mask is not None:
+            visible = visible & key_mask[:, None, None, :].to(torch.bool)
+        pieces.append(torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1))
+    return torch.cat(pieces, dim=-1)
+
+
+def _mean_square(difference: Tensor, key_mask: Tensor | None) -> Tensor:
+    return output_mse_loss(difference, torch.zeros_like(difference), key_mask)
+
+
+@register_loss("split_mse", scope="layer")
+def split_mse_layer_loss(
+    student, call, *, key_mask: Tensor | None = None, query_chunk: int = DEFAULT_QUERY_CHUNK
+) -> Tensor:
+    """``output_mse`` plus the two halves of its error trained apart, for a layer that mixes the window's
+    softmax with a memory, ``gamma w + (1 - gamma) m`` (the ``gated_delta`` cell with a window).
+
+    The teacher's output splits exactly the same way, ``o = s w + (1 - s) f``: w is the softmax over the
+    window and sinks (the student's own window part: the same q, k, v and scores), s the teacher's
+    attention mass on them, ``exp(lse_window - lse_all)`` (both log-sum-exps in O(T) memory), and f its
+    output over the keys beyond the window. So the student's error is ``(gamma - s)(w - m) + (1 - s)(m - f)``:
+    a mix error and a memory error. Each is added as its own mean square (the mix's with m held fixed, the
+    memory's at the teacher's own mix s), so the memory learns what the teacher reads beyond the window at
+    the strength the teacher reads it, whatever the student's gamma, and the mix learns the teacher's mass.
+    """
+    parts_of = getattr(student, "window_memory_parts", None)
+    if parts_of is None or student.kind != "hybrid":
+        raise DoflaError(
+            f"the split_mse loss trains the window and the memory of a hybrid layer apart; layer "
+            f"{student.layer_index} ({student.cell_name}, kind {student.kind}) has no such halves: use the "
+            "gated_delta cell with a window, or output_mse."
+        )
+    parts = parts_of(call.query, call.key, call.value, call.attention_mask, scaling=call.scaling)
+    window, memory, gamma = parts["window"], parts["memory"], parts["gamma"]  # (B, T, H, Dv), (., ., H, 1)
+    everything = causal_log_sum_exp(
+        call.query,
+        call.key,
+        scaling=call.scaling,
+        key_mask=key_mask,
+        softcap=student.softcap,
+        query_chunk=query_chunk,
+    )
+    share = torch.exp(parts["window_lse"].detach().to(everything.dtype) - everything)  # (B, H, T)
+    share = torch.where(torch.isfinite(share), share, torch.ones_like(share)).clamp(0.0, 1.0)
+    share = share.transpose(1, 2)[..., None].to(memory.dtype)  # (B, T, H, 1); padded rows: 1, left out
+    target = call.output.to(memory.dtype)
+    output = gamma * window + (1 - gamma) * memory
+    mix_error = (gamma - share) * (window - memory.detach())
+    memory_error = share * window + (1 - share) * memory - target
+    return (
+        output_mse_loss(output, target, key_mask)
+        + _mean_square(mix_error, key_mask)
+        + _mean_square(memory_error, key_mask)
+    )
 
 
 def check_kernel_loss(kind: str, cell: str, sinks: int) -> None:
