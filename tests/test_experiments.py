@@ -226,3 +226,40 @@ def test_recall_of_runs_scores_a_finished_run_on_its_own_held_out_rows(tiny, tmp
         for name in ("teacher", "window", "student"):
             assert again["models"][name]["nll"] == pytest.approx(first["models"][name]["nll"], rel=1e-5)
     assert "## tiny" in (tmp_path / "out" / "recall_of_runs.md").read_text()
+
+
+def test_window_memory_split_reads_a_finished_gated_delta_run_layer_by_layer(tiny, tmp_path):
+    from dofla.convert import load_converted
+    from dofla.pipeline import linearize
+    from dofla.run_config import LinearizeConfig
+
+    folder, text = tiny
+    run = tmp_path / "run"
+    settings = dict(
+        out_dir=str(run),
+        progress=False,
+        teacher=dict(model=folder),
+        data=dict(path=text, seq_len=32, heldout_fraction=0.25, heldout_sequences=3),
+        plan=dict(kind="hybrid", window=4, sinks=1, allocation="fix", budget=8),
+        student=dict(cell="gated_delta", feature_map="projection"),
+        distill=dict(tokens=256, eval_every=4, checkpoint_every=4, loss="split_mse"),
+        lora=dict(enabled=False),
+        evaluate=dict(lengths=[64], passkey_trials=0, error_sequences=0, recall=False),
+    )
+    linearize(LinearizeConfig.from_dict(settings))
+    out = tmp_path / "out"
+    experiment("window_memory_split").main(
+        ["--run", str(run), "--length", "64", "--rows", "2", "--out", str(out)]
+    )
+    layers = json.loads((out / "window_memory_split.json").read_text())["layers"]
+    student, _, plan = load_converted(run / "model")
+    assert [row["layer"] for row in layers] == [
+        i for i, layer in enumerate(plan.layers) if layer.kind == "hybrid"
+    ]
+    for row in layers:
+        cell = student.model.layers[row["layer"]].self_attn.dofla_student
+        share = float((1 - cell.window_factor()).mean())  # the fixed mix: one gamma per head
+        assert row["memory_share_recall"] == pytest.approx(share, rel=1e-5)
+        assert 0 <= row["far_mass_recall"] <= 1 and -1 <= row["cos_other"] <= 1
+        assert row["error_recall"] >= 0 and row["window_error_other"] >= 0
+    assert "| layer | far mass recall / other |" in (out / "window_memory_split.md").read_text()
