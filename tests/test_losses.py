@@ -171,7 +171,9 @@ def test_long_sequence_fits_in_chunks(monkeypatch):
 
 
 def test_kernel_loss_rejects_unknown_and_non_kernel_kinds():
-    with pytest.raises(DoflaError, match="unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax, split_mse"):
+    with pytest.raises(
+        DoflaError, match="unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax, split_mse"
+    ):
         kernel_loss("kl", **inputs(), scaling=SCALING)
     with pytest.raises(DoflaError, match="'output_mse' is not a kernel loss; kernel losses are softmax, l2"):
         kernel_loss("output_mse", **inputs(), scaling=SCALING)

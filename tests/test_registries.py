@@ -37,7 +37,9 @@ def test_unknown_names_list_the_registered_ones_and_names_are_taken_once():
     with pytest.raises(DoflaError, match="unknown colour 'blue'; choose one of: red."):
         registry["blue"]
     assert registry.get("blue") is None  # plain dict lookups keep their meaning
-    with pytest.raises(DoflaError, match="unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax, split_mse"):
+    with pytest.raises(
+        DoflaError, match="unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax, split_mse"
+    ):
         DistillConfig(loss="kl").validate()
     with pytest.raises(
         DoflaError, match="unknown allocation 'even'; choose one of: dof, dof_clip, fix, headwise"

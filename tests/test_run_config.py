@@ -202,7 +202,10 @@ def test_a_config_file_with_a_mistake_is_one_sentence(tmp_path, text, message):
         (dict(plan=dict(sinks=-1)), "--sinks must be at least 0, got -1"),
         (dict(plan=dict(layers=[0, -2])), "--layers must be at least 0, got -2"),
         (dict(student=dict(feature_map="nope")), "unknown feature map 'nope'; choose one of:"),
-        (dict(distill=dict(loss="kl")), "unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax, split_mse."),
+        (
+            dict(distill=dict(loss="kl")),
+            "unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax, split_mse.",
+        ),
         (dict(plan=dict(measure="nope")), "unknown measure 'nope'"),
         (dict(data=dict(heldout_fraction=1.0)), "the held-out fraction must lie in (0, 1), got 1.0"),
         (dict(data=dict(recall_fraction=1.5)), "--recall-fraction must lie in [0, 1], got 1.5"),
