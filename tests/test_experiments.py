@@ -202,12 +202,13 @@ def test_softmax_layers_at_length(tiny, tmp_path):
     assert "| 1 | window_kl |" in (tmp_path / "softmax_layers_at_length.md").read_text()
 
 
-def test_recall_of_runs_scores_a_finished_run_on_its_own_held_out_rows(tiny, tmp_path):
+def tiny_run(tiny, run, **sections):
+    """A finished ``linearize`` run of the tiny teacher in ``run`` (hybrid, window 4, 256 tokens at 32),
+    each of ``sections`` (e.g. ``plan={...}``) updating the settings of its section."""
     from dofla.pipeline import linearize
     from dofla.run_config import LinearizeConfig
 
     folder, text = tiny
-    run = tmp_path / "run"
     settings = dict(
         out_dir=str(run),
         progress=False,
@@ -217,7 +218,14 @@ def test_recall_of_runs_scores_a_finished_run_on_its_own_held_out_rows(tiny, tmp
         distill=dict(tokens=256, eval_every=4, checkpoint_every=4),
         evaluate=dict(lengths=[64], passkey_trials=0, error_sequences=0),
     )
+    for section, values in sections.items():
+        settings[section] = {**settings.get(section, {}), **values}
     linearize(LinearizeConfig.from_dict(settings))
+    return run
+
+
+def test_recall_of_runs_scores_a_finished_run_on_its_own_held_out_rows(tiny, tmp_path):
+    run = tiny_run(tiny, tmp_path / "run")
     experiment("recall_of_runs").main(["--runs", f"tiny={run}", "--out", str(tmp_path / "out")])
     measured = json.loads((tmp_path / "out" / "recall_of_runs.json").read_text())["runs"]["tiny"]
     in_run = json.loads((run / "result.json").read_text())["recall"]  # the run's own measurement
@@ -230,23 +238,16 @@ def test_recall_of_runs_scores_a_finished_run_on_its_own_held_out_rows(tiny, tmp
 
 def test_window_memory_split_reads_a_finished_gated_delta_run_layer_by_layer(tiny, tmp_path):
     from dofla.convert import load_converted
-    from dofla.pipeline import linearize
-    from dofla.run_config import LinearizeConfig
 
-    folder, text = tiny
-    run = tmp_path / "run"
-    settings = dict(
-        out_dir=str(run),
-        progress=False,
-        teacher=dict(model=folder),
-        data=dict(path=text, seq_len=32, heldout_fraction=0.25, heldout_sequences=3),
-        plan=dict(kind="hybrid", window=4, sinks=1, allocation="fix", budget=8),
+    run = tiny_run(
+        tiny,
+        tmp_path / "run",
+        plan=dict(sinks=1),
         student=dict(cell="gated_delta", feature_map="projection"),
-        distill=dict(tokens=256, eval_every=4, checkpoint_every=4, loss="split_mse"),
+        distill=dict(loss="split_mse"),
         lora=dict(enabled=False),
-        evaluate=dict(lengths=[64], passkey_trials=0, error_sequences=0, recall=False),
+        evaluate=dict(recall=False),
     )
-    linearize(LinearizeConfig.from_dict(settings))
     out = tmp_path / "out"
     experiment("window_memory_split").main(
         ["--run", str(run), "--length", "64", "--rows", "2", "--out", str(out)]
