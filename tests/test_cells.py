@@ -217,8 +217,21 @@ def test_adaptive_mix_starts_as_the_fixed_mix_and_is_refused_without_a_window():
     torch.testing.assert_close(adaptive(query, key, value), fixed(query, key, value), rtol=1e-12, atol=1e-13)
     fresh = build_student(LayerPlan(kind="hybrid", cell="gated_delta", options=ADAPTIVE), **SHAPE)
     assert not fresh.mix_lse_weight.any() and not fresh.mix_value_weight.any()
-    names = {group["name"]: group["params"] for group in fresh.parameter_groups(1e-3)}
-    assert any(parameter is fresh.mix_lse_weight for parameter in names["gates"])
+    groups = {group["name"]: group for group in fresh.parameter_groups(1e-3)}
+    assert groups["mix"]["params"] == [fresh.mix_lse_weight, fresh.mix_value_weight]
+    assert groups["mix"]["lr"] == 1e-3
+    faster = build_student(
+        LayerPlan(kind="hybrid", cell="gated_delta", options={**ADAPTIVE, "mix_lr": 10}), **SHAPE
+    )
+    assert {group["name"]: group["lr"] for group in faster.parameter_groups(1e-3)}["mix"] == pytest.approx(
+        1e-2
+    )
+    trained = [id(parameter) for group in faster.parameter_groups(1e-3) for parameter in group["params"]]
+    assert sorted(trained) == sorted(id(parameter) for parameter in faster.trainable_parameters())
+    with pytest.raises(DoflaError, match="mix_lr must be positive"):
+        build_student(
+            LayerPlan(kind="hybrid", cell="gated_delta", options={**ADAPTIVE, "mix_lr": 0}), **SHAPE
+        )
     with pytest.raises(DoflaError, match="mix 'adaptive' .* needs kind hybrid"):
         build_student(LayerPlan(cell="gated_delta", feature_map="projection", options=ADAPTIVE), **SHAPE)
     with pytest.raises(DoflaError, match="unknown mix 'soft'.*fixed, adaptive"):

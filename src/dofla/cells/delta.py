@@ -112,10 +112,11 @@ class GatedDeltaAttention(LinearAttention):
 
     Options: ``decay_memory`` (shortest, longest) initial memories in tokens (default 128, 2048), ``beta``
     the initial write strength in (0, 1) (default 0.5), ``window_factor`` the initial window share gamma
-    (default 0.5), ``mix`` "fixed" (gamma per head, the default) or "adaptive" (per token, hybrid only).
+    (default 0.5), ``mix`` "fixed" (gamma per head, the default) or "adaptive" (per token, hybrid only),
+    ``mix_lr`` the adaptive mix's learning rate as a multiple of the base one (default 1).
     """
 
-    CELL_OPTIONS = ("decay_memory", "beta", "mix")
+    CELL_OPTIONS = ("decay_memory", "beta", "mix", "mix_lr")
     requires_nonnegative_features = False
     default_window_factor = DEFAULT_DELTA_WINDOW_FACTOR
 
@@ -140,6 +141,9 @@ class GatedDeltaAttention(LinearAttention):
                 "hybrid (a window)."
             )
         self.adaptive_mix = mix == "adaptive"
+        self.mix_lr = float(self.cell_options.get("mix_lr", 1.0))
+        if not self.mix_lr > 0:
+            raise DoflaError(f"layer {self.layer_index}: mix_lr must be positive, got {self.mix_lr}.")
         if self.adaptive_mix:  # gamma_t's lse weight c (H,) and value weight u (Hs, G, Dv), both from 0
             self.mix_lse_weight = nn.Parameter(torch.zeros(self.num_heads))
             self.mix_value_weight = nn.Parameter(torch.zeros(heads, self.num_heads // heads, self.head_dim))
@@ -293,7 +297,8 @@ class GatedDeltaAttention(LinearAttention):
         groups = super().parameter_groups(base_lr)
         gates = [*self.decay.parameters(), *self.write.parameters()]
         if self.adaptive_mix:
-            gates += [self.mix_lse_weight, self.mix_value_weight]
+            mix = [self.mix_lse_weight, self.mix_value_weight]
+            groups.append({"params": mix, "lr": float(base_lr) * self.mix_lr, "name": "mix"})
         groups.append({"params": gates, "lr": float(base_lr), "name": "gates"})
         return groups
 
