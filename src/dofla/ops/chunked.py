@@ -358,7 +358,7 @@ def sink_sums(
 
 def merge_softmax_sums(
     first: tuple[Tensor, Tensor, Tensor], second: tuple[Tensor, Tensor, Tensor]
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Two (numerator (..., Dv), denominator (...), max (...)) softmax sums over disjoint keys -> one
     numerator and denominator relative to their common maximum (exact rescaling, exponents <= 0), and that
     maximum."""

@@ -166,7 +166,7 @@ def advance_window(
 
 def read_window(
     state: WindowState, queries: Tensor, *, scaling: float, softcap: float | None
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """queries (B, Hk, G, D) in the compute dtype -> numerator (B, Hk, G, Dv), denominator (B, Hk, G) of
     exp(score - max) over the window's present keys and the filled sink slots, and that max (B, Hk, G)
     (-inf for a query that sees no key)."""
