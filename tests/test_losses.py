@@ -265,6 +265,16 @@ def test_split_mse_is_the_output_error_plus_its_mix_and_memory_halves_brute_forc
         assert {"mix_lse_weight", "mix_value_weight"} <= trained
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_causal_log_sum_exp_of_the_fused_kernel_equals_the_chunked_form(dtype, monkeypatch):
+    query, key = torch.randn(2, 4, 19, 8, dtype=dtype), torch.randn(2, 2, 19, 8, dtype=dtype)
+    fused = losses.causal_log_sum_exp(query, key, scaling=0.4)
+    monkeypatch.setattr(losses, "_FUSED_CPU", None)
+    chunked = losses.causal_log_sum_exp(query, key, scaling=0.4, query_chunk=5)
+    tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused, chunked, **tolerance)
+
+
 def test_causal_log_sum_exp_in_chunks_with_absent_keys():
     query, key = torch.randn(2, 4, 9, 5, dtype=torch.float64), torch.randn(2, 2, 9, 5, dtype=torch.float64)
     key_mask = torch.ones(2, 9, dtype=torch.bool)

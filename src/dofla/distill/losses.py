@@ -300,6 +300,9 @@ def output_mse_layer_loss(
     return output_mse_loss(output, call.output, key_mask)
 
 
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 @torch.no_grad()
 def causal_log_sum_exp(
     query: Tensor,
@@ -312,10 +315,14 @@ def causal_log_sum_exp(
 ) -> Tensor:
     """The teacher's causal softmax log-sum-exp per query, query (B, H, T, D), key (B, Hk, T, D) -> (B, H, T)
     in float32 (float64 for float64 inputs), a chunk of queries at a time (O(chunk * T) memory); absent keys
-    (key_mask (B, T) False) take no part, a query that sees no key gets -inf. No gradient (a target)."""
+    (key_mask (B, T) False) take no part, a query that sees no key gets -inf. No gradient (a target).
+    Without a mask or soft-capping on a CPU, PyTorch's fused causal kernel gives it in one call."""
     dtype = torch.promote_types(query.dtype, torch.float32)
     length = query.shape[2]
     keys = _expand_heads(key, query.shape[1]).to(dtype)  # (B, H, T, D)
+    if key_mask is None and not softcap and query.device.type == "cpu" and _FUSED_CPU is not None:
+        # PyTorch's fused CPU kernel returns the log-sum-exp beside its output (keys stand in for values)
+        return _FUSED_CPU(query.to(dtype), keys, keys, is_causal=True, scale=scaling)[1]
     columns = torch.arange(length, device=query.device)
     pieces = []
     for start in range(0, length, query_chunk):
