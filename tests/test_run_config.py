@@ -105,6 +105,23 @@ def test_cell_options_given_go_over_the_recipes_key_by_key():
     assert parse("--out", "o", "--cell-options", "mix=adaptive").student.cell_options == {"mix": "adaptive"}
 
 
+def test_per_query_head_gives_the_plan_one_state_per_query_head():
+    import torch
+
+    from dofla.convert import convert, students
+    from dofla.models import build_tiny_model
+    from dofla.pipeline import make_plan, plan_options
+
+    config = parse("--out", "o", "--recipe", "gated-delta", "--per-query-head")
+    assert plan_options(config)["share_kv_heads"] is False
+    assert plan_options(parse("--out", "o", "--recipe", "gated-delta"))["share_kv_heads"] is True
+    model = build_tiny_model("llama")  # 4 query heads, 2 key/value heads
+    plan = make_plan(config, model, torch.zeros(2, 16, dtype=torch.long))
+    assert all(not layer.share_kv_heads for layer in plan.layers)
+    convert(model, plan)
+    assert {student.state_heads for student in students(model).values()} == {model.config.num_attention_heads}
+
+
 def test_every_setting_has_a_flag_and_every_documented_flag_still_works():
     parser = next(
         action for action in build_parser()._subparsers._group_actions if action.dest == "command"
@@ -273,6 +290,7 @@ NEW_SINCE = {
     "distill.teacher_states": None,
     "plan.keep_softmax": 0,
     "plan.softmax_choice": "dof",
+    "plan.per_query_head": False,
     "lora.tokens_per_forward": 2048,  # the demo's batches (2 x 512) are one piece: the same steps
     "data.recall_fraction": 0.0,
     "evaluate.recall": True,

@@ -423,6 +423,7 @@ def plan_options(config: LinearizeConfig) -> dict:
         window=plan.window,
         cell=config.student.cell,
         sinks=plan.sinks,
+        share_kv_heads=not plan.per_query_head,
         options=dict(config.student.cell_options),
     )
 

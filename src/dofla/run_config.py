@@ -145,6 +145,12 @@ class PlanSettings:
     kind: str = option("linear", "attention kind: linear | hybrid (linear + sliding window)")
     window: int = option(64, "sliding window of hybrid layers")
     sinks: int = option(0, "first tokens always visible to the window", minimum=0)
+    per_query_head: bool = option(
+        False,
+        "one feature map and state per query head instead of one per key/value head (more state, and "
+        "distinct memories for the query heads of a group)",
+        flag="--per-query-head",
+    )
     layers: list[int] | None = option(None, "comma-separated layers to convert (default: all)", minimum=0)
     keep_softmax: int = option(0, "layers left as full softmax, chosen by --softmax-choice", minimum=0)
     softmax_choice: str = option(
