@@ -247,3 +247,45 @@ def test_lora_trains_and_merged_logits_equal_peft_logits():
         after = merged(input_ids=data[:2]).logits
     torch.testing.assert_close(after, adapted, rtol=1e-4, atol=1e-4)
     assert (after - before).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("train_students", [False, True])
+def test_lora_trains_the_students_only_when_asked(train_students):
+    from dofla.distill.lora import LoraConfig, train_lora
+
+    model = tiny_converted()
+    before = {
+        index: {name: p.detach().clone() for name, p in student.named_parameters()}
+        for index, student in students(model).items()
+    }
+    fixed = {  # parameters a cell keeps fixed must stay fixed either way
+        (index, name)
+        for index, student in students(model).items()
+        for name, p in student.named_parameters()
+        if not p.requires_grad
+    }
+    config = LoraConfig(tokens=4 * LENGTH * 3, lr=1e-2, progress=False, train_students=train_students)
+    merged, _ = train_lora(model, token_data(8), config)
+    moved = {
+        (index, name): (p - before[index][name]).abs().max().item()
+        for index, student in students(merged).items()
+        for name, p in student.named_parameters()
+    }
+    assert not any(p.requires_grad for p in merged.parameters())
+    assert all(moved[key] == 0 for key in fixed)
+    trainable_moved = [value for key, value in moved.items() if key not in fixed]
+    if train_students:
+        assert trainable_moved and max(trainable_moved) > 1e-4
+    else:
+        assert max(trainable_moved, default=0.0) == 0.0
+
+
+def test_lora_train_students_without_student_parameters_is_one_sentence():
+    from dofla.distill.lora import LoraConfig, train_lora
+
+    model = tiny_converted()
+    for student in students(model).values():
+        student.requires_grad_(False)
+    config = LoraConfig(tokens=4 * LENGTH, progress=False, train_students=True)
+    with pytest.raises(DoflaError, match="no trainable parameters"):
+        train_lora(model, token_data(8), config)

@@ -291,6 +291,7 @@ NEW_SINCE = {
     "plan.keep_softmax": 0,
     "plan.softmax_choice": "dof",
     "plan.per_query_head": False,
+    "lora.train_students": False,
     "lora.tokens_per_forward": 2048,  # the demo's batches (2 x 512) are one piece: the same steps
     "data.recall_fraction": 0.0,
     "evaluate.recall": True,

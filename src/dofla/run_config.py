@@ -224,6 +224,12 @@ class LoraSettings:
         None, "comma-separated module names (default: the family's q/k/v/o)", flag="--lora-targets"
     )
     lr: float = option(1e-3, "LoRA learning rate", flag="--lora-lr")
+    train_students: bool = option(
+        False,
+        "also train the converted layers' own parameters (feature maps, gates, mixes) end to end in the LoRA "
+        "stage, on next-token loss (default: only the adapters)",
+        flag="--lora-train-students",
+    )
     kl_weight: float = option(
         0.0, "weight of KL to the teacher's logits added to the next-token loss", flag="--lora-kl"
     )

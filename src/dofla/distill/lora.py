@@ -3,7 +3,10 @@
 After the attention transfer the whole converted model is fine-tuned end to end with low-rank adapters
 (``peft``; default rank 8, alpha 16, on the q/k/v/o projections of each family) on next-token
 cross-entropy, optionally plus KL to the teacher's logits (the teacher is the same model with its
-converted layers running softmax, under :func:`dofla.dispatch.teacher_forced`). The students stay frozen.
+converted layers running softmax, under :func:`dofla.dispatch.teacher_forced`). The students stay frozen,
+unless ``train_students`` (``--lora-train-students``): then their own parameters (feature maps, gates,
+mixes: each cell's AdamW groups, relative to the LoRA learning rate) train end to end beside the adapters,
+on the model's own next-token loss, which layer-wise attention transfer never sees.
 The adapters are merged into the projection weights at the end, so the exported model has no peft parts.
 """
 
@@ -49,6 +52,7 @@ class LoraConfig:
     progress: bool = True
     max_bad_steps: int = 5
     tokens_per_forward: int = 2048
+    train_students: bool = False
 
     def validate(self) -> None:
         """Every option's range, checked before any work (the targets need the model: :func:`check_targets`)."""
@@ -133,6 +137,7 @@ def train_lora(
 
     config.validate()
     targets = check_targets(model, config.targets)
+    student_groups = _student_groups(model, config) if config.train_students else []
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     plan = getattr(model, "dofla_plan", None)
@@ -140,10 +145,17 @@ def train_lora(
         model,
         PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=targets, lora_dropout=0.0),
     )
-    trainable = [parameter for parameter in peft_model.parameters() if parameter.requires_grad]
-    if not trainable:
+    adapters = [parameter for parameter in peft_model.parameters() if parameter.requires_grad]
+    if not adapters:
         raise DoflaError(f"LoRA found no modules named {targets}; check --lora-targets.")
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    for group in student_groups:
+        for parameter in group["params"]:
+            parameter.requires_grad_(True)
+    trainable = adapters + [parameter for group in student_groups for parameter in group["params"]]
+    optimizer = torch.optim.AdamW(
+        [{"params": adapters, "lr": config.lr}, *student_groups], lr=config.lr, weight_decay=0.0
+    )
+    base_rates = [group["lr"] for group in optimizer.param_groups]
     device = next(model.parameters()).device
     total_steps = math.ceil(config.tokens / (config.batch_size * train.shape[1]))
     per_forward = max(1, config.tokens_per_forward // train.shape[1])  # sequences per forward
@@ -156,8 +168,9 @@ def train_lora(
     ]
     peft_model.eval()
     for step in tqdm(range(total_steps), disable=not config.progress, unit="step", desc="lora"):
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr * learning_rate_factor(step, total_steps, schedule) * policy.lr_scale
+        factor = learning_rate_factor(step, total_steps, schedule) * policy.lr_scale
+        for group, base_rate in zip(optimizer.param_groups, base_rates, strict=True):
+            group["lr"] = base_rate * factor
         batch = train[batch_indices(step, config.batch_size, len(train), config.seed)].to(device)
         optimizer.zero_grad(set_to_none=True)
         loss = sum(
@@ -176,6 +189,25 @@ def train_lora(
     tokens = total_steps * config.batch_size * train.shape[1]
     result = LoraResult(steps=total_steps, tokens=tokens, history=history)
     return (merge_lora(peft_model, plan) if merge else peft_model), result
+
+
+def _student_groups(model: nn.Module, config: LoraConfig) -> list[dict]:
+    """The converted layers' AdamW groups at the LoRA learning rate (taken before LoRA freezes everything, so
+    parameters a cell keeps fixed stay fixed); one sentence if there is nothing to train."""
+    from dofla.convert import students
+
+    groups = [
+        dict(group, params=[parameter for parameter in group["params"] if parameter.requires_grad])
+        for student in students(model).values()
+        for group in student.parameter_groups(config.lr)
+    ]
+    groups = [group for group in groups if group["params"]]
+    if not groups:
+        raise DoflaError(
+            "--lora-train-students: the model's converted layers have no trainable parameters; leave the "
+            "flag off."
+        )
+    return groups
 
 
 def _piece_loss_backward(peft_model: nn.Module, piece: torch.Tensor, config: LoraConfig, share: float):
