@@ -215,8 +215,9 @@ def _scan_chunk_states(sum_chunks: Tensor, entering: Tensor, state: LinearState 
     else:
         current = _joined_state(state, sum_chunks.dtype)
     states = [current]
-    for n in range(num_chunks):
-        current = torch.addcmul(sum_chunks[:, :, n], current, decay[:, :, n, None, None])
+    # unbind, not indexing: one backward node per tensor rather than a full-size zero tensor per chunk
+    for chunk, chunk_decay in zip(sum_chunks.unbind(2), decay.unbind(2), strict=True):
+        current = torch.addcmul(chunk, current, chunk_decay[..., None, None])
         states.append(current)
     return torch.stack(states, dim=2)  # (B, Hk, N + 1, F, Dv + 1)
 

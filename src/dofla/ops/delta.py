@@ -204,13 +204,22 @@ def chunked_gated_delta_rule(
     decayed_queries = queries * log_gamma.exp()[:, :, None, ..., None]  # (B, Hk, G, N, C, K)
     keys_to_end = keys * (log_gamma[..., -1:] - log_gamma).exp()[..., None]  # (B, Hk, N, C, K)
     chunk_decay = log_gamma[..., -1].exp()[..., None, None]  # (B, Hk, N, 1, 1)
+    # per-chunk views by unbind, not by indexing: one backward node per tensor instead of one per chunk,
+    # each of which would write a zero tensor of the full size (quadratic in the number of chunks)
+    chunks = zip(
+        u_from_values.unbind(2),
+        w.unbind(2),
+        decayed_queries.unbind(3),
+        scores.unbind(3),
+        chunk_decay.unbind(2),
+        keys_to_end.unbind(2),
+        strict=True,
+    )
     outputs = []
-    for n in range(num_chunks):
-        u = u_from_values[:, :, n] - w[:, :, n] @ memory  # (B, Hk, C, Dv)
-        outputs.append(
-            decayed_queries[:, :, :, n] @ memory.unsqueeze(2) + scores[:, :, :, n] @ u.unsqueeze(2)
-        )
-        memory = chunk_decay[:, :, n] * memory + keys_to_end[:, :, n].transpose(-1, -2) @ u
+    for chunk_u, chunk_w, chunk_queries, chunk_scores, decay, chunk_keys_to_end in chunks:
+        u = chunk_u - chunk_w @ memory  # (B, Hk, C, Dv)
+        outputs.append(chunk_queries @ memory.unsqueeze(2) + chunk_scores @ u.unsqueeze(2))
+        memory = decay * memory + chunk_keys_to_end.transpose(-1, -2) @ u
     out = torch.stack(outputs, dim=3).reshape(batch, num_kv_heads, group, num_chunks * size, value_dim)
     out = out[..., :length, :].reshape(batch, num_heads, length, value_dim).to(v.dtype)
     return (out, DeltaState(memory, previous_tokens + length)) if return_state else out
