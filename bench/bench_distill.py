@@ -7,6 +7,8 @@ Speed does not depend on the weights' values, so ``--random-weights`` (or a tree
 ``dofla.models``) uses random weights of the same shape.
 
     .venv/bin/python bench/bench_distill.py [--batch-size 4 --seq-len 512 --loss softmax --repeats 3]
+    .venv/bin/python bench/bench_distill.py --recipe gated-delta --batch-size 2 --seq-len 1024   # a recipe's
+        # students, loss and feature dimension (its plan's kind, cell, map, window, sinks and cell options)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dofla import dispatch
 from dofla.convert import convert, plan_for
 from dofla.distill.losses import layerwise_loss_names
 from dofla.distill.teacher_forcing import autocast_for, freeze_teacher, teacher_forced_step
+from dofla.recipes import RECIPES
 
 SMOLLM2_135M = dict(
     SHAPES["smollm2-135m"],
@@ -48,6 +51,22 @@ def build_teacher(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(args.device).eval()
     return model, "random weights, SmolLM2-135M shape"
+
+
+def recipe_plan_options(args: argparse.Namespace) -> dict:
+    """With ``--recipe``: its plan's kind, cell, window, sinks and cell options for ``plan_for`` (and its
+    feature map, budget and loss into ``args``); without, {} (a linear plan)."""
+    if args.recipe is None:
+        return {}
+    recipe = RECIPES[args.recipe]
+    plan, student = recipe.get("plan", {}), recipe.get("student", {})
+    args.feature_map = student.get("feature_map", args.feature_map)
+    args.feature_dim = plan.get("budget", args.feature_dim)
+    args.loss = recipe.get("distill", {}).get("loss", args.loss)
+    options = dict(kind=plan.get("kind", "linear"), cell=student.get("cell", "linear"))
+    options.update({key: plan[key] for key in ("window", "sinks") if key in plan})
+    options["options"] = dict(student.get("cell_options", {}))
+    return options
 
 
 def interleaved_seconds(functions: dict, repeats: int, device: torch.device) -> dict[str, float]:
@@ -87,8 +106,15 @@ def main() -> int:
     parser.add_argument("--query-chunk", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--random-weights", action="store_true")
+    parser.add_argument(
+        "--recipe",
+        default=None,
+        choices=sorted(RECIPES),
+        help="a recipe's students, loss and budget (overrides those flags)",
+    )
     parser.add_argument("--json", default=None, help="also write the row to this JSON file")
     args = parser.parse_args()
+    plan_options = recipe_plan_options(args)
     device = torch.device(args.device)
 
     teacher, source = build_teacher(args)
@@ -103,7 +129,9 @@ def main() -> int:
         with torch.no_grad(), dispatch.teacher_forced(), autocast_for(device):
             teacher(input_ids=tokens, use_cache=False)
 
-    convert(teacher, plan_for(teacher, feature_map=args.feature_map, feature_dim=args.feature_dim))
+    convert(
+        teacher, plan_for(teacher, feature_map=args.feature_map, feature_dim=args.feature_dim, **plan_options)
+    )
     students = freeze_teacher(teacher)
     groups = [group for index in sorted(students) for group in students[index].parameter_groups(1e-2)]
     optimizer = torch.optim.AdamW(groups, lr=1e-2)
@@ -124,6 +152,8 @@ def main() -> int:
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         layers=len(students),
+        recipe=args.recipe,
+        plan=plan_options,
         feature_map=args.feature_map,
         feature_dim=args.feature_dim,
         loss=args.loss,
@@ -135,6 +165,7 @@ def main() -> int:
     print(
         f"{source}, {device}, {torch.get_num_threads()} threads, B={args.batch_size} T={args.seq_len}, "
         f"{len(students)} layers {args.feature_map} F={args.feature_dim}, loss {args.loss}"
+        + (f", recipe {args.recipe}: {plan_options}" if args.recipe else "")
     )
     print(f"teacher forward      {row['teacher_forward_tokens_per_s']:10.1f} tokens/s")
     print(f"attention transfer   {row['train_tokens_per_s']:10.1f} tokens/s")
