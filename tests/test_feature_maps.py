@@ -335,3 +335,74 @@ def test_projection_map_is_signed_identity_at_start_and_refused_by_normalised_ce
     plan = LayerPlan(feature_map="projection", feature_dim=8)
     with pytest.raises(DoflaError, match="needs a non-negative feature map; 'projection' is signed"):
         LinearAttention(plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=0.3)
+
+
+def test_taylor_features_give_the_second_order_expansion_of_exp():
+    from dofla.feature_maps.taylor import taylor_rank
+
+    assert [taylor_rank(f) for f in (2, 3, 6, 7, 57, 64, 111, 273)] == [0, 1, 1, 2, 7, 7, 10, 16]
+    feature_map = build("taylor", num_heads=2, head_dim=8, feature_dim=16, scaling=0.3).double()
+    assert feature_map.rank == 3 and not feature_map.nonnegative and feature_map.positive_kernel
+    query, key = torch.randn(1, 4, 5, 8).double(), torch.randn(1, 2, 6, 8).double()
+    q_features, q_scale = feature_map(query, is_query=True)
+    k_features, k_scale = feature_map(key, is_query=False)
+    assert q_scale is None and k_scale is None and (q_features[..., 13:] == 0).all()
+    weight = feature_map.weight.detach()
+    for head in range(4):
+        projected_q = query[:, head] @ weight[head // 2]
+        projected_k = key[:, head // 2] @ weight[head // 2]
+        s = 0.3 * projected_q @ projected_k.transpose(-1, -2)
+        kernel = q_features[:, head] @ k_features[:, head // 2].transpose(-1, -2)
+        torch.testing.assert_close(kernel, 1 + s + s.square() / 2)
+        assert (kernel >= 0.5 - 1e-12).all()  # positive for every s
+
+
+def test_taylor_head_with_fewer_features_is_the_same_map_with_a_smaller_rank():
+    full = build("taylor", num_heads=2, head_dim=8, feature_dim=16, scaling=0.3).double()
+    headwise = build(
+        "taylor", num_heads=2, head_dim=8, feature_dim=16, scaling=0.3, head_feature_dims=[16, 7]
+    )
+    headwise = headwise.double()
+    with torch.no_grad():
+        headwise.weight.copy_(full.weight)
+    x = torch.randn(1, 2, 5, 8).double()
+    features, _ = headwise(x, is_query=False)
+    torch.testing.assert_close(features[:, 0], full(x, is_query=False)[0][:, 0])
+    assert (features[:, 1, :, 7:] == 0).all()  # rank 2: 1 + 2 + 4 features
+    y = 0.3**0.5 * x[:, 1] @ full.weight.detach()[1, :, :2]
+    s = y @ y.transpose(-1, -2)
+    torch.testing.assert_close(features[:, 1] @ features[:, 1].transpose(-1, -2), 1 + s + s.square() / 2)
+
+
+def test_taylor_features_serve_normalised_linear_attention_chunked_as_naive():
+    from dofla.cells import build_student
+    from dofla.config import LayerPlan
+
+    torch.manual_seed(0)
+    feature_map = build("taylor", num_heads=2, head_dim=8, feature_dim=13, scaling=8**-0.5).double()
+    query = torch.randn(1, 4, 19, 8).double().requires_grad_()
+    key = torch.randn(1, 2, 19, 8).double().requires_grad_()
+    v = torch.randn(1, 2, 19, 3).double()
+    outputs, gradients = [], []
+    for chunked in (False, True):
+        q_features, _ = feature_map(query, is_query=True)
+        k_features, _ = feature_map(key, is_query=False)
+        if chunked:
+            out = chunked_linear_attention(q_features, k_features, v, chunk_size=4)
+        else:
+            out = linear_attention(q_features, k_features, v)
+        outputs.append(out)
+        gradients.append(torch.autograd.grad(out.sin().sum(), [query, key, feature_map.weight]))
+    torch.testing.assert_close(outputs[1], outputs[0])
+    for got, expected in zip(gradients[1], gradients[0], strict=True):
+        torch.testing.assert_close(got, expected)
+    for cell in ("linear", "gla", "gated_delta"):  # a positive kernel: normalised cells take it too
+        plan = LayerPlan(feature_map="taylor", feature_dim=13, cell=cell)
+        build_student(plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=0.3)
+
+
+def test_taylor_with_too_few_features_is_one_sentence():
+    with pytest.raises(DoflaError, match="at least 3 features.*got 2"):
+        build("taylor", feature_dim=2)
+    with pytest.raises(DoflaError, match="at least 3 features per head"):
+        build("taylor", feature_dim=16, head_feature_dims=[16, 2])

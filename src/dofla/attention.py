@@ -137,7 +137,10 @@ class LinearAttention(nn.Module):
                 **options,
             )
         )
-        if self.uses_features and self.requires_nonnegative_features and not self.feature_map.nonnegative:
+        positive = self.feature_map is not None and (
+            self.feature_map.nonnegative or self.feature_map.positive_kernel
+        )
+        if self.uses_features and self.requires_nonnegative_features and not positive:
             raise DoflaError(
                 f"layer {layer_index}: the {self.cell_name} cell normalises by its feature sums and needs a "
                 f"non-negative feature map; {plan.feature_map!r} is signed (use it with the gated_delta cell)."

@@ -40,6 +40,7 @@ class FeatureMap(nn.Module):
 
     name = "base"
     nonnegative = True  # normalised linear attention needs phi >= 0; signed maps serve the delta rule only
+    positive_kernel = False  # signed features whose products phi(q) . phi(k) are positive anyway (taylor)
 
     def __init__(
         self, *, num_heads: int, head_dim: int, feature_dim: int, scaling: float, head_feature_dims=None
