@@ -67,6 +67,13 @@ SECTIONS = [
         "B=4, T=512, all 30 layers.",
     ),
     (
+        "Attention-transfer training throughput of the gated-delta recipe, before and after per-chunk unbind (CPU)",
+        "docs/results/distill/bench_distill_cpu_gated_delta.txt",
+        "`python bench/bench_distill.py --recipe gated-delta --batch-size 2 --seq-len 1024`: the recipe's "
+        "students (gated delta rule + window 128 + 4 sinks) and loss (output MSE) at its training length, "
+        "before and after the chunk loops took per-chunk views by `unbind` (commit 732c1e7).",
+    ),
+    (
         "Attention-transfer training throughput on one H100",
         "docs/results/distill/bench_distill_h100.txt",
         "`python bench/bench_distill.py --device cuda` (launch-bound; see docs/distillation.md).",
