@@ -208,7 +208,7 @@ def _mix_chunk_states(sum_chunks: Tensor, entering: Tensor, state: LinearState |
 def _scan_chunk_states(sum_chunks: Tensor, entering: Tensor, state: LinearState | None) -> Tensor:
     """``_mix_chunk_states`` as a scan over chunks, S_{n+1} = S_n exp(entering_n - entering_{n+1}) + chunk_n:
     O(N) work for long inputs (at 16k tokens the mixing product is 256 x 256 chunks) at N small operators."""
-    batch, num_kv_heads, num_chunks, feature_dim, width = sum_chunks.shape
+    batch, num_kv_heads, _, feature_dim, width = sum_chunks.shape
     decay = exp_relative(entering[..., :-1], entering[..., 1:])  # (B, Hk, N): <= 1
     if state is None:
         current = sum_chunks.new_zeros(batch, num_kv_heads, feature_dim, width)
