@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dofla.errors import DoflaError
 from dofla.ops._checks import soft_cap
+from dofla.ops.chunked import takes_fused_lse
 from dofla.registry import Registry
 
 SCOPES = ("kernel", "layer", "model")
@@ -300,9 +301,6 @@ def output_mse_layer_loss(
     return output_mse_loss(output, call.output, key_mask)
 
 
-_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
 @torch.no_grad()
 def causal_log_sum_exp(
     query: Tensor,
@@ -320,9 +318,12 @@ def causal_log_sum_exp(
     dtype = torch.promote_types(query.dtype, torch.float32)
     length = query.shape[2]
     keys = _expand_heads(key, query.shape[1]).to(dtype)  # (B, H, T, D)
-    if key_mask is None and not softcap and query.device.type == "cpu" and _FUSED_CPU is not None:
+    queries = query.to(dtype)
+    if key_mask is None and not softcap and takes_fused_lse(queries, keys, keys):
         # PyTorch's fused CPU kernel returns the log-sum-exp beside its output (keys stand in for values)
-        return _FUSED_CPU(query.to(dtype), keys, keys, is_causal=True, scale=scaling)[1]
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            queries, keys, keys, is_causal=True, scale=scaling
+        )[1]
     columns = torch.arange(length, device=query.device)
     pieces = []
     for start in range(0, length, query_chunk):
