@@ -541,6 +541,34 @@ def test_fused_window_attention_matches_the_reference_and_the_general_chunked_pa
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_fused_window_attention_after_padding_keeps_one_mask_per_row(sinks, return_lse):
+    """The fused path shares one mask between the (batch, head) rows only where they see alike; after a
+    left-padded first call the rows' absent keys and sink positions differ, and each row keeps its own."""
+    from dofla.ops import chunked_window_attention
+    from dofla.ops.chunked import _rows_alike
+
+    generator = torch.Generator().manual_seed(5)
+    query, key, value = (
+        torch.randn(2, heads, 14, 8, generator=generator, dtype=torch.float64) for heads in (4, 2, 2)
+    )
+    settings = dict(scaling=8**-0.5, window=4, sinks=sinks, chunk_size=4, return_state=True)
+    key_mask = torch.ones(2, 3, dtype=torch.bool)
+    key_mask[1, :2] = False  # the second row starts two tokens later
+    first = [tensor[:, :, :3] for tensor in (query, key, value)]
+    _, state = chunked_window_attention(*first, key_mask=key_mask, **settings)
+    assert not (_rows_alike(state.key_present) and _rows_alike(state.sink_count[..., None]))
+    rest = [tensor[:, :, 3:] for tensor in (query, key, value)]
+    fast = chunked_window_attention(*rest, initial_state=state, return_lse=return_lse, **settings)
+    all_present = torch.ones(2, 11, dtype=torch.bool)  # a key mask takes the general path
+    slow = chunked_window_attention(
+        *rest, initial_state=state, key_mask=all_present, return_lse=return_lse, **settings
+    )
+    for a, b in zip(fast[:-1], slow[:-1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("sinks, query_heads", [(0, 4), (2, 4), (2, 2)])
 @pytest.mark.parametrize("length, window, chunk, split", [(13, 5, 4, 6), (16, 6, 4, 1), (20, 3, 8, 13)])

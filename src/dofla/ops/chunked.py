@@ -559,6 +559,11 @@ def chunked_hybrid_attention(
     return out, state
 
 
+def _rows_alike(tensor: Tensor) -> bool:
+    """Whether every (B, Hk) row of ``tensor`` (B, Hk, ...) equals the first."""
+    return tensor.shape[0] * tensor.shape[1] == 1 or bool((tensor == tensor[:1, :1]).all())
+
+
 def _fused_window_attention(
     query: Tensor,
     key: Tensor,
@@ -587,6 +592,11 @@ def _fused_window_attention(
     present = torch.ones(batch, num_kv_heads, length, dtype=torch.bool, device=key.device)
     state, sink, all_keys, all_values, all_present = _window_keys(state, key, v, present, window, sinks)
     buffered = state.keys.shape[2]
+    # which keys a query sees depends on its (B, Hk) row only through the presence and sink positions:
+    # where every row has the same, one mask serves all rows (broadcast by the kernel, built once)
+    alike = _rows_alike(all_present) and (not sinks or _rows_alike(sink.position))
+    mask_present = all_present[:1, :1] if alike else all_present
+    sink_positions = sink.position[:1, :1] if alike else sink.position
 
     def blocks(tensor: Tensor, fill) -> Tensor:
         """(B, Hk, L + T, ...) -> (B, Hk, N, ..., S): block n starts window - 1 keys before call token n * C."""
@@ -602,11 +612,11 @@ def _fused_window_attention(
     row = torch.arange(size, device=query.device)[:, None]  # query r in its chunk
     column = torch.arange(span, device=query.device)[None, :]  # key u in the block
     token = torch.arange(num_chunks * size, device=query.device).view(num_chunks, size, 1)  # (N, C, 1)
-    visible = (column >= row) & (column <= row + window - 1) & blocks(all_present, False)[:, :, :, None, :]
+    visible = (column >= row) & (column <= row + window - 1) & blocks(mask_present, False)[:, :, :, None, :]
     keys = blocks(all_keys.to(dtype), 0.0).transpose(-1, -2)  # (B, Hk, N, S, D)
     values = blocks(all_values.to(dtype), 0.0).transpose(-1, -2)
     if sinks:  # the sink slots first: slot s is seen from call token position[s] on
-        sink_visible = sink.position[:, :, None, None, :] <= token  # (B, Hk, N, C, sinks)
+        sink_visible = sink_positions[:, :, None, None, :] <= token  # (B, Hk, N, C, sinks)
         visible = torch.cat([sink_visible, visible], dim=-1)
         keys = torch.cat([sink.keys.to(dtype)[:, :, None].expand(-1, -1, num_chunks, -1, -1), keys], dim=3)
         values = torch.cat(
@@ -619,18 +629,22 @@ def _fused_window_attention(
         keys.reshape(rows, num_chunks, width, head_dim),
         values.reshape(rows, num_chunks, width, value_dim),
     )
-    mask = (
-        visible.expand(batch, num_kv_heads, -1, -1, -1)  # rows g * C + r, as the queries
-        .repeat(1, 1, 1, group, 1)
-        .reshape(rows, num_chunks, group * size, width)
+    mask_rows = visible.shape[0] * visible.shape[1]  # B * Hk, or 1 when the rows are alike
+    hidden = ~(
+        visible.unsqueeze(3)  # rows g * C + r, as the queries
+        .expand(-1, -1, -1, group, -1, -1)
+        .reshape(mask_rows, num_chunks, group * size, width)
     )
-    if return_lse:  # the kernel's own entry point returns the log-sum-exp; it takes an additive mask
-        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, NEGATIVE_INFINITY)
+    # an additive mask: a boolean one is converted inside the attention call, for every call
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
+        hidden, NEGATIVE_INFINITY
+    )
+    if return_lse:  # the kernel's own entry point returns the log-sum-exp
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             *arguments, attn_mask=bias, scale=scaling
         )  # (B * Hk, N, G * C, Dv), (B * Hk, N, G * C)
     else:
-        out = F.scaled_dot_product_attention(*arguments, attn_mask=mask, scale=scaling)
+        out = F.scaled_dot_product_attention(*arguments, attn_mask=bias, scale=scaling)
     out = (
         out.view(batch, num_kv_heads, num_chunks, group, size, value_dim)
         .permute(0, 2, 4, 1, 3, 5)
