@@ -494,6 +494,18 @@ def test_chunked_delta_matches_naive_forward_and_gradients(case):
     )  # fmt: skip
 
 
+def test_chunked_delta_takes_strided_inputs_without_padding():
+    """Inputs laid out (B, T, H, ...) and transposed, as a model's are, with chunks dividing the length
+    (no padding copy, so the chunk views are taken of the caller's strided tensors): the naive form's output."""
+    inputs = make_delta_inputs(1, 4, 2, 16)
+    strided = {
+        name: tensor.detach().movedim(2, 1).contiguous().movedim(1, 2) for name, tensor in inputs.items()
+    }
+    assert not strided["q"].is_contiguous()
+    out = chunked_gated_delta_rule(**strided, chunk_size=4)
+    assert relative_error(out, gated_delta_rule(**strided)) < 1e-5
+
+
 @pytest.mark.parametrize("case", DELTA_CASES[1:])
 def test_recurrent_delta_matches_naive_forward_and_gradients(case):
     batch, heads, kv_heads, length, _ = case

@@ -179,9 +179,17 @@ def chunked_gated_delta_rule(
     size = min(int(chunk_size), length)
     num_chunks = -(-length // size)
     pad = num_chunks * size - length  # padded tokens: k = v = q = 0, a = 1, beta = 0, i.e. no update
-    q, k, v_in = (F.pad(tensor, (0, 0, 0, pad)) for tensor in (q, k, v_in))
-    log_decay, beta = F.pad(log_decay, (0, pad)), F.pad(beta, (0, pad))
-    queries = q.view(batch, num_kv_heads, group, num_chunks, size, key_dim)  # (B, Hk, G, N, C, K)
+    if pad:
+        q, k, v_in = (F.pad(tensor, (0, 0, 0, pad)) for tensor in (q, k, v_in))
+        log_decay, beta = F.pad(log_decay, (0, pad)), F.pad(beta, (0, pad))
+    rows = group * size  # a chunk's queries of one key/value head, g * C + r, are the rows of one product
+    # (B, Hk, N, G * C, K): each chunk's queries of a key/value head contiguous, so every product below is
+    # one batched call on views, with no key, value or memory repeated over the group
+    queries = (
+        q.view(batch, num_kv_heads, group, num_chunks, size, key_dim)
+        .transpose(2, 3)
+        .reshape(batch, num_kv_heads, num_chunks, rows, key_dim)
+    )
     keys = k.view(batch, num_kv_heads, num_chunks, size, key_dim)  # (B, Hk, N, C, K)
     values = v_in.view(batch, num_kv_heads, num_chunks, size, value_dim)  # (B, Hk, N, C, Dv)
     beta = beta.view(batch, num_kv_heads, num_chunks, size)  # (B, Hk, N, C)
@@ -200,8 +208,11 @@ def chunked_gated_delta_rule(
     solved = torch.linalg.solve_triangular(strictly_lower + identity, right, upper=False, unitriangular=True)
     w, u_from_values = solved.split([key_dim, value_dim], dim=-1)  # (B, Hk, N, C, K), (B, Hk, N, C, Dv)
 
-    scores = (queries @ keys.unsqueeze(2).transpose(-1, -2)) * pair_decay.unsqueeze(2)  # (B, Hk, G, N, C, C)
-    decayed_queries = queries * log_gamma.exp()[:, :, None, ..., None]  # (B, Hk, G, N, C, K)
+    def split_group(tensor: Tensor) -> Tensor:  # (B, Hk, N, G * C, ...) -> (B, Hk, N, G, C, ...), a view
+        return tensor.unflatten(3, (group, size))
+
+    scores = (split_group(queries @ keys.transpose(-1, -2)) * pair_decay.unsqueeze(3)).flatten(3, 4)
+    decayed_queries = (split_group(queries) * log_gamma.exp()[:, :, :, None, :, None]).flatten(3, 4)
     keys_to_end = keys * (log_gamma[..., -1:] - log_gamma).exp()[..., None]  # (B, Hk, N, C, K)
     chunk_decay = log_gamma[..., -1].exp()[..., None, None]  # (B, Hk, N, 1, 1)
     # per-chunk views by unbind, not by indexing: one backward node per tensor instead of one per chunk,
@@ -209,8 +220,8 @@ def chunked_gated_delta_rule(
     chunks = zip(
         u_from_values.unbind(2),
         w.unbind(2),
-        decayed_queries.unbind(3),
-        scores.unbind(3),
+        decayed_queries.unbind(2),
+        scores.unbind(2),
         chunk_decay.unbind(2),
         keys_to_end.unbind(2),
         strict=True,
@@ -218,8 +229,8 @@ def chunked_gated_delta_rule(
     outputs = []
     for chunk_u, chunk_w, chunk_queries, chunk_scores, decay, chunk_keys_to_end in chunks:
         u = chunk_u - chunk_w @ memory  # (B, Hk, C, Dv)
-        outputs.append(chunk_queries @ memory.unsqueeze(2) + chunk_scores @ u.unsqueeze(2))
+        outputs.append(chunk_queries @ memory + chunk_scores @ u)  # (B, Hk, G * C, Dv)
         memory = decay * memory + chunk_keys_to_end.transpose(-1, -2) @ u
-    out = torch.stack(outputs, dim=3).reshape(batch, num_kv_heads, group, num_chunks * size, value_dim)
-    out = out[..., :length, :].reshape(batch, num_heads, length, value_dim).to(v.dtype)
+    out = split_group(torch.stack(outputs, dim=2)).transpose(2, 3)  # (B, Hk, G, N, C, Dv)
+    out = out.reshape(batch, num_heads, num_chunks * size, value_dim)[:, :, :length].to(v.dtype)
     return (out, DeltaState(memory, previous_tokens + length)) if return_state else out
