@@ -41,9 +41,9 @@ SCAN_ABOVE_CHUNKS = 16  # more chunks than this: the states entering them by a s
 # SmolLM2-135M's attention shape, float32, one CPU thread; its table is bench/results/chunk_sizes.md):
 # rows (longest length, chunk size), the last row's size beyond. A plan's ``chunk_size`` option overrides.
 CHUNK_SIZES: dict[str, tuple[tuple[int, int], ...]] = {
-    "linear": ((1024, 64), (4096, 32), (16384, 64)),
+    "linear": ((16384, 32),),
     "delta": ((16384, 32),),
-    "window": ((16384, 32),),
+    "window": ((16384, 16),),
 }
 
 
