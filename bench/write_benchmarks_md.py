@@ -51,6 +51,19 @@ SECTIONS = [
         "machine.",
     ),
     (
+        "The gated-delta recipe's cell after the seventh pass: prefill and batch-1 decode, medians of 3 rounds (CPU)",
+        "bench/results/speed_recipe_cell.md",
+        "After the chunked gated delta rule's per-chunk layout, the window op's broadcast additive mask and the "
+        "idle sweep's chunk sizes (docs/results/speed/README.md, seventh pass); the window cell and the "
+        "no-attention ceiling beside it.",
+    ),
+    (
+        "The gated-delta recipe's cell at 16k after the one-inverse triangular solve: prefill, medians of 3 rounds (CPU)",
+        "bench/results/speed_recipe_cell_prefill.md",
+        "The same prefill rows at 16k after the chunked gated delta rule inverted each chunk's triangular "
+        "system once instead of solving for every right-hand side.",
+    ),
+    (
         "Whole-model generation on one H100, Llama-1B shape (random weights, bf16)",
         "bench/results/gpu_generation_llama1b.md",
         "Pure-PyTorch chunked/recurrent forms (no custom kernels).",
@@ -72,6 +85,12 @@ SECTIONS = [
         "`python bench/bench_distill.py --recipe gated-delta --batch-size 2 --seq-len 1024`: the recipe's "
         "students (gated delta rule + window 128 + 4 sinks) and loss (output MSE) at its training length, "
         "before and after the chunk loops took per-chunk views by `unbind` (commit 732c1e7).",
+    ),
+    (
+        "Attention-transfer training throughput of the gated-delta recipe, before and after the seventh pass (CPU)",
+        "docs/results/distill/bench_distill_cpu_gated_delta_s27.txt",
+        "`python bench/bench_distill.py --recipe gated-delta --batch-size 2 --seq-len 1024` at one thread on the "
+        "idle machine: the code before the seventh pass (commit 2df5f07) and after it.",
     ),
     (
         "Attention-transfer training throughput on one H100",
