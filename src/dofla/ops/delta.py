@@ -18,7 +18,7 @@ tokens up to t (so gamma_t = exp(g_t) is the decay since the chunk start). Every
 ``gamma_t S_0 + sum_{i <= t} (gamma_t / gamma_i) k_i u_i^T`` with pseudo-values u solving the unit lower
 triangular system ``(I + A) U = diag(beta) V - diag(beta gamma) K S_0``,
 ``A_ti = beta_t (gamma_t / gamma_i) k_t.k_i`` for i < t (the WY / UT representation). So per chunk
-one triangular inverse (I + A)^-1 gives W = (I + A)^-1 diag(beta gamma) K and U' = (I + A)^-1 diag(beta) V, all chunks
+one triangular inverse gives W = (I + A)^-1 diag(beta gamma) K and U' = (I + A)^-1 diag(beta) V, all chunks
 at once, and a loop over chunks carries S: U = U' - W S_0, out = diag(gamma) Q S_0 + (causal
 (gamma_t / gamma_i) q_t.k_i) U, S_C = gamma_C S_0 + K^T diag(gamma_C / gamma_i) U. Every exponent is a
 difference g_t - g_i with i <= t, so <= 0 when log_decay <= 0: nothing overflows at any length.
@@ -206,7 +206,7 @@ def chunked_gated_delta_rule(
         [keys * (beta * log_gamma.exp())[..., None], values * beta[..., None]], dim=-1
     )  # (B, Hk, N, C, K + Dv)
     # (I + A)^-1 by one solve against the identity (C right-hand sides instead of K + Dv), then one product:
-    # the same forward substitution, a quarter of its work (fla's kernels invert the block the same way)
+    # the same forward substitution, a quarter of its work
     inverse = torch.linalg.solve_triangular(
         strictly_lower + identity, identity.expand_as(strictly_lower), upper=False, unitriangular=True
     )
