@@ -75,6 +75,12 @@ STUDENTS = {
     "gated_delta+window": (dict(kind="hybrid", cell="gated_delta", sinks=4), None),
     # the gated-delta recipe's window since it measured best: 128 tokens whatever --window says
     "gated_delta+window 128": (dict(kind="hybrid", cell="gated_delta", sinks=4, window=128), None),
+    # the gated-delta recipe's cell exactly: its projection keys (the rows above use plan_for's PRF map, whose
+    # one-token step adds an exponential and a normalisation per layer)
+    "gated-delta recipe": (
+        dict(kind="hybrid", cell="gated_delta", sinks=4, window=128, feature_map="projection"),
+        None,
+    ),
     "gated_delta+window (3 softmax)": (
         dict(kind="hybrid", cell="gated_delta", sinks=4, keep_softmax=3),
         None,

@@ -64,6 +64,13 @@ SECTIONS = [
         "system once instead of solving for every right-hand side.",
     ),
     (
+        "The gated-delta recipe's exact cell (projection keys) at 4k, batch 1: medians of 3 rounds (CPU)",
+        "bench/results/speed_recipe_decode_b1.md",
+        "The `gated-delta recipe` row is the recipe's cell with its own projection keys; the "
+        "`gated_delta+window 128` rows above and here use `plan_for`'s learnable PRF map, whose one-token step "
+        "adds an exponential and a normalisation per layer.",
+    ),
+    (
         "Whole-model generation on one H100, Llama-1B shape (random weights, bf16)",
         "bench/results/gpu_generation_llama1b.md",
         "Pure-PyTorch chunked/recurrent forms (no custom kernels).",
