@@ -71,6 +71,11 @@ SECTIONS = [
         "adds an exponential and a normalisation per layer.",
     ),
     (
+        "The gated-delta recipe's exact cell at 16k: prefill, one round (CPU)",
+        "bench/results/speed_recipe_prefill_16k.md",
+        "",
+    ),
+    (
         "Whole-model generation on one H100, Llama-1B shape (random weights, bf16)",
         "bench/results/gpu_generation_llama1b.md",
         "Pure-PyTorch chunked/recurrent forms (no custom kernels).",
