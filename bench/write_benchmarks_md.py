@@ -58,7 +58,7 @@ SECTIONS = [
         "no-attention ceiling beside it.",
     ),
     (
-        "The gated-delta recipe's cell at 16k after the one-inverse triangular solve: prefill, medians of 3 rounds (CPU)",
+        "The gated-delta recipe's cell at 16k after the one-inverse triangular solve: prefill, one round (CPU)",
         "bench/results/speed_recipe_cell_prefill.md",
         "The same prefill rows at 16k after the chunked gated delta rule inverted each chunk's triangular "
         "system once instead of solving for every right-hand side.",
