@@ -343,20 +343,33 @@ def test_prf_forward_matches_the_reference_formula_and_follows_parameter_updates
 
 
 def test_values_kept_for_decoding_follow_an_in_place_change_of_their_parameter():
-    """Hedgehog's signed weight and a hybrid layer's step window factor, kept between calls without
-    autograd, are rebuilt once their parameter changes in place (an optimiser step, a load)."""
+    """Hedgehog's signed weight, a hybrid layer's step window factor and the gated delta cell's stacked
+    gates, kept between calls without autograd, are rebuilt once a parameter changes in place (an
+    optimiser step, a load)."""
+    from dofla.cells import build_student
     from dofla.feature_maps import build_feature_map
 
     feature_map = build_feature_map("hedgehog", num_heads=2, head_dim=8, feature_dim=6, scaling=8**-0.5)
     shape = dict(layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)
     student = LinearAttention(LayerPlan(kind="hybrid", feature_map="hedgehog", feature_dim=6), **shape)
-    x = torch.randn(1, 4, 1, 8, generator=torch.Generator().manual_seed(1))
+    delta = build_student(
+        LayerPlan(kind="linear", cell="gated_delta", feature_map="projection", feature_dim=6), **shape
+    )
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 4, 1, 8, generator=generator)
+    values = torch.randn(3, 2, 8, generator=generator)  # (B, Hs, Dv)
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(feature_map.decode_features(x)[0], feature_map(x, is_query=False)[0])
             torch.testing.assert_close(student.step_window_factor(), student.window_factor().view(2, 2, 1))
+            decay, beta = delta._step_gates(values)
+            torch.testing.assert_close(decay.log(), delta.decay.log_gate(values[:, :, None], None)[..., 0])
+            torch.testing.assert_close(beta, torch.sigmoid(delta.write.logits(values[:, :, None]))[..., 0])
             feature_map.weight.mul_(1.7)
             student.window_factor_logit.add_(0.5)
+            for gate in (delta.decay, delta.write):
+                gate.weight.add_(torch.randn(gate.weight.shape, generator=generator))
+                gate.bias.add_(0.3)
 
 
 _DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window, sinks (the prefill has 7 tokens)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from dofla.config import LayerPlan
+from dofla.derived import DerivedTensor
 from dofla.errors import DoflaError
 from dofla.feature_maps import FEATURE_MAPS, build_feature_map
 from dofla.ops import (
@@ -156,7 +157,7 @@ class LinearAttention(nn.Module):
             self.window_factor_logit = None
         # The cache layer of the current forward (set by convert's pre-hook, taken by forward); not a module.
         self.pending_cache_layer = None
-        self._step_window_factor: tuple | None = None  # (key, gamma), see step_window_factor
+        self._kept_step_window_factor = DerivedTensor()  # see step_window_factor
 
     @property
     def state_heads(self) -> int:
@@ -170,15 +171,10 @@ class LinearAttention(nn.Module):
     def step_window_factor(self) -> Tensor:
         """gamma as (Hs, G, 1) for decoding steps (G = H // Hs); kept between calls without autograd until
         the logits change (an optimiser step, a load), a step's cost being its number of operators."""
-        logit = self.window_factor_logit
-        tracked = torch.is_grad_enabled() and logit.requires_grad
-        key = (logit.data_ptr(), logit._version, logit.dtype)
-        if not tracked and self._step_window_factor is not None and self._step_window_factor[0] == key:
-            return self._step_window_factor[1]
-        gamma = self.window_factor().view(self.state_heads, self.num_heads // self.state_heads, 1)
-        if not tracked:
-            self._step_window_factor = (key, gamma)
-        return gamma
+        heads, group = self.state_heads, self.num_heads // self.state_heads
+        return self._kept_step_window_factor.get(
+            [self.window_factor_logit], lambda: self.window_factor().view(heads, group, 1)
+        )
 
     def _state_heads_view(self, tensor: Tensor) -> Tensor:
         """(B, Hkv, T, X) -> (B, Hs, T, X): repeat key/value heads when each query head has its own map."""

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from dofla.attention import LinearAttention, key_mask_from_attention_mask
 from dofla.cells.gated import DEFAULT_DECAY_MEMORY, TokenGate, initial_gate_logits
 from dofla.cells.registry import register_cell
+from dofla.derived import DerivedTensor
 from dofla.errors import DoflaError
 from dofla.ops import (
     DeltaState,
@@ -129,6 +130,7 @@ class GatedDeltaAttention(LinearAttention):
         heads = self.state_heads
         self.decay = TokenGate(heads, self.head_dim, initial_gate_logits(heads, shortest, longest))
         self.write = TokenGate(heads, self.head_dim, torch.full((heads,), math.log(beta / (1 - beta))))
+        self._kept_step_gates = DerivedTensor()  # see _step_gates
         mix = self.cell_options.get("mix", "fixed")
         if mix not in MIXES:
             raise DoflaError(
@@ -264,10 +266,10 @@ class GatedDeltaAttention(LinearAttention):
         if inputs is None:
             return None
         features, _, values = inputs  # a map's log scale cancels in the normalisation
-        features = F.normalize(features, dim=-1)  # (B, Hs, G + 1, K)
-        log_decay = F.logsigmoid(self.decay.step_logits(values))  # (B, Hs)
-        beta = torch.sigmoid(self.write.step_logits(values))  # (B, Hs)
-        new_memory = update_delta_state(memory_state, features[:, :, -1], values, log_decay, beta)
+        norms = torch.linalg.vector_norm(features, dim=-1, keepdim=True).clamp_min(1e-12)  # as F.normalize
+        features = features / norms  # (B, Hs, G + 1, K)
+        decay, beta = self._step_gates(values)  # (B, Hs) each
+        new_memory = update_delta_state(memory_state, features[:, :, -1], values, decay, beta)
         batch, heads = query.shape[0], self.state_heads
         queries = features[:, :, :-1]  # (B, Hs, G, K)
         output = torch.bmm(queries.flatten(0, 1), new_memory.kv.flatten(0, 1)).view(*queries.shape[:3], -1)
@@ -292,6 +294,23 @@ class GatedDeltaAttention(LinearAttention):
             gamma = self.step_window_factor()
         output = torch.lerp(output, window, gamma)
         return output.view(batch, 1, self.num_heads, -1), DeltaHybridState(window=ring, delta=new_memory)
+
+    def _step_gates(self, values: Tensor) -> tuple[Tensor, Tensor]:
+        """One token's decay a = sigmoid(decay logit) and write strength b (B, Hs) from its values
+        (B, Hs, Dv), both in one product with the two gates' weights stacked (kept between calls without
+        autograd until a gate changes), as ``TokenGate.logits`` computes them."""
+        dtype = torch.promote_types(values.dtype, torch.float32)
+        gates = (self.decay, self.write)
+
+        def build() -> tuple[Tensor, Tensor]:
+            weight = torch.stack([gate.weight for gate in gates], dim=-1).to(dtype)  # (Hs, Dv, 2)
+            bias = torch.stack([gate.bias for gate in gates], dim=-1).to(dtype)[:, None, :]  # (Hs, 1, 2)
+            return weight * values.shape[-1] ** -0.5, bias
+
+        parameters = [parameter for gate in gates for parameter in (gate.weight, gate.bias)]
+        weight, bias = self._kept_step_gates.get(parameters, build, dtype, values.shape[-1])
+        both = torch.sigmoid(torch.baddbmm(bias, values.to(dtype).transpose(0, 1), weight))  # (Hs, B, 2)
+        return both[..., 0].T, both[..., 1].T
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)

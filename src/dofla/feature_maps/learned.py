@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dofla.derived import DerivedTensor
 from dofla.errors import DoflaError
 from dofla.feature_maps.base import FeatureMap, grouped_product, register_feature_map
 
@@ -44,7 +45,7 @@ class HedgehogFeatures(FeatureMap):
                 self.num_heads, self.head_dim, self.feature_dim // 2, generator, self.head_dim**-0.5
             )
         )
-        self._signed_weight_cache: tuple | None = None  # (key, weight), see _signed_weight
+        self._kept_signed_weight = DerivedTensor()  # see _signed_weight
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
@@ -70,15 +71,12 @@ class HedgehogFeatures(FeatureMap):
     def _signed_weight(self, dtype: torch.dtype) -> Tensor:
         """(Hm, D, F): W's columns interleaved with their negations; kept between calls without autograd
         until the weight changes (an optimiser step, a load)."""
-        tracked = torch.is_grad_enabled() and self.weight.requires_grad
-        key = (dtype, self.weight.data_ptr(), self.weight._version)
-        if not tracked and self._signed_weight_cache is not None and self._signed_weight_cache[0] == key:
-            return self._signed_weight_cache[1]
-        weight = self.weight.to(dtype)
-        signed = torch.stack([weight, -weight], dim=-1).flatten(-2)  # (Hm, D, F)
-        if not tracked:
-            self._signed_weight_cache = (key, signed)
-        return signed
+
+        def build() -> Tensor:
+            weight = self.weight.to(dtype)
+            return torch.stack([weight, -weight], dim=-1).flatten(-2)  # (Hm, D, F)
+
+        return self._kept_signed_weight.get([self.weight], build, dtype)
 
 
 @register_feature_map("t2r")

@@ -16,6 +16,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from dofla.derived import DerivedTensor
 from dofla.feature_maps.base import FeatureMap, register_feature_map
 
 
@@ -42,7 +43,7 @@ class _PositiveRandomFeatures(FeatureMap):
     def __init__(self, **shape) -> None:
         super().__init__(**shape)
         self._log_counts: dict = {}  # (dtype, device) -> log(M_h), (num_heads,): built once, not per call
-        self._folded_weights: tuple | None = None  # (key, weight, bias), see _fused_weights
+        self._kept_fused_weights = DerivedTensor()  # see _fused_weights
 
     def directions(self) -> Tensor:  # (num_heads, D, F)
         raise NotImplementedError
@@ -64,20 +65,17 @@ class _PositiveRandomFeatures(FeatureMap):
         parameters are unchanged (their version counters) and no gradient is asked for."""
         directions, log_weights = self.directions(), self.log_feature_weights()
         parameters = [directions] if log_weights is None else [directions, log_weights]
-        tracked = torch.is_grad_enabled() and any(parameter.requires_grad for parameter in parameters)
-        key = (dtype, *((p.data_ptr(), p._version) for p in parameters))
-        if not tracked and self._folded_weights is not None and self._folded_weights[0] == key:
-            return self._folded_weights[1:]
-        weight = math.sqrt(self.scaling) * directions.to(dtype)
-        bias = (-0.5 * self.log_feature_counts(weight))[:, None].expand(self.num_heads, self.feature_dim)
-        if log_weights is not None:
-            bias = bias + 0.5 * log_weights.to(dtype)
-        if self.has_headwise_dims:
-            bias = bias.masked_fill(~self.feature_mask, float("-inf"))
-        bias = bias[:, None, :].contiguous()  # (Hm, 1, F)
-        if not tracked:
-            self._folded_weights = (key, weight, bias)
-        return weight, bias
+
+        def build() -> tuple[Tensor, Tensor]:
+            weight = math.sqrt(self.scaling) * directions.to(dtype)
+            bias = (-0.5 * self.log_feature_counts(weight))[:, None].expand(self.num_heads, self.feature_dim)
+            if log_weights is not None:
+                bias = bias + 0.5 * log_weights.to(dtype)
+            if self.has_headwise_dims:
+                bias = bias.masked_fill(~self.feature_mask, float("-inf"))
+            return weight, bias[:, None, :].contiguous()  # (Hm, D, F), (Hm, 1, F)
+
+        return self._kept_fused_weights.get(parameters, build, dtype)
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, Tensor | None]:
         """``reference_forward`` regrouped into fewer passes over the (T, F) features: the squared norm is

@@ -102,18 +102,18 @@ def gated_delta_rule(
     return torch.cat(outputs, dim=-1).transpose(-1, -2).to(v.dtype)
 
 
-def update_delta_state(
-    state: DeltaState, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor
-) -> DeltaState:
-    """One token per head: k (B, Hk, K), v (B, Hk, Dv), log_decay (B, Hk), beta (B, Hk). Returns a new state.
+def update_delta_state(state: DeltaState, k: Tensor, v: Tensor, decay: Tensor, beta: Tensor) -> DeltaState:
+    """One token per head: k (B, Hk, K), v (B, Hk, Dv), the decay a = exp(log_decay) (B, Hk) in (0, 1] and
+    beta (B, Hk). Returns a new state.
 
     ``a (S - b k (k^T S)) + b k v^T`` is computed as ``a S + k (b (v - a k^T S))^T``: one read, two
     fused multiply-adds (decoding is bound by its number of small operators).
     """
     memory = state.kv  # (B, Hk, K, Dv)
-    decay = log_decay.exp()[..., None]  # (B, Hk, 1)
-    recalled = (k.unsqueeze(-2) @ memory).squeeze(-2)  # (B, Hk, Dv): k^T S, what S holds for k
-    correction = torch.addcmul(v, decay, recalled, value=-1.0) * beta[..., None]  # b (v - a k^T S)
+    batch, heads, key_dim, value_dim = memory.shape
+    decay = decay[..., None]  # (B, Hk, 1)
+    recalled = torch.bmm(k.reshape(-1, 1, key_dim), memory.reshape(-1, key_dim, value_dim))  # k^T S
+    correction = torch.addcmul(v, decay, recalled.view_as(v), value=-1.0) * beta[..., None]  # b (v - a k^T S)
     memory = torch.addcmul(memory * decay[..., None], k[..., :, None], correction[..., None, :])
     return DeltaState(memory, state.num_tokens + 1)
 
@@ -137,9 +137,10 @@ def recurrent_gated_delta_rule(
     num_kv_heads = k.shape[1]
     current = DeltaState(_initial_kv(state, k, v.shape[-1]), 0 if state is None else state.num_tokens)
     queries = q.view(batch, num_kv_heads, group, length, key_dim)  # (B, Hk, G, T, K)
+    decay = log_decay.exp()  # (B, Hk, T)
     outputs = []
     for t in range(length):
-        current = update_delta_state(current, k[:, :, t], v_in[:, :, t], log_decay[:, :, t], beta[:, :, t])
+        current = update_delta_state(current, k[:, :, t], v_in[:, :, t], decay[:, :, t], beta[:, :, t])
         outputs.append(queries[:, :, :, t] @ current.kv)  # (B, Hk, G, Dv)
     out = stack_tokens(outputs).reshape(batch, num_heads, length, v.shape[-1])
     return out.to(v.dtype), current
