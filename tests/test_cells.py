@@ -64,6 +64,8 @@ FORM_CASES = [  # cell, kind, feature map, share_kv_heads, cell options
     ("gated_delta", "hybrid", "learnable_prf", False, {}),
     ("gated_delta", "hybrid", "projection", True, ADAPTIVE),
     ("gated_delta", "hybrid", "learnable_prf", False, ADAPTIVE),
+    ("gated_delta", "linear", "projection", True, {"short_conv": 4}),
+    ("gated_delta", "hybrid", "learnable_prf", False, {"short_conv": 3}),
 ]
 
 
@@ -107,6 +109,8 @@ def test_gla_is_normalised_linear_attention_with_decay():
         ("gla", "hybrid", "learnable_prf", {}),
         ("gated_delta", "hybrid", "projection", {}),
         ("gated_delta", "hybrid", "projection", ADAPTIVE),
+        ("gated_delta", "linear", "projection", {"short_conv": 4}),
+        ("gated_delta", "hybrid", "projection", {"short_conv": 3}),
         ("window", "hybrid", "hedgehog", {}),
     ],
 )
@@ -257,3 +261,72 @@ def test_the_naive_form_refuses_to_continue_a_state(cell, feature_map):
     student.pending_cache_layer = layer
     with pytest.raises(DoflaError, match="naive form cannot continue from a cache state"):
         student(query, key, value, form="naive")
+
+
+@pytest.mark.parametrize("kind", ["linear", "hybrid"])
+def test_short_conv_starts_as_the_identity_and_mixes_only_earlier_tokens(kind):
+    """The gated delta cell's short convolution: at its initial (identity) weights the cell gives exactly
+    what it gives without one; trained weights make an output depend on the W - 1 tokens before it only
+    through the memory's inputs, never on later tokens; a left-padded row equals the row alone."""
+    sinks = 2 if kind == "hybrid" else 0
+    plain = make_cell("gated_delta", kind, "projection", sinks=sinks)
+    convolved = make_cell("gated_delta", kind, "projection", sinks=sinks, short_conv=3)
+    with torch.no_grad():
+        convolved.conv_weight.zero_()[-1] = 1.0
+    convolved.load_state_dict({**plain.state_dict(), "conv_weight": convolved.conv_weight}, strict=True)
+    query, key, value = (tensor.detach() for tensor in qkv(length=9))
+    for form in ("naive", "chunked", "recurrent"):
+        torch.testing.assert_close(
+            convolved(query, key, value, form=form), plain(query, key, value, form=form), rtol=0, atol=0
+        )
+    with torch.no_grad():
+        convolved.conv_weight.add_(0.5 * torch.randn_like(convolved.conv_weight))
+    changed = value.clone()
+    changed[:, :, 6] += 1.0
+    before, after = convolved(query, key, value), convolved(query, key, changed)
+    torch.testing.assert_close(after[:, :6], before[:, :6], rtol=0, atol=0)  # causal
+    assert (after[:, 6:] - before[:, 6:]).abs().amax() > 1e-3
+    pad = 3
+    real = torch.ones(B, 9, dtype=torch.bool)
+    real[0, :pad] = False
+    mask = (torch.ones(9, 9, dtype=torch.bool).tril()[None] & real[:, None, :])[:, None]  # (B, 1, T, T)
+    for form in ("naive", "chunked", "recurrent"):
+        padded = convolved(query, key, value, mask, form=form)
+        alone = convolved(query[:1, :, pad:], key[:1, :, pad:], value[:1, :, pad:], form=form)
+        torch.testing.assert_close(padded[:1, pad:], alone, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("width", [1, -2, 2.5, True])
+def test_short_conv_refuses_a_width_that_is_not_a_whole_number_of_at_least_two(width):
+    with pytest.raises(DoflaError, match="short_conv"):
+        make_cell("gated_delta", "linear", "projection", short_conv=width)
+
+
+def test_gated_delta_model_with_short_conv_saves_reloads_and_generates_as_one_pass(tmp_path):
+    """A converted model whose gated delta layers have a trained short convolution: reloads bit for bit,
+    and greedy generation (prefill, then one-token decoding steps) gives the tokens one full pass ranks first."""
+    model = build_tiny_model("llama", seed=0)
+    convert(
+        model,
+        plan_for(
+            model,
+            kind="linear",
+            cell="gated_delta",
+            feature_map="projection",
+            feature_dim=8,
+            options={"short_conv": 4},
+        ),
+    )
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "conv_weight" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    tokens = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(0))  # no pad token (0)
+    expected = model(tokens).logits
+    save_converted(model, tmp_path / "out", extra_metadata={"teacher": "tiny"})
+    loaded, _, plan = load_converted(tmp_path / "out")
+    assert {layer.options["short_conv"] for layer in plan.layers} == {4}
+    torch.testing.assert_close(loaded(tokens).logits, expected, rtol=0, atol=0)
+    generated = loaded.generate(tokens[:1, :6], max_new_tokens=5, do_sample=False)
+    logits = loaded(generated[:, :-1]).logits[0, 5:]
+    assert torch.equal(generated[0, 6:], logits.argmax(-1))

@@ -396,6 +396,8 @@ DECODE_CASES = [  # ..., cell options
     *[(*case, {}) for case in _DECODE_CASES],
     ("gated_delta", "hybrid", "projection", True, 3, 2, {"mix": "adaptive"}),
     ("gated_delta", "hybrid", "learnable_prf", False, 10, 8, {"mix": "adaptive"}),
+    ("gated_delta", "linear", "projection", True, 64, 0, {"short_conv": 4}),
+    ("gated_delta", "hybrid", "learnable_prf", False, 10, 8, {"short_conv": 3}),
 ]
 
 

@@ -14,6 +14,12 @@ bounded, whatever the length (unlike a shared normalisation with an unbounded li
 softmax's scores (how strongly the query matches a key in the window) and v_t the token's value: c_h = 1,
 u_h = 0 makes the memory one more softmax key with logit -l_h, the way a query that finds nothing in the
 window can turn to the memory. c and u start at 0, so training starts from the fixed mix.
+With option ``short_conv`` W (0: none, the default), each channel of the memory's inputs (the query and
+key features before their normalisation, and the values written) is first mixed with the same channel of
+the W - 1 tokens before it by a causal depthwise convolution, ``x'_t = sum_i c_i x_{t-W+1+i}``, learned
+per channel and starting as the identity (c = (0, ..., 0, 1)): the memory then sees the last few tokens
+precisely, as the window does for a hybrid. Its state keeps those W - 1 tokens' inputs; the gates still read
+the token's own value.
 
 ``window``: the sliding-window softmax (plus sinks) alone, with no parameters: the teacher's attention cut
 to its window, as a student that decodes with a bounded cache.
@@ -54,12 +60,25 @@ DEFAULT_DELTA_WINDOW_FACTOR = 0.5
 
 
 @dataclass
+class ConvDeltaState(BatchedState):
+    """A gated-delta memory with a short convolution (option ``short_conv`` W): the memory and the last
+    W - 1 tokens' convolution inputs, ``tail`` (B, W - 1, C) (zeros before the first token)."""
+
+    memory: DeltaState
+    tail: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.memory.num_tokens
+
+
+@dataclass
 class DeltaHybridState(BatchedState):
     """A hybrid gated-delta layer's state: the window's last keys (and sinks) and the memory; decoding steps
     keep the window as a ``RingWindow`` (``general_layout`` gives the ``WindowState`` back)."""
 
     window: WindowState | RingWindow
-    delta: DeltaState
+    delta: DeltaState | ConvDeltaState
 
     @property
     def num_tokens(self) -> int:
@@ -114,10 +133,11 @@ class GatedDeltaAttention(LinearAttention):
     Options: ``decay_memory`` (shortest, longest) initial memories in tokens (default 128, 2048), ``beta``
     the initial write strength in (0, 1) (default 0.5), ``window_factor`` the initial window share gamma
     (default 0.5), ``mix`` "fixed" (gamma per head, the default) or "adaptive" (per token, hybrid only),
-    ``mix_lr`` the adaptive mix's learning rate as a multiple of the base one (default 1).
+    ``mix_lr`` the adaptive mix's learning rate as a multiple of the base one (default 1), ``short_conv``
+    the width W of the memory inputs' causal convolution (default 0: none).
     """
 
-    CELL_OPTIONS = ("decay_memory", "beta", "mix", "mix_lr")
+    CELL_OPTIONS = ("decay_memory", "beta", "mix", "mix_lr", "short_conv")
     requires_nonnegative_features = False
     default_window_factor = DEFAULT_DELTA_WINDOW_FACTOR
 
@@ -146,6 +166,20 @@ class GatedDeltaAttention(LinearAttention):
         self.mix_lr = float(self.cell_options.get("mix_lr", 1.0))
         if not self.mix_lr > 0:
             raise DoflaError(f"layer {self.layer_index}: mix_lr must be positive, got {self.mix_lr}.")
+        self.short_conv = self.cell_options.get("short_conv", 0)
+        if isinstance(self.short_conv, bool) or not isinstance(self.short_conv, int) or self.short_conv < 0:
+            raise DoflaError(
+                f"layer {self.layer_index}: short_conv is the width of the memory inputs' convolution in "
+                f"tokens, a whole number >= 2 (0: none); got {self.short_conv!r}."
+            )
+        if self.short_conv == 1:
+            raise DoflaError(f"layer {self.layer_index}: short_conv 1 mixes no tokens; use 0 (none) or >= 2.")
+        if self.short_conv:  # (W, C): C channels = the grouped query and key features, then the values
+            feature_dim = self.feature_map.feature_dim
+            channels = heads * ((self.num_heads // heads + 1) * feature_dim + self.head_dim)
+            identity = torch.zeros(self.short_conv, channels)
+            identity[-1] = 1.0
+            self.conv_weight = nn.Parameter(identity)
         if self.adaptive_mix:  # gamma_t's lse weight c (H,) and value weight u (Hs, G, Dv), both from 0
             self.mix_lse_weight = nn.Parameter(torch.zeros(self.num_heads))
             self.mix_value_weight = nn.Parameter(torch.zeros(heads, self.num_heads // heads, self.head_dim))
@@ -182,21 +216,29 @@ class GatedDeltaAttention(LinearAttention):
         its log-sum-exp (B, H, T; None unless the mix is adaptive or ``need_lse``), its state and gamma
         ((B, H, T, 1) adaptive, else (1, H, 1, 1)), in the memory's dtype."""
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
+        tail = None
+        if isinstance(memory_state, ConvDeltaState):
+            memory_state, tail = memory_state.memory, memory_state.tail
+        log_decay = self.decay.log_gate(values, key_mask)  # (B, Hs, T), from the token's own value
+        beta = torch.sigmoid(self.write.logits(values))  # (B, Hs, T)
+        written = values
+        if self.short_conv:
+            q_features, k_features, written, tail = self._convolve(
+                q_features, k_features, values, tail, key_mask
+            )
         q = F.normalize(q_features, dim=-1)  # (B, H, T, K)
         k = F.normalize(k_features, dim=-1)  # (B, Hs, T, K); a map's log scale cancels here
-        log_decay = self.decay.log_gate(values, key_mask)  # (B, Hs, T)
-        beta = torch.sigmoid(self.write.logits(values))  # (B, Hs, T)
         if form == "naive":
-            memory, new_memory = gated_delta_rule(q, k, values, log_decay, beta, key_mask=key_mask), None
+            memory, new_memory = gated_delta_rule(q, k, written, log_decay, beta, key_mask=key_mask), None
         elif form == "recurrent":
             memory, new_memory = recurrent_gated_delta_rule(
-                q, k, values, log_decay, beta, state=memory_state, key_mask=key_mask
+                q, k, written, log_decay, beta, state=memory_state, key_mask=key_mask
             )
         else:
             memory, new_memory = chunked_gated_delta_rule(
                 q,
                 k,
-                values,
+                written,
                 log_decay,
                 beta,
                 chunk_size=self.chunk_size_for("delta", q.shape[2]),
@@ -205,6 +247,9 @@ class GatedDeltaAttention(LinearAttention):
                 key_mask=key_mask,
                 kernel=fla_backend.gated_delta_kernel(values, q.shape[-1]),  # None unless CUDA with fla
             )
+        memory = memory.to(values.dtype)
+        if self.short_conv and new_memory is not None:
+            new_memory = ConvDeltaState(new_memory, tail)
         parts = dict(memory=memory, memory_state=new_memory)
         if self.kind == "linear":
             return parts
@@ -224,6 +269,39 @@ class GatedDeltaAttention(LinearAttention):
         else:
             gamma = self.window_factor().to(memory.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
         return dict(parts, window=window.to(memory.dtype), lse=lse, window_state=new_window, gamma=gamma)
+
+    def _convolve(self, q_features, k_features, values, tail, key_mask):
+        """The short convolution (option ``short_conv``) over this call's tokens, continuing ``tail``
+        (B, W - 1, C) or zeros: q_features (B, H, T, K), k_features (B, Hs, T, K), values (B, Hs, T, Dv) ->
+        the three convolved (float32, float64 for float64 inputs) and the new tail. Channels are laid out as
+        a decoding step groups them: each state head's G queries and its key, then the values. Padded
+        tokens (``key_mask`` False) enter as zeros."""
+        batch, heads, length, key_dim = k_features.shape
+        group = q_features.shape[1] // heads
+        dtype = torch.promote_types(values.dtype, torch.float32)
+        grouped = torch.cat(
+            [q_features.view(batch, heads, group, length, key_dim), k_features[:, :, None]], 2
+        )
+        flat = torch.cat(
+            [grouped.permute(0, 3, 1, 2, 4).reshape(batch, length, -1), values.transpose(1, 2).flatten(2)], -1
+        ).to(dtype)  # (B, T, C)
+        if key_mask is not None:
+            flat = flat * key_mask[:, :, None].to(dtype)
+        width = self.short_conv
+        if tail is None:
+            tail = flat.new_zeros(batch, width - 1, flat.shape[-1])
+        inputs = torch.cat([tail.to(dtype), flat], dim=1)  # (B, W - 1 + T, C)
+        weight = self.conv_weight.to(dtype)  # (W, C)
+        mixed = inputs[:, :length] * weight[0]
+        for offset in range(1, width):
+            mixed = torch.addcmul(mixed, inputs[:, offset : offset + length], weight[offset])
+        features, written = mixed.split(
+            [heads * (group + 1) * key_dim, values.shape[1] * values.shape[3]], -1
+        )
+        features = features.view(batch, length, heads, group + 1, key_dim).permute(0, 2, 3, 1, 4)
+        q_features = features[:, :, :group].reshape(batch, heads * group, length, key_dim)
+        written = written.view(batch, length, heads, -1).transpose(1, 2)  # (B, Hs, T, Dv)
+        return q_features, features[:, :, group], written, inputs[:, length:]
 
     def window_memory_parts(
         self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None, *, scaling=None
@@ -252,27 +330,36 @@ class GatedDeltaAttention(LinearAttention):
         """One token (see ``LinearAttention._decode_step``): queries and key normalised together, the two
         gates from the value, one delta-rule update and one read; with a window, its ring step
         (``dofla.ops.decode``) mixed in per head."""
-        if self.kind == "linear":
-            memory_state = state
-        elif isinstance(state, DeltaHybridState):
-            memory_state = state.delta
-            if not _takes_window_step(self, state.window, memory_state.kv.dtype):
-                return None
-        else:
+        memory_state = state.delta if isinstance(state, DeltaHybridState) else state
+        if self.kind == "hybrid" and not isinstance(state, DeltaHybridState):
             return None
-        if not isinstance(memory_state, DeltaState):
+        tail = None
+        if isinstance(memory_state, ConvDeltaState):
+            memory_state, tail = memory_state.memory, memory_state.tail
+        if not isinstance(memory_state, DeltaState) or (tail is None) != (not self.short_conv):
             return None
-        inputs = self._decode_inputs(query, key, value, memory_state.kv.dtype)
+        dtype = memory_state.kv.dtype
+        if self.kind == "hybrid" and not _takes_window_step(self, state.window, dtype):
+            return None
+        inputs = self._decode_inputs(query, key, value, dtype)
         if inputs is None:
             return None
         features, _, values = inputs  # a map's log scale cancels in the normalisation
+        written = values
+        if tail is not None:  # the short convolution's step: this token's inputs after the last W - 1
+            present = torch.cat([features.flatten(1), values.flatten(1)], dim=1)  # (B, C)
+            recent = torch.cat([tail, present[:, None]], dim=1)  # (B, W, C)
+            mixed = torch.linalg.vecdot(recent, self.conv_weight.to(dtype), dim=1)  # (B, C)
+            grouped, written = mixed.split([features[0].numel(), values[0].numel()], dim=-1)
+            features, tail = grouped.view_as(features), recent[:, 1:]
         norms = torch.linalg.vector_norm(features, dim=-1, keepdim=True).clamp_min(1e-12)  # as F.normalize
         features = features / norms  # (B, Hs, G + 1, K)
         decay, beta = self._step_gates(values)  # (B, Hs) each
-        new_memory = update_delta_state(memory_state, features[:, :, -1], values, decay, beta)
+        updated = update_delta_state(memory_state, features[:, :, -1], written.view_as(values), decay, beta)
+        new_memory = updated if tail is None else ConvDeltaState(updated, tail)
         batch, heads = query.shape[0], self.state_heads
         queries = features[:, :, :-1]  # (B, Hs, G, K)
-        output = torch.bmm(queries.flatten(0, 1), new_memory.kv.flatten(0, 1)).view(*queries.shape[:3], -1)
+        output = torch.bmm(queries.flatten(0, 1), updated.kv.flatten(0, 1)).view(*queries.shape[:3], -1)
         if self.kind == "linear":
             return output.view(batch, 1, self.num_heads, -1), new_memory
         group = self.num_heads // heads
@@ -315,6 +402,8 @@ class GatedDeltaAttention(LinearAttention):
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)
         gates = [*self.decay.parameters(), *self.write.parameters()]
+        if self.short_conv:
+            gates.append(self.conv_weight)
         if self.adaptive_mix:
             mix = [self.mix_lse_weight, self.mix_value_weight]
             groups.append({"params": mix, "lr": float(base_lr) * self.mix_lr, "name": "mix"})
