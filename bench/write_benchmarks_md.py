@@ -76,6 +76,13 @@ SECTIONS = [
         "",
     ),
     (
+        "The gated-delta recipe's exact cell at 4k, batch 1, after the eighth pass (one gate product): medians of 3 rounds (CPU)",
+        "bench/results/speed_recipe_decode_b1_s28.md",
+        "The same rows after the decode step computed both gates in one product and read k^T S with one bmm "
+        "(one layer's step: docs/results/speed/layer_step_gated_delta_s28.md): no whole-model change beyond "
+        "the rounds' spread.",
+    ),
+    (
         "Whole-model generation on one H100, Llama-1B shape (random weights, bf16)",
         "bench/results/gpu_generation_llama1b.md",
         "Pure-PyTorch chunked/recurrent forms (no custom kernels).",
