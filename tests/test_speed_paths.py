@@ -345,7 +345,7 @@ def test_prf_forward_matches_the_reference_formula_and_follows_parameter_updates
 def test_values_kept_for_decoding_follow_an_in_place_change_of_their_parameter():
     """Hedgehog's signed weight, a hybrid layer's step window factor and the gated delta cell's stacked
     gates, kept between calls without autograd, are rebuilt once a parameter changes in place (an
-    optimiser step, a load)."""
+    optimiser step, a load), is replaced, or moves to another dtype."""
     from dofla.cells import build_student
     from dofla.feature_maps import build_feature_map
 
@@ -370,6 +370,12 @@ def test_values_kept_for_decoding_follow_an_in_place_change_of_their_parameter()
             for gate in (delta.decay, delta.write):
                 gate.weight.add_(torch.randn(gate.weight.shape, generator=generator))
                 gate.bias.add_(0.3)
+        feature_map.weight = torch.nn.Parameter(torch.randn(feature_map.weight.shape, generator=generator))
+        torch.testing.assert_close(feature_map.decode_features(x)[0], feature_map(x, is_query=False)[0])
+        feature_map.double()  # the same parameter object, another storage
+        torch.testing.assert_close(
+            feature_map.decode_features(x.double())[0], feature_map(x.double(), is_query=False)[0]
+        )
 
 
 _DECODE_CASES = [  # cell, kind, feature map, share_kv_heads, window, sinks (the prefill has 7 tokens)

@@ -19,15 +19,26 @@ class DerivedTensor:
     """What ``build()`` returns from ``parameters``, kept between calls (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._entry: tuple | None = None  # (key, value)
+        # (extra key, the parameters themselves, their storages and versions, value); holding the
+        # parameters keeps a replaced one's storage from being reused by a new tensor that would match
+        self._entry: tuple | None = None
 
     def get(self, parameters: Sequence[Tensor], build: Callable[[], Any], *extra_key) -> Any:
-        """``build()``'s value, rebuilt when a parameter changed, when ``extra_key`` (a dtype, say) differs
-        from the kept one's, or when autograd tracks a parameter (then the value is not kept)."""
+        """``build()``'s value, rebuilt when a parameter changed (another tensor, storage or version), when
+        ``extra_key`` (a dtype, say) differs from the kept one's, or when autograd tracks a parameter (then
+        the value is not kept)."""
         tracked = torch.is_grad_enabled() and any(parameter.requires_grad for parameter in parameters)
-        key = (*extra_key, *((parameter.data_ptr(), parameter._version) for parameter in parameters))
-        if not tracked and self._entry is not None and self._entry[0] == key:
-            return self._entry[1]
+        state = tuple((parameter.data_ptr(), parameter._version) for parameter in parameters)
+        entry = self._entry
+        if (
+            not tracked
+            and entry is not None
+            and entry[0] == extra_key
+            and len(entry[1]) == len(parameters)
+            and all(kept is parameter for kept, parameter in zip(entry[1], parameters, strict=True))
+            and entry[2] == state
+        ):
+            return entry[3]
         value = build()
-        self._entry = None if tracked else (key, value)
+        self._entry = None if tracked else (extra_key, tuple(parameters), state, value)
         return value
