@@ -336,7 +336,7 @@ class GatedDeltaAttention(LinearAttention):
         tail = None
         if isinstance(memory_state, ConvDeltaState):
             memory_state, tail = memory_state.memory, memory_state.tail
-        if not isinstance(memory_state, DeltaState) or (tail is None) != (not self.short_conv):
+        if not isinstance(memory_state, DeltaState) or (tail is not None) != bool(self.short_conv):
             return None
         dtype = memory_state.kv.dtype
         if self.kind == "hybrid" and not _takes_window_step(self, state.window, dtype):
