@@ -302,6 +302,25 @@ def test_short_conv_refuses_a_width_that_is_not_a_whole_number_of_at_least_two(w
         make_cell("gated_delta", "linear", "projection", short_conv=width)
 
 
+@pytest.mark.parametrize("options", [{}, {"short_conv": 4}])
+def test_projection_keys_wider_than_the_head_all_learn_in_the_delta_cell(options):
+    """With more features than the head has coordinates, the projection map starts as the teacher's q and k
+    in its first D features, and every feature of every head gets a gradient (columns beyond D that started
+    at 0 would stay 0: a feature that is 0 in every key and query gets none in the delta rule)."""
+    plan = LayerPlan(
+        kind="linear", cell="gated_delta", feature_map="projection", feature_dim=2 * D, options=options
+    )
+    torch.manual_seed(0)
+    student = build_student(plan, **SHAPE).double()
+    query, key, value = qkv()
+    features, _ = student.feature_map(key, is_query=False)
+    torch.testing.assert_close(features[..., :D], key, rtol=0, atol=0)
+    assert features[..., D:].abs().amin() > 0
+    student(query, key, value).square().sum().backward()
+    gradient = student.feature_map.weight.grad  # (Hm, D, F)
+    assert (gradient.abs().sum(dim=1) > 0).all()
+
+
 def test_gated_delta_model_with_short_conv_saves_reloads_and_generates_as_one_pass(tmp_path):
     """A converted model whose gated delta layers have a trained short convolution: reloads bit for bit,
     and greedy generation (prefill, then one-token decoding steps) gives the tokens one full pass ranks first."""

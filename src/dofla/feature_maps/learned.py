@@ -108,19 +108,27 @@ class ProjectionFeatures(FeatureMap):
 
     Not a kernel feature map (features can be negative): it serves cells whose state is an associative
     memory rather than a normalised sum, such as the gated delta rule, as learned keys and queries of any
-    dimension F (so an allocated per-layer dimension still applies). With F == D it starts as the teacher's
-    own q and k.
+    dimension F (so an allocated per-layer dimension still applies). With F <= D it starts as the teacher's
+    own q and k (their first F coordinates). Columns beyond D start small and random
+    (:meth:`extra_columns`): at 0 they would stay 0, since in the gated delta rule a feature that is 0 in
+    every key and query gets no gradient. Being linear in x, the features span at most D directions; columns
+    beyond D add directions only after a per-channel operation such as the delta cell's ``short_conv``.
     """
 
     nonnegative = False
+    extra_column_scale = 0.1  # columns beyond the head size, against the identity's unit columns
 
-    def __init__(self, **shape) -> None:
+    def __init__(self, *, seed: int = 0, **shape) -> None:
         super().__init__(**shape)  # num_heads, head_dim, feature_dim, scaling, head_feature_dims
-        self.weight = nn.Parameter(
-            torch.eye(self.head_dim, self.feature_dim)
-            .expand(self.num_heads, self.head_dim, self.feature_dim)
-            .clone()
-        )
+        weight = torch.eye(self.head_dim, self.feature_dim).expand(self.num_heads, -1, -1).clone()
+        if self.feature_dim > self.head_dim:
+            weight[..., self.head_dim :] = self.extra_columns(torch.Generator().manual_seed(int(seed)))
+        self.weight = nn.Parameter(weight)  # (Hm, D, F)
+
+    def extra_columns(self, generator: torch.Generator) -> Tensor:
+        """The starting columns beyond the head size (Hm, D, F - D): N(0, 1/D), scaled by ``extra_column_scale``."""
+        shape = (self.num_heads, self.head_dim, self.feature_dim - self.head_dim)
+        return torch.randn(shape, generator=generator) * self.extra_column_scale * self.head_dim**-0.5
 
     def activation(self, projection: Tensor) -> Tensor:
         """The map applied to x W (B, Hm, G, T, F); the identity here."""
@@ -146,10 +154,13 @@ class EluPlusOneFeatures(ProjectionFeatures):
     """phi(x) = elu(x W) + 1 with a trainable W (num_heads, D, F) initialised to the rectangular identity.
 
     With F == D this starts as the classic elu(x) + 1 of Katharopoulos et al.; extra columns start at 0
-    (constant feature 1), missing ones drop coordinates.
+    (constant feature 1, which learns: elu's slope at 0 is 1), missing ones drop coordinates.
     """
 
     nonnegative = True
+
+    def extra_columns(self, generator: torch.Generator) -> Tensor:
+        return torch.zeros(self.num_heads, self.head_dim, self.feature_dim - self.head_dim)
 
     def activation(self, projection: Tensor) -> Tensor:
         return F.elu(projection) + 1
