@@ -313,3 +313,17 @@ def test_measured_allocation_and_kept_softmax_layers_from_the_run_config(tmp_pat
     finally:
         error_curves.measure_error_curves = original
     assert again.student_ppl == pytest.approx(first.student_ppl, rel=1e-6)
+
+
+def test_gated_delta_linear_recipe_converts_every_layer_to_a_convolved_memory_and_trains_it_in_lora(tmp_path):
+    """The pure-linear recipe: no window or sinks anywhere, the gated delta cell with its short convolution,
+    and a LoRA stage that trains the converted layers as well as the adapters."""
+    cfg = config(tmp_path, recipe="gated-delta-linear", lora=dict(tokens=4 * LENGTH * 4))
+    result = linearize(cfg, teacher=tiny_teacher(), sequences=sequences())
+    settings = json.loads((tmp_path / "run" / "result.json").read_text())["config"]
+    assert settings["lora"]["train_students"] is True and settings["plan"]["sinks"] == 0
+    _, _, plan = load_converted(result.out_dir)
+    assert {(layer.kind, layer.cell, layer.feature_map) for layer in plan.layers} == {
+        ("linear", "gated_delta", "projection")
+    }
+    assert {layer.options["short_conv"] for layer in plan.layers} == {8}
