@@ -65,6 +65,8 @@ STUDENTS = {
     "gla": (dict(kind="linear", cell="gla"), None),
     "gated_delta": (dict(kind="linear", cell="gated_delta"), None),
     "window": (dict(kind="hybrid", cell="window"), None),
+    # the gated-delta recipe's window and sinks with no memory: what the memory adds to its step
+    "window 128+4": (dict(kind="hybrid", cell="window", sinks=4, window=128), None),
     "linear+window": (dict(kind="hybrid", cell="linear"), None),
     # the default (gla) recipe's cell: gla sharing one normalisation with the window and 4 sinks (here and
     # below on plan_for's learnable PRF of --feature-dim features; the recipes use Hedgehog / projection keys,
