@@ -327,3 +327,51 @@ def test_gated_delta_linear_recipe_converts_every_layer_to_a_convolved_memory_an
         ("linear", "gated_delta", "projection")
     }
     assert {layer.options["short_conv"] for layer in plan.layers} == {8}
+
+
+def test_a_run_killed_in_its_lora_stage_resumes_there_and_ends_as_an_uninterrupted_one(tmp_path, monkeypatch):
+    """The LoRA stage checkpoints every ``checkpoint_every`` steps; ``--resume`` continues from the newest
+    checkpoint (not from step 0) and gives the same student as a run never stopped. Other LoRA settings on
+    resume are refused in one sentence naming the stage's folder."""
+    from dofla.distill import lora
+
+    changes = dict(
+        recipe="gated-delta-linear",
+        distill=dict(checkpoint_every=2),
+        lora=dict(tokens=6 * LENGTH * 4, tokens_per_forward=LENGTH),  # 6 steps of 4 rows
+        evaluate=dict(passkey_trials=0, recall=False, lengths=[LENGTH]),
+    )
+    whole = linearize(config(tmp_path / "whole", **changes), teacher=tiny_teacher(), sequences=sequences())
+    original, calls = lora._piece_loss_backward, []
+
+    def killed_in_step_five(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 4 * 4:  # 4 pieces a step: the fifth step's first piece
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(lora, "_piece_loss_backward", killed_in_step_five)
+    with pytest.raises(KeyboardInterrupt):
+        linearize(config(tmp_path / "cut", **changes), teacher=tiny_teacher(), sequences=sequences())
+    stage = tmp_path / "cut" / "run" / "lora"
+    assert json.loads((stage / "checkpoints" / "latest.json").read_text())["step"] == 4
+    logged = [json.loads(line)["step"] for line in (stage / "log.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4]
+    calls.clear()
+    monkeypatch.setattr(
+        lora, "_piece_loss_backward", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    )
+    resumed = linearize(
+        config(tmp_path / "cut", resume=True, **changes), teacher=tiny_teacher(), sequences=sequences()
+    )
+    assert len(calls) == 2 * 4  # only the last two steps ran
+    assert resumed.student_ppl == pytest.approx(whole.student_ppl, rel=1e-6)
+    logged = [json.loads(line)["step"] for line in (stage / "log.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4, 5, 6]
+    summary = json.loads((tmp_path / "cut" / "run" / "result.json").read_text())
+    assert summary["student_ppl"] == pytest.approx(whole.student_ppl, rel=1e-6)
+    other = merge(changes, dict(lora=dict(lr=1e-4)))
+    with pytest.raises(DoflaError, match="LoRA checkpoint in .*lora.* other LoRA settings"):
+        linearize(
+            config(tmp_path / "cut", resume=True, **other), teacher=tiny_teacher(), sequences=sequences()
+        )

@@ -3,6 +3,7 @@
 ``linearize(config)`` runs every stage of a :class:`~dofla.run_config.LinearizeConfig` and writes into
 ``out_dir``: ``config.toml`` (the resolved settings), ``model/`` (the converted model,
 :func:`dofla.convert.save_converted`), ``distill/`` (config, JSONL log, checkpoints for ``resume``),
+``lora/`` (the LoRA stage's JSONL log and checkpoints for ``resume``),
 ``plan.json``, the plots, ``result.json`` and ``report.md`` (:mod:`dofla.report`). Held-out perplexity is
 measured on sequences split off before training and never trained on.
 """
@@ -33,6 +34,7 @@ from dofla.run_config import CONFIG_FILE, LinearizeConfig, save_config
 
 RUN_KIND = "linearize run"  # the kind in the marker of a run folder (dofla.outputs)
 RESULT_FILES = ("plan.json", "result.json", "report.md", "loss_curves.png", "loss_by_position.png")
+LORA_FOLDER = "lora"  # the LoRA stage's log and checkpoints
 RUN_FILES = (CONFIG_FILE, *RESULT_FILES)  # beside model/ and distill/; removed by overwrite
 DEFAULT_EVAL_LENGTHS = (1024, 2048)
 DEFAULT_BASELINE_SINKS = 4  # sink tokens of the window baseline when the student has none
@@ -262,10 +264,13 @@ def open_run_folder(config: LinearizeConfig) -> Path:
         outputs.remove_known_files(out_dir, RUN_FILES)
         for folder in [run_dir, *sorted(run_dir.glob("rank-*"))]:  # layer sharding's other ranks too
             discard_run(folder)
+        discard_run(out_dir / LORA_FOLDER)
     finished = [name for name in ("model", *RESULT_FILES) if (out_dir / name).exists()]
     processes = distributed.rank_and_world_size()[1] if layer_sharding(config) else 1
     for rank in range(processes):  # with layer sharding every rank resumes from its own checkpoints
         check_run_folder(rank_run_dir(out_dir, rank), config.resume)
+    if not config.resume:  # with it, the LoRA stage continues from its checkpoint where there is one
+        check_run_folder(out_dir / LORA_FOLDER, False)
     if finished and not config.resume:
         raise DoflaError(
             f"{out_dir} holds an earlier run ({finished[0]}); pass --resume to continue it, --overwrite to "
@@ -505,7 +510,9 @@ def lora_stage(config: LinearizeConfig, model, train: torch.Tensor, history: lis
     """Stage 2, LoRA merged into the weights: (the model, ``history`` with the stage's records added)."""
     from dofla.distill.lora import train_lora
 
-    model, result = train_lora(model, train, config.lora_config())
+    model, result = train_lora(
+        model, train, config.lora_config(), run_dir=Path(config.out_dir) / LORA_FOLDER, resume=config.resume
+    )
     return model, [*history, *result.history]
 
 

@@ -379,7 +379,12 @@ class LinearizeConfig:
         from dofla.distill.lora import LoraConfig
 
         return same_named(
-            LoraConfig, self.lora, batch_size=self.distill.batch_size, seed=self.seed, progress=self.progress
+            LoraConfig,
+            self.lora,
+            batch_size=self.distill.batch_size,
+            seed=self.seed,
+            progress=self.progress,
+            checkpoint_every=self.distill.checkpoint_every,
         )
 
     def validate(self) -> None:

@@ -8,22 +8,37 @@ unless ``train_students`` (``--lora-train-students``): then their own parameters
 mixes: each cell's AdamW groups, relative to the LoRA learning rate) train end to end beside the adapters,
 on the model's own next-token loss, which layer-wise attention transfer never sees.
 The adapters are merged into the projection weights at the end, so the exported model has no peft parts.
+Given a ``run_dir`` the stage logs every step and writes a checkpoint every ``checkpoint_every`` steps
+(adapters, the trained students' parameters, AdamW state; :mod:`dofla.distill.checkpoint`), so a killed
+stage continues where it stopped with ``resume`` instead of starting over.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from dofla import dispatch
+from dofla.distill.checkpoint import check_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from dofla.distill.losses import direct_loss
 from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
 from dofla.distill.teacher_forcing import autocast_for
 from dofla.distill.trainer import batch_indices, learning_rate_factor
 from dofla.errors import DoflaError
+from dofla.io import to_json, write_text_atomic
+
+CHECKPOINT_FOLDER = "checkpoints"
+LOG_FILE = "log.jsonl"
+# settings that change neither the updates nor their order: a resumed stage may set them otherwise
+_NOT_IN_FINGERPRINT = ("progress", "tokens_per_forward", "checkpoint_every")
+_STATE_KEYS = ("fingerprint", "step", "lr_scale", "bad_in_a_row", "skipped", "history")
 
 
 @dataclass
@@ -53,6 +68,7 @@ class LoraConfig:
     max_bad_steps: int = 5
     tokens_per_forward: int = 2048
     train_students: bool = False
+    checkpoint_every: int = 10  # steps between checkpoints when the stage has a run folder (0: only the last)
 
     def validate(self) -> None:
         """Every option's range, checked before any work (the targets need the model: :func:`check_targets`)."""
@@ -80,6 +96,8 @@ class LoraConfig:
             )
         if self.max_bad_steps < 1:
             raise DoflaError(f"max_bad_steps must be at least 1, got {self.max_bad_steps}.")
+        if self.checkpoint_every < 0:
+            raise DoflaError(f"checkpoint_every must be 0 or more steps, got {self.checkpoint_every}.")
 
 
 @dataclass
@@ -125,11 +143,20 @@ def check_targets(model: nn.Module, targets: list[str] | None) -> list[str]:
 
 
 def train_lora(
-    model: nn.Module, train: torch.Tensor, config: LoraConfig, *, merge: bool = True
+    model: nn.Module,
+    train: torch.Tensor,
+    config: LoraConfig,
+    *,
+    merge: bool = True,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
 ) -> tuple[nn.Module, LoraResult]:
     """Fine-tune ``model`` (converted) with LoRA on next-token loss over train (N, T); returns the model
     with the adapters merged into its weights (same object, students attached) and the training record.
     ``merge=False`` returns the peft model instead (merge later with :func:`merge_lora`).
+    run_dir: where the stage writes ``log.jsonl`` and ``checkpoints/`` (None: nothing is written); with
+    ``resume`` it continues from the newest checkpoint there, which must come from the same settings,
+    students and data (it starts from step 0 where there is none).
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
@@ -137,6 +164,7 @@ def train_lora(
 
     config.validate()
     targets = check_targets(model, config.targets)
+    fingerprint = lora_fingerprint(config, model, train) if run_dir is not None else None
     student_groups = _student_groups(model, config) if config.train_students else []
     for parameter in model.parameters():
         parameter.requires_grad_(False)
@@ -167,7 +195,21 @@ def train_lora(
         (name, parameter) for name, parameter in peft_model.named_parameters() if parameter.requires_grad
     ]
     peft_model.eval()
-    for step in tqdm(range(total_steps), disable=not config.progress, unit="step", desc="lora"):
+    run = _StageFiles(run_dir, fingerprint)
+    start = run.resume(named_trainable, optimizer, policy) if resume else None
+    if start is not None:
+        start_step, history = start
+    else:
+        start_step = 0
+        run.start()
+    for step in tqdm(
+        range(start_step, total_steps),
+        initial=start_step,
+        total=total_steps,
+        disable=not config.progress,
+        unit="step",
+        desc="lora",
+    ):
         factor = learning_rate_factor(step, total_steps, schedule) * policy.lr_scale
         for group, base_rate in zip(optimizer.param_groups, base_rates, strict=True):
             group["lr"] = base_rate * factor
@@ -185,10 +227,119 @@ def train_lora(
 
         if policy.accept(step + 1, float(loss.detach()), float(grad_norm), bad_layer):
             optimizer.step()
-        history.append(dict(stage="lora", step=step + 1, loss=float(loss.detach())))
+        record = dict(stage="lora", step=step + 1, loss=float(loss.detach()))
+        history.append(record)
+        run.log(record)
+        if step + 1 == total_steps or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0):
+            run.save(step + 1, named_trainable, optimizer, policy, history)
     tokens = total_steps * config.batch_size * train.shape[1]
     result = LoraResult(steps=total_steps, tokens=tokens, history=history)
     return (merge_lora(peft_model, plan) if merge else peft_model), result
+
+
+def lora_fingerprint(config: LoraConfig, model: nn.Module, train: torch.Tensor) -> str:
+    """A hash of what determines the stage's result: its settings, the plan, the converted layers' weights
+    as the stage starts (what attention transfer left) and the training rows."""
+    from dofla.convert import students
+
+    settings = {name: value for name, value in asdict(config).items() if name not in _NOT_IN_FINGERPRINT}
+    plan = getattr(model, "dofla_plan", None)
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    digest.update(json.dumps(plan.to_dict() if plan is not None else None, sort_keys=True).encode())
+    for index, student in sorted(students(model).items()):
+        for name, tensor in student.state_dict().items():
+            digest.update(f"{index}.{name} {tuple(tensor.shape)}".encode())
+            digest.update(tensor.detach().to("cpu", torch.float64).numpy().tobytes())
+    digest.update(f"{tuple(train.shape)}".encode())
+    digest.update(train.to(torch.int64).cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class _StageFiles:
+    """The LoRA stage's log and checkpoints in ``run_dir`` (or nothing, where it is None)."""
+
+    def __init__(self, run_dir: str | Path | None, fingerprint: str | None) -> None:
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.fingerprint = fingerprint
+
+    @property
+    def checkpoints(self) -> Path | None:
+        return None if self.run_dir is None else self.run_dir / CHECKPOINT_FOLDER
+
+    def start(self) -> None:
+        """A new stage: an empty log."""
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.run_dir / LOG_FILE, "")
+
+    def resume(self, named_trainable, optimizer, policy) -> tuple[int, list[dict]] | None:
+        """Load the newest checkpoint into the trainable parameters, optimizer and policy: (its step, the
+        history so far); None where there is none (the stage starts over)."""
+        if self.checkpoints is None:
+            return None
+        latest = latest_checkpoint(self.checkpoints)
+        if latest is None:
+            return None
+        tensors, optimizer_state, state = load_checkpoint(latest)
+        check_state(latest, state, _STATE_KEYS)
+        if state["fingerprint"] != self.fingerprint:
+            raise DoflaError(
+                f"the LoRA checkpoint in {self.checkpoints} belongs to other LoRA settings, students or data; "
+                f"use the interrupted run's settings, or remove {self.run_dir} to run the LoRA stage again "
+                "from the attention-transfer checkpoint."
+            )
+        missing = [name for name, _ in named_trainable if f"param/{name}" not in tensors]
+        if missing or "rng/torch" not in tensors:
+            raise DoflaError(
+                f"the checkpoint {latest} lacks {missing[0] if missing else 'rng/torch'}; it is damaged: "
+                f"remove {self.run_dir} to run the LoRA stage again."
+            )
+        with torch.no_grad():
+            for name, parameter in named_trainable:
+                parameter.copy_(tensors[f"param/{name}"])
+        try:
+            optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError, RuntimeError) as error:
+            raise DoflaError(
+                f"the optimizer state in {latest} does not fit this stage ({error}); remove {self.run_dir} to "
+                "run the LoRA stage again."
+            ) from None
+        torch.set_rng_state(tensors["rng/torch"])
+        policy.lr_scale, policy.bad_in_a_row, policy.skipped = (
+            state["lr_scale"],
+            state["bad_in_a_row"],
+            state["skipped"],
+        )
+        history = list(state["history"])
+        write_text_atomic(self.run_dir / LOG_FILE, "".join(to_json(record) + "\n" for record in history))
+        return int(state["step"]), history
+
+    def log(self, record: dict) -> None:
+        if self.run_dir is not None:
+            with open(self.run_dir / LOG_FILE, "a") as stream:
+                stream.write(to_json(record) + "\n")
+
+    def save(self, step: int, named_trainable, optimizer, policy, history: list[dict]) -> None:
+        """A checkpoint of step ``step``; none while a parameter is not finite (the previous one stays)."""
+        if self.checkpoints is None:
+            return
+        if not all(torch.isfinite(parameter).all() for _, parameter in named_trainable):
+            warnings.warn(
+                f"LoRA step {step}: a trained parameter holds NaN/inf values; this checkpoint is not saved.",
+                stacklevel=2,
+            )
+            return
+        tensors = {f"param/{name}": parameter for name, parameter in named_trainable}
+        tensors["rng/torch"] = torch.get_rng_state()
+        state = dict(
+            fingerprint=self.fingerprint,
+            step=step,
+            lr_scale=policy.lr_scale,
+            bad_in_a_row=policy.bad_in_a_row,
+            skipped=policy.skipped,
+            history=history,
+        )
+        save_checkpoint(self.checkpoints, step, tensors, optimizer.state_dict(), state)
 
 
 def _student_groups(model: nn.Module, config: LoraConfig) -> list[dict]:
