@@ -181,8 +181,11 @@ def assert_hybrid_form_matches_naive(form, case, log_scale_std, softcap):
         "chunked": (chunked_hybrid_attention, {"chunk_size": chunk}),
         "recurrent": (recurrent_hybrid_attention, None),
     }[form]
+    # With no key past the window the output does not depend on window_factor: its true gradient is 0 and the
+    # float32 one is rounding noise of the shared normalisation, up to 1.04e-4 of the floor on some CPUs.
+    tolerance = 2e-4 if length <= window else 1e-4
     assert_matches_reference(
-        fast, hybrid_attention, inputs, HYBRID_NAMES, torch.float32, 1e-4, fast_kwargs,
+        fast, hybrid_attention, inputs, HYBRID_NAMES, torch.float32, tolerance, fast_kwargs,
         scaling=0.7, window=window, softcap=softcap,
     )  # fmt: skip
 
