@@ -83,6 +83,14 @@ SECTIONS = [
         "the rounds' spread.",
     ),
     (
+        "The gated-delta recipe's cell against its own window and sinks without the memory, 4k, batch 1: medians of 3 rounds (CPU, a slower machine than the rows above)",
+        "bench/results/speed_recipe_decode_b1_s29.md",
+        "Another machine of the same kind as earlier rows (its teacher decodes at 12.3 tok/s, against 16.0 in "
+        "speed_recipe_decode_b1_s28.md): compare ratios within this file only. The `window 128+4` row is the "
+        "recipe's window and sinks with no memory; what the memory adds is the operator count of its step "
+        "(docs/results/speed/README.md, ninth pass).",
+    ),
+    (
         "Whole-model generation on one H100, Llama-1B shape (random weights, bf16)",
         "bench/results/gpu_generation_llama1b.md",
         "Pure-PyTorch chunked/recurrent forms (no custom kernels).",
