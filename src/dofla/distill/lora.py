@@ -30,12 +30,10 @@ from dofla.distill.checkpoint import check_state, latest_checkpoint, load_checkp
 from dofla.distill.losses import direct_loss
 from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
 from dofla.distill.teacher_forcing import autocast_for
-from dofla.distill.trainer import batch_indices, learning_rate_factor
+from dofla.distill.trainer import CHECKPOINT_FOLDER, LOG_FILE, batch_indices, learning_rate_factor
 from dofla.errors import DoflaError
 from dofla.io import to_json, write_text_atomic
 
-CHECKPOINT_FOLDER = "checkpoints"
-LOG_FILE = "log.jsonl"
 # settings that change neither the updates nor their order: a resumed stage may set them otherwise
 _NOT_IN_FINGERPRINT = ("progress", "tokens_per_forward", "checkpoint_every")
 _STATE_KEYS = ("fingerprint", "step", "lr_scale", "bad_in_a_row", "skipped", "history")
