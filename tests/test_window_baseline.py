@@ -219,3 +219,20 @@ def test_window_costs_equal_full_forwards_with_one_layer_cut(family):
     assert costs == pytest.approx(expected, rel=1e-3, abs=1e-7)
     only = window_baseline.window_costs(model, batches, window=4, sinks=1, layers=[1])
     assert only[0] == 0.0 and only[1] == pytest.approx(costs[1], rel=1e-5)
+
+
+def test_the_baselines_take_the_students_window_and_say_when_it_has_none():
+    from dofla.convert import convert, plan_for
+    from dofla.models import build_tiny_model
+
+    hybrid = build_tiny_model("llama")
+    convert(hybrid, plan_for(hybrid, kind="hybrid", feature_map="elu1", feature_dim=8, window=12))
+    linear = build_tiny_model("llama")
+    convert(linear, plan_for(linear, kind="linear", feature_map="elu1", feature_dim=8))
+    assert window_baseline.baseline_window(hybrid.dofla_plan) == 12
+    assert window_baseline.baseline_window(linear.dofla_plan) == window_baseline.REFERENCE_WINDOW
+    assert window_baseline.baseline_window(None) == window_baseline.REFERENCE_WINDOW
+    assert window_baseline.baseline_notes(hybrid, 12) == []
+    (note,) = window_baseline.baseline_notes(linear, 64)
+    assert "keeps no window" in note and "window 64" in note
+    assert window_baseline.baseline_notes(None, 64) == []

@@ -555,8 +555,9 @@ def evaluate_student(
     from dofla.evaluation.long_context import long_context_quality
     from dofla.evaluation.passkey import passkey_comparison
     from dofla.evaluation.recall import recall_beyond_window
+    from dofla.evaluation.window_baseline import baseline_window
 
-    batch_size, window = config.distill.batch_size, config.plan.window
+    batch_size, window = config.distill.batch_size, baseline_window(getattr(model, "dofla_plan", None))
     baseline_sinks = config.plan.sinks or DEFAULT_BASELINE_SINKS
     quality = long_context_quality(
         reference,

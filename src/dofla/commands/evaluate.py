@@ -178,14 +178,6 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_device_and_dtype(args)
 
 
-def default_window(plan) -> int:
-    """The baseline's window: the largest window of the plan's hybrid layers, else 64."""
-    from dofla.evaluation.long_context import DEFAULT_WINDOW
-
-    windows = [int(layer.window) for layer in plan.layers if layer.kind == "hybrid"]
-    return max(windows) if windows else DEFAULT_WINDOW
-
-
 def busy_cpu_hint(threads: int, load_average: float, cores: int) -> str | None:
     """A line for stderr when torch would run ``threads`` > 1 CPU threads beside other busy jobs, else None.
 
@@ -215,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
     from dofla.evaluation.attention_error import attention_errors
     from dofla.evaluation.passkey import passkey_comparison
     from dofla.evaluation.recall import recall_beyond_window
+    from dofla.evaluation.window_baseline import baseline_window
     from dofla.io import write_json_atomic
     from dofla.models import load_teacher
     from dofla.models.loading import resolve_device
@@ -246,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         raise DoflaError(
             "neither the converted folder nor the teacher has a tokenizer to read the text with."
         )
-    window = args.window or default_window(plan)
+    window = args.window or baseline_window(plan)
     for length in args.length_list if texts is not None else []:
         long_context.check_context(teacher, length)
     for length in args.passkey_list:

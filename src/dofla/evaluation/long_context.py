@@ -36,9 +36,14 @@ from dofla.evaluation.logits import (
     vocabulary_size,
 )
 from dofla.evaluation.perplexity import exp_or_inf
-from dofla.evaluation.window_baseline import baseline_layers, baseline_note, window_restricted
+from dofla.evaluation.window_baseline import (
+    REFERENCE_WINDOW,
+    baseline_layers,
+    baseline_notes,
+    window_restricted,
+)
 
-DEFAULT_WINDOW = 64
+DEFAULT_WINDOW = REFERENCE_WINDOW
 DEFAULT_SINKS = (0, 4)
 CURVE_POINTS = 32  # log-spaced position bins of the loss-by-position curve
 NON_FINITE_NOTE = (
@@ -271,11 +276,8 @@ def long_context_quality(
         check_context(teacher, int(length))
         _check_sequences(sequences, int(length), vocabulary)
     rows = _row_names(int(window), sinks, student is not None)
-    notes: set[str] = set()
+    notes: set[str] = set(baseline_notes(student, int(window)))
     restricted = baseline_layers(student)
-    note = baseline_note(student)
-    if note:
-        notes.add(note)
     result: dict = {
         "window": int(window),
         "sinks": sinks,

@@ -181,12 +181,11 @@ def passkey_comparison(
     "results": [{"context_tokens", "depth", "accuracy", "trials", "prompt_tokens"}]}}, "notes"}``.
     """
     from dofla.evaluation.long_context import check_context, context_limit
-    from dofla.evaluation.window_baseline import baseline_layers, baseline_note, window_restricted
+    from dofla.evaluation.window_baseline import baseline_layers, baseline_notes, window_restricted
 
     limit = context_limit(teacher)
     restricted = baseline_layers(student)
-    note = baseline_note(student)
-    notes = [note] if note else []
+    notes = baseline_notes(student, int(window))
     if context_lengths is None:
         context_lengths = [length for length in DEFAULT_CONTEXT_LENGTHS if limit is None or length <= limit]
         if len(context_lengths) < len(DEFAULT_CONTEXT_LENGTHS):

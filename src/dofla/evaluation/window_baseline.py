@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from dofla import dispatch
 from dofla.errors import DoflaError
 
+REFERENCE_WINDOW = 64  # the baselines' window for a student without one (pure linear)
+
 
 def visible_keys(attention_mask: torch.Tensor | None, query_length: int, key_length: int) -> torch.Tensor:
     """Which keys each query may see under ``attention_mask``: bool (B or 1, 1, T, S), True = visible.
@@ -238,16 +240,33 @@ def baseline_layers(student: torch.nn.Module | None) -> list[int] | None:
     return None if len(converted) == len(plan.layers) else converted
 
 
-def baseline_note(student: torch.nn.Module | None) -> str | None:
-    """The sentence a report adds when the window baselines restrict only some layers, else None."""
+def baseline_window(plan) -> int:
+    """The baselines' window for a student with ``plan`` (None: no student): the largest window of its
+    hybrid layers, else (no window: a pure linear student) :data:`REFERENCE_WINDOW`."""
+    windows = [int(layer.window) for layer in plan.layers if layer.kind == "hybrid"] if plan else []
+    return max(windows) if windows else REFERENCE_WINDOW
+
+
+def baseline_notes(student: torch.nn.Module | None, window: int) -> list[str]:
+    """The sentences a report adds about its window baselines: when they restrict only some layers, and
+    when the student keeps no window of its own (the baseline's is then a reference, not the student's)."""
+    plan = getattr(student, "dofla_plan", None)
+    if plan is None:
+        return []
+    notes = []
     layers = baseline_layers(student)
-    if layers is None:
-        return None
-    kept = sorted(set(range(len(student.dofla_plan.layers))) - set(layers))
-    return (
-        f"the window baselines restrict only the {len(layers)} layers the student converted; layers "
-        f"{kept} keep their full softmax, as in the student."
-    )
+    if layers is not None:
+        kept = sorted(set(range(len(plan.layers))) - set(layers))
+        notes.append(
+            f"the window baselines restrict only the {len(layers)} layers the student converted; layers "
+            f"{kept} keep their full softmax, as in the student."
+        )
+    if not any(layer.kind == "hybrid" for layer in plan.layers):
+        notes.append(
+            f"the student keeps no window: the window {window} baselines are a reference (what a cache of "
+            f"the last {window} tokens keeps of the teacher), not a part of the student."
+        )
+    return notes
 
 
 @torch.no_grad()
