@@ -11,11 +11,13 @@ leaves the previous checkpoint reachable and intact.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +136,79 @@ def check_state(path: Path, state: dict, keys: tuple[str, ...]) -> None:
             f"the checkpoint {path} lacks {missing[0]!r} in {STATE_FILE}; it is damaged: start over with "
             "--overwrite."
         )
+
+
+# what a stage's checkpoint keeps of its NonFinitePolicy (dofla.distill.nonfinite)
+_POLICY_FIELDS = ("lr_scale", "bad_in_a_row", "skipped")
+
+
+def settings_digest(settings: dict, plan) -> Any:
+    """The start of a stage's fingerprint: a sha256 of its settings (JSON, keys sorted) and then of the
+    model's plan (None: no plan); the stage adds what else determines its result (rows, starting weights)."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    digest.update(json.dumps(plan.to_dict() if plan is not None else None, sort_keys=True).encode())
+    return digest
+
+
+def save_training_state(
+    folder: Path,
+    step: int,
+    parameters: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    policy,
+    state: dict[str, Any],
+    *,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+    nonfinite_warning: str,
+) -> bool:
+    """A stage's checkpoint of ``step``: its trained ``parameters`` (``param/NAME``), ``extra_tensors``, the
+    torch RNG, the optimizer, the policy's counters and ``state`` (fingerprint, history, ...). Saves nothing
+    and warns ``nonfinite_warning`` while a parameter is not finite (the previous checkpoint stays);
+    returns whether it saved."""
+    if not all(torch.isfinite(parameter).all() for parameter in parameters.values()):
+        warnings.warn(nonfinite_warning, stacklevel=3)
+        return False
+    tensors = {f"param/{name}": parameter for name, parameter in parameters.items()}
+    tensors.update(extra_tensors or {})
+    tensors["rng/torch"] = torch.get_rng_state()
+    counters = {name: getattr(policy, name) for name in _POLICY_FIELDS}
+    save_checkpoint(folder, step, tensors, optimizer.state_dict(), dict(state, step=step, **counters))
+    return True
+
+
+def restore_training_state(
+    latest: Path,
+    parameters: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    policy,
+    *,
+    keys: tuple[str, ...],
+    fingerprint: str | None,
+    foreign: str,
+    damaged: str,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Load the checkpoint folder ``latest`` into a stage's trained ``parameters``, its optimizer, the torch
+    RNG and the policy's counters, after checking it: its state has ``keys``, its fingerprint is
+    ``fingerprint`` (else DoflaError ``foreign``), it holds every parameter (else a sentence ending with
+    ``damaged``, what to do). Returns (tensors, state) for what else the stage keeps."""
+    tensors, optimizer_state, state = load_checkpoint(latest)
+    check_state(latest, state, keys)
+    if state["fingerprint"] != fingerprint:
+        raise DoflaError(foreign)
+    missing = [f"param/{name}" for name in parameters if f"param/{name}" not in tensors]
+    missing += [name for name in ("rng/torch",) if name not in tensors]
+    if missing:
+        raise DoflaError(
+            f"the checkpoint {latest} lacks {missing[0].removeprefix('param/')}; it is damaged: {damaged}"
+        )
+    with torch.no_grad():
+        for name, parameter in parameters.items():
+            parameter.copy_(tensors[f"param/{name}"])
+    try:
+        optimizer.load_state_dict(optimizer_state)
+    except (ValueError, KeyError, RuntimeError) as error:
+        raise DoflaError(f"the optimizer state in {latest} does not fit ({error}); {damaged}") from None
+    torch.set_rng_state(tensors["rng/torch"])
+    for name in _POLICY_FIELDS:
+        setattr(policy, name, state[name])
+    return tensors, state

@@ -15,10 +15,7 @@ stage continues where it stopped with ``resume`` instead of starting over.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -26,7 +23,12 @@ import torch
 from torch import nn
 
 from dofla import dispatch
-from dofla.distill.checkpoint import check_state, latest_checkpoint, load_checkpoint, save_checkpoint
+from dofla.distill.checkpoint import (
+    latest_checkpoint,
+    restore_training_state,
+    save_training_state,
+    settings_digest,
+)
 from dofla.distill.losses import direct_loss
 from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
 from dofla.distill.teacher_forcing import autocast_for
@@ -241,9 +243,7 @@ def lora_fingerprint(config: LoraConfig, model: nn.Module, train: torch.Tensor) 
     from dofla.convert import students
 
     settings = {name: value for name, value in asdict(config).items() if name not in _NOT_IN_FINGERPRINT}
-    plan = getattr(model, "dofla_plan", None)
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    digest.update(json.dumps(plan.to_dict() if plan is not None else None, sort_keys=True).encode())
+    digest = settings_digest(settings, getattr(model, "dofla_plan", None))
     for index, student in sorted(students(model).items()):
         for name, tensor in student.state_dict().items():
             digest.update(f"{index}.{name} {tuple(tensor.shape)}".encode())
@@ -273,40 +273,20 @@ class _StageFiles:
     def resume(self, named_trainable, optimizer, policy) -> tuple[int, list[dict]] | None:
         """Load the newest checkpoint into the trainable parameters, optimizer and policy: (its step, the
         history so far); None where there is none (the stage starts over)."""
-        if self.checkpoints is None:
-            return None
-        latest = latest_checkpoint(self.checkpoints)
+        latest = None if self.checkpoints is None else latest_checkpoint(self.checkpoints)
         if latest is None:
             return None
-        tensors, optimizer_state, state = load_checkpoint(latest)
-        check_state(latest, state, _STATE_KEYS)
-        if state["fingerprint"] != self.fingerprint:
-            raise DoflaError(
-                f"the LoRA checkpoint in {self.checkpoints} belongs to other LoRA settings, students or data; "
-                f"use the interrupted run's settings, or remove {self.run_dir} to run the LoRA stage again "
-                "from the attention-transfer checkpoint."
-            )
-        missing = [name for name, _ in named_trainable if f"param/{name}" not in tensors]
-        if missing or "rng/torch" not in tensors:
-            raise DoflaError(
-                f"the checkpoint {latest} lacks {missing[0] if missing else 'rng/torch'}; it is damaged: "
-                f"remove {self.run_dir} to run the LoRA stage again."
-            )
-        with torch.no_grad():
-            for name, parameter in named_trainable:
-                parameter.copy_(tensors[f"param/{name}"])
-        try:
-            optimizer.load_state_dict(optimizer_state)
-        except (ValueError, KeyError, RuntimeError) as error:
-            raise DoflaError(
-                f"the optimizer state in {latest} does not fit this stage ({error}); remove {self.run_dir} to "
-                "run the LoRA stage again."
-            ) from None
-        torch.set_rng_state(tensors["rng/torch"])
-        policy.lr_scale, policy.bad_in_a_row, policy.skipped = (
-            state["lr_scale"],
-            state["bad_in_a_row"],
-            state["skipped"],
+        _, state = restore_training_state(
+            latest,
+            dict(named_trainable),
+            optimizer,
+            policy,
+            keys=_STATE_KEYS,
+            fingerprint=self.fingerprint,
+            foreign=f"the LoRA checkpoint in {self.checkpoints} belongs to other LoRA settings, students or "
+            f"data; use the interrupted run's settings, or remove {self.run_dir} to run the LoRA stage again "
+            "from the attention-transfer checkpoint.",
+            damaged=f"remove {self.run_dir} to run the LoRA stage again.",
         )
         history = list(state["history"])
         write_text_atomic(self.run_dir / LOG_FILE, "".join(to_json(record) + "\n" for record in history))
@@ -319,25 +299,17 @@ class _StageFiles:
 
     def save(self, step: int, named_trainable, optimizer, policy, history: list[dict]) -> None:
         """A checkpoint of step ``step``; none while a parameter is not finite (the previous one stays)."""
-        if self.checkpoints is None:
-            return
-        if not all(torch.isfinite(parameter).all() for _, parameter in named_trainable):
-            warnings.warn(
-                f"LoRA step {step}: a trained parameter holds NaN/inf values; this checkpoint is not saved.",
-                stacklevel=2,
+        if self.checkpoints is not None:
+            save_training_state(
+                self.checkpoints,
+                step,
+                dict(named_trainable),
+                optimizer,
+                policy,
+                dict(fingerprint=self.fingerprint, history=history),
+                nonfinite_warning=f"LoRA step {step}: a trained parameter holds NaN/inf values; this "
+                "checkpoint is not saved.",
             )
-            return
-        tensors = {f"param/{name}": parameter for name, parameter in named_trainable}
-        tensors["rng/torch"] = torch.get_rng_state()
-        state = dict(
-            fingerprint=self.fingerprint,
-            step=step,
-            lr_scale=policy.lr_scale,
-            bad_in_a_row=policy.bad_in_a_row,
-            skipped=policy.skipped,
-            history=history,
-        )
-        save_checkpoint(self.checkpoints, step, tensors, optimizer.state_dict(), state)
 
 
 def _student_groups(model: nn.Module, config: LoraConfig) -> list[dict]:

@@ -19,11 +19,8 @@ Either way the result equals a single-process run up to float rounding.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -33,7 +30,12 @@ from torch import nn
 
 from dofla import dispatch
 from dofla.distill import distributed
-from dofla.distill.checkpoint import check_state, latest_checkpoint, load_checkpoint, save_checkpoint
+from dofla.distill.checkpoint import (
+    latest_checkpoint,
+    restore_training_state,
+    save_training_state,
+    settings_digest,
+)
 from dofla.distill.curriculum import LengthStage, check_length_schedule, length_stages, stage_at, tokens_after
 from dofla.distill.hidden_store import TeacherStates, open_teacher_states
 from dofla.distill.losses import LOSSES, layerwise_loss_names
@@ -174,9 +176,7 @@ def run_fingerprint(
     settings = {name: value for name, value in asdict(config).items() if name not in _NOT_IN_FINGERPRINT}
     if not settings["length_schedule"]:  # a run without a curriculum hashes as it did before there was one
         del settings["length_schedule"]
-    plan = getattr(model, "dofla_plan", None)
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    digest.update(json.dumps(plan.to_dict() if plan is not None else None, sort_keys=True).encode())
+    digest = settings_digest(settings, getattr(model, "dofla_plan", None))
     digest.update(f"{tuple(train.shape)} {layers}".encode())
     digest.update(train.to(torch.int64).cpu().numpy().tobytes())
     for stage in stages if stages is not None and len(stages) > 1 else ():
@@ -391,34 +391,19 @@ def distill(
     history: list[dict] = []
     check_run_folder(run_dir, resume)
     if resume:
-        latest = latest_checkpoint(checkpoints)
-        tensors, optimizer_state, state = load_checkpoint(latest)
-        check_state(latest, state, _STATE_KEYS)
-        if state["fingerprint"] != fingerprint:
-            raise DoflaError(
-                f"the checkpoint in {checkpoints} belongs to a different run (other settings, plan or data); "
-                "use the same command as the interrupted run, or another --out to start a new one."
-            )
-        missing = [name for name in trainable if f"param/{name}" not in tensors] + [
-            name for name in ("rng/torch",) if name not in tensors
-        ]
-        if missing:
-            raise DoflaError(
-                f"the checkpoint {latest} lacks {missing[0]}; it is damaged: start over with --overwrite."
-            )
-        with torch.no_grad():
-            for name, parameter in trainable.items():
-                parameter.copy_(tensors[f"param/{name}"])
+        tensors, state = restore_training_state(
+            latest_checkpoint(checkpoints),
+            trainable,
+            optimizer,
+            policy,
+            keys=_STATE_KEYS,
+            fingerprint=fingerprint,
+            foreign=f"the checkpoint in {checkpoints} belongs to a different run (other settings, plan or data); "
+            "use the same command as the interrupted run, or another --out to start a new one.",
+            damaged="start over with --overwrite.",
+        )
         best_state = {name[len("best/") :]: t for name, t in tensors.items() if name.startswith("best/")}
-        try:
-            optimizer.load_state_dict(optimizer_state)
-        except (ValueError, KeyError, RuntimeError) as error:
-            raise DoflaError(
-                f"the optimizer state in {latest} does not fit this run ({error}); start over with --overwrite."
-            ) from None
-        torch.set_rng_state(tensors["rng/torch"])
-        step, policy.lr_scale, policy.bad_in_a_row = state["step"], state["lr_scale"], state["bad_in_a_row"]
-        policy.skipped, history = state["skipped"], state["history"]
+        step, history = state["step"], state["history"]
         best_val = state["best_val"] if state["best_val"] is not None else math.inf
         evals_since_best = state["evals_since_best"]
     if run_dir is not None and writes:
@@ -428,26 +413,22 @@ def distill(
     def save(at_step: int) -> None:
         if checkpoints is None or not writes:
             return
-        if not all(torch.isfinite(parameter).all() for parameter in trainable.values()):
-            warnings.warn(
-                f"step {at_step}: the students hold NaN/inf values; this checkpoint is not saved.",
-                stacklevel=2,
-            )
-            return
-        tensors = {f"param/{name}": parameter for name, parameter in trainable.items()}
-        tensors.update({f"best/{name}": tensor for name, tensor in best_state.items()})
-        tensors["rng/torch"] = torch.get_rng_state()
         state = dict(
             fingerprint=fingerprint,
-            step=at_step,
-            lr_scale=policy.lr_scale,
-            bad_in_a_row=policy.bad_in_a_row,
-            skipped=policy.skipped,
             best_val=None if math.isinf(best_val) else best_val,
             evals_since_best=evals_since_best,
             history=history,
         )
-        save_checkpoint(checkpoints, at_step, tensors, optimizer.state_dict(), state)
+        save_training_state(
+            checkpoints,
+            at_step,
+            trainable,
+            optimizer,
+            policy,
+            state,
+            extra_tensors={f"best/{name}": tensor for name, tensor in best_state.items()},
+            nonfinite_warning=f"step {at_step}: the students hold NaN/inf values; this checkpoint is not saved.",
+        )
 
     def log(record: dict) -> None:
         history.append(record)
