@@ -83,6 +83,11 @@ STUDENTS = {
         dict(kind="hybrid", cell="gated_delta", sinks=4, window=128, feature_map="projection"),
         None,
     ),
+    # the pure-linear gated-delta-linear recipe's cell: no window, projection keys, an 8-token short convolution
+    "gated-delta-linear recipe": (
+        dict(kind="linear", cell="gated_delta", feature_map="projection", options={"short_conv": 8}),
+        None,
+    ),
     "gated_delta+window (3 softmax)": (
         dict(kind="hybrid", cell="gated_delta", sinks=4, keep_softmax=3),
         None,
