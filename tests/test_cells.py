@@ -66,6 +66,8 @@ FORM_CASES = [  # cell, kind, feature map, share_kv_heads, cell options
     ("gated_delta", "hybrid", "learnable_prf", False, ADAPTIVE),
     ("gated_delta", "linear", "projection", True, {"short_conv": 4}),
     ("gated_delta", "hybrid", "learnable_prf", False, {"short_conv": 3}),
+    ("gated_delta", "linear", "projection", True, {"short_conv": 4, "output_gate": True}),
+    ("gated_delta", "hybrid", "learnable_prf", False, {"output_gate": True}),
 ]
 
 
@@ -111,6 +113,8 @@ def test_gla_is_normalised_linear_attention_with_decay():
         ("gated_delta", "hybrid", "projection", ADAPTIVE),
         ("gated_delta", "linear", "projection", {"short_conv": 4}),
         ("gated_delta", "hybrid", "projection", {"short_conv": 3}),
+        ("gated_delta", "linear", "projection", {"short_conv": 4, "output_gate": True}),
+        ("gated_delta", "hybrid", "projection", {"output_gate": True}),
         ("window", "hybrid", "hedgehog", {}),
     ],
 )
@@ -296,6 +300,44 @@ def test_short_conv_starts_as_the_identity_and_mixes_only_earlier_tokens(kind):
         torch.testing.assert_close(padded[:1, pad:], alone, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("kind", ["linear", "hybrid"])
+def test_output_gate_starts_at_one_and_then_scales_each_tokens_read_out_by_its_own_value(kind):
+    """The gated delta cell's output gate: at its initial (zero) weights the cell gives exactly what it gives
+    without one; trained, the read-out of token t is the plain cell's memory read-out times
+    2 sigmoid(v_t W / sqrt(Dv) + b), brute force per query head and token."""
+    sinks = 2 if kind == "hybrid" else 0
+    plain = make_cell("gated_delta", kind, "projection", sinks=sinks)
+    gated = make_cell("gated_delta", kind, "projection", sinks=sinks, output_gate=True)
+    with torch.no_grad():  # the initial gate (make_cell perturbs every parameter)
+        gated.output_gate_weight.zero_()
+        gated.output_gate_bias.zero_()
+    gated.load_state_dict(
+        {**plain.state_dict(), **{k: v for k, v in gated.state_dict().items() if "output_gate" in k}}
+    )
+    query, key, value = (tensor.detach() for tensor in qkv(length=9))
+    for form in ("naive", "chunked", "recurrent"):
+        torch.testing.assert_close(
+            gated(query, key, value, form=form), plain(query, key, value, form=form), rtol=0, atol=0
+        )
+    with torch.no_grad():
+        gated.output_gate_weight.normal_()
+        gated.output_gate_bias.normal_()
+    q_features, k_features, _ = plain.features(query, key)
+    values = plain._state_heads_view(value)
+    memory = plain._parts("naive", query, key, q_features, k_features, values, None, plain.scaling, None)
+    expected = memory["memory"].clone()  # (B, H, T, Dv)
+    group = H // plain.state_heads
+    for head in range(H):
+        kv_head, g = divmod(head, group)
+        for t in range(9):
+            logits = values[:, kv_head, t] @ gated.output_gate_weight[kv_head, g] / D**0.5
+            expected[:, head, t] *= 2 * torch.sigmoid(logits + gated.output_gate_bias[head])
+    got = gated._parts("naive", query, key, q_features, k_features, values, None, plain.scaling, None)
+    torch.testing.assert_close(got["memory"], expected, rtol=1e-10, atol=1e-12)
+    with pytest.raises(DoflaError, match="output_gate"):
+        make_cell("gated_delta", kind, "projection", sinks=sinks, output_gate="yes")
+
+
 @pytest.mark.parametrize("width", [1, -2, 2.5, True])
 def test_short_conv_refuses_a_width_that_is_not_a_whole_number_of_at_least_two(width):
     with pytest.raises(DoflaError, match="short_conv"):
@@ -333,12 +375,12 @@ def test_gated_delta_model_with_short_conv_saves_reloads_and_generates_as_one_pa
             cell="gated_delta",
             feature_map="projection",
             feature_dim=8,
-            options={"short_conv": 4},
+            options={"short_conv": 4, "output_gate": True},
         ),
     )
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if "conv_weight" in name:
+            if "conv_weight" in name or "output_gate" in name:
                 parameter.add_(0.3 * torch.randn_like(parameter))
     tokens = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(0))  # no pad token (0)
     expected = model(tokens).logits

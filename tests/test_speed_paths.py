@@ -404,6 +404,8 @@ DECODE_CASES = [  # ..., cell options
     ("gated_delta", "hybrid", "learnable_prf", False, 10, 8, {"mix": "adaptive"}),
     ("gated_delta", "linear", "projection", True, 64, 0, {"short_conv": 4}),
     ("gated_delta", "hybrid", "learnable_prf", False, 10, 8, {"short_conv": 3}),
+    ("gated_delta", "linear", "projection", True, 64, 0, {"short_conv": 4, "output_gate": True}),
+    ("gated_delta", "hybrid", "projection", True, 3, 2, {"output_gate": True}),
 ]
 
 

@@ -20,6 +20,10 @@ the W - 1 tokens before it by a causal depthwise convolution, ``x'_t = sum_i c_i
 per channel and starting as the identity (c = (0, ..., 0, 1)): the memory then sees the last few tokens
 precisely, as the window does for a hybrid. Its state keeps those W - 1 tokens' inputs; the gates still read
 the token's own value.
+With option ``output_gate`` (default false), the memory's read-out is scaled per query head and channel by
+a gate from the token's value, ``out_t * 2 sigmoid(v_t W_h / sqrt(Dv) + b_h)`` (W_h a Dv x Dv matrix per query
+head): the memory's output magnitude can follow the token, as a softmax's normalisation does. W and b start
+at 0, so the gate starts at 1 (the cell without it).
 
 ``window``: the sliding-window softmax (plus sinks) alone, with no parameters: the teacher's attention cut
 to its window, as a student that decodes with a bounded cache.
@@ -134,10 +138,11 @@ class GatedDeltaAttention(LinearAttention):
     the initial write strength in (0, 1) (default 0.5), ``window_factor`` the initial window share gamma
     (default 0.5), ``mix`` "fixed" (gamma per head, the default) or "adaptive" (per token, hybrid only),
     ``mix_lr`` the adaptive mix's learning rate as a multiple of the base one (default 1), ``short_conv``
-    the width W of the memory inputs' causal convolution (default 0: none).
+    the width W of the memory inputs' causal convolution (default 0: none), ``output_gate`` whether a gate
+    from the token's value scales the memory's read-out (default false).
     """
 
-    CELL_OPTIONS = ("decay_memory", "beta", "mix", "mix_lr", "short_conv")
+    CELL_OPTIONS = ("decay_memory", "beta", "mix", "mix_lr", "short_conv", "output_gate")
     requires_nonnegative_features = False
     default_window_factor = DEFAULT_DELTA_WINDOW_FACTOR
 
@@ -180,6 +185,15 @@ class GatedDeltaAttention(LinearAttention):
             identity = torch.zeros(self.short_conv, channels)
             identity[-1] = 1.0
             self.conv_weight = nn.Parameter(identity)
+        self.output_gate = self.cell_options.get("output_gate", False)
+        if not isinstance(self.output_gate, bool):
+            raise DoflaError(
+                f"layer {self.layer_index}: output_gate is true or false, got {self.output_gate!r}."
+            )
+        if self.output_gate:  # W (Hs, G, Dv, Dv) and b (H, Dv) from 0: the gate starts at 1
+            group = self.num_heads // heads
+            self.output_gate_weight = nn.Parameter(torch.zeros(heads, group, self.head_dim, self.head_dim))
+            self.output_gate_bias = nn.Parameter(torch.zeros(self.num_heads, self.head_dim))
         if self.adaptive_mix:  # gamma_t's lse weight c (H,) and value weight u (Hs, G, Dv), both from 0
             self.mix_lse_weight = nn.Parameter(torch.zeros(self.num_heads))
             self.mix_value_weight = nn.Parameter(torch.zeros(heads, self.num_heads // heads, self.head_dim))
@@ -195,6 +209,15 @@ class GatedDeltaAttention(LinearAttention):
             + self.mix_lse_weight.to(lse.dtype)[:, None] * lse
             + by_value.reshape(batch, self.num_heads, length).to(lse.dtype) * value_dim**-0.5
         )
+
+    def gated_read_out(self, memory: Tensor, values: Tensor) -> Tensor:
+        """The memory's read-out (B, Hs, G, T, Dv) scaled by the output gate from the tokens' values (B, Hs, T,
+        Dv): ``2 sigmoid(v W / sqrt(Dv) + b)`` per query head and channel (option ``output_gate``)."""
+        dtype = memory.dtype
+        weight = self.output_gate_weight.to(dtype) * values.shape[-1] ** -0.5
+        logits = torch.einsum("bstd,sgde->bsgte", values.to(dtype), weight)
+        bias = self.output_gate_bias.to(dtype).view(*weight.shape[:2], 1, -1)  # (Hs, G, 1, Dv)
+        return memory * (2 * torch.sigmoid(logits + bias))
 
     def _attend(
         self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
@@ -248,6 +271,10 @@ class GatedDeltaAttention(LinearAttention):
                 kernel=fla_backend.gated_delta_kernel(values, q.shape[-1]),  # None unless CUDA with fla
             )
         memory = memory.to(values.dtype)
+        if self.output_gate:
+            batch, heads, length, value_dim = values.shape
+            grouped = memory.view(batch, heads, -1, length, value_dim)  # (B, Hs, G, T, Dv)
+            memory = self.gated_read_out(grouped, values).view_as(memory)
         if self.short_conv and new_memory is not None:
             new_memory = ConvDeltaState(new_memory, tail)
         parts = dict(memory=memory, memory_state=new_memory)
@@ -360,6 +387,8 @@ class GatedDeltaAttention(LinearAttention):
         batch, heads = query.shape[0], self.state_heads
         queries = features[:, :, :-1]  # (B, Hs, G, K)
         output = torch.bmm(queries.flatten(0, 1), updated.kv.flatten(0, 1)).view(*queries.shape[:3], -1)
+        if self.output_gate:  # (B, Hs, G, Dv), one token
+            output = self.gated_read_out(output[:, :, :, None], values[:, :, None]).squeeze(3)
         if self.kind == "linear":
             return output.view(batch, 1, self.num_heads, -1), new_memory
         group = self.num_heads // heads
@@ -404,6 +433,8 @@ class GatedDeltaAttention(LinearAttention):
         gates = [*self.decay.parameters(), *self.write.parameters()]
         if self.short_conv:
             gates.append(self.conv_weight)
+        if self.output_gate:
+            gates += [self.output_gate_weight, self.output_gate_bias]
         if self.adaptive_mix:
             mix = [self.mix_lse_weight, self.mix_value_weight]
             groups.append({"params": mix, "lr": float(base_lr) * self.mix_lr, "name": "mix"})
