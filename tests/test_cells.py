@@ -338,6 +338,34 @@ def test_output_gate_starts_at_one_and_then_scales_each_tokens_read_out_by_its_o
         make_cell("gated_delta", kind, "projection", sinks=sinks, output_gate="yes")
 
 
+@pytest.mark.parametrize("block", [7, 256])
+def test_the_short_convolutions_blocked_and_autograd_paths_equal_the_plain_sum(block, monkeypatch):
+    """causal_depthwise_conv: without autograd (block by block, into strided slices of a batch of 2) and with
+    it (in place over all tokens) bit for bit the same, equal to the literal sum, and its gradients those
+    of the literal sum."""
+    from dofla.cells import delta
+
+    monkeypatch.setattr(delta, "CONV_BLOCK", block)
+    generator = torch.Generator().manual_seed(0)
+    width, length = 8, 600
+    inputs = torch.randn(2, width - 1 + length, 5, dtype=torch.float64, generator=generator)
+    weight = torch.randn(width, 5, dtype=torch.float64, generator=generator)
+    reference = sum(weight[i] * inputs[:, i : i + length] for i in range(width))
+    with torch.no_grad():
+        blocked = delta.causal_depthwise_conv(inputs, weight, length)
+    leaves = inputs.clone().requires_grad_(), weight.clone().requires_grad_()
+    tracked = delta.causal_depthwise_conv(*leaves, length)
+    assert torch.equal(blocked, tracked.detach())
+    torch.testing.assert_close(blocked, reference, rtol=1e-12, atol=1e-12)
+    upstream = torch.randn(reference.shape, dtype=torch.float64, generator=generator)
+    got = torch.autograd.grad(tracked, leaves, upstream)
+    reference_leaves = inputs.clone().requires_grad_(), weight.clone().requires_grad_()
+    literal = sum(reference_leaves[1][i] * reference_leaves[0][:, i : i + length] for i in range(width))
+    expected = torch.autograd.grad(literal, reference_leaves, upstream)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("width", [1, -2, 2.5, True])
 def test_short_conv_refuses_a_width_that_is_not_a_whole_number_of_at_least_two(width):
     with pytest.raises(DoflaError, match="short_conv"):
