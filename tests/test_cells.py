@@ -366,6 +366,20 @@ def test_the_short_convolutions_blocked_and_autograd_paths_equal_the_plain_sum(b
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_the_short_convolutions_state_after_a_prefill_holds_only_its_last_tokens():
+    """The tail a prefill leaves in the cache is W - 1 tokens in its own storage, not a view keeping the
+    prefill's whole input buffer alive."""
+    student = make_cell("gated_delta", "linear", "projection", short_conv=4)
+    query, key, value = (tensor.detach() for tensor in qkv(length=13))
+    layer = RecurrentCacheLayer()
+    layer.update(key, value)
+    student.pending_cache_layer = layer
+    with torch.no_grad():
+        student(query, key, value)
+    tail = layer.state.tail
+    assert tail.shape[1] == 3 and tail.untyped_storage().nbytes() == tail.numel() * tail.element_size()
+
+
 @pytest.mark.parametrize("width", [1, -2, 2.5, True])
 def test_short_conv_refuses_a_width_that_is_not_a_whole_number_of_at_least_two(width):
     with pytest.raises(DoflaError, match="short_conv"):

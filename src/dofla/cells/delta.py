@@ -329,28 +329,31 @@ class GatedDeltaAttention(LinearAttention):
         a decoding step groups them: each state head's G queries and its key, then the values. Padded
         tokens (``key_mask`` False) enter as zeros."""
         batch, heads, length, key_dim = k_features.shape
-        group = q_features.shape[1] // heads
+        group, value_dim = q_features.shape[1] // heads, values.shape[-1]
         dtype = torch.promote_types(values.dtype, torch.float32)
-        grouped = torch.cat(
-            [q_features.view(batch, heads, group, length, key_dim), k_features[:, :, None]], 2
-        )
-        flat = torch.cat(
-            [grouped.permute(0, 3, 1, 2, 4).reshape(batch, length, -1), values.transpose(1, 2).flatten(2)], -1
-        ).to(dtype)  # (B, T, C)
-        if key_mask is not None:
-            flat = flat * key_mask[:, :, None].to(dtype)
-        width = self.short_conv
+        width, features_width = self.short_conv, heads * (group + 1) * key_dim
+        # the tail, then this call's inputs (B, W - 1 + T, C), each written once into its place
+        inputs = values.new_empty(batch, width - 1 + length, features_width + heads * value_dim, dtype=dtype)
         if tail is None:
-            tail = flat.new_zeros(batch, width - 1, flat.shape[-1])
-        inputs = torch.cat([tail.to(dtype), flat], dim=1)  # (B, W - 1 + T, C)
+            inputs[:, : width - 1] = 0.0
+        else:
+            inputs[:, : width - 1] = tail
+        body = inputs[:, width - 1 :]
+        grouped = body[..., :features_width].unflatten(
+            -1, (heads, group + 1, key_dim)
+        )  # (B, T, Hs, G + 1, K)
+        grouped[..., :group, :] = q_features.view(batch, heads, group, length, key_dim).permute(0, 3, 1, 2, 4)
+        grouped[..., group, :] = k_features.transpose(1, 2)
+        body[..., features_width:].unflatten(-1, (heads, value_dim))[:] = values.transpose(1, 2)
+        if key_mask is not None:
+            body *= key_mask[:, :, None].to(dtype)
         mixed = causal_depthwise_conv(inputs, self.conv_weight.to(dtype), length)  # (B, T, C)
-        features, written = mixed.split(
-            [heads * (group + 1) * key_dim, values.shape[1] * values.shape[3]], -1
-        )
+        features, written = mixed.split([features_width, heads * value_dim], -1)
         features = features.view(batch, length, heads, group + 1, key_dim).permute(0, 2, 3, 1, 4)
         q_features = features[:, :, :group].reshape(batch, heads * group, length, key_dim)
         written = written.view(batch, length, heads, -1).transpose(1, 2)  # (B, Hs, T, Dv)
-        return q_features, features[:, :, group], written, inputs[:, length:]
+        # the new tail a copy: a view would keep this call's whole input buffer alive in the state
+        return q_features, features[:, :, group], written, inputs[:, length:].clone()
 
     def window_memory_parts(
         self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None, *, scaling=None
