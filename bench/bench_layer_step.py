@@ -6,11 +6,15 @@ forward on one token's q, k, v with a cache layer holding the state (from a real
 B=1, H=9 query heads, Hkv=3 key/value heads, head size 64, F=64 features, float32, one thread.
 The machine may be busy: each timing is the median over ``--rounds`` rounds of ``--steps`` steps.
 
+``--prefill N`` times one uncached prefill of N tokens instead (the chunked form, no autograd, as
+``generate()``'s prefill and evaluation run it): microseconds and aten operators per prefill.
+
 ``--against SRC`` compares with another checkout's ``src`` folder (e.g. an exported older commit): the two
 run in alternating subprocesses, ``--runs`` times each, and the table gives the medians of both.
 
     python bench/bench_layer_step.py
     python bench/bench_layer_step.py --cells "gla+window,gated_delta+window" --against /tmp/before/src
+    python bench/bench_layer_step.py --cells "gated_delta conv8" --prefill 16384 --threads 2 --rounds 3
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ CELLS = {
     "linear+window": dict(kind="hybrid", cell="linear", feature_map="hedgehog", sinks=0),
     "gla": dict(kind="linear", cell="gla", feature_map="hedgehog"),
     "window": dict(kind="hybrid", cell="window", feature_map="hedgehog", sinks=0),
+    # the gated-delta-linear recipe's cell: no window, projection keys, an 8-token short convolution
+    "gated_delta conv8": dict(
+        kind="linear", cell="gated_delta", feature_map="projection", options={"short_conv": 8}
+    ),
 }
 DEFAULT_CELLS = ("gla+window", "gated_delta+window", "linear+window", "gla")
 
@@ -63,7 +71,8 @@ def build_layer(name: str, args):
 
 
 def measure(name: str, args) -> dict:
-    """Median microseconds per step and aten operators per step of one cell's layer."""
+    """Median microseconds per step (per prefill with ``--prefill``) and aten operators per step (prefill)
+    of one cell's layer."""
     from dofla.cache import RecurrentCacheLayer
 
     student = build_layer(name, args)
@@ -71,6 +80,24 @@ def measure(name: str, args) -> dict:
 
     def draw(heads: int, length: int) -> torch.Tensor:
         return torch.randn(1, heads, length, args.head_dim, generator=generator)
+
+    if args.prefill:
+        inputs = (
+            draw(args.heads, args.prefill),
+            draw(args.kv_heads, args.prefill),
+            draw(args.kv_heads, args.prefill),
+        )
+        with torch.no_grad():
+            student(*inputs)  # warm-up
+            times = []
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                student(*inputs)
+                times.append(time.perf_counter() - start)
+            with profile(activities=[ProfilerActivity.CPU]) as profiler:
+                student(*inputs)
+        calls = sum(event.count for event in profiler.key_averages() if event.key.startswith("aten::"))
+        return dict(cell=name, us=statistics.median(times) * 1e6, ops=calls)
 
     layer = RecurrentCacheLayer()
     steps = [(draw(args.heads, 1), draw(args.kv_heads, 1), draw(args.kv_heads, 1)) for _ in range(args.steps)]
@@ -121,8 +148,8 @@ def compare(args, argv: list[str]) -> str:
                 results[side].setdefault(row["cell"], []).append(row)
     lines = [
         f"machine: {platform.machine()}, torch {torch.__version__}, float32",
-        f"per-layer decode step, B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
-        f"F={args.feature_dim}, window {args.window}, after {args.fill} tokens, {args.threads} thread(s), "
+        f"per-layer {_what(args)}, B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
+        f"F={args.feature_dim}, window {args.window}, {args.threads} thread(s), "
         f"median of {args.runs} alternating runs",
         "",
         "| cell | before µs | after µs | speed-up | before ops | after ops |",
@@ -136,6 +163,11 @@ def compare(args, argv: list[str]) -> str:
             f"| {name} | {before:.0f} | {after:.0f} | {before / after:.2f}x | {ops[0]:.0f} | {ops[1]:.0f} |"
         )
     return "\n".join(lines)
+
+
+def _what(args) -> str:
+    """What a row times, for the tables' headers."""
+    return f"prefill of {args.prefill} tokens" if args.prefill else f"decode step after {args.fill} tokens"
 
 
 def _is_against(argv: list[str], index: int) -> bool:
@@ -156,6 +188,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--fill", type=int, default=256, help="prefill tokens before the timed steps")
     parser.add_argument("--steps", type=int, default=200, help="steps per round")
+    parser.add_argument("--prefill", type=int, default=0, help="time a prefill of this many tokens instead")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--against", default=None, help="another checkout's src folder to compare with")
@@ -176,10 +209,11 @@ def main(argv=None) -> int:
     print(f"command: {' '.join(['bench_layer_step.py', *argv])}")
     print(f"machine: {platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), float32\n")
     print(
-        f"per-layer decode step, B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
-        f"F={args.feature_dim}, window {args.window}, after {args.fill} tokens, median of {args.rounds} rounds\n"
+        f"per-layer {_what(args)}, B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
+        f"F={args.feature_dim}, window {args.window}, median of {args.rounds} rounds\n"
     )
-    print("| cell | µs per step | aten ops per step |\n|---|---:|---:|")
+    unit = "prefill" if args.prefill else "step"
+    print(f"| cell | µs per {unit} | aten ops per {unit} |\n|---|---:|---:|")
     for row in rows:
         print(f"| {row['cell']} | {row['us']:.1f} | {row['ops']:.0f} |")
     return 0

@@ -864,6 +864,10 @@ def test_layer_step_bench_prints_every_cell_alone_and_against_a_checkout(capsys,
     assert sides == ["/elsewhere/src", str(bench.SOURCE)]
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| g")]
     assert len(rows) == 2 and all(line.count("|") == 7 for line in rows)
+    prefill = [*tiny[:-1], "gated_delta conv8", "--prefill", "10"]
+    assert bench.main(prefill) == 0
+    printed = capsys.readouterr().out
+    assert "prefill of 10 tokens" in printed and "| gated_delta conv8 |" in printed
 
 
 def test_bench_speed_repeats_take_each_rows_median_sample_and_print_the_spread(tmp_path, capsys, monkeypatch):
