@@ -222,21 +222,28 @@ def chunked_gated_delta_rule(
     keys_to_end = keys * (log_gamma[..., -1:] - log_gamma).exp()[..., None]  # (B, Hk, N, C, K)
     chunk_decay = log_gamma[..., -1].exp()[..., None, None]  # (B, Hk, N, 1, 1)
     # per-chunk views by unbind, not by indexing: one backward node per tensor instead of one per chunk,
-    # each of which would write a zero tensor of the full size (quadratic in the number of chunks)
+    # each of which would write a zero tensor of the full size (quadratic in the number of chunks); the
+    # batch and heads merged into one dimension, so each product of the loop is one bmm / baddbmm (a 4-D
+    # matmul is several operators, and at long prefills the loop's operators cost more than their work)
+    def per_chunk(tensor: Tensor) -> tuple[Tensor, ...]:  # (B, Hk, N, ...) -> N x (B * Hk, ...)
+        return tensor.flatten(0, 1).unbind(1)
+
     chunks = zip(
-        u_from_values.unbind(2),
-        w.unbind(2),
-        decayed_queries.unbind(2),
-        scores.unbind(2),
-        chunk_decay.unbind(2),
-        keys_to_end.unbind(2),
+        per_chunk(u_from_values),
+        per_chunk(w),
+        per_chunk(decayed_queries),
+        per_chunk(scores),
+        per_chunk(chunk_decay),
+        per_chunk(keys_to_end.transpose(-1, -2)),
         strict=True,
     )
+    state = memory.reshape(batch * num_kv_heads, key_dim, value_dim)
     outputs = []
     for chunk_u, chunk_w, chunk_queries, chunk_scores, decay, chunk_keys_to_end in chunks:
-        u = chunk_u - chunk_w @ memory  # (B, Hk, C, Dv)
-        outputs.append(chunk_queries @ memory + chunk_scores @ u)  # (B, Hk, G * C, Dv)
-        memory = decay * memory + chunk_keys_to_end.transpose(-1, -2) @ u
-    out = split_group(torch.stack(outputs, dim=2)).transpose(2, 3)  # (B, Hk, G, N, C, Dv)
+        u = torch.baddbmm(chunk_u, chunk_w, state, alpha=-1)  # U' - W S_0 (B * Hk, C, Dv)
+        outputs.append(torch.baddbmm(torch.bmm(chunk_scores, u), chunk_queries, state))  # (B * Hk, G * C, Dv)
+        state = torch.baddbmm(decay * state, chunk_keys_to_end, u)
+    memory = state.view(batch, num_kv_heads, key_dim, value_dim)
+    out = split_group(torch.stack(outputs, dim=1).unflatten(0, (batch, num_kv_heads))).transpose(2, 3)
     out = out.reshape(batch, num_heads, num_chunks * size, value_dim)[:, :, :length].to(v.dtype)
     return (out, DeltaState(memory, previous_tokens + length)) if return_state else out
