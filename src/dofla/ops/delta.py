@@ -221,6 +221,7 @@ def chunked_gated_delta_rule(
     decayed_queries = (split_group(queries) * log_gamma.exp()[:, :, :, None, :, None]).flatten(3, 4)
     keys_to_end = keys * (log_gamma[..., -1:] - log_gamma).exp()[..., None]  # (B, Hk, N, C, K)
     chunk_decay = log_gamma[..., -1].exp()[..., None, None]  # (B, Hk, N, 1, 1)
+
     # per-chunk views by unbind, not by indexing: one backward node per tensor instead of one per chunk,
     # each of which would write a zero tensor of the full size (quadratic in the number of chunks); the
     # batch and heads merged into one dimension, so each product of the loop is one bmm / baddbmm (a 4-D
