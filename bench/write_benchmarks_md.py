@@ -91,6 +91,14 @@ SECTIONS = [
         "(docs/results/speed/README.md, ninth pass).",
     ),
     (
+        "The pure-linear gated-delta-linear recipe's cell: prefill at 16k 4.06x, batched decode at 16k 24x (CPU, medians of 2 rounds)",
+        "bench/results/speed_linear_recipe_s30.md",
+        "The `gated-delta-linear` recipe's cell (no window, projection keys, short convolution 8) after the tenth "
+        "pass (docs/results/speed/README.md: its short convolution blocked and written once, the chunked delta "
+        "loop on bmm / baddbmm); the `no attention` row is the ceiling of any student's prefill. One layer's "
+        "16k prefill before and after the pass: `bench/results/layer_prefill_16k_s30.md` (1.67x).",
+    ),
+    (
         "Whole-model generation on one H100, Llama-1B shape (random weights, bf16)",
         "bench/results/gpu_generation_llama1b.md",
         "Pure-PyTorch chunked/recurrent forms (no custom kernels).",
