@@ -140,6 +140,19 @@ def check_state(path: Path, state: dict, keys: tuple[str, ...]) -> None:
 
 # what a stage's checkpoint keeps of its NonFinitePolicy (dofla.distill.nonfinite)
 _POLICY_FIELDS = ("lr_scale", "bad_in_a_row", "skipped")
+# what every stage's state.json holds (save_training_state); a stage may add its own keys
+_STAGE_STATE_KEYS = ("fingerprint", "step", *_POLICY_FIELDS, "history")
+
+
+def write_log(path: Path, records: list[dict]) -> None:
+    """A stage's JSONL log holding ``records`` (one line each; none: an empty log), written atomically."""
+    write_text_atomic(path, "".join(to_json(record) + "\n" for record in records))
+
+
+def append_log(path: Path, record: dict) -> None:
+    """One more line of a stage's JSONL log."""
+    with open(path, "a") as stream:
+        stream.write(to_json(record) + "\n")
 
 
 def settings_digest(settings: dict, plan) -> Any:
@@ -182,17 +195,18 @@ def restore_training_state(
     optimizer: torch.optim.Optimizer,
     policy,
     *,
-    keys: tuple[str, ...],
+    extra_keys: tuple[str, ...] = (),
     fingerprint: str | None,
     foreign: str,
     damaged: str,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Load the checkpoint folder ``latest`` into a stage's trained ``parameters``, its optimizer, the torch
-    RNG and the policy's counters, after checking it: its state has ``keys``, its fingerprint is
+    RNG and the policy's counters, after checking it: its state has every stage's keys and ``extra_keys``
+    (the stage's own), its fingerprint is
     ``fingerprint`` (else DoflaError ``foreign``), it holds every parameter (else a sentence ending with
     ``damaged``, what to do). Returns (tensors, state) for what else the stage keeps."""
     tensors, optimizer_state, state = load_checkpoint(latest)
-    check_state(latest, state, keys)
+    check_state(latest, state, (*_STAGE_STATE_KEYS, *extra_keys))
     if state["fingerprint"] != fingerprint:
         raise DoflaError(foreign)
     missing = [f"param/{name}" for name in parameters if f"param/{name}" not in tensors]

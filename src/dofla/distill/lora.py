@@ -24,21 +24,21 @@ from torch import nn
 
 from dofla import dispatch
 from dofla.distill.checkpoint import (
+    append_log,
     latest_checkpoint,
     restore_training_state,
     save_training_state,
     settings_digest,
+    write_log,
 )
 from dofla.distill.losses import direct_loss
 from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
 from dofla.distill.teacher_forcing import autocast_for
 from dofla.distill.trainer import CHECKPOINT_FOLDER, LOG_FILE, batch_indices, learning_rate_factor
 from dofla.errors import DoflaError
-from dofla.io import to_json, write_text_atomic
 
 # settings that change neither the updates nor their order: a resumed stage may set them otherwise
 _NOT_IN_FINGERPRINT = ("progress", "tokens_per_forward", "checkpoint_every")
-_STATE_KEYS = ("fingerprint", "step", "lr_scale", "bad_in_a_row", "skipped", "history")
 
 
 @dataclass
@@ -268,7 +268,7 @@ class _StageFiles:
         """A new stage: an empty log."""
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(self.run_dir / LOG_FILE, "")
+            write_log(self.run_dir / LOG_FILE, [])
 
     def resume(self, named_trainable, optimizer, policy) -> tuple[int, list[dict]] | None:
         """Load the newest checkpoint into the trainable parameters, optimizer and policy: (its step, the
@@ -281,7 +281,6 @@ class _StageFiles:
             dict(named_trainable),
             optimizer,
             policy,
-            keys=_STATE_KEYS,
             fingerprint=self.fingerprint,
             foreign=f"the LoRA checkpoint in {self.checkpoints} belongs to other LoRA settings, students or "
             f"data; use the interrupted run's settings, or remove {self.run_dir} to run the LoRA stage again "
@@ -289,13 +288,12 @@ class _StageFiles:
             damaged=f"remove {self.run_dir} to run the LoRA stage again.",
         )
         history = list(state["history"])
-        write_text_atomic(self.run_dir / LOG_FILE, "".join(to_json(record) + "\n" for record in history))
+        write_log(self.run_dir / LOG_FILE, history)
         return int(state["step"]), history
 
     def log(self, record: dict) -> None:
         if self.run_dir is not None:
-            with open(self.run_dir / LOG_FILE, "a") as stream:
-                stream.write(to_json(record) + "\n")
+            append_log(self.run_dir / LOG_FILE, record)
 
     def save(self, step: int, named_trainable, optimizer, policy, history: list[dict]) -> None:
         """A checkpoint of step ``step``; none while a parameter is not finite (the previous one stays)."""

@@ -31,10 +31,12 @@ from torch import nn
 from dofla import dispatch
 from dofla.distill import distributed
 from dofla.distill.checkpoint import (
+    append_log,
     latest_checkpoint,
     restore_training_state,
     save_training_state,
     settings_digest,
+    write_log,
 )
 from dofla.distill.curriculum import LengthStage, check_length_schedule, length_stages, stage_at, tokens_after
 from dofla.distill.hidden_store import TeacherStates, open_teacher_states
@@ -53,17 +55,6 @@ from dofla.outputs import remove_known_files
 CONFIG_FILE = "distill_config.json"
 LOG_FILE = "log.jsonl"
 CHECKPOINT_FOLDER = "checkpoints"
-# What a checkpoint's state.json holds (see ``save`` in :func:`distill`).
-_STATE_KEYS = (
-    "fingerprint",
-    "step",
-    "lr_scale",
-    "bad_in_a_row",
-    "skipped",
-    "history",
-    "best_val",
-    "evals_since_best",
-)
 # Fields that do not change the result, so a resumed run may differ in them.
 _NOT_IN_FINGERPRINT = ("progress", "checkpoint_every")
 
@@ -396,7 +387,7 @@ def distill(
             trainable,
             optimizer,
             policy,
-            keys=_STATE_KEYS,
+            extra_keys=("best_val", "evals_since_best"),
             fingerprint=fingerprint,
             foreign=f"the checkpoint in {checkpoints} belongs to a different run (other settings, plan or data); "
             "use the same command as the interrupted run, or another --out to start a new one.",
@@ -408,7 +399,7 @@ def distill(
         evals_since_best = state["evals_since_best"]
     if run_dir is not None and writes:
         write_text_atomic(run_dir / CONFIG_FILE, to_json(asdict(config), indent=2) + "\n")
-        write_text_atomic(run_dir / LOG_FILE, "".join(to_json(record) + "\n" for record in history))
+        write_log(run_dir / LOG_FILE, history)
 
     def save(at_step: int) -> None:
         if checkpoints is None or not writes:
@@ -433,8 +424,7 @@ def distill(
     def log(record: dict) -> None:
         history.append(record)
         if run_dir is not None and writes:
-            with open(run_dir / LOG_FILE, "a") as stream:
-                stream.write(to_json(record) + "\n")
+            append_log(run_dir / LOG_FILE, record)
 
     from tqdm import tqdm
 

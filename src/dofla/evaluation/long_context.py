@@ -43,7 +43,6 @@ from dofla.evaluation.window_baseline import (
     window_restricted,
 )
 
-DEFAULT_WINDOW = REFERENCE_WINDOW
 DEFAULT_SINKS = (0, 4)
 CURVE_POINTS = 32  # log-spaced position bins of the loss-by-position curve
 NON_FINITE_NOTE = (
@@ -232,7 +231,7 @@ def long_context_quality(
     student: torch.nn.Module | None,
     sequences_by_length: Mapping[int, torch.Tensor],
     *,
-    window: int = DEFAULT_WINDOW,
+    window: int = REFERENCE_WINDOW,
     sinks: Sequence[int] = DEFAULT_SINKS,
     buckets: Mapping[int, Sequence[tuple[int, int]]] | None = None,
     batch_size: int = 4,
