@@ -70,8 +70,8 @@ RECIPES.add("gated-delta-3softmax", GATED_DELTA_3SOFTMAX)
 # pure linear (no window, no sinks: no softmax anywhere, a state of constant size): the gated delta rule over
 # learned keys with an 8-token short convolution over its inputs, trained at 1,024 tokens, then LoRA that
 # trains the converted layers too; the best pure-linear student measured: 3.28x the teacher's perplexity at
-# 1,024 tokens after 0.15M + 0.06M tokens, 2.17x after 0.6M + 0.12M (docs/results/long_context/, "The
-# `gated-delta-linear` recipe")
+# 1,024 tokens after 0.15M + 0.06M tokens, 2.17x after 0.6M + 0.12M, 1.83x after 1.2M + 0.12M
+# (docs/results/long_context/, "The `gated-delta-linear` recipe" and "Eight times the attention transfer")
 RECIPES.add(
     "gated-delta-linear",
     dict(
