@@ -70,6 +70,24 @@ def build_layer(name: str, args):
     return student
 
 
+def timed(run, rounds: int, reset=lambda: None) -> tuple[float, int]:
+    """``run`` once to warm up, then ``rounds`` times (each after ``reset``): the median seconds of a round
+    and the aten operators of one more profiled round, without autograd."""
+    with torch.no_grad():
+        run()  # warm-up
+        times = []
+        for _ in range(rounds):
+            reset()
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        reset()
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            run()
+    calls = sum(event.count for event in profiler.key_averages() if event.key.startswith("aten::"))
+    return statistics.median(times), calls
+
+
 def measure(name: str, args) -> dict:
     """Median microseconds per step (per prefill with ``--prefill``) and aten operators per step (prefill)
     of one cell's layer."""
@@ -87,17 +105,8 @@ def measure(name: str, args) -> dict:
             draw(args.kv_heads, args.prefill),
             draw(args.kv_heads, args.prefill),
         )
-        with torch.no_grad():
-            student(*inputs)  # warm-up
-            times = []
-            for _ in range(args.rounds):
-                start = time.perf_counter()
-                student(*inputs)
-                times.append(time.perf_counter() - start)
-            with profile(activities=[ProfilerActivity.CPU]) as profiler:
-                student(*inputs)
-        calls = sum(event.count for event in profiler.key_averages() if event.key.startswith("aten::"))
-        return dict(cell=name, us=statistics.median(times) * 1e6, ops=calls)
+        seconds, calls = timed(lambda: student(*inputs), args.rounds)
+        return dict(cell=name, us=seconds * 1e6, ops=calls)
 
     layer = RecurrentCacheLayer()
     steps = [(draw(args.heads, 1), draw(args.kv_heads, 1), draw(args.kv_heads, 1)) for _ in range(args.steps)]
@@ -110,19 +119,13 @@ def measure(name: str, args) -> dict:
     with torch.no_grad():
         student.pending_cache_layer = layer
         student(draw(args.heads, args.fill), draw(args.kv_heads, args.fill), draw(args.kv_heads, args.fill))
-        prefilled = layer.state
-        run_steps()  # warm-up
-        times = []
-        for _ in range(args.rounds):
-            layer.state = prefilled
-            start = time.perf_counter()
-            run_steps()
-            times.append((time.perf_counter() - start) / args.steps)
+    prefilled = layer.state
+
+    def reset() -> None:
         layer.state = prefilled
-        with profile(activities=[ProfilerActivity.CPU]) as profiler:
-            run_steps()
-    calls = sum(event.count for event in profiler.key_averages() if event.key.startswith("aten::"))
-    return dict(cell=name, us=statistics.median(times) * 1e6, ops=calls / args.steps)
+
+    seconds, calls = timed(run_steps, args.rounds, reset)
+    return dict(cell=name, us=seconds / args.steps * 1e6, ops=calls / args.steps)
 
 
 def run_here(args) -> list[dict]:
