@@ -21,7 +21,7 @@ import sys
 import time
 
 import torch
-from bench_generation import SHAPES  # this folder is on the path when the script runs
+from bench_generation import SHAPES, recipe_plan_options  # this folder is on the path when the script runs
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dofla import dispatch
@@ -51,22 +51,6 @@ def build_teacher(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(args.device).eval()
     return model, "random weights, SmolLM2-135M shape"
-
-
-def recipe_plan_options(args: argparse.Namespace) -> dict:
-    """With ``--recipe``: its plan's kind, cell, window, sinks and cell options for ``plan_for`` (and its
-    feature map, budget and loss into ``args``); without, {} (a linear plan)."""
-    if args.recipe is None:
-        return {}
-    recipe = RECIPES[args.recipe]
-    plan, student = recipe.get("plan", {}), recipe.get("student", {})
-    args.feature_map = student.get("feature_map", args.feature_map)
-    args.feature_dim = plan.get("budget", args.feature_dim)
-    args.loss = recipe.get("distill", {}).get("loss", args.loss)
-    options = dict(kind=plan.get("kind", "linear"), cell=student.get("cell", "linear"))
-    options.update({key: plan[key] for key in ("window", "sinks") if key in plan})
-    options["options"] = dict(student.get("cell_options", {}))
-    return options
 
 
 def interleaved_seconds(functions: dict, repeats: int, device: torch.device) -> dict[str, float]:
@@ -115,6 +99,8 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write the row to this JSON file")
     args = parser.parse_args()
     plan_options = recipe_plan_options(args)
+    if args.recipe is not None:
+        args.loss = RECIPES[args.recipe].get("distill", {}).get("loss", args.loss)
     device = torch.device(args.device)
 
     teacher, source = build_teacher(args)

@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dofla.convert import convert, plan_for
 from dofla.evaluation.speed import measure_generation
+from dofla.recipes import RECIPES
 
 LLAMA_SIZES = (
     "hidden_size",
@@ -42,6 +43,21 @@ SHAPES = {
     "smollm2-135m": llama_shape(576, 1536, 30, 9, 3, 49152),
     "llama-1b": llama_shape(2048, 8192, 16, 32, 8, 128256),
 }
+
+
+def recipe_plan_options(args: argparse.Namespace) -> dict:
+    """With ``--recipe``: its plan's kind, cell, window, sinks and cell options for ``plan_for`` (and its
+    feature map and budget into ``args``); without, {} (the flags' plan)."""
+    if args.recipe is None:
+        return {}
+    recipe = RECIPES[args.recipe]
+    plan, student = recipe.get("plan", {}), recipe.get("student", {})
+    args.feature_map = student.get("feature_map", args.feature_map)
+    args.feature_dim = plan.get("budget", args.feature_dim)
+    options = dict(kind=plan.get("kind", "linear"), cell=student.get("cell", "linear"))
+    options.update({key: plan[key] for key in ("window", "sinks") if key in plan})
+    options["options"] = dict(student.get("cell_options", {}))
+    return options
 
 
 def build_teacher(args: argparse.Namespace) -> torch.nn.Module:
@@ -68,10 +84,17 @@ def main() -> int:
     parser.add_argument("--feature-map", default="learnable_prf")
     parser.add_argument("--feature-dim", type=int, default=64)
     parser.add_argument("--kind", default="linear", choices=("linear", "hybrid"))
+    parser.add_argument(
+        "--recipe",
+        default=None,
+        choices=sorted(RECIPES),
+        help="a recipe's students (its kind, cell, feature map, budget, window, sinks and cell options)",
+    )
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
     contexts = [int(c) for c in args.contexts.split(",")]
+    plan_options = recipe_plan_options(args) or dict(kind=args.kind)
 
     model = build_teacher(args)
     measure = dict(context_lengths=contexts, batch_size=args.batch_size, new_tokens=args.new_tokens)
@@ -79,7 +102,7 @@ def main() -> int:
         model, context_lengths=contexts[:1], batch_size=args.batch_size, new_tokens=2
     )  # warm-up
     teacher_rows = measure_generation(model, **measure)
-    plan = plan_for(model, kind=args.kind, feature_map=args.feature_map, feature_dim=args.feature_dim)
+    plan = plan_for(model, feature_map=args.feature_map, feature_dim=args.feature_dim, **plan_options)
     convert(model, plan)
     model.to(device=args.device, dtype=getattr(torch, args.dtype))
     measure_generation(
@@ -93,8 +116,10 @@ def main() -> int:
         f"torch {torch.__version__}, threads {torch.get_num_threads()}"
     )
     print(
-        f"model: {args.shape or 'smollm2-135m (embedded weights)'}; student: {args.kind}, {args.feature_map}, "
-        f"F={args.feature_dim} in every layer; batch {args.batch_size}, {args.new_tokens} decoded tokens\n"
+        f"model: {args.shape or 'smollm2-135m (embedded weights)'}; student: "
+        + (f"recipe {args.recipe} {plan_options}, " if args.recipe else f"{args.kind}, ")
+        + f"{args.feature_map}, F={args.feature_dim} in every layer; batch {args.batch_size}, "
+        f"{args.new_tokens} decoded tokens\n"
     )
     print(
         "| context | prefill tok/s teacher | student | ratio | decode tok/s teacher | student | ratio "

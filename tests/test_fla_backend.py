@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,6 +41,11 @@ HAS_GPU_AND_FLA = torch.cuda.is_available() and importlib.util.find_spec("fla") 
 gpu = pytest.mark.skipif(
     not HAS_GPU_AND_FLA, reason="needs a CUDA GPU and fla-core (pip install -c constraints.txt -e '.[fla]')"
 )
+
+
+def fla_differentiates() -> bool:
+    """Whether fla's gated kernels have a backward on this GPU (fla_backend.backward_problem)."""
+    return fla_backend.backward_problem(0) is None
 
 
 # ------------------------------------------------------------------ stand-ins: fla's kernels as recurrences
@@ -261,8 +267,13 @@ class DeltaCase:
         return [*results, state.kv], [state.num_tokens]
 
 
-def values_and_gradients(case, kernel):
-    """The case's differentiable results, exact bookkeeping and gradients of a fixed random weighting."""
+def values_and_gradients(case, kernel, differentiate=True):
+    """The case's differentiable results, exact bookkeeping and gradients of a fixed random weighting (no
+    gradients, [], with ``differentiate=False``)."""
+    if not differentiate:
+        with torch.no_grad():
+            tensors, exact = case.run(kernel)
+        return [tensor.detach() for tensor in tensors], exact, []
     tensors, exact = case.run(kernel)
     generator = torch.Generator().manual_seed(1)
     loss = sum(
@@ -327,6 +338,40 @@ def test_the_switch_keeps_cpu_float64_and_disabled_runs_on_pytorch(monkeypatch):
     assert not fla_backend.enabled()
 
 
+@pytest.mark.parametrize(
+    "capability, triton_version, has_tilelang, refused",
+    [
+        ((9, 0), "3.6.0", False, True),  # Hopper, a Triton fla refuses to differentiate on
+        ((9, 0), "3.4.0", False, True),
+        ((9, 0), "3.7.0+git5a1b", False, True),
+        ((9, 0), "3.7.1", False, False),
+        ((9, 0), "3.3.1", False, False),
+        ((9, 0), "3.6.0", True, False),  # tilelang takes fla's gated backward there
+        ((8, 0), "3.6.0", False, False),  # not Hopper
+        ((10, 0), "3.6.0", False, False),
+    ],
+)
+def test_the_gated_backward_rule_follows_fla(capability, triton_version, has_tilelang, refused):
+    problem = fla_backend.gated_backward_problem(capability, triton_version, has_tilelang)
+    assert (problem is not None) == refused
+    if refused:
+        assert triton_version in problem and "tilelang" in problem
+
+
+def test_without_a_usable_backward_only_no_grad_work_goes_to_the_kernels(monkeypatch):
+    """Where fla cannot differentiate its gated kernels, ops recording gradients stay on PyTorch and no-grad
+    ops (prefill, evaluation) still use the kernels; with a usable backward both do."""
+    on_gpu = SimpleNamespace(is_cuda=True, dtype=torch.float32, device=SimpleNamespace(index=0))
+    monkeypatch.setattr(fla_backend, "fla_kernels", lambda: (stand_in_simple_gla, stand_in_gated_delta_rule))
+    for problem, with_grad in ((None, True), ("no backward", False)):
+        monkeypatch.setattr(fla_backend, "backward_problem", lambda index, problem=problem: problem)
+        assert fla_backend.available(on_gpu) is with_grad
+        assert (fla_backend.gated_delta_kernel(on_gpu, 64) is not None) is with_grad
+        with torch.no_grad():
+            assert fla_backend.available(on_gpu)
+            assert fla_backend.simple_gla_kernel(on_gpu) is stand_in_simple_gla
+
+
 def test_an_fla_that_does_not_import_is_an_error_naming_the_fix(monkeypatch):
     monkeypatch.setattr(fla_backend.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", None)  # importing it raises ImportError
@@ -367,9 +412,10 @@ def make_cell(cell, kind, feature_map, share, device="cpu", dtype=torch.float64,
     return student.to(device=device, dtype=dtype)
 
 
-def prefill_then_decode(student, length=11, decoded=2, device="cpu", dtype=torch.float64):
+def prefill_then_decode(student, length=11, decoded=2, device="cpu", dtype=torch.float64, gradients=True):
     """A prefill of ``length`` tokens (chunked form) and ``decoded`` single tokens (recurrent form) through a
-    cache; returns the outputs (B, T, H, D) and the gradients of the inputs and parameters."""
+    cache; returns the outputs (B, T, H, D) and the gradients of the inputs and parameters (None without
+    ``gradients``)."""
     head_dim = student.head_dim
     generator = torch.Generator().manual_seed(2)
     q, k, v = (
@@ -383,6 +429,8 @@ def prefill_then_decode(student, length=11, decoded=2, device="cpu", dtype=torch
         student.pending_cache_layer = cache
         outputs.append(student(q[:, :, part], k[:, :, part], v[:, :, part]))
     output = torch.cat(outputs, dim=1)
+    if not gradients:
+        return output.detach(), None
     weights = torch.linspace(-1, 1, output.numel(), dtype=torch.float64, device=device).view_as(output)
     inputs = [q, k, v, *student.trainable_parameters()]
     return output.detach(), torch.autograd.grad((output.double() * weights).sum(), inputs)
@@ -443,21 +491,29 @@ def test_stand_ins_follow_fla_kernels(which):
         inputs["beta"] = torch.sigmoid(draw(batch, length, heads))
     fla_kernel = fla_backend.fla_kernels()[0 if which == "simple_gla" else 1]
     stand_in = stand_in_simple_gla if which == "simple_gla" else stand_in_gated_delta_rule
+    differentiate = fla_differentiates()  # else forward only: fla refuses its gated backward on this GPU
     results = {}
     for name, kernel, dtype in (("fla", fla_kernel, torch.float32), ("stand_in", stand_in, torch.float64)):
-        tensors = {key: value.to("cuda", dtype).requires_grad_() for key, value in inputs.items()}
+        tensors = {
+            key: value.to("cuda", dtype).requires_grad_(differentiate) for key, value in inputs.items()
+        }
         out, final = kernel(**tensors, scale=1.0, output_final_state=True)
-        weight_generator = torch.Generator().manual_seed(1)
-        loss = sum(
-            (x.double() * torch.randn(x.shape, generator=weight_generator, dtype=torch.float64).cuda()).sum()
-            for x in (out, final)
-        )
-        gradients = torch.autograd.grad(loss, list(tensors.values()))
+        gradients = []
+        if differentiate:
+            weight_generator = torch.Generator().manual_seed(1)
+            loss = sum(
+                (
+                    x.double() * torch.randn(x.shape, generator=weight_generator, dtype=torch.float64).cuda()
+                ).sum()
+                for x in (out, final)
+            )
+            gradients = torch.autograd.grad(loss, list(tensors.values()))
         results[name] = (out.detach(), final.detach(), gradients)
     for actual, reference in zip(results["fla"][:2], results["stand_in"][:2], strict=True):
         assert relative_error(actual, reference) < 1e-2
-    for name, actual, reference in zip(inputs, results["fla"][2], results["stand_in"][2], strict=True):
-        assert relative_error(actual, reference) < 2e-2, f"gradient of {name}"
+    if differentiate:
+        for name, actual, reference in zip(inputs, results["fla"][2], results["stand_in"][2], strict=True):
+            assert relative_error(actual, reference) < 2e-2, f"gradient of {name}"
 
 
 GPU_CASES = {
@@ -475,12 +531,14 @@ GPU_CASES = {
 @pytest.mark.parametrize("name", GPU_CASES)
 def test_ops_on_fla_kernels_match_the_pytorch_ops_on_gpu(name, dtype, tolerance):
     """Forward and backward of the chunked ops on fla's kernels against the PyTorch ops in float64 on the
-    same (rounded) inputs; float32 differs by TF32 products, bfloat16 by its rounding of the results."""
+    same (rounded) inputs; float32 differs by TF32 products, bfloat16 by its rounding of the results. Forward
+    only where fla has no gated backward on this GPU."""
     case, reference_case = GPU_CASES[name](dtype), GPU_CASES[name](dtype)
     reference_case.inputs = {name: x.detach().double().requires_grad_() for name, x in case.inputs.items()}
     kernel = fla_backend.fla_kernels()[1 if name == "gated" else 0]
-    got, got_exact, gradients = values_and_gradients(case, kernel)
-    expected, expected_exact, expected_gradients = values_and_gradients(reference_case, None)
+    differentiate = fla_differentiates()  # else forward only: fla refuses its gated backward on this GPU
+    got, got_exact, gradients = values_and_gradients(case, kernel, differentiate)
+    expected, expected_exact, expected_gradients = values_and_gradients(reference_case, None, differentiate)
     for actual, reference in zip(got, expected, strict=True):
         assert relative_error(actual, reference) < tolerance
     for actual, reference in zip(got_exact, expected_exact, strict=True):
@@ -497,7 +555,9 @@ def test_ops_on_fla_kernels_match_the_pytorch_ops_on_gpu(name, dtype, tolerance)
 @pytest.mark.parametrize("cell, kind, feature_map, share", CELL_CASES)
 def test_cells_dispatch_to_fla_on_gpu(monkeypatch, cell, kind, feature_map, share):
     """On CUDA float32 the cells' prefill runs on fla's kernel (counted), with the outputs and gradients of
-    the PyTorch path (``DOFLA_FLA=0``) to TF32 accuracy; decoding continues from the kernel's state."""
+    the PyTorch path (``DOFLA_FLA=0``) to TF32 accuracy; decoding continues from the kernel's state. Where fla
+    has no gated backward on this GPU, the prefill recording gradients stays on PyTorch (no kernel call, the
+    same gradients) and a no-grad prefill runs on the kernel."""
     student = make_cell(cell, kind, feature_map, share, "cuda", torch.float32, feature_dim=32, head_dim=32)
     monkeypatch.setenv("DOFLA_FLA", "0")
     expected, expected_gradients = prefill_then_decode(
@@ -509,10 +569,17 @@ def test_cells_dispatch_to_fla_on_gpu(monkeypatch, cell, kind, feature_map, shar
         fla_backend, "fla_kernels", lambda: (counting(simple_gla, calls), counting(gated_delta, calls))
     )
     output, gradients = prefill_then_decode(student, length=150, device="cuda", dtype=torch.float32)
-    assert len(calls) == 1
+    assert len(calls) == (1 if fla_differentiates() else 0)
     assert relative_error(output, expected) < 5e-3
     for actual, reference in zip(gradients, expected_gradients, strict=True):
         assert relative_error(actual, reference, floor=1e-3) < 1e-2
+    calls.clear()
+    with torch.no_grad():
+        output, _ = prefill_then_decode(
+            student, length=150, device="cuda", dtype=torch.float32, gradients=False
+        )
+    assert len(calls) == 1
+    assert relative_error(output, expected) < 5e-3
 
 
 @gpu

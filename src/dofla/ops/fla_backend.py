@@ -11,6 +11,12 @@ prefill) of the cells runs its linear part on fla's kernels:
   call of ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (key dimension at most 256, fla's limit;
   wider keys stay on PyTorch). The window mix stays PyTorch.
 
+Training on Hopper GPUs (compute capability 9) with Triton 3.4.0 up to 3.7.0 and no ``tilelang``: fla refuses
+the backward of its gated kernels there (its issue #640: wrong gradients), so while autograd records
+(``torch.is_grad_enabled()``) the ops stay on PyTorch and only no-grad work (prefill, evaluation, the
+teacher-forced forward without gradients) uses the kernels; a warning says so once. Upgrading Triton to
+3.7.1 or installing ``tilelang`` lifts this.
+
 Everything else (CPU, float64, the naive and recurrent forms, so decoding) is dofla's PyTorch code exactly
 as without this module; decoding stays there because one token's recurrent update takes fewer operators
 than this module's bookkeeping around a kernel call. States come back as dofla's own ``LinearState`` / ``DeltaState``, so a prefill on
@@ -37,9 +43,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
+from packaging.version import Version
 from torch import Tensor
 
 from dofla.errors import DoflaError
@@ -77,9 +85,43 @@ def fla_kernels() -> tuple[SimpleGLAKernel, GatedDeltaKernel] | None:
     return chunk_simple_gla, chunk_gated_delta_rule
 
 
+def gated_backward_problem(
+    capability: tuple[int, int], triton_version: str, has_tilelang: bool
+) -> str | None:
+    """Why fla's gated kernels cannot be differentiated on this setup, or None: fla raises in the backward of
+    its gated kernels on Hopper (capability 9.x) with Triton >= 3.4.0 and < 3.7.1 unless tilelang is there."""
+    if capability[0] != 9 or has_tilelang:
+        return None
+    if Version("3.4.0") <= Version(Version(triton_version).base_version) < Version("3.7.1"):
+        return (
+            f"fla's gated kernels have no backward on Hopper GPUs with Triton {triton_version} (fla needs "
+            "Triton >= 3.7.1 or tilelang there), so training runs dofla's PyTorch ops and only no-grad "
+            "prefill and evaluation use fla's kernels; upgrade Triton or `pip install tilelang` to train on them"
+        )
+    return None
+
+
+@functools.cache
+def backward_problem(device_index: int) -> str | None:
+    """:func:`gated_backward_problem` for CUDA device ``device_index`` (warned once when there is one)."""
+    import triton
+
+    problem = gated_backward_problem(
+        torch.cuda.get_device_capability(device_index),
+        triton.__version__,
+        importlib.util.find_spec("tilelang") is not None,
+    )
+    if problem is not None:
+        warnings.warn(problem, stacklevel=3)
+    return problem
+
+
 def available(tensor: Tensor) -> bool:
-    """Whether ops on ``tensor`` dispatch to fla: a CUDA tensor of a kernel dtype, fla installed, not disabled."""
-    return tensor.is_cuda and tensor.dtype in KERNEL_DTYPES and enabled() and fla_kernels() is not None
+    """Whether ops on ``tensor`` dispatch to fla: a CUDA tensor of a kernel dtype, fla installed, not disabled,
+    and either no gradients recorded or fla's backward usable on this GPU (:func:`backward_problem`)."""
+    if not (tensor.is_cuda and tensor.dtype in KERNEL_DTYPES and enabled() and fla_kernels() is not None):
+        return False
+    return not (torch.is_grad_enabled() and backward_problem(tensor.device.index or 0) is not None)
 
 
 def simple_gla_kernel(tensor: Tensor) -> SimpleGLAKernel | None:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU checks and figures in one go (a lent CUDA machine whose python3 has torch): fla's kernels tested
+# against the PyTorch ops, then the speed rows of BENCHMARKS.md's GPU sections, each step with its own time
+# limit so one slow step leaves the others' results. Logs go to the folder given (default bench/results/gpu).
+#
+#     bash bench/gpu_run.sh OUT_DIR            # dofla's src on PYTHONPATH; fla-core installed beforehand
+set -u -o pipefail
+out=${1:-bench/results/gpu}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+deadline=${DEADLINE:-480}  # seconds for all steps together: a step gets at most what is left
+step() {  # step NAME SECONDS COMMAND...: run, log to OUT/NAME.log, say how it ended
+    local name=$1 seconds=$2
+    shift 2
+    local start=$SECONDS left=$((deadline - SECONDS))
+    if ((left < 20)); then
+        echo "$name: not run (time used up)"
+        return
+    fi
+    ((seconds > left)) && seconds=$left
+    timeout "$seconds" "$@" >"$out/$name.log" 2>&1
+    echo "$name: rc $? in $((SECONDS - start)) s"
+}
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)"
+} >"$out/machine.log" 2>&1
+cat "$out/machine.log"
+# -x --tb=short: a failure's cause is printed when it happens, not in a report a time limit may cut off
+# (Triton compiles each new shape of fla's kernels: the GPU tests take minutes on a fresh machine)
+step fla_tests 200 python3 -m pytest tests/test_fla_backend.py -q -p no:cacheprovider -x --tb=short -k "gpu or fla_kernels"
+gen="python3 bench/bench_generation.py --shape smollm2-135m --device cuda --new-tokens 32"
+step gen_linear_b1 120 $gen --recipe gated-delta-linear --contexts 4096,16384,65536
+step distill_linear 100 python3 bench/bench_distill.py --device cuda --random-weights --recipe gated-delta-linear --batch-size 4 --seq-len 1024
+step gen_linear_b16 120 $gen --recipe gated-delta-linear --contexts 32768 --batch-size 16 --new-tokens 16
+step gen_hybrid_b1 100 $gen --recipe gated-delta --contexts 4096,16384,65536
+tail -n 4 "$out"/*.log
