@@ -49,7 +49,7 @@ def make_inputs(length: int, heads: int, kv_heads: int, dim: int, seed: int = 0)
     }
 
 
-def run_op(op: str, inputs: dict, chunk_size: int, window: int) -> None:
+def run_op(op: str, inputs: dict, chunk_size: int, window: int, sinks: int = 0) -> None:
     if op == "linear":
         chunked_linear_attention(
             inputs["q_features"],
@@ -76,6 +76,7 @@ def run_op(op: str, inputs: dict, chunk_size: int, window: int) -> None:
             inputs["value"],
             scaling=inputs["query"].shape[-1] ** -0.5,
             window=window,
+            sinks=sinks,
             chunk_size=chunk_size,
             return_state=True,
         )
@@ -89,11 +90,11 @@ def sweep(args) -> dict:
             times = {size: [] for size in args.chunks}
             with torch.no_grad():
                 for size in args.chunks:  # warm-up
-                    run_op(op, inputs, size, args.window)
+                    run_op(op, inputs, size, args.window, args.sinks)
                 for _ in range(args.repeats):
                     for size in args.chunks:
                         start = time.perf_counter()
-                        run_op(op, inputs, size, args.window)
+                        run_op(op, inputs, size, args.window, args.sinks)
                         times[size].append(time.perf_counter() - start)
             best = {size: min(values) for size, values in times.items()}
             choice = min(best, key=best.get)
@@ -132,6 +133,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--dim", type=int, default=64, help="head size = feature size")
     parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--sinks", type=int, default=0, help="sink tokens of the window op")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(HERE / "results" / "chunk_sizes.json"))
@@ -152,7 +154,7 @@ def main(argv=None) -> int:
     print(f"command: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads, "
-        f"float32, batch 1, {args.heads}/{args.kv_heads} heads of {args.dim}, window {args.window}; load average "
+        f"float32, batch 1, {args.heads}/{args.kv_heads} heads of {args.dim}, window {args.window}, {args.sinks} sinks; load average "
         f"before: {load}; took {time.time() - started:.0f} s; minimum over {args.repeats} repeats\n"
     )
     print(table(results, args))

@@ -4,6 +4,7 @@ scripts on a tiny model (timings are never asserted: only that every row and out
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -16,8 +17,10 @@ import torch
 from ops_helpers import LINEAR_NAMES, assert_chunked_linear_matches_naive, make_inputs, relative_error
 
 import dofla.ops.chunked as chunked_module
+from dofla import attention
 from dofla.attention import LinearAttention
 from dofla.cache import RecurrentCacheLayer
+from dofla.cells import build_student
 from dofla.config import LayerPlan
 from dofla.ops import chunked_linear_attention, linear_attention
 
@@ -629,7 +632,9 @@ def test_fused_window_log_sum_exp_without_gradients_matches_the_blocked_path(
         assert takes_fused_lse(query, key, value)
 
 
-def test_chunk_size_comes_from_the_measured_table_unless_the_plan_sets_one(tmp_path, capsys, one_thread):
+def test_chunk_size_comes_from_the_measured_table_unless_the_plan_sets_one(
+    tmp_path, capsys, one_thread, monkeypatch
+):
     from dofla.ops.chunked import CHUNK_SIZES, choose_chunk_size
 
     for op, rows in CHUNK_SIZES.items():
@@ -644,10 +649,20 @@ def test_chunk_size_comes_from_the_measured_table_unless_the_plan_sets_one(tmp_p
     assert default.chunk_size_for("linear", 20000) == choose_chunk_size("linear", 20000)
     fixed = LinearAttention(LayerPlan(kind="linear", feature_dim=6, options={"chunk_size": 8}), **shape)
     assert fixed.chunk_size_for("linear", 20000) == 8
+    # the gated delta cell's window op asks for the row of its kind: with sink slots or without
+    asked = []
+    monkeypatch.setattr(attention, "choose_chunk_size", lambda op, length: asked.append(op) or 16)
+    for sinks in (2, 0):
+        plan = LayerPlan(kind="hybrid", cell="gated_delta", feature_map="projection", feature_dim=8, window=4)
+        cell = build_student(dataclasses.replace(plan, sinks=sinks), **shape)
+        with torch.no_grad():
+            cell(*(torch.randn(1, heads, 20, 8) for heads in (4, 2, 2)))
+    assert [op for op in asked if op.startswith("window")] == ["window+sinks", "window"]
 
     sweep = bench_script("sweep_chunk_size")
     out = tmp_path / "chunk_sizes.json"
-    arguments = ["--lengths", "40", "--chunks", "8,16", "--repeats", "1", "--window", "4", "--out", str(out)]
+    arguments = ["--lengths", "40", "--chunks", "8,16", "--repeats", "1", "--window", "4", "--sinks", "2"]
+    arguments += ["--out", str(out)]
     assert sweep.main([*arguments, "--heads", "4", "--kv-heads", "2", "--dim", "8"]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"linear 40", "delta 40", "window 40"}

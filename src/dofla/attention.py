@@ -301,7 +301,7 @@ class LinearAttention(nn.Module):
 
     def chunk_size_for(self, op: str, length: int) -> int:
         """The chunked form's chunk size: the plan's ``chunk_size`` option, else the measured table's for
-        ``op`` ("linear", "delta", "window") at ``length`` tokens."""
+        ``op`` ("linear", "delta", "window", "window+sinks") at ``length`` tokens."""
         return self.chunk_size or choose_chunk_size(op, length)
 
     def take_cache_layer(self):

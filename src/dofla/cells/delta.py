@@ -136,7 +136,7 @@ def _window_part(
         query,
         keys,
         values,
-        chunk_size=cell.chunk_size_for("window", query.shape[2]),
+        chunk_size=cell.chunk_size_for("window+sinks" if cell.sinks else "window", query.shape[2]),
         initial_state=state,
         return_state=True,
         **common,

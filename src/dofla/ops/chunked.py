@@ -40,15 +40,19 @@ SCAN_ABOVE_CHUNKS = 16  # more chunks than this: the states entering them by a s
 # Chunk size per chunked op and prefill length, chosen by a measured sweep (bench/sweep_chunk_size.py,
 # SmolLM2-135M's attention shape, float32, one CPU thread; its table is bench/results/chunk_sizes.md):
 # rows (longest length, chunk size), the last row's size beyond. A plan's ``chunk_size`` option overrides.
+# "window+sinks": the window op with sink slots, which copies each chunk's keys and values beside the sinks
+# (without sinks a chunk's keys are a view), so fewer, larger chunks pay (bench/results/chunk_sizes_sinks.md).
 CHUNK_SIZES: dict[str, tuple[tuple[int, int], ...]] = {
     "linear": ((16384, 32),),
     "delta": ((16384, 32),),
     "window": ((16384, 16),),
+    "window+sinks": ((1024, 32), (16384, 64)),
 }
 
 
 def choose_chunk_size(op: str, length: int) -> int:
-    """The chunk size of ``CHUNK_SIZES`` for ``op`` ("linear", "delta" or "window") at ``length`` tokens."""
+    """The chunk size of ``CHUNK_SIZES`` for ``op`` ("linear", "delta", "window" or "window+sinks") at
+    ``length`` tokens."""
     rows = CHUNK_SIZES[op]
     for longest, size in rows:
         if length <= longest:
