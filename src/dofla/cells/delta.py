@@ -70,11 +70,13 @@ def causal_depthwise_conv(inputs: Tensor, weight: Tensor, length: int) -> Tensor
     """``sum_i weight[i] * inputs[:, i : i + length]``: inputs (B, W - 1 + T, C), weight (W, C) -> (B, T, C).
 
     The same multiply-adds in the same order either way, so the two paths agree bit for bit. With autograd
-    (training) one pass over all tokens per tap, accumulated in place; without it (prefill, evaluation)
-    block by block of ``CONV_BLOCK`` tokens, so the W passes over a block read it from the CPU's cache
-    instead of memory (several times faster at long prefills)."""
+    (training) or off the CPU one pass over all tokens per tap, accumulated in place; on the CPU without it
+    (prefill, evaluation) block by block of ``CONV_BLOCK`` tokens, so the W passes over a block read it from
+    the CPU's cache instead of memory (several times faster at long prefills). On a GPU the blocks would
+    only multiply the kernel launches (W per block)."""
     width = weight.shape[0]
-    if torch.is_grad_enabled() and (inputs.requires_grad or weight.requires_grad):
+    tracked = torch.is_grad_enabled() and (inputs.requires_grad or weight.requires_grad)
+    if tracked or inputs.device.type != "cpu":
         mixed = inputs[:, :length] * weight[0]
         for offset in range(1, width):
             mixed.addcmul_(inputs[:, offset : offset + length], weight[offset])
