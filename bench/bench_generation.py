@@ -17,7 +17,7 @@ import platform
 import sys
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from dofla.convert import convert, plan_for
 from dofla.evaluation.speed import measure_generation
@@ -71,6 +71,53 @@ def build_teacher(args: argparse.Namespace) -> torch.nn.Module:
     return load_teacher("smollm2-135m", dtype=args.dtype, device=args.device).model
 
 
+def measure_rows(model, contexts: list[int], args, who: str) -> list[dict | None]:
+    """``measure_generation`` one context at a time: a context that does not fit in memory gives None (and one
+    line on stderr) and the others are still measured."""
+    rows = []
+    for context in contexts:
+        try:
+            rows.extend(
+                measure_generation(
+                    model, context_lengths=[context], batch_size=args.batch_size, new_tokens=args.new_tokens
+                )
+            )
+        except torch.OutOfMemoryError as error:
+            print(
+                f"{who} at {context} tokens, batch {args.batch_size}: out of memory ({error})",
+                file=sys.stderr,
+            )
+            rows.append(None)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
+
+
+def profile_prefill(model, context: int, args, top: int = 15) -> str:
+    """torch.profiler's top operators of one batch-1 prefill of ``context`` random tokens (by self device
+    time on a GPU, self CPU time otherwise) and the aten calls per layer: what the prefill spends its time on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dofla.evaluation.speed import prefill
+
+    device = next(model.parameters()).device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    vocab = int(model.config.get_text_config().vocab_size)
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad(), profile(activities=activities) as profiler:
+        prefill(model, prompt, DynamicCache(config=model.config))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = profiler.key_averages()
+    layers = model.config.get_text_config().num_hidden_layers
+    calls = sum(event.count for event in events if event.key.startswith("aten::"))
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return (
+        f"student prefill of {context} tokens, batch 1: {calls / layers:.0f} aten calls per layer\n"
+        + events.table(sort_by=sort, row_limit=top)
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -91,24 +138,28 @@ def main() -> int:
         help="a recipe's students (its kind, cell, feature map, budget, window, sinks and cell options)",
     )
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--profile", action="store_true", help="also print the student prefill's top operators (stderr)"
+    )
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
     contexts = [int(c) for c in args.contexts.split(",")]
     plan_options = recipe_plan_options(args) or dict(kind=args.kind)
 
     model = build_teacher(args)
-    measure = dict(context_lengths=contexts, batch_size=args.batch_size, new_tokens=args.new_tokens)
     measure_generation(
         model, context_lengths=contexts[:1], batch_size=args.batch_size, new_tokens=2
     )  # warm-up
-    teacher_rows = measure_generation(model, **measure)
+    teacher_rows = measure_rows(model, contexts, args, "teacher")
     plan = plan_for(model, feature_map=args.feature_map, feature_dim=args.feature_dim, **plan_options)
     convert(model, plan)
     model.to(device=args.device, dtype=getattr(torch, args.dtype))
     measure_generation(
         model, context_lengths=contexts[:1], batch_size=args.batch_size, new_tokens=2
     )  # warm-up
-    student_rows = measure_generation(model, **measure)
+    student_rows = measure_rows(model, contexts, args, "student")
+    if args.profile:
+        print(profile_prefill(model, contexts[0], args), file=sys.stderr)
 
     print(f"command: {' '.join(sys.argv)}")
     print(
@@ -126,7 +177,10 @@ def main() -> int:
         "| cache MiB teacher | student |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for teacher, student in zip(teacher_rows, student_rows, strict=True):
+    for context, teacher, student in zip(contexts, teacher_rows, student_rows, strict=True):
+        if teacher is None or student is None:
+            print(f"| {context} | {'teacher' if teacher is None else 'student'} did not fit in memory |")
+            continue
         mib = 2.0**20
         print(
             f"| {teacher['context']} | {teacher['prefill_tokens_per_second']:.0f} | "

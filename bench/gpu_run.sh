@@ -30,7 +30,7 @@ cat "$out/machine.log"
 # (Triton compiles each new shape of fla's kernels: the GPU tests take minutes on a fresh machine)
 step fla_tests 200 python3 -m pytest tests/test_fla_backend.py -q -p no:cacheprovider -x --tb=short -k "gpu or fla_kernels"
 gen="python3 bench/bench_generation.py --shape smollm2-135m --device cuda --new-tokens 32"
-step gen_linear_b1 120 $gen --recipe gated-delta-linear --contexts 4096,16384,65536
+step gen_linear_b1 120 $gen --recipe gated-delta-linear --contexts 4096,16384,65536 --profile
 step distill_linear 100 python3 bench/bench_distill.py --device cuda --random-weights --recipe gated-delta-linear --batch-size 4 --seq-len 1024
 step gen_linear_b16 120 $gen --recipe gated-delta-linear --contexts 32768 --batch-size 16 --new-tokens 16
 step gen_hybrid_b1 100 $gen --recipe gated-delta --contexts 4096,16384,65536
