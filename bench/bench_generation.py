@@ -71,6 +71,17 @@ def build_teacher(args: argparse.Namespace) -> torch.nn.Module:
     return load_teacher("smollm2-135m", dtype=args.dtype, device=args.device).model
 
 
+def warm_up(model, contexts: list[int], args) -> None:
+    """One short generation at every context (kernels compiled and tuned for each length, e.g. Triton's
+    autotuning on a GPU, before any timed row); a context that does not fit is left to ``measure_rows``."""
+    for context in contexts:
+        try:
+            measure_generation(model, context_lengths=[context], batch_size=args.batch_size, new_tokens=2)
+        except torch.OutOfMemoryError:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
 def measure_rows(model, contexts: list[int], args, who: str) -> list[dict | None]:
     """``measure_generation`` one context at a time: a context that does not fit in memory gives None (and one
     line on stderr) and the others are still measured."""
@@ -147,16 +158,12 @@ def main() -> int:
     plan_options = recipe_plan_options(args) or dict(kind=args.kind)
 
     model = build_teacher(args)
-    measure_generation(
-        model, context_lengths=contexts[:1], batch_size=args.batch_size, new_tokens=2
-    )  # warm-up
+    warm_up(model, contexts, args)
     teacher_rows = measure_rows(model, contexts, args, "teacher")
     plan = plan_for(model, feature_map=args.feature_map, feature_dim=args.feature_dim, **plan_options)
     convert(model, plan)
     model.to(device=args.device, dtype=getattr(torch, args.dtype))
-    measure_generation(
-        model, context_lengths=contexts[:1], batch_size=args.batch_size, new_tokens=2
-    )  # warm-up
+    warm_up(model, contexts, args)
     student_rows = measure_rows(model, contexts, args, "student")
     if args.profile:
         print(profile_prefill(model, contexts[0], args), file=sys.stderr)
