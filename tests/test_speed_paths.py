@@ -918,3 +918,26 @@ def test_bench_speed_repeats_take_each_rows_median_sample_and_print_the_spread(t
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--repeats", "0"])
     assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_bench_generation_measures_the_contexts_that_fit_and_says_which_did_not(monkeypatch, capsys):
+    """A context whose generation runs out of memory is one line on stderr and a None row; the others are
+    measured (bench/bench_generation.py), and --recipe gives the recipe's plan."""
+    generation = bench_script("bench_generation")
+
+    def measure(model, *, context_lengths, batch_size, new_tokens):
+        if context_lengths[0] > 100:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
+        return [{"context": context_lengths[0], "batch_size": batch_size}]
+
+    monkeypatch.setattr(generation, "measure_generation", measure)
+    args = argparse.Namespace(batch_size=2, new_tokens=3)
+    rows = generation.measure_rows(None, [64, 4096, 96], args, "teacher")
+    assert rows == [{"context": 64, "batch_size": 2}, None, {"context": 96, "batch_size": 2}]
+    assert "teacher at 4096 tokens, batch 2: out of memory" in capsys.readouterr().err
+    args = argparse.Namespace(recipe="gated-delta-linear", feature_map="learnable_prf", feature_dim=32)
+    options = generation.recipe_plan_options(args)
+    assert (
+        options["kind"] == "linear" and options["cell"] == "gated_delta" and options["options"]["short_conv"]
+    )
+    assert (args.feature_map, args.feature_dim) == ("projection", 64)

@@ -12,7 +12,7 @@ prefill) of the cells runs its linear part on fla's kernels:
   wider keys stay on PyTorch). The window mix stays PyTorch.
 
 Training on Hopper GPUs (compute capability 9) with Triton 3.4.0 up to 3.7.0 and no ``tilelang``: fla refuses
-the backward of its gated kernels there (its issue #640: wrong gradients), so while autograd records
+the backward of its gated kernels there (those Triton versions give wrong gradients), so while autograd records
 (``torch.is_grad_enabled()``) the ops stay on PyTorch and only no-grad work (prefill, evaluation, the
 teacher-forced forward without gradients) uses the kernels; a warning says so once. Upgrading Triton to
 3.7.1 or installing ``tilelang`` lifts this.
