@@ -99,6 +99,15 @@ SECTIONS = [
         "16k prefill before and after the pass: `bench/results/layer_prefill_16k_s30.md` (1.67x).",
     ),
     (
+        "The gated-delta recipe's cell at 16k, before and after the window+sinks chunk sizes (CPU, 2 rounds each)",
+        "bench/results/speed_recipe_prefill_16k_s31.md",
+        "`python bench/bench_speed.py --contexts 16384 --batches 1 --prefill-chunks 2048 --repeats 2 --cells "
+        "'gated-delta recipe'`, before (window op chunk 16 with sinks) and after (64 at these lengths). The "
+        "window op alone gains at 16k (`bench/results/chunk_sizes_sinks.md`), but the whole model prefilling "
+        "in pieces of 2,048 shows no change beyond the rounds' spread: 3.68x / 3.86x before, 3.80x / 3.73x "
+        "after (the prefill target of 4x stays missed for this cell).",
+    ),
+    (
         "The recipes' cells on one H200 with fla's kernels: prefill, batch-16 decode at 32k, training (bf16)",
         "bench/results/gpu_h200_recipes.md",
         "`bash bench/gpu_run.sh` in one call on a lent H200 (torch 2.11, Triton 3.6, fla-core 0.6.0; random "
