@@ -84,8 +84,14 @@ STUDENTS = {
         None,
     ),
     # the pure-linear gated-delta-linear recipe's cell: no window, projection keys, an 8-token short convolution
+    # and the gate on the memory's read-out (its rows before the gate joined the recipe: without it)
     "gated-delta-linear recipe": (
-        dict(kind="linear", cell="gated_delta", feature_map="projection", options={"short_conv": 8}),
+        dict(
+            kind="linear",
+            cell="gated_delta",
+            feature_map="projection",
+            options={"short_conv": 8, "output_gate": True},
+        ),
         None,
     ),
     "gated_delta+window (3 softmax)": (
