@@ -108,6 +108,14 @@ SECTIONS = [
         "after (the prefill target of 4x stays missed for this cell).",
     ),
     (
+        "The pure-linear gated-delta-linear recipe's cell with its output gate: prefill at 16k and batch-1 decode (CPU, 2 rounds)",
+        "bench/results/speed_linear_recipe_gate_s31.md",
+        "`python bench/bench_speed.py --contexts 4096,16384 --batches 1 --prefill-chunks 2048 --repeats 2 --cells "
+        "'gated-delta-linear recipe'` on the idle 2-core CPU, after the recipe took the output gate. Targets: "
+        "prefill at 16k >= 4x, decode at 4k and batch 1 >= 1.3x (each row its median of two samples, which is "
+        "the lower one; the per-round samples follow the tables).",
+    ),
+    (
         "The recipes' cells on one H200 with fla's kernels: prefill, batch-16 decode at 32k, training (bf16)",
         "bench/results/gpu_h200_recipes.md",
         "`bash bench/gpu_run.sh` in one call on a lent H200 (torch 2.11, Triton 3.6, fla-core 0.6.0; random "
