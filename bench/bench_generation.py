@@ -71,15 +71,24 @@ def build_teacher(args: argparse.Namespace) -> torch.nn.Module:
     return load_teacher("smollm2-135m", dtype=args.dtype, device=args.device).model
 
 
+def generation_row(model, context: int, batch_size: int, new_tokens: int) -> dict | torch.OutOfMemoryError:
+    """``measure_generation``'s row for one context, or the out-of-memory error it raised (the GPU's cached
+    blocks released, so the next context starts clean)."""
+    try:
+        return measure_generation(
+            model, context_lengths=[context], batch_size=batch_size, new_tokens=new_tokens
+        )[0]
+    except torch.OutOfMemoryError as error:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return error
+
+
 def warm_up(model, contexts: list[int], args) -> None:
     """One short generation at every context (kernels compiled and tuned for each length, e.g. Triton's
     autotuning on a GPU, before any timed row); a context that does not fit is left to ``measure_rows``."""
     for context in contexts:
-        try:
-            measure_generation(model, context_lengths=[context], batch_size=args.batch_size, new_tokens=2)
-        except torch.OutOfMemoryError:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        generation_row(model, context, args.batch_size, 2)
 
 
 def measure_rows(model, contexts: list[int], args, who: str) -> list[dict | None]:
@@ -87,20 +96,13 @@ def measure_rows(model, contexts: list[int], args, who: str) -> list[dict | None
     line on stderr) and the others are still measured."""
     rows = []
     for context in contexts:
-        try:
-            rows.extend(
-                measure_generation(
-                    model, context_lengths=[context], batch_size=args.batch_size, new_tokens=args.new_tokens
-                )
-            )
-        except torch.OutOfMemoryError as error:
+        row = generation_row(model, context, args.batch_size, args.new_tokens)
+        if isinstance(row, torch.OutOfMemoryError):
             print(
-                f"{who} at {context} tokens, batch {args.batch_size}: out of memory ({error})",
-                file=sys.stderr,
+                f"{who} at {context} tokens, batch {args.batch_size}: out of memory ({row})", file=sys.stderr
             )
-            rows.append(None)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            row = None
+        rows.append(row)
     return rows
 
 
