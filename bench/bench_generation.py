@@ -71,12 +71,14 @@ def build_teacher(args: argparse.Namespace) -> torch.nn.Module:
     return load_teacher("smollm2-135m", dtype=args.dtype, device=args.device).model
 
 
-def generation_row(model, context: int, batch_size: int, new_tokens: int) -> dict | torch.OutOfMemoryError:
+def generation_row(
+    model, context: int, batch_size: int, new_tokens: int, graph: bool = False
+) -> dict | torch.OutOfMemoryError:
     """``measure_generation``'s row for one context, or the out-of-memory error it raised (the GPU's cached
     blocks released, so the next context starts clean)."""
     try:
         return measure_generation(
-            model, context_lengths=[context], batch_size=batch_size, new_tokens=new_tokens
+            model, context_lengths=[context], batch_size=batch_size, new_tokens=new_tokens, graph=graph
         )[0]
     except torch.OutOfMemoryError as error:
         if torch.cuda.is_available():
@@ -84,19 +86,19 @@ def generation_row(model, context: int, batch_size: int, new_tokens: int) -> dic
         return error
 
 
-def warm_up(model, contexts: list[int], args) -> None:
+def warm_up(model, contexts: list[int], args, graph: bool = False) -> None:
     """One short generation at every context (kernels compiled and tuned for each length, e.g. Triton's
     autotuning on a GPU, before any timed row); a context that does not fit is left to ``measure_rows``."""
     for context in contexts:
-        generation_row(model, context, args.batch_size, 2)
+        generation_row(model, context, args.batch_size, 2, graph)
 
 
-def measure_rows(model, contexts: list[int], args, who: str) -> list[dict | None]:
+def measure_rows(model, contexts: list[int], args, who: str, graph: bool = False) -> list[dict | None]:
     """``measure_generation`` one context at a time: a context that does not fit in memory gives None (and one
     line on stderr) and the others are still measured."""
     rows = []
     for context in contexts:
-        row = generation_row(model, context, args.batch_size, args.new_tokens)
+        row = generation_row(model, context, args.batch_size, args.new_tokens, graph)
         if isinstance(row, torch.OutOfMemoryError):
             print(
                 f"{who} at {context} tokens, batch {args.batch_size}: out of memory ({row})", file=sys.stderr
@@ -125,9 +127,11 @@ def profile_prefill(model, context: int, args, top: int = 15) -> str:
     layers = model.config.get_text_config().num_hidden_layers
     calls = sum(event.count for event in events if event.key.startswith("aten::"))
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    device_total = sum(event.self_device_time_total for event in events) / 1e3
+    by_host = "" if device.type != "cuda" else events.table(sort_by="self_cpu_time_total", row_limit=top)
     return (
-        f"student prefill of {context} tokens, batch 1: {calls / layers:.0f} aten calls per layer\n"
-        + events.table(sort_by=sort, row_limit=top)
+        f"student prefill of {context} tokens, batch 1: {calls / layers:.0f} aten calls per layer, "
+        f"{device_total:.1f} ms of device time in all\n" + events.table(sort_by=sort, row_limit=top) + by_host
     )
 
 
@@ -154,6 +158,11 @@ def main() -> int:
     parser.add_argument(
         "--profile", action="store_true", help="also print the student prefill's top operators (stderr)"
     )
+    parser.add_argument(
+        "--graph",
+        action="store_true",
+        help="also decode the student through dofla.graph_decode (a CUDA graph on CUDA; every layer linear)",
+    )
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -167,6 +176,10 @@ def main() -> int:
     model.to(device=args.device, dtype=getattr(torch, args.dtype))
     warm_up(model, contexts, args)
     student_rows = measure_rows(model, contexts, args, "student")
+    graph_rows = [None] * len(contexts)
+    if args.graph:
+        warm_up(model, contexts, args, graph=True)
+        graph_rows = measure_rows(model, contexts, args, "student (graph)", graph=True)
     if args.profile:
         print(profile_prefill(model, contexts[0], args), file=sys.stderr)
 
@@ -199,11 +212,26 @@ def main() -> int:
             f"{student['decode_tokens_per_second'] / teacher['decode_tokens_per_second']:.2f}x | "
             f"{teacher['cache_bytes_after_decode'] / mib:.1f} | {student['cache_bytes_after_decode'] / mib:.2f} |"
         )
+    if args.graph:
+        print(
+            "\nstudent decoding through dofla.graph_decode (the teacher as above: transformers' decoding, "
+            "DynamicCache, no graph)\n\n| context | decode tok/s teacher | student graph | ratio | capture s |"
+            "\n|---:|---:|---:|---:|---:|"
+        )
+        for context, teacher, graphed in zip(contexts, teacher_rows, graph_rows, strict=True):
+            if teacher is None or graphed is None:
+                print(f"| {context} | did not fit in memory |")
+                continue
+            print(
+                f"| {context} | {teacher['decode_tokens_per_second']:.1f} | "
+                f"{graphed['decode_tokens_per_second']:.1f} | "
+                f"{graphed['decode_tokens_per_second'] / teacher['decode_tokens_per_second']:.2f}x | "
+                f"{graphed['capture_seconds']:.2f} |"
+            )
     if args.json:
         with open(args.json, "w") as stream:
-            json.dump(
-                {"teacher": teacher_rows, "student": student_rows, "args": vars(args)}, stream, indent=2
-            )
+            rows = {"teacher": teacher_rows, "student": student_rows, "student_graph": graph_rows}
+            json.dump({**rows, "args": vars(args)}, stream, indent=2)
     return 0
 
 

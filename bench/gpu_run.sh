@@ -9,9 +9,13 @@ out=${1:-bench/results/gpu}
 mkdir -p "$out"
 export PYTHONPATH="$PWD/src:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 deadline=${DEADLINE:-480}  # seconds for all steps together: a step gets at most what is left
+only=${STEPS:-}               # e.g. STEPS="fla_op_tests gen_linear_b1": run only the steps named
 step() {  # step NAME SECONDS COMMAND...: run, log to OUT/NAME.log, say how it ended
     local name=$1 seconds=$2
     shift 2
+    if [[ -n $only && " $only " != *" $name "* ]]; then
+        return
+    fi
     local start=$SECONDS left=$((deadline - SECONDS))
     if ((left < 20)); then
         echo "$name: not run (time used up)"
@@ -28,10 +32,16 @@ step() {  # step NAME SECONDS COMMAND...: run, log to OUT/NAME.log, say how it e
 cat "$out/machine.log"
 # -x --tb=short: a failure's cause is printed when it happens, not in a report a time limit may cut off
 # (Triton compiles each new shape of fla's kernels: the GPU tests take minutes on a fresh machine)
-tests="python3 -m pytest tests/test_fla_backend.py -q -p no:cacheprovider -x --tb=short"
-step fla_op_tests 120 $tests -k "ops_on_fla_kernels_match"  # failed on the first H200 run, cause unseen
-step fla_tests 150 $tests -k "stand_ins_follow or dispatch_to_fla or converted_model_on_gpu"
+pytest="python3 -m pytest -p no:cacheprovider -x --tb=short"
+tests="$pytest -q tests/test_fla_backend.py"
 gen="python3 bench/bench_generation.py --shape smollm2-135m --device cuda --new-tokens 32"
+# graph decoding: the captured step against the eager one (decoding never runs fla: its kernels are left out)
+step graph_tests 90 env DOFLA_FLA=0 $pytest -v tests/test_graph_decode.py -k on_gpu
+step gen_linear_b16_graph 150 $gen --recipe gated-delta-linear --contexts 32768 --batch-size 16 --new-tokens 16 --graph
+step gen_linear_b1_graph 90 $gen --recipe gated-delta-linear --contexts 4096,65536 --graph
+# -v: each test's result as it ends (the first of them compiles fla's kernels for minutes on a fresh machine)
+step fla_op_tests 240 $pytest -v tests/test_fla_backend.py -k "ops_on_fla_kernels_match"
+step fla_tests 150 $tests -k "stand_ins_follow or dispatch_to_fla or converted_model_on_gpu"
 step gen_linear_b1 120 $gen --recipe gated-delta-linear --contexts 4096,16384,65536 --profile
 step distill_linear 100 python3 bench/bench_distill.py --device cuda --random-weights --recipe gated-delta-linear --batch-size 4 --seq-len 1024
 step gen_linear_b16 120 $gen --recipe gated-delta-linear --contexts 32768 --batch-size 16 --new-tokens 16

@@ -40,12 +40,17 @@ def measure_generation(
     batch_size: int = 1,
     new_tokens: int = 16,
     seed: int = 0,
+    graph: bool = False,
 ) -> list[dict[str, float]]:
     """Per context length: prefill time and tokens/s, decode tokens/s, cache bytes before/after decoding.
 
     The prompt is random token ids (speed and memory do not depend on the text); decoding feeds
-    the greedy next token back one step at a time through the model's cache.
+    the greedy next token back one step at a time through the model's cache. ``graph``: decode through a
+    :class:`dofla.graph_decode.CapturedDecoder` (a converted model with every layer linear; a CUDA graph on
+    CUDA), its capture timed apart (``capture_seconds``).
     """
+    from dofla.graph_decode import CapturedDecoder
+
     device = next(model.parameters()).device
     vocab = int(model.config.get_text_config().vocab_size)
     generator = torch.Generator().manual_seed(seed)
@@ -63,11 +68,20 @@ def measure_generation(
         prefill_seconds = time.perf_counter() - start
         bytes_after_prefill = cache_bytes(cache)
         start = time.perf_counter()
+        decoder = CapturedDecoder(model, cache, batch_size, context) if graph else None
+        _synchronize(device)
+        capture_seconds = time.perf_counter() - start
+        start = time.perf_counter()
         for _ in range(new_tokens):
             next_token = logits.argmax(-1, keepdim=True)
-            logits = model(input_ids=next_token, past_key_values=cache, use_cache=True).logits[:, -1]
+            if decoder is not None:
+                logits = decoder.step(next_token)
+            else:
+                logits = model(input_ids=next_token, past_key_values=cache, use_cache=True).logits[:, -1]
         _synchronize(device)
         decode_seconds = time.perf_counter() - start
+        if decoder is not None:
+            decoder.finish()
         row = {
             "context": context,
             "batch_size": batch_size,
@@ -77,6 +91,8 @@ def measure_generation(
             "cache_bytes_after_prefill": bytes_after_prefill,
             "cache_bytes_after_decode": cache_bytes(cache),
         }
+        if decoder is not None:
+            row["capture_seconds"] = capture_seconds
         if device.type == "cuda":
             row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
         rows.append(row)

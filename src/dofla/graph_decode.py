@@ -1,0 +1,161 @@
+"""Decoding steps of a converted model replayed from one captured CUDA graph.
+
+A decoding step of a converted model is a few hundred small operators; on a GPU each is a kernel launched
+from Python, so at small batch a step costs the host's time (tens of milliseconds on a slow host) whatever
+the work. Every layer converted without a window holds a state of fixed size, so one step can be captured
+once as a CUDA graph and replayed: the states are static buffers that the step reads and, at its end,
+writes its new states back into; the token and its position are static inputs (the position advances
+inside the graph).
+
+What it needs: every attention layer converted with kind ``linear`` (a window's ring buffer keeps its
+write position in Python, which a graph would freeze) and a cache holding their states (after a prefill).
+The Python part of the model's step (the cache's token counters, mask sizes) runs once, at capture; a
+layer's step reads nothing of it, which the CPU tests check by replaying the step with that Python state
+frozen as a graph freezes it (:class:`CapturedDecoder` with ``graph=False``). Off CUDA the decoder runs
+that same frozen step eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, is_dataclass, replace
+
+import torch
+from torch import Tensor
+
+from dofla.cache import RecurrentCacheLayer, self_attention_cache
+from dofla.errors import DoflaError
+
+WARM_UP_STEPS = 2  # eager steps on a side stream before capture (CUDA's libraries allocate their workspaces)
+
+
+def _advanced(state, steps: int):
+    """``state`` with every ``num_tokens`` field (nested states too) moved on by ``steps``."""
+    if not is_dataclass(state):
+        return state
+    changes = {}
+    for item in fields(state):
+        value = getattr(state, item.name)
+        if item.name == "num_tokens" and isinstance(value, int):
+            changes[item.name] = value + steps
+        elif is_dataclass(value):
+            changes[item.name] = _advanced(value, steps)
+    return replace(state, **changes)
+
+
+def capturable_layers(model, cache) -> list[RecurrentCacheLayer]:
+    """The cache's layers, after checking that a step can be captured: every attention layer converted
+    without a window, its state present. A DoflaError says which layer is not and what to do."""
+    from dofla.convert import students
+
+    modules = [module for _, module in sorted(students(model).items())]
+    config = model.config.get_text_config()
+    layers = list(self_attention_cache(cache).layers)
+    if len(modules) != int(config.num_hidden_layers) or len(layers) != len(modules):
+        raise DoflaError(
+            f"graph decoding needs every attention layer converted ({len(modules)} of "
+            f"{config.num_hidden_layers} are); decode without a graph."
+        )
+    for module, layer in zip(modules, layers, strict=True):
+        if module.kind != "linear":
+            raise DoflaError(
+                f"layer {module.layer_index} has a sliding window, whose position a graph would freeze; "
+                "graph decoding needs kind 'linear' in every layer: decode without a graph."
+            )
+        if not isinstance(layer, RecurrentCacheLayer) or layer.state is None:
+            raise DoflaError(
+                f"layer {module.layer_index} has no recurrent state in the cache; prefill the prompt with "
+                "this cache before building the decoder."
+            )
+    return layers
+
+
+class CapturedDecoder:
+    """One decoding step of a converted model, replayed from a CUDA graph (``graph=None``: on CUDA only).
+
+    Build it after prefilling ``cache`` with the prompt: ``position`` is the next token's position (the
+    prompt's length). ``step(tokens)`` takes the (B, 1) next tokens and returns the (B, vocab) logits of the
+    token after them; with a graph the returned tensor is the graph's own output, overwritten by the next
+    step (use it, or clone it, first). ``finish()`` hands the cache back to ordinary use, states and token
+    counts up to date.
+    """
+
+    def __init__(self, model, cache, batch_size: int, position: int, *, graph: bool | None = None) -> None:
+        self.model, self.cache = model, cache
+        self.layers = capturable_layers(model, cache)
+        device = next(model.parameters()).device
+        self.graph_wanted = device.type == "cuda" if graph is None else bool(graph)
+        if self.graph_wanted and device.type != "cuda":
+            raise DoflaError("a CUDA graph needs the model on a CUDA device; use graph=False elsewhere.")
+        self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.positions = torch.full((batch_size, 1), int(position), dtype=torch.long, device=device)
+        # the Python side of the cache as the graph will see it at every replay
+        self.frozen = [(layer.num_tokens, layer.state) for layer in self.layers]
+        self.buffers = [tensor for _, state in self.frozen for tensor in state._tensors()]
+        self.steps = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: Tensor | None = None
+        if self.graph_wanted:
+            self._capture()
+
+    @torch.no_grad()
+    def _body(self) -> Tensor:
+        """The step as the graph holds it: the frozen cache, one forward, the new states into the buffers."""
+        for layer, (count, state) in zip(self.layers, self.frozen, strict=True):
+            layer.num_tokens, layer.state = count, state
+        logits = self.model(
+            input_ids=self.tokens, position_ids=self.positions, past_key_values=self.cache, use_cache=True
+        ).logits[:, -1]
+        new = [tensor for layer in self.layers for tensor in layer.state._tensors()]
+        if [(t.shape, t.dtype) for t in new] != [(t.shape, t.dtype) for t in self.buffers]:
+            raise DoflaError("a decoding step changed the states' layout; decode without a graph.")
+        for buffer, value in zip(self.buffers, new, strict=True):
+            buffer.copy_(value)
+        self.positions.add_(1)
+        return logits
+
+    def _capture(self) -> None:
+        saved = [buffer.clone() for buffer in self.buffers] + [self.positions.clone()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARM_UP_STEPS):
+                self._body()
+        torch.cuda.current_stream().wait_stream(side)
+        for buffer, value in zip(self.buffers + [self.positions], saved, strict=True):
+            buffer.copy_(value)  # the warm-up steps leave no trace
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._body()
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed ``tokens`` (B, 1); the (B, vocab) logits of the next position."""
+        self.tokens.copy_(tokens)
+        self.steps += 1
+        if self.graph is None:
+            return self._body()
+        self.graph.replay()
+        return self.logits
+
+    def finish(self) -> None:
+        """Put the states (the buffers, now current) back into the cache with their token counts."""
+        for layer, (count, state) in zip(self.layers, self.frozen, strict=True):
+            layer.num_tokens, layer.state = count + self.steps, _advanced(state, self.steps)
+        self.graph, self.logits = None, None
+
+
+@torch.no_grad()
+def generate_greedy(model, input_ids: Tensor, max_new_tokens: int, *, graph: bool | None = None) -> Tensor:
+    """Greedy continuation of ``input_ids`` (B, T) by ``max_new_tokens`` tokens through a
+    :class:`CapturedDecoder` (a CUDA graph on CUDA): (B, T + max_new_tokens) token ids."""
+    from transformers import DynamicCache
+
+    from dofla.evaluation.speed import prefill
+
+    cache = DynamicCache(config=model.config)
+    logits = prefill(model, input_ids, cache)
+    tokens = [logits.argmax(-1, keepdim=True)]
+    decoder = CapturedDecoder(model, cache, input_ids.shape[0], input_ids.shape[1], graph=graph)
+    for _ in range(max_new_tokens - 1):
+        tokens.append(decoder.step(tokens[-1]).argmax(-1, keepdim=True))
+    decoder.finish()
+    return torch.cat([input_ids, *tokens], dim=1)

@@ -1,0 +1,148 @@
+"""Graph decoding (dofla.graph_decode): the step a CUDA graph replays, run on CPU with the cache's Python side
+frozen as a graph freezes it, gives the logits of ordinary decoding; the cache continues afterwards; models a
+graph cannot hold are refused with the reason. On a CUDA GPU the captured graph is compared with the eager
+step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from dofla.convert import convert, plan_for
+from dofla.errors import DoflaError
+from dofla.evaluation.speed import prefill
+from dofla.graph_decode import CapturedDecoder, generate_greedy
+from dofla.models import build_tiny_model
+from dofla.models.tiny import TINY_VOCAB
+
+PLANS = {
+    "linear": dict(cell="linear", feature_map="learnable_prf"),
+    "gla": dict(cell="gla", feature_map="hedgehog"),
+    "gated_delta": dict(
+        cell="gated_delta", feature_map="projection", options={"short_conv": 4, "output_gate": True}
+    ),
+}
+
+
+def converted(family: str, cell: str, dtype=torch.float32, device="cpu"):
+    model = build_tiny_model(family, seed=0)
+    convert(model, plan_for(model, kind="linear", feature_dim=8, **PLANS[cell]))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def eager_decode(model, prompt: torch.Tensor, steps: int) -> tuple[list[torch.Tensor], DynamicCache]:
+    """Ordinary decoding (transformers' cache and forward, one token a step): the logits of every step."""
+    cache = DynamicCache(config=model.config)
+    logits = [prefill(model, prompt, cache)]
+    with torch.no_grad():
+        for _ in range(steps):
+            token = logits[-1].argmax(-1, keepdim=True)
+            logits.append(model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1])
+    return logits, cache
+
+
+def frozen_decode(model, prompt: torch.Tensor, steps: int, graph: bool):
+    cache = DynamicCache(config=model.config)
+    logits = [prefill(model, prompt, cache)]
+    decoder = CapturedDecoder(model, cache, prompt.shape[0], prompt.shape[1], graph=graph)
+    for _ in range(steps):
+        logits.append(decoder.step(logits[-1].argmax(-1, keepdim=True)).clone())
+    decoder.finish()
+    return logits, cache
+
+
+def prompt_of(batch: int = 2, length: int = 11, device="cpu") -> torch.Tensor:
+    return torch.randint(0, TINY_VOCAB, (batch, length), generator=torch.Generator().manual_seed(3)).to(
+        device
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("cell", PLANS)
+def test_the_frozen_step_gives_ordinary_decodings_logits_and_the_cache_continues(family, cell):
+    model = converted(family, cell)
+    prompt = prompt_of()
+    expected, expected_cache = eager_decode(model, prompt, steps=6)
+    got, cache = frozen_decode(model, prompt, steps=6, graph=False)
+    for step, (actual, reference) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(actual, reference, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    # after finish() the cache is an ordinary one again: counts and states as ordinary decoding left them
+    from dofla.cache import self_attention_cache
+
+    for layer, reference in zip(
+        self_attention_cache(cache).layers, self_attention_cache(expected_cache).layers, strict=True
+    ):
+        assert layer.num_tokens == reference.num_tokens == prompt.shape[1] + 6
+        for actual, wanted in zip(layer.state._tensors(), reference.state._tensors(), strict=True):
+            torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-6)
+    token = expected[-1].argmax(-1, keepdim=True)
+    with torch.no_grad():
+        after = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        reference = model(input_ids=token, past_key_values=expected_cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_the_frozen_step_in_bfloat16_follows_ordinary_decoding():
+    model = converted("llama", "gated_delta", dtype=torch.bfloat16)
+    prompt = prompt_of()
+    expected, _ = eager_decode(model, prompt, steps=4)
+    got, _ = frozen_decode(model, prompt, steps=4, graph=False)
+    for actual, reference in zip(got, expected, strict=True):
+        torch.testing.assert_close(actual.float(), reference.float(), rtol=0, atol=0)
+
+
+def test_generate_greedy_continues_the_prompt_as_greedy_decoding_does():
+    model = converted("qwen2", "gated_delta")
+    prompt = prompt_of(batch=3, length=7)
+    logits, _ = eager_decode(model, prompt, steps=4)
+    expected = torch.cat([prompt, *(step.argmax(-1, keepdim=True) for step in logits)], dim=1)
+    assert torch.equal(generate_greedy(model, prompt, 5, graph=False), expected)
+
+
+def test_models_a_graph_cannot_hold_are_refused_with_the_reason():
+    model = build_tiny_model("llama", seed=0)
+    convert(model, plan_for(model, kind="hybrid", feature_map="hedgehog", feature_dim=8, window=4))
+    cache = DynamicCache(config=model.config)
+    prefill(model.eval(), prompt_of(), cache)
+    with pytest.raises(DoflaError, match="sliding window"):
+        CapturedDecoder(model, cache, 2, 11, graph=False)
+    partly = build_tiny_model("llama", seed=0)
+    convert(partly, plan_for(partly, kind="linear", feature_map="hedgehog", feature_dim=8, layers=[0]))
+    cache = DynamicCache(config=partly.config)
+    prefill(partly.eval(), prompt_of(), cache)
+    with pytest.raises(DoflaError, match="every attention layer converted"):
+        CapturedDecoder(partly, cache, 2, 11, graph=False)
+    linear = converted("llama", "linear")
+    with pytest.raises(DoflaError, match="prefill the prompt"):
+        CapturedDecoder(linear, DynamicCache(config=linear.config), 2, 11, graph=False)
+    if not torch.cuda.is_available():
+        cache = DynamicCache(config=linear.config)
+        prefill(linear, prompt_of(), cache)
+        with pytest.raises(DoflaError, match="CUDA device"):
+            CapturedDecoder(linear, cache, 2, 11, graph=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cell", PLANS)
+def test_the_captured_graph_replays_the_eager_step_on_gpu(cell, dtype):
+    model = converted("llama", cell, dtype=dtype, device="cuda")
+    prompt = prompt_of(device="cuda")
+    expected, _ = frozen_decode(model, prompt, steps=8, graph=False)
+    got, _ = frozen_decode(model, prompt, steps=8, graph=True)
+    for step, (actual, reference) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(
+            actual.float(), reference.float(), rtol=1e-3, atol=1e-3, msg=f"step {step}"
+        )
+
+
+def test_measure_generation_decodes_through_the_decoder_when_asked():
+    from dofla.evaluation.speed import measure_generation
+
+    model = converted("llama", "gated_delta")
+    plain = measure_generation(model, context_lengths=[9], batch_size=2, new_tokens=3)[0]
+    assert "capture_seconds" not in plain
+    rows = measure_generation(model, context_lengths=[9], batch_size=2, new_tokens=3, graph=True)
+    assert rows[0]["capture_seconds"] >= 0.0
+    assert rows[0]["cache_bytes_after_decode"] == plain["cache_bytes_after_decode"] > 0
