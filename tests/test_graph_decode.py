@@ -146,3 +146,26 @@ def test_measure_generation_decodes_through_the_decoder_when_asked():
     rows = measure_generation(model, context_lengths=[9], batch_size=2, new_tokens=3, graph=True)
     assert rows[0]["capture_seconds"] >= 0.0
     assert rows[0]["cache_bytes_after_decode"] == plain["cache_bytes_after_decode"] > 0
+
+
+def test_generate_greedy_streams_like_transformers_generate_and_stops_at_the_end_token():
+    from transformers import TextStreamer
+
+    from dofla.models import build_tiny_tokenizer
+
+    model, tokenizer = converted("llama", "gated_delta"), build_tiny_tokenizer()
+    prompt = tokenizer("The cat sat", return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+    printed = []
+    streamer = TextStreamer(tokenizer, skip_special_tokens=True)
+    streamer.on_finalized_text = lambda text, stream_end=False: printed.append(text)
+    got = generate_greedy(model, prompt, 6, graph=False, prefill_chunk=2, on_tokens=streamer.put)
+    streamer.end()
+    assert torch.equal(got, expected)
+    assert "".join(printed) == tokenizer.decode(expected[0], skip_special_tokens=True)
+    first = int(expected[0, prompt.shape[1]])
+    stopped = generate_greedy(model, prompt, 6, graph=False, eos_token_id=first)
+    assert torch.equal(stopped, expected[:, : prompt.shape[1] + 1])

@@ -286,6 +286,11 @@ def test_linearize_options_are_checked_before_loading(tmp_path, capsys, argument
         (["generate", NOT_LOADED, "--prompt", "Hi", "--device", "tpu"], "unknown device 'tpu'"),
         (["generate", NOT_LOADED, "--prompt", "Hi", "--prefill-chunk", "-1"], "--prefill-chunk must be 0"),
         (["generate", NOT_LOADED, "--prompt-file", "no-such-prompt.txt"], "is not a file"),
+        (["generate", NOT_LOADED, "--prompt", "Hi", "--graph", "--sample"], "--graph decodes greedily"),
+        (
+            ["generate", NOT_LOADED, "--prompt", "Hi", "--graph", "--device", "cpu"],
+            "--graph needs a CUDA GPU",
+        ),
     ],
 )
 def test_other_commands_check_options_before_loading(tmp_path, capsys, command, message):

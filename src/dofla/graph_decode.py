@@ -17,6 +17,7 @@ that same frozen step eagerly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields, is_dataclass, replace
 
 import torch
@@ -42,25 +43,32 @@ def _advanced(state, steps: int):
     return replace(state, **changes)
 
 
-def capturable_layers(model, cache) -> list[RecurrentCacheLayer]:
-    """The cache's layers, after checking that a step can be captured: every attention layer converted
-    without a window, its state present. A DoflaError says which layer is not and what to do."""
+def check_graph_decodable(model) -> list:
+    """The converted layers in order, after checking that a decoding step of ``model`` can be captured: every
+    attention layer converted, none with a window. A DoflaError says what is not and what to do."""
     from dofla.convert import students
 
     modules = [module for _, module in sorted(students(model).items())]
     config = model.config.get_text_config()
-    layers = list(self_attention_cache(cache).layers)
-    if len(modules) != int(config.num_hidden_layers) or len(layers) != len(modules):
+    if len(modules) != int(config.num_hidden_layers):
         raise DoflaError(
             f"graph decoding needs every attention layer converted ({len(modules)} of "
             f"{config.num_hidden_layers} are); decode without a graph."
         )
-    for module, layer in zip(modules, layers, strict=True):
+    for module in modules:
         if module.kind != "linear":
             raise DoflaError(
                 f"layer {module.layer_index} has a sliding window, whose position a graph would freeze; "
                 "graph decoding needs kind 'linear' in every layer: decode without a graph."
             )
+    return modules
+
+
+def capturable_layers(model, cache) -> list[RecurrentCacheLayer]:
+    """The cache's layers, after :func:`check_graph_decodable` and checking that each holds its state."""
+    modules = check_graph_decodable(model)
+    layers = list(self_attention_cache(cache).layers)
+    for module, layer in zip(modules, layers + [None] * (len(modules) - len(layers)), strict=True):
         if not isinstance(layer, RecurrentCacheLayer) or layer.state is None:
             raise DoflaError(
                 f"layer {module.layer_index} has no recurrent state in the cache; prefill the prompt with "
@@ -144,18 +152,43 @@ class CapturedDecoder:
 
 
 @torch.no_grad()
-def generate_greedy(model, input_ids: Tensor, max_new_tokens: int, *, graph: bool | None = None) -> Tensor:
-    """Greedy continuation of ``input_ids`` (B, T) by ``max_new_tokens`` tokens through a
-    :class:`CapturedDecoder` (a CUDA graph on CUDA): (B, T + max_new_tokens) token ids."""
+def generate_greedy(
+    model,
+    input_ids: Tensor,
+    max_new_tokens: int,
+    *,
+    graph: bool | None = None,
+    prefill_chunk: int | None = None,
+    eos_token_id: int | None = None,
+    on_tokens: Callable[[Tensor], None] | None = None,
+) -> Tensor:
+    """Greedy continuation of ``input_ids`` (B, T) by up to ``max_new_tokens`` tokens, decoding through a
+    :class:`CapturedDecoder` (a CUDA graph on CUDA): (B, T + new) token ids. ``prefill_chunk``: prefill in
+    pieces of that many tokens; ``eos_token_id``: stop once every row has produced it; ``on_tokens``: called
+    with the prompt, then with each new (B, 1) token (a transformers streamer's ``put``)."""
     from transformers import DynamicCache
 
     from dofla.evaluation.speed import prefill
 
+    emit = on_tokens or (lambda tokens: None)
+    emit(input_ids)
     cache = DynamicCache(config=model.config)
-    logits = prefill(model, input_ids, cache)
-    tokens = [logits.argmax(-1, keepdim=True)]
-    decoder = CapturedDecoder(model, cache, input_ids.shape[0], input_ids.shape[1], graph=graph)
+    token = prefill(model, input_ids, cache, prefill_chunk).argmax(-1, keepdim=True)
+    tokens, decoder = [token], None
+    emit(token)
+    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for _ in range(max_new_tokens - 1):
-        tokens.append(decoder.step(tokens[-1]).argmax(-1, keepdim=True))
-    decoder.finish()
+        if eos_token_id is not None:
+            finished |= token[:, 0] == eos_token_id
+            if bool(finished.all()):
+                break
+        if decoder is None:
+            decoder = CapturedDecoder(model, cache, input_ids.shape[0], input_ids.shape[1], graph=graph)
+        token = decoder.step(token).argmax(-1, keepdim=True)
+        if eos_token_id is not None:  # a row that has ended repeats its end
+            token = token.masked_fill(finished[:, None], eos_token_id)
+        tokens.append(token)
+        emit(token)
+    if decoder is not None:
+        decoder.finish()
     return torch.cat([input_ids, *tokens], dim=1)
