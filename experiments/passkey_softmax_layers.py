@@ -7,7 +7,12 @@ for each K in ``--keep`` and two ways of choosing them:
 - ``retrieval``: the K layers whose heads put the most attention on the pass key's digits from the last
   prompt position (the teacher's own attention, averaged over depths 0.1 / 0.5 / 0.9 of one calibration
   prompt with a fixed key that the trials never use);
-- ``uniform``: K layers evenly spaced.
+- ``uniform``: K layers evenly spaced;
+- ``recall`` (with ``--recall-rows N``): chosen greedily, one layer at a time, the layer whose full softmax
+  (beside those already chosen, every other layer restricted) most lowers the teacher's loss on repeated
+  spans of ``N`` rows of ``--recall-data`` (:func:`dofla.evaluation.recall.repeated_rows`: a span copied more
+  than the window later in its own row; no pass-key prompt involved), so K's layers are the first K of one
+  greedy order.
 
 It says what a student that keeps K softmax layers could at best retrieve if its other layers carried
 nothing beyond the window: an upper bound for hybrids whose converted layers act as the window alone.
@@ -29,7 +34,10 @@ from pathlib import Path
 import torch
 
 from dofla.commands._common import integer_list
+from dofla.data import load_texts, pack_token_sequences
+from dofla.evaluation.logits import final_hidden_states, output_logits
 from dofla.evaluation.passkey import DEFAULT_DEPTHS, build_prompt, passkey_retrieval
+from dofla.evaluation.recall import repeated_rows
 from dofla.evaluation.window_baseline import window_restricted
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
@@ -54,6 +62,38 @@ def needle_attention(model, tokenizer, length: int) -> list[float]:
     return (mass / len(DEFAULT_DEPTHS)).tolist()
 
 
+@torch.no_grad()
+def recall_loss(model, rows: torch.Tensor, scored, full: list[int], window: int, sinks: int) -> float:
+    """Mean loss on the repeated spans' tokens with only ``full`` keeping their whole softmax."""
+    restricted = [layer for layer in range(model.config.num_hidden_layers) if layer not in full]
+    with window_restricted(model, window, sinks, layers=restricted):
+        hidden = final_hidden_states(model, rows)  # (N, T, E)
+    loss, count = 0.0, 0
+    for row, positions, targets in scored:
+        log_probs = torch.log_softmax(output_logits(model, hidden[row, positions]), -1)
+        loss += float(-log_probs.gather(-1, targets[:, None]).sum())
+        count += len(targets)
+    return loss / count
+
+
+def recall_order(model, rows: torch.Tensor, count: int, window: int, sinks: int) -> list[tuple[int, float]]:
+    """The first ``count`` layers of the greedy order (see the module docstring), each with the loss on the
+    repeated spans once it is added."""
+    rows, scored = repeated_rows(rows, window)
+    order: list[tuple[int, float]] = []
+    for _ in range(count):
+        chosen = [layer for layer, _ in order]
+        losses = {
+            layer: recall_loss(model, rows, scored, chosen + [layer], window, sinks)
+            for layer in range(model.config.num_hidden_layers)
+            if layer not in chosen
+        }
+        best = min(losses, key=lambda layer: (losses[layer], layer))
+        order.append((best, losses[best]))
+        print("recall order", order, flush=True)
+    return order
+
+
 def uniform_layers(count: int, layers: int) -> list[int]:
     """``count`` layers evenly spaced over ``layers``, centred in their strides."""
     return sorted({int((index + 0.5) * layers / count) for index in range(count)}) if count else []
@@ -68,6 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--choices", default="retrieval,uniform", help="of retrieval, uniform, recall")
+    parser.add_argument("--recall-rows", type=int, default=4, help="rows of --seq-len tokens for recall")
+    parser.add_argument("--recall-data", default="../shared/data/wiki_demo/wiki_demo.txt")
+    parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.keep = integer_list(args.keep, "--keep", minimum=0)
@@ -83,10 +127,20 @@ def main(argv: list[str] | None = None) -> None:
     mass = needle_attention(model, tokenizer, max(args.lengths))
     model.set_attn_implementation("sdpa")
     ranked = sorted(range(layers), key=lambda layer: -mass[layer])
+    wanted = args.choices.split(",")
+    order = []
+    if "recall" in wanted:
+        texts = load_texts(args.recall_data)
+        calibration = pack_token_sequences(tokenizer, texts, args.seq_len)[: args.recall_rows]
+        order = recall_order(model, calibration, max(args.keep), args.window, args.sinks)
     rows = []
     for keep in args.keep:
-        choices = {"retrieval": sorted(ranked[:keep]), "uniform": uniform_layers(keep, layers)}
-        for choice, kept in choices.items():
+        choices = {
+            "retrieval": sorted(ranked[:keep]),
+            "uniform": uniform_layers(keep, layers),
+            "recall": sorted(layer for layer, _ in order[:keep]),
+        }
+        for choice, kept in ((name, choices[name]) for name in wanted):
             if keep in (0, layers) and choice == "uniform":
                 continue  # the same layers as the retrieval choice
             restricted = [layer for layer in range(layers) if layer not in kept]
@@ -110,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         trials=args.trials,
         depths=list(DEFAULT_DEPTHS),
         needle_attention=mass,
+        recall_order=order,
         rows=rows,
         seconds=round(time.time() - started, 1),
     )
@@ -125,6 +180,15 @@ def main(argv: list[str] | None = None) -> None:
         "Attention on the key from the last prompt position (largest head, per layer): "
         + ", ".join(f"{layer}: {value:.2f}" for layer, value in enumerate(mass)),
         "",
+        *(
+            [
+                "Greedy recall order (layer, loss on the repeated spans once added): "
+                + ", ".join(f"{layer} ({loss:.2f})" for layer, loss in order),
+                "",
+            ]
+            if order
+            else []
+        ),
         "| K | choice | full-softmax layers | " + " | ".join(f"pass key @ {n}" for n in args.lengths) + " |",
         "|---|---|---|" + "---|" * len(args.lengths),
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -167,6 +168,24 @@ def test_passkey_softmax_layers(tiny, tmp_path):
     ]
     assert result["rows"][-1]["layers"] == [0, 1]
     assert "| 1 | uniform | [1] |" in (tmp_path / "passkey_softmax_layers.md").read_text()
+
+
+def test_passkey_softmax_layers_recall_choice(tiny, tmp_path):
+    folder, text = tiny
+    arguments = ["--model", folder, "--out", str(tmp_path), "--keep", "1,2", "--lengths", "48"]
+    arguments += ["--trials", "1", "--window", "4", "--sinks", "1", "--choices", "recall"]
+    arguments += ["--recall-data", text, "--recall-rows", "2", "--seq-len", "40"]
+    experiment("passkey_softmax_layers").main(arguments)
+    result = json.loads((tmp_path / "passkey_softmax_layers.json").read_text())
+    order = [layer for layer, _ in result["recall_order"]]
+    assert sorted(order) == [0, 1]
+    losses = [loss for _, loss in result["recall_order"]]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert [(row["keep"], row["choice"], row["layers"]) for row in result["rows"]] == [
+        (1, "recall", [order[0]]),
+        (2, "recall", [0, 1]),
+    ]
+    assert "Greedy recall order" in (tmp_path / "passkey_softmax_layers.md").read_text()
 
 
 def test_softmax_layers_at_length(tiny, tmp_path):
