@@ -925,16 +925,21 @@ def test_bench_generation_measures_the_contexts_that_fit_and_says_which_did_not(
     measured (bench/bench_generation.py), and --recipe gives the recipe's plan."""
     generation = bench_script("bench_generation")
 
-    def measure(model, *, context_lengths, batch_size, new_tokens):
+    def measure(model, *, context_lengths, batch_size, new_tokens, graph):
         if context_lengths[0] > 100:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
-        return [{"context": context_lengths[0], "batch_size": batch_size}]
+        return [{"context": context_lengths[0], "batch_size": batch_size, "graph": graph}]
 
     monkeypatch.setattr(generation, "measure_generation", measure)
     args = argparse.Namespace(batch_size=2, new_tokens=3)
     rows = generation.measure_rows(None, [64, 4096, 96], args, "teacher")
-    assert rows == [{"context": 64, "batch_size": 2}, None, {"context": 96, "batch_size": 2}]
+    assert rows == [
+        {"context": 64, "batch_size": 2, "graph": False},
+        None,
+        {"context": 96, "batch_size": 2, "graph": False},
+    ]
     assert "teacher at 4096 tokens, batch 2: out of memory" in capsys.readouterr().err
+    assert generation.measure_rows(None, [64], args, "student", graph=True)[0]["graph"] is True
     args = argparse.Namespace(recipe="gated-delta-linear", feature_map="learnable_prf", feature_dim=32)
     options = generation.recipe_plan_options(args)
     assert (
