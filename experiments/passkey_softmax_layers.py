@@ -35,9 +35,8 @@ import torch
 
 from dofla.commands._common import integer_list
 from dofla.data import load_texts, pack_token_sequences
-from dofla.evaluation.logits import final_hidden_states, output_logits
 from dofla.evaluation.passkey import DEFAULT_DEPTHS, build_prompt, passkey_retrieval
-from dofla.evaluation.recall import repeated_rows
+from dofla.evaluation.recall import recall_layer_order
 from dofla.evaluation.window_baseline import window_restricted
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
@@ -60,38 +59,6 @@ def needle_attention(model, tokenizer, length: int) -> list[float]:
         per_layer = torch.stack([weights[0, :, -1, columns].sum(-1).amax() for weights in attentions])
         mass = per_layer if mass is None else mass + per_layer
     return (mass / len(DEFAULT_DEPTHS)).tolist()
-
-
-@torch.no_grad()
-def recall_loss(model, rows: torch.Tensor, scored, full: list[int], window: int, sinks: int) -> float:
-    """Mean loss on the repeated spans' tokens with only ``full`` keeping their whole softmax."""
-    restricted = [layer for layer in range(model.config.num_hidden_layers) if layer not in full]
-    with window_restricted(model, window, sinks, layers=restricted):
-        hidden = final_hidden_states(model, rows)  # (N, T, E)
-    loss, count = 0.0, 0
-    for row, positions, targets in scored:
-        log_probs = torch.log_softmax(output_logits(model, hidden[row, positions]), -1)
-        loss += float(-log_probs.gather(-1, targets[:, None]).sum())
-        count += len(targets)
-    return loss / count
-
-
-def recall_order(model, rows: torch.Tensor, count: int, window: int, sinks: int) -> list[tuple[int, float]]:
-    """The first ``count`` layers of the greedy order (see the module docstring), each with the loss on the
-    repeated spans once it is added."""
-    rows, scored = repeated_rows(rows, window)
-    order: list[tuple[int, float]] = []
-    for _ in range(count):
-        chosen = [layer for layer, _ in order]
-        losses = {
-            layer: recall_loss(model, rows, scored, chosen + [layer], window, sinks)
-            for layer in range(model.config.num_hidden_layers)
-            if layer not in chosen
-        }
-        best = min(losses, key=lambda layer: (losses[layer], layer))
-        order.append((best, losses[best]))
-        print("recall order", order, flush=True)
-    return order
 
 
 def uniform_layers(count: int, layers: int) -> list[int]:
@@ -132,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     if "recall" in wanted:
         texts = load_texts(args.recall_data)
         calibration = pack_token_sequences(tokenizer, texts, args.seq_len)[: args.recall_rows]
-        order = recall_order(model, calibration, max(args.keep), args.window, args.sinks)
+        order = recall_layer_order(model, [calibration], max(args.keep), window=args.window, sinks=args.sinks)
+        print("recall order", order, flush=True)
     rows = []
     for keep in args.keep:
         choices = {

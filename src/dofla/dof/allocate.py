@@ -17,7 +17,8 @@ The DoF rules (``dof``, ``dof_clip``, ``headwise``) allocate by a measure that s
 
 ``keep_softmax=N`` leaves N converted layers as softmax attention, chosen by ``softmax_choice``
 (:data:`SOFTMAX_CHOICES`: ``dof``, the highest measure; ``uniform``, evenly spaced; ``measured``, the highest
-measured error at the budget).
+measured error at the budget; ``window``, the highest cost of cutting the layer alone to the window;
+``recall``, added greedily by the teacher's recall of spans repeated beyond the window).
 :func:`make_plan` turns an estimate (allocated here), a ready :class:`Allocation` or nothing (rules that
 need no measure, e.g. ``fix``) into a :class:`~dofla.config.ConversionPlan`; every plan dofla makes comes
 from it (``dofla.convert.plan_for`` is its uniform case).
@@ -122,10 +123,12 @@ SOFTMAX_CHOICES: Registry[SoftmaxChoice] = Registry("softmax-layer choice")
 
 
 def register_softmax_choice(name: str):
-    """Function decorator: ``function(layers, count, *, measure, curves, budget, window_cost) -> chosen
-    layers``, the ``count`` layers of ``layers`` that stay softmax (``measure``: one value per model layer;
-    ``curves``: the measured error curves or None; ``window_cost``: per model layer, what cutting that layer
-    alone to the window costs (:func:`dofla.evaluation.window_baseline.window_costs`) or None)."""
+    """Function decorator: ``function(layers, count, *, measure, curves, budget, window_cost, recall_order)
+    -> chosen layers``, the ``count`` layers of ``layers`` that stay softmax (``measure``: one value per model
+    layer; ``curves``: the measured error curves or None; ``window_cost``: per model layer, what cutting that
+    layer alone to the window costs (:func:`dofla.evaluation.window_baseline.window_costs`) or None;
+    ``recall_order``: layers in the order a greedy search for recall beyond the window adds them
+    (:func:`dofla.evaluation.recall.recall_layer_order`) or None)."""
 
     def register(function: SoftmaxChoice) -> SoftmaxChoice:
         SOFTMAX_CHOICES.add(name, function)
@@ -135,20 +138,24 @@ def register_softmax_choice(name: str):
 
 
 @register_softmax_choice("dof")
-def by_measure(layers, count, *, measure, curves, budget, window_cost=None) -> list[int]:
+def by_measure(layers, count, *, measure, curves, budget, window_cost=None, recall_order=None) -> list[int]:
     """The layers with the highest DoF measure (ties: the earlier layer)."""
     return sorted(sorted(layers, key=lambda i: (-measure[i], i))[:count])
 
 
 @register_softmax_choice("uniform")
-def evenly_spaced(layers, count, *, measure, curves, budget, window_cost=None) -> list[int]:
+def evenly_spaced(
+    layers, count, *, measure, curves, budget, window_cost=None, recall_order=None
+) -> list[int]:
     """Evenly spaced through the layers: position (i + 1/2) * n / count of the n layers, i = 0..count-1."""
     layers = sorted(layers)
     return sorted({layers[int((i + 0.5) * len(layers) / count)] for i in range(count)})
 
 
 @register_softmax_choice("measured")
-def by_measured_error(layers, count, *, measure, curves, budget, window_cost=None) -> list[int]:
+def by_measured_error(
+    layers, count, *, measure, curves, budget, window_cost=None, recall_order=None
+) -> list[int]:
     """The layers whose measured error at the budget is highest (restoring them removes the most error)."""
     if curves is None:
         raise DoflaError(
@@ -159,7 +166,9 @@ def by_measured_error(layers, count, *, measure, curves, budget, window_cost=Non
 
 
 @register_softmax_choice("window")
-def by_window_cost(layers, count, *, measure, curves, budget, window_cost=None) -> list[int]:
+def by_window_cost(
+    layers, count, *, measure, curves, budget, window_cost=None, recall_order=None
+) -> list[int]:
     """The layers whose restriction alone to the plan's window (and sinks) costs the model the most KL at
     the calibration length: the layers that most need the whole context (ties: the earlier layer)."""
     if window_cost is None:
@@ -168,6 +177,25 @@ def by_window_cost(layers, count, *, measure, curves, budget, window_cost=None) 
             "window_cost=dofla.evaluation.window_baseline.window_costs(...) to make_plan."
         )
     return sorted(sorted(layers, key=lambda i: (-window_cost[i], i))[:count])
+
+
+@register_softmax_choice("recall")
+def by_recall(layers, count, *, measure, curves, budget, window_cost=None, recall_order=None) -> list[int]:
+    """The first ``count`` layers of the greedy recall order: kept as full softmax one at a time, each the
+    layer that most lowers the window-restricted teacher's loss on spans repeated beyond the window, given
+    those already kept (layers that together carry recall, which single-layer scores miss)."""
+    if recall_order is None:
+        raise DoflaError(
+            "the recall softmax-layer choice needs the greedy recall order: use dof.measure_and_plan, or give "
+            "recall_order=[layer for layer, _ in dofla.evaluation.recall.recall_layer_order(...)] to make_plan."
+        )
+    chosen = [int(layer) for layer in recall_order if int(layer) in set(layers)][:count]
+    if len(chosen) < count:
+        raise DoflaError(
+            f"the recall order has {len(chosen)} of the converted layers, fewer than the {count} to keep as "
+            "softmax; measure it for at least that many."
+        )
+    return sorted(chosen)
 
 
 def largest_remainder(shares: Sequence[float], total: int, minimum: int, maximum: int | None) -> list[int]:
@@ -340,6 +368,7 @@ def allocate_feature_dims(
     softmax_choice: str | None = None,
     curves: ErrorCurves | None = None,
     window_cost: Sequence[float] | None = None,
+    recall_order: Sequence[int] | None = None,
 ) -> Allocation:
     """Feature dimensions per layer (and per head for ``headwise``) with mean ``budget`` over converted layers.
 
@@ -348,7 +377,8 @@ def allocate_feature_dims(
     that spread features unevenly honour it); keep_softmax: that many of the layers stay softmax, chosen by
     ``softmax_choice`` (:data:`SOFTMAX_CHOICES`; default ``measured`` when ``curves`` are given, else ``dof``);
     curves: measured error curves (:mod:`dofla.dof.error_curves`) for ``measured`` rules and choices;
-    window_cost: per layer, the cost of cutting it alone to the window, for the ``window`` choice.
+    window_cost: per layer, the cost of cutting it alone to the window, for the ``window`` choice;
+    recall_order: the greedy recall order of layers, for the ``recall`` choice.
     """
     rule = ALLOCATIONS[variant]
     choice = SOFTMAX_CHOICES[softmax_choice or ("measured" if curves is not None else "dof")]
@@ -385,6 +415,7 @@ def allocate_feature_dims(
             curves=curves,
             budget=budget,
             window_cost=None if window_cost is None else list(window_cost),
+            recall_order=None if recall_order is None else list(recall_order),
         )
         if keep_softmax
         else []
@@ -485,6 +516,7 @@ def make_plan(
     softmax_choice: str | None = None,
     curves: ErrorCurves | None = None,
     window_cost: Sequence[float] | None = None,
+    recall_order: Sequence[int] | None = None,
 ) -> ConversionPlan:
     """The conversion plan for ``model``: from a DoF estimate (allocated here by ``variant``), a ready
     allocation, or nothing (a ``variant`` that needs no measure, e.g. ``fix``).
@@ -492,8 +524,9 @@ def make_plan(
     layers: the layers to convert (default all); options: the feature map's own options; cell and sinks: the
     student cell (:mod:`dofla.cells`) and its attention-sink tokens; ``metadata`` is merged into what the
     plan records about its allocation. maximum, keep_softmax, softmax_choice, curves (measured error
-    curves, for ``variant="measured"`` and ``softmax_choice="measured"``) and window_cost (for
-    ``softmax_choice="window"``): see :func:`allocate_feature_dims`.
+    curves, for ``variant="measured"`` and ``softmax_choice="measured"``), window_cost (for
+    ``softmax_choice="window"``) and recall_order (for ``softmax_choice="recall"``): see
+    :func:`allocate_feature_dims`.
     """
     from dofla.models import get_adapter
 
@@ -539,12 +572,15 @@ def make_plan(
             softmax_choice=softmax_choice,
             curves=curves,
             window_cost=window_cost,
+            recall_order=recall_order,
         )
         if keep_softmax:
             recorded.update(keep_softmax=keep_softmax, softmax_layers=list(allocation.softmax_layers))
             recorded["softmax_choice"] = softmax_choice or ("measured" if curves is not None else "dof")
             if recorded["softmax_choice"] == "window":
                 recorded["window_cost"] = [round(float(value), 6) for value in window_cost]
+            if recorded["softmax_choice"] == "recall":
+                recorded["recall_order"] = [int(layer) for layer in recall_order]
         if variant == "measured" and curves is not None:
             gain = predicted_gain_over_fix(curves, allocation.layer_dims, budget)
             recorded["predicted_error_reduction_vs_fix"] = gain
@@ -602,7 +638,9 @@ def measure_and_plan(
     when the allocation needs a measure (a measure-free allocation such as ``fix`` runs no teacher forward).
     ``plan_options``: :func:`make_plan`'s keyword arguments (budget, kind, feature_map, window, layers, ...).
 
-    For ``softmax_choice="window"`` each layer's window cost (the KL of cutting it alone to the plan's window
+    For ``softmax_choice="recall"`` the greedy recall order
+    (:func:`~dofla.evaluation.recall.recall_layer_order`) is measured on the batches first, up to
+    ``keep_softmax`` layers. For ``softmax_choice="window"`` each layer's window cost (the KL of cutting it alone to the plan's window
     and sinks, :func:`~dofla.evaluation.window_baseline.window_costs`) is measured on the batches first, so
     measure at the length the model must serve. Error curves (:mod:`dofla.dof.error_curves`) are measured on
     the same batches when the allocation or the softmax-layer choice needs them, with the planned student
@@ -629,6 +667,22 @@ def measure_and_plan(
             sinks=plan_options.get("sinks", 0),
             layers=plan_options.get("layers"),
         )
+    if (
+        plan_options.get("keep_softmax", 0)
+        and choice == "recall"
+        and plan_options.get("recall_order") is None
+    ):
+        from dofla.evaluation.recall import recall_layer_order
+
+        order = recall_layer_order(
+            model,
+            batches,
+            plan_options["keep_softmax"],
+            window=plan_options.get("window", 64),
+            sinks=plan_options.get("sinks", 0),
+            layers=plan_options.get("layers"),
+        )
+        plan_options["recall_order"] = [layer for layer, _ in order]
     measured = None
     if rule.needs_measure or (
         plan_options.get("keep_softmax", 0)

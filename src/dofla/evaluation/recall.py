@@ -117,6 +117,60 @@ def recall_beyond_window(
     }
 
 
+@torch.no_grad()
+def recall_layer_order(
+    model: torch.nn.Module,
+    batches: Sequence[torch.Tensor],
+    count: int,
+    *,
+    window: int,
+    sinks: int = 0,
+    layers: Sequence[int] | None = None,
+    seed: int = RECALL_SEED,
+) -> list[tuple[int, float]]:
+    """Which layers a hybrid should keep as full softmax for recall beyond the window, greedily.
+
+    Every layer of ``layers`` (default all) is restricted to the last ``window`` keys plus ``sinks`` first
+    ones except those kept; one at a time, the layer kept next is the one whose full softmax most lowers the
+    loss on the repeated tokens of the batches (B, T) (each row repeating one span beyond the window, as
+    :func:`recall_beyond_window` scores), given those kept before. Returns ``count`` (layer, loss once it is
+    kept) pairs in that order. Layers that recall only together (an induction circuit spread over layers)
+    are found this way where one-layer-at-a-time scores miss them. Costs ``count`` x ``len(layers)`` forwards
+    of the batches.
+    """
+    from dofla.evaluation.logits import final_hidden_states
+    from dofla.evaluation.window_baseline import window_restricted
+    from dofla.models import get_adapter
+
+    candidates = (
+        list(range(len(list(get_adapter(model).attention_modules(model)))))
+        if layers is None
+        else sorted({int(layer) for layer in layers})
+    )
+    if not 0 < count <= len(candidates):
+        raise DoflaError(f"the recall order can keep 1 to {len(candidates)} layers, got {count}.")
+    device = next(model.parameters()).device
+    repeated = [repeated_rows(batch.cpu(), window, seed) for batch in batches]
+
+    def loss_with(kept: list[int]) -> float:
+        restricted = [layer for layer in candidates if layer not in kept]
+        total, tokens = 0.0, 0
+        with window_restricted(model, window, sinks, layers=restricted):
+            for rows, scored in repeated:
+                hidden = final_hidden_states(model, rows.to(device))
+                loss, _, scored_tokens = _row_scores(model, hidden, scored, 0)
+                total, tokens = total + loss, tokens + scored_tokens
+        return total / max(tokens, 1)
+
+    order: list[tuple[int, float]] = []
+    for _ in range(count):
+        kept = [layer for layer, _ in order]
+        losses = {layer: loss_with(kept + [layer]) for layer in candidates if layer not in kept}
+        best = min(losses, key=lambda layer: (losses[layer], layer))
+        order.append((best, losses[best]))
+    return order
+
+
 def recall_markdown(results: Sequence[dict], heading: str = "## Recall beyond the window") -> str:
     """A table per length: loss, perplexity and top-1 accuracy on the repeated tokens, and the share kept."""
     if not results:
