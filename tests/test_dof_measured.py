@@ -199,3 +199,47 @@ def test_window_choice_keeps_the_layers_whose_window_costs_most_and_the_plan_rec
     assert plan.metadata["softmax_choice"] == "window"
     assert plan.metadata["softmax_layers"] == [max(range(2), key=lambda layer: measured[layer])]
     assert [layer.kind for layer in plan.layers].count("softmax") == 1
+
+
+def test_recall_choice_keeps_the_first_layers_of_the_recall_order_and_the_plan_records_it():
+    kept = dof.allocate_feature_dims(
+        [0.0] * 5, budget=8, variant="fix", keep_softmax=2, softmax_choice="recall", recall_order=[3, 0, 4]
+    )
+    assert kept.softmax_layers == [0, 3] and kept.layer_dims == [0, 8, 8, 0, 8]
+    among = dof.allocate_feature_dims(
+        [0.0] * 5,
+        budget=8,
+        variant="fix",
+        keep_softmax=1,
+        softmax_choice="recall",
+        recall_order=[3, 0],
+        layers=[0, 1, 2],
+    )
+    assert among.softmax_layers == [0]  # the first of the order among the layers given
+    with pytest.raises(DoflaError, match="needs the greedy recall order"):
+        dof.allocate_feature_dims([0.0] * 5, budget=8, variant="fix", keep_softmax=1, softmax_choice="recall")
+    with pytest.raises(DoflaError, match="fewer than the 2 to keep"):
+        dof.allocate_feature_dims(
+            [0.0] * 5, budget=8, variant="fix", keep_softmax=2, softmax_choice="recall", recall_order=[1]
+        )
+
+    model = small_llama()
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(3, 64, (2, 40), generator=generator) for _ in range(2)]
+    plan = dof.measure_and_plan(
+        model,
+        batches,
+        variant="fix",
+        budget=4,
+        kind="hybrid",
+        window=4,
+        sinks=1,
+        keep_softmax=1,
+        softmax_choice="recall",
+    )
+    from dofla.evaluation.recall import recall_layer_order
+
+    order = recall_layer_order(model, batches, 1, window=4, sinks=1)
+    assert plan.metadata["recall_order"] == [order[0][0]]
+    assert plan.metadata["softmax_layers"] == [order[0][0]] and plan.metadata["softmax_choice"] == "recall"
+    assert [layer.kind for layer in plan.layers].count("softmax") == 1

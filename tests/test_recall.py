@@ -84,3 +84,38 @@ def test_recall_refuses_rows_too_short_or_outside_the_vocabulary():
         recall_beyond_window(teacher, None, _sequences(2, 66), window=64)
     with pytest.raises(DoflaError, match="outside the teacher's vocabulary"):
         recall_beyond_window(teacher, None, _sequences(2, 64, vocabulary=10_000), window=4)
+
+
+def _recall_loss(model, batches, window, sinks, restricted):
+    """Token-weighted loss on the batches' repeated tokens with ``restricted`` cut to the window."""
+    total, tokens = 0.0, 0
+    for batch in batches:
+        rows, scored = repeated_rows(batch, window=window)
+        with torch.no_grad(), window_restricted(model, window, sinks, layers=restricted):
+            loss, _ = _reference(model, rows, scored)
+        count = sum(len(targets) for _, _, targets in scored)
+        total, tokens = total + loss * count, tokens + count
+    return total / tokens
+
+
+def test_recall_layer_order_keeps_greedily_and_ends_at_the_teachers_own_recall():
+    from dofla.evaluation.recall import recall_layer_order
+    from dofla.models import build_tiny_model
+
+    model = build_tiny_model("llama", vocab_size=64, num_hidden_layers=3, seed=2).eval()
+    batches = [_sequences(2, 64, seed=seed) for seed in (5, 6)]
+    order = recall_layer_order(model, batches, 3, window=4, sinks=1)
+    assert sorted(layer for layer, _ in order) == [0, 1, 2]
+    alone = {
+        layer: _recall_loss(model, batches, 4, 1, [o for o in range(3) if o != layer]) for layer in range(3)
+    }
+    assert order[0][0] == min(alone, key=lambda layer: (alone[layer], layer))
+    assert order[0][1] == pytest.approx(alone[order[0][0]], rel=1e-4)
+    second = [layer for layer, _ in order[:2]]
+    restricted = [layer for layer in range(3) if layer not in second]
+    assert order[1][1] == pytest.approx(_recall_loss(model, batches, 4, 1, restricted), rel=1e-4)
+    assert order[2][1] == pytest.approx(_recall_loss(model, batches, 4, 1, []), rel=1e-4)  # nothing cut
+    only = recall_layer_order(model, batches, 1, window=4, sinks=1, layers=[1, 2])
+    assert only[0][0] in (1, 2)
+    with pytest.raises(DoflaError, match="the recall order can keep 1 to 2 layers"):
+        recall_layer_order(model, batches, 3, window=4, layers=[1, 2])
