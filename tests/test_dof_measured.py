@@ -159,6 +159,26 @@ def test_measured_plan_records_its_predicted_gain_and_warns_when_it_is_small():
         dof.make_plan(model, budget=8, variant="measured", curves=flat)
 
 
+def one_softmax_layer_plan(choice: str):
+    """A small Llama, two calibration batches and its hybrid plan (window 4 + 1 sink) keeping one softmax
+    layer chosen by ``choice``: (model, batches, plan)."""
+    model = small_llama()
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(3, 64, (2, 40), generator=generator) for _ in range(2)]
+    plan = dof.measure_and_plan(
+        model,
+        batches,
+        variant="fix",
+        budget=4,
+        kind="hybrid",
+        window=4,
+        sinks=1,
+        keep_softmax=1,
+        softmax_choice=choice,
+    )
+    return model, batches, plan
+
+
 def test_window_choice_keeps_the_layers_whose_window_costs_most_and_the_plan_records_the_costs():
     costs = [0.1, 0.5, 0.05, 0.5, 0.2]
     kept = dof.allocate_feature_dims(
@@ -178,20 +198,7 @@ def test_window_choice_keeps_the_layers_whose_window_costs_most_and_the_plan_rec
     with pytest.raises(DoflaError, match="the window softmax-layer choice needs each layer's window cost"):
         dof.allocate_feature_dims([0.0] * 5, budget=8, variant="fix", keep_softmax=1, softmax_choice="window")
 
-    model = small_llama()
-    generator = torch.Generator().manual_seed(0)
-    batches = [torch.randint(3, 64, (2, 40), generator=generator) for _ in range(2)]
-    plan = dof.measure_and_plan(
-        model,
-        batches,
-        variant="fix",
-        budget=4,
-        kind="hybrid",
-        window=4,
-        sinks=1,
-        keep_softmax=1,
-        softmax_choice="window",
-    )
+    model, batches, plan = one_softmax_layer_plan("window")
     from dofla.evaluation.window_baseline import window_costs
 
     measured = window_costs(model, batches, window=4, sinks=1)
@@ -223,20 +230,7 @@ def test_recall_choice_keeps_the_first_layers_of_the_recall_order_and_the_plan_r
             [0.0] * 5, budget=8, variant="fix", keep_softmax=2, softmax_choice="recall", recall_order=[1]
         )
 
-    model = small_llama()
-    generator = torch.Generator().manual_seed(0)
-    batches = [torch.randint(3, 64, (2, 40), generator=generator) for _ in range(2)]
-    plan = dof.measure_and_plan(
-        model,
-        batches,
-        variant="fix",
-        budget=4,
-        kind="hybrid",
-        window=4,
-        sinks=1,
-        keep_softmax=1,
-        softmax_choice="recall",
-    )
+    model, batches, plan = one_softmax_layer_plan("recall")
     from dofla.evaluation.recall import recall_layer_order
 
     order = recall_layer_order(model, batches, 1, window=4, sinks=1)
