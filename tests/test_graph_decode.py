@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from dofla.convert import convert, plan_for
+from dofla.convert import convert, plan_for, students
 from dofla.errors import DoflaError
 from dofla.evaluation.speed import prefill
 from dofla.graph_decode import CapturedDecoder, generate_greedy
@@ -25,9 +25,11 @@ PLANS = {
 }
 
 
-def converted(family: str, cell: str, dtype=torch.float32, device="cpu"):
+def converted(family: str, cell: str, dtype=torch.float32, device="cpu", kind="linear"):
+    """A tiny model of ``family`` converted to ``cell`` (hybrid: window 4 + 2 sinks)."""
     model = build_tiny_model(family, seed=0)
-    convert(model, plan_for(model, kind="linear", feature_dim=8, **PLANS[cell]))
+    window = dict(window=4, sinks=2) if kind == "hybrid" else {}
+    convert(model, plan_for(model, kind=kind, feature_dim=8, **window, **PLANS[cell]))
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -42,10 +44,16 @@ def eager_decode(model, prompt: torch.Tensor, steps: int) -> tuple[list[torch.Te
     return logits, cache
 
 
-def frozen_decode(model, prompt: torch.Tensor, steps: int, graph: bool):
+def frozen_decode(model, prompt: torch.Tensor, steps: int, graph: bool, eager_steps: int = 0):
+    """Decoding through a CapturedDecoder (after ``eager_steps`` ordinary steps): the logits of every step."""
     cache = DynamicCache(config=model.config)
     logits = [prefill(model, prompt, cache)]
-    decoder = CapturedDecoder(model, cache, prompt.shape[0], prompt.shape[1], graph=graph)
+    with torch.no_grad():
+        for _ in range(eager_steps):
+            token = logits[-1].argmax(-1, keepdim=True)
+            logits.append(model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1])
+    steps -= eager_steps
+    decoder = CapturedDecoder(model, cache, prompt.shape[0], prompt.shape[1] + eager_steps, graph=graph)
     for _ in range(steps):
         logits.append(decoder.step(logits[-1].argmax(-1, keepdim=True)).clone())
     decoder.finish()
@@ -58,10 +66,11 @@ def prompt_of(batch: int = 2, length: int = 11, device="cpu") -> torch.Tensor:
     )
 
 
+@pytest.mark.parametrize("kind", ["linear", "hybrid"])
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2"])
 @pytest.mark.parametrize("cell", PLANS)
-def test_the_frozen_step_gives_ordinary_decodings_logits_and_the_cache_continues(family, cell):
-    model = converted(family, cell)
+def test_the_frozen_step_gives_ordinary_decodings_logits_and_the_cache_continues(family, cell, kind):
+    model = converted(family, cell, kind=kind)
     prompt = prompt_of()
     expected, expected_cache = eager_decode(model, prompt, steps=6)
     got, cache = frozen_decode(model, prompt, steps=6, graph=False)
@@ -74,7 +83,8 @@ def test_the_frozen_step_gives_ordinary_decodings_logits_and_the_cache_continues
         self_attention_cache(cache).layers, self_attention_cache(expected_cache).layers, strict=True
     ):
         assert layer.num_tokens == reference.num_tokens == prompt.shape[1] + 6
-        for actual, wanted in zip(layer.state._tensors(), reference.state._tensors(), strict=True):
+        states = (layer.state.general_layout(), reference.state.general_layout())  # ordinary steps: a ring
+        for actual, wanted in zip(*(state._tensors() for state in states), strict=True):
             torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-6)
     token = expected[-1].argmax(-1, keepdim=True)
     with torch.no_grad():
@@ -83,13 +93,26 @@ def test_the_frozen_step_gives_ordinary_decodings_logits_and_the_cache_continues
     torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-5)
 
 
-def test_the_frozen_step_in_bfloat16_follows_ordinary_decoding():
-    model = converted("llama", "gated_delta", dtype=torch.bfloat16)
+@pytest.mark.parametrize("kind", ["linear", "hybrid"])
+def test_the_frozen_step_in_bfloat16_follows_ordinary_decoding(kind):
+    model = converted("llama", "gated_delta", dtype=torch.bfloat16, kind=kind)
     prompt = prompt_of()
     expected, _ = eager_decode(model, prompt, steps=4)
     got, _ = frozen_decode(model, prompt, steps=4, graph=False)
     for actual, reference in zip(got, expected, strict=True):
         torch.testing.assert_close(actual.float(), reference.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cell", PLANS)
+def test_a_window_decoded_by_its_ring_step_first_continues_under_the_decoder(cell):
+    """Ordinary steps leave a window's state in its ring layout; the decoder puts it back in order."""
+    model = converted("llama", cell, kind="hybrid")
+    prompt = prompt_of()
+    expected, _ = eager_decode(model, prompt, steps=6)
+    got, _ = frozen_decode(model, prompt, steps=6, graph=False, eager_steps=2)
+    for step, (actual, reference) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(actual, reference, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    assert not any(student.graph_step for student in students(model).values())  # finish() restored them
 
 
 def test_generate_greedy_continues_the_prompt_as_greedy_decoding_does():
@@ -101,12 +124,12 @@ def test_generate_greedy_continues_the_prompt_as_greedy_decoding_does():
 
 
 def test_models_a_graph_cannot_hold_are_refused_with_the_reason():
-    model = build_tiny_model("llama", seed=0)
-    convert(model, plan_for(model, kind="hybrid", feature_map="hedgehog", feature_dim=8, window=4))
+    model = converted("llama", "gated_delta", kind="hybrid")
     cache = DynamicCache(config=model.config)
-    prefill(model.eval(), prompt_of(), cache)
-    with pytest.raises(DoflaError, match="sliding window"):
-        CapturedDecoder(model, cache, 2, 11, graph=False)
+    prefill(model, prompt_of(length=3), cache)  # shorter than the window: its state still grows
+    decoder = CapturedDecoder(model, cache, 2, 3, graph=False)
+    with pytest.raises(DoflaError, match="a window still filling"):
+        decoder.step(torch.zeros(2, 1, dtype=torch.long))
     partly = build_tiny_model("llama", seed=0)
     convert(partly, plan_for(partly, kind="linear", feature_map="hedgehog", feature_dim=8, layers=[0]))
     cache = DynamicCache(config=partly.config)
@@ -124,10 +147,11 @@ def test_models_a_graph_cannot_hold_are_refused_with_the_reason():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["linear", "hybrid"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cell", PLANS)
-def test_the_captured_graph_replays_the_eager_step_on_gpu(cell, dtype):
-    model = converted("llama", cell, dtype=dtype, device="cuda")
+def test_the_captured_graph_replays_the_eager_step_on_gpu(cell, dtype, kind):
+    model = converted("llama", cell, dtype=dtype, device="cuda", kind=kind)
     prompt = prompt_of(device="cuda")
     expected, _ = frozen_decode(model, prompt, steps=8, graph=False)
     got, _ = frozen_decode(model, prompt, steps=8, graph=True)

@@ -119,6 +119,7 @@ class LinearAttention(nn.Module):
         chunk_size = options.pop("chunk_size", None)  # None: chosen per op and length (CHUNK_SIZES)
         self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.decode_tokens = int(options.pop("decode_tokens", DEFAULT_DECODE_TOKENS))
+        self.graph_step = False  # set by dofla.graph_decode while a step is captured or replayed
         self.cell_options = {name: options.pop(name) for name in self.CELL_OPTIONS if name in options}
         self.sinks = int(plan.sinks)
         if plan.feature_map in FEATURE_MAPS and "seed" not in options:
@@ -339,7 +340,10 @@ class LinearAttention(nn.Module):
         scaling = self.scaling if scaling is None else float(scaling)
         cache_layer = self.take_cache_layer()
         state = None if cache_layer is None else cache_layer.state
-        fast_step = form is None and state is not None and length == 1  # a decoding step, see _decode_step
+        # a decoding step, see _decode_step; under graph decoding a window's ring step (whose write position
+        # lives in Python) gives way to the general recurrent form (dofla.graph_decode)
+        fast_step = form is None and state is not None and length == 1
+        fast_step = fast_step and not (self.graph_step and self.kind == "hybrid")
         if form is None:
             form = "recurrent" if state is not None and length <= self.decode_tokens else "chunked"
         if form == "naive" and state is not None:

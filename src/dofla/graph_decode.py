@@ -7,12 +7,13 @@ once as a CUDA graph and replayed: the states are static buffers that the step r
 writes its new states back into; the token and its position are static inputs (the position advances
 inside the graph).
 
-What it needs: every attention layer converted with kind ``linear`` (a window's ring buffer keeps its
-write position in Python, which a graph would freeze) and a cache holding their states (after a prefill).
-The Python part of the model's step (the cache's token counters, mask sizes) runs once, at capture; a
-layer's step reads nothing of it, which the CPU tests check by replaying the step with that Python state
-frozen as a graph freezes it (:class:`CapturedDecoder` with ``graph=False``). Off CUDA the decoder runs
-that same frozen step eagerly.
+What it needs: every attention layer converted and a cache holding their states (after a prefill; with a
+window, a prompt at least as long as the window, so the window's state has its final size). Layers with a
+window decode in their general recurrent form here (``LinearAttention.graph_step``): their ring-buffer step
+keeps its write position in Python, which a graph would freeze. The Python part of the model's step (the
+cache's token counters, mask sizes) runs once, at capture; a layer's step reads nothing of it, which the
+CPU tests check by replaying the step with that Python state frozen as a graph freezes it
+(:class:`CapturedDecoder` with ``graph=False``). Off CUDA the decoder runs that same frozen step eagerly.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _advanced(state, steps: int):
 
 def check_graph_decodable(model) -> list:
     """The converted layers in order, after checking that a decoding step of ``model`` can be captured: every
-    attention layer converted, none with a window. A DoflaError says what is not and what to do."""
+    attention layer converted. A DoflaError says what is not and what to do."""
     from dofla.convert import students
 
     modules = [module for _, module in sorted(students(model).items())]
@@ -55,12 +56,6 @@ def check_graph_decodable(model) -> list:
             f"graph decoding needs every attention layer converted ({len(modules)} of "
             f"{config.num_hidden_layers} are); decode without a graph."
         )
-    for module in modules:
-        if module.kind != "linear":
-            raise DoflaError(
-                f"layer {module.layer_index} has a sliding window, whose position a graph would freeze; "
-                "graph decoding needs kind 'linear' in every layer: decode without a graph."
-            )
     return modules
 
 
@@ -90,6 +85,11 @@ class CapturedDecoder:
     def __init__(self, model, cache, batch_size: int, position: int, *, graph: bool | None = None) -> None:
         self.model, self.cache = model, cache
         self.layers = capturable_layers(model, cache)
+        self.students = check_graph_decodable(model)
+        for student in self.students:  # windows step in their general form (see the module docstring)
+            student.graph_step = True
+        for layer in self.layers:  # ring buffers of earlier steps back in order
+            layer.state = layer.state.general_layout()
         device = next(model.parameters()).device
         self.graph_wanted = device.type == "cuda" if graph is None else bool(graph)
         if self.graph_wanted and device.type != "cuda":
@@ -115,7 +115,10 @@ class CapturedDecoder:
         ).logits[:, -1]
         new = [tensor for layer in self.layers for tensor in layer.state._tensors()]
         if [(t.shape, t.dtype) for t in new] != [(t.shape, t.dtype) for t in self.buffers]:
-            raise DoflaError("a decoding step changed the states' layout; decode without a graph.")
+            raise DoflaError(
+                "a decoding step changed the states' layout (a window still filling: prompts shorter than "
+                "the window); decode without a graph, or give a longer prompt."
+            )
         for buffer, value in zip(self.buffers, new, strict=True):
             buffer.copy_(value)
         self.positions.add_(1)
@@ -145,9 +148,12 @@ class CapturedDecoder:
         return self.logits
 
     def finish(self) -> None:
-        """Put the states (the buffers, now current) back into the cache with their token counts."""
+        """Put the states (the buffers, now current) back into the cache with their token counts, and the
+        layers' own decoding steps back in use."""
         for layer, (count, state) in zip(self.layers, self.frozen, strict=True):
             layer.num_tokens, layer.state = count + self.steps, _advanced(state, self.steps)
+        for student in self.students:
+            student.graph_step = False
         self.graph, self.logits = None, None
 
 
