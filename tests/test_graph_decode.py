@@ -46,12 +46,7 @@ def eager_decode(model, prompt: torch.Tensor, steps: int) -> tuple[list[torch.Te
 
 def frozen_decode(model, prompt: torch.Tensor, steps: int, graph: bool, eager_steps: int = 0):
     """Decoding through a CapturedDecoder (after ``eager_steps`` ordinary steps): the logits of every step."""
-    cache = DynamicCache(config=model.config)
-    logits = [prefill(model, prompt, cache)]
-    with torch.no_grad():
-        for _ in range(eager_steps):
-            token = logits[-1].argmax(-1, keepdim=True)
-            logits.append(model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1])
+    logits, cache = eager_decode(model, prompt, eager_steps)
     steps -= eager_steps
     decoder = CapturedDecoder(model, cache, prompt.shape[0], prompt.shape[1] + eager_steps, graph=graph)
     for _ in range(steps):
