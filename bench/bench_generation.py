@@ -161,7 +161,7 @@ def main() -> int:
     parser.add_argument(
         "--graph",
         action="store_true",
-        help="also decode the student through dofla.graph_decode (a CUDA graph on CUDA; every layer linear)",
+        help="also decode the student through dofla.graph_decode (a CUDA graph on CUDA; every layer converted)",
     )
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")

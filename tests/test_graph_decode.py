@@ -139,6 +139,7 @@ def test_models_a_graph_cannot_hold_are_refused_with_the_reason():
         prefill(linear, prompt_of(), cache)
         with pytest.raises(DoflaError, match="CUDA device"):
             CapturedDecoder(linear, cache, 2, 11, graph=True)
+        assert not any(student.graph_step for student in students(linear).values())  # nothing left switched
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -59,17 +59,19 @@ def check_graph_decodable(model) -> list:
     return modules
 
 
-def capturable_layers(model, cache) -> list[RecurrentCacheLayer]:
-    """The cache's layers, after :func:`check_graph_decodable` and checking that each holds its state."""
+def capturable_layers(model, cache) -> tuple[list, list[RecurrentCacheLayer]]:
+    """The converted layers and the cache's layers, in order, after :func:`check_graph_decodable` and
+    checking that each cache layer holds its state."""
     modules = check_graph_decodable(model)
     layers = list(self_attention_cache(cache).layers)
-    for module, layer in zip(modules, layers + [None] * (len(modules) - len(layers)), strict=True):
+    for index, module in enumerate(modules):
+        layer = layers[index] if index < len(layers) else None
         if not isinstance(layer, RecurrentCacheLayer) or layer.state is None:
             raise DoflaError(
                 f"layer {module.layer_index} has no recurrent state in the cache; prefill the prompt with "
                 "this cache before building the decoder."
             )
-    return layers
+    return modules, layers
 
 
 class CapturedDecoder:
@@ -84,16 +86,15 @@ class CapturedDecoder:
 
     def __init__(self, model, cache, batch_size: int, position: int, *, graph: bool | None = None) -> None:
         self.model, self.cache = model, cache
-        self.layers = capturable_layers(model, cache)
-        self.students = check_graph_decodable(model)
-        for student in self.students:  # windows step in their general form (see the module docstring)
-            student.graph_step = True
-        for layer in self.layers:  # ring buffers of earlier steps back in order
-            layer.state = layer.state.general_layout()
+        self.students, self.layers = capturable_layers(model, cache)
         device = next(model.parameters()).device
         self.graph_wanted = device.type == "cuda" if graph is None else bool(graph)
         if self.graph_wanted and device.type != "cuda":
             raise DoflaError("a CUDA graph needs the model on a CUDA device; use graph=False elsewhere.")
+        for student in self.students:  # windows step in their general form (see the module docstring)
+            student.graph_step = True
+        for layer in self.layers:  # ring buffers of earlier steps back in order
+            layer.state = layer.state.general_layout()
         self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.positions = torch.full((batch_size, 1), int(position), dtype=torch.long, device=device)
         # the Python side of the cache as the graph will see it at every replay

@@ -46,8 +46,8 @@ def measure_generation(
 
     The prompt is random token ids (speed and memory do not depend on the text); decoding feeds
     the greedy next token back one step at a time through the model's cache. ``graph``: decode through a
-    :class:`dofla.graph_decode.CapturedDecoder` (a converted model with every layer linear; a CUDA graph on
-    CUDA), its capture timed apart (``capture_seconds``).
+    :class:`dofla.graph_decode.CapturedDecoder` (every layer converted; a CUDA graph on CUDA), its
+    capture timed apart (``capture_seconds``).
     """
     from dofla.graph_decode import CapturedDecoder
 
