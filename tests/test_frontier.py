@@ -110,3 +110,19 @@ def test_the_reference_row_restricts_every_layer():
     assert _own_baseline(kept) == "12.500" and _own_baseline(full) == ""
     kept["window_perplexity"]["window+sinks10"] = 11.0  # the most sinks, not the last name in order
     assert _own_baseline(kept) == "11.000"
+
+
+def test_frontier_keeps_the_layers_the_greedy_recall_order_names(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_order(model, batches, count, *, window, sinks=0, layers=None, seed=0):
+        calls.append((count, window, sinks))
+        return [(0, 2.0), (1, 1.0)][:count]
+
+    monkeypatch.setattr("dofla.evaluation.recall.recall_layer_order", fake_order)
+    config = tiny_grid(
+        tmp_path, softmax_choices=["recall"], allocations=["fix"], softmax_counts=[1], decode_tokens=0
+    )
+    rows = run_frontier(config, progress=False)["rows"]
+    assert [row["softmax_layers"] for row in rows] == [[0]]  # the uniform choice would keep layer 1
+    assert len(calls) == 1 and calls[0][0] == 1  # measured once for the grid, up to its largest K

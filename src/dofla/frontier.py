@@ -139,7 +139,9 @@ def _calibration(linearize_config, teacher, tokenizer, out_dir: Path):
     return data.rows, pipeline.calibration_batches(linearize_config, teacher, data.train), data.source
 
 
-def _softmax_layers(cell: GridCell, num_layers: int, *, curves, measure, window_cost=None) -> list[int]:
+def _softmax_layers(
+    cell: GridCell, num_layers: int, *, curves, measure, window_cost=None, recall_order=None
+) -> list[int]:
     if cell.softmax_count == 0:
         return []
     return dof.SOFTMAX_CHOICES[cell.softmax_choice](
@@ -149,6 +151,7 @@ def _softmax_layers(cell: GridCell, num_layers: int, *, curves, measure, window_
         curves=curves,
         budget=cell.budget,
         window_cost=window_cost,
+        recall_order=recall_order,
     )
 
 
@@ -207,6 +210,16 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
 
         options = plan_options(first)
         window_cost = window_costs(teacher, batches, window=options["window"], sinks=options["sinks"])
+    recall_order = None
+    recall_counts = [c.softmax_count for c in cells if c.softmax_choice == "recall"]
+    if recall_counts:
+        from dofla.evaluation.recall import recall_layer_order
+
+        options = plan_options(first)
+        order = recall_layer_order(
+            teacher, batches, max(recall_counts), window=options["window"], sinks=options["sinks"]
+        )
+        recall_order = [layer for layer, _ in order]
 
     reference_path = out / "teacher_speed.json"
     if config.decode_tokens > 0 and not reference_path.is_file():
@@ -219,7 +232,12 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
         if (cell_dir / "result.json").is_file() and (cell_dir / CELL_RESULT).is_file():
             continue
         softmax = _softmax_layers(
-            cell, facts.num_layers, curves=curves, measure=measure, window_cost=window_cost
+            cell,
+            facts.num_layers,
+            curves=curves,
+            measure=measure,
+            window_cost=window_cost,
+            recall_order=recall_order,
         )
         layers = [index for index in range(facts.num_layers) if index not in softmax] if softmax else None
         linearize_config = cell_config(config, cell, layers)
