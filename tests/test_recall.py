@@ -119,3 +119,30 @@ def test_recall_layer_order_keeps_greedily_and_ends_at_the_teachers_own_recall()
     assert only[0][0] in (1, 2)
     with pytest.raises(DoflaError, match="the recall order can keep 1 to 2 layers"):
         recall_layer_order(model, batches, 3, window=4, layers=[1, 2])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "qwen2"])
+def test_the_order_reusing_each_candidates_lower_layers_equals_the_one_computing_them(family):
+    from dofla.evaluation.recall import recall_layer_order
+    from dofla.models import build_tiny_model, get_adapter
+
+    model = build_tiny_model(family, vocab_size=64, num_hidden_layers=4, seed=3).eval()
+    batches = [_sequences(2, 64, seed=seed) for seed in (7, 8)]
+    first = get_adapter(model).attention_modules(model)[0]  # runs only when its layer computes
+    calls = []
+    handle = first.register_forward_pre_hook(lambda module, inputs: calls.append(1))
+    counted = {}
+    for reuse in (False, True):
+        calls.clear()
+        counted[reuse] = recall_layer_order(model, batches, 3, window=4, sinks=1, reuse_prefix=reuse)
+        counted[f"calls {reuse}"] = len(calls)
+    handle.remove()
+    assert counted[True] == counted[False]  # the same layers and the same losses, to the bit
+    # the first layer runs only where it is the candidate or in the forward of those already kept
+    assert counted["calls True"] < counted["calls False"]
+    subset = recall_layer_order(model, batches, 2, window=4, sinks=1, layers=[1, 3])
+    assert subset == recall_layer_order(
+        model, batches, 2, window=4, sinks=1, layers=[1, 3], reuse_prefix=False
+    )
+    for layer in get_adapter(model).decoder_layers(model):
+        assert "forward" not in vars(layer)  # every layer computes again after the search

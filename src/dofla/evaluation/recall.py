@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -117,6 +119,35 @@ def recall_beyond_window(
     }
 
 
+@contextmanager
+def _replayed(layers: Sequence[torch.nn.Module], outputs: Sequence[object]):
+    """Within this block each of ``layers`` returns its entry of ``outputs`` instead of computing it (the
+    layer object stays in place, so what the model reads from it, e.g. its attention type, is unchanged)."""
+    for layer, output in zip(layers, outputs, strict=True):
+        layer.forward = lambda *args, _output=output, **kwargs: _output
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+@contextmanager
+def _recorded(layers: Sequence[torch.nn.Module]):
+    """Within this block each forward of ``layers`` stores what the layer returned in the yielded list."""
+    outputs: list[object] = [None] * len(layers)
+
+    def store(index, module, inputs, output):
+        outputs[index] = output
+
+    handles = [layer.register_forward_hook(partial(store, index)) for index, layer in enumerate(layers)]
+    try:
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.no_grad()
 def recall_layer_order(
     model: torch.nn.Module,
@@ -127,6 +158,7 @@ def recall_layer_order(
     sinks: int = 0,
     layers: Sequence[int] | None = None,
     seed: int = RECALL_SEED,
+    reuse_prefix: bool = True,
 ) -> list[tuple[int, float]]:
     """Which layers a hybrid should keep as full softmax for recall beyond the window, greedily.
 
@@ -136,14 +168,19 @@ def recall_layer_order(
     :func:`recall_beyond_window` scores), given those kept before. Returns ``count`` (layer, loss once it is
     kept) pairs in that order. Layers that recall only together (an induction circuit spread over layers)
     are found this way where one-layer-at-a-time scores miss them. Costs ``count`` x ``len(layers)`` forwards
-    of the batches.
+    of the batches; with ``reuse_prefix`` (the default) each candidate's forward starts at the candidate's
+    own layer, the layers below it returning what they returned in one forward of those already kept
+    (they see the same inputs under the same restriction), which about halves the work and changes no
+    number (``reuse_prefix=False`` computes every layer every time: the reference).
     """
     from dofla.evaluation.logits import final_hidden_states
     from dofla.evaluation.window_baseline import window_restricted
     from dofla.models import get_adapter
 
+    adapter = get_adapter(model)
+    decoder_layers = adapter.decoder_layers(model)
     candidates = (
-        list(range(len(list(get_adapter(model).attention_modules(model)))))
+        list(range(len(list(adapter.attention_modules(model)))))
         if layers is None
         else sorted({int(layer) for layer in layers})
     )
@@ -152,20 +189,37 @@ def recall_layer_order(
     device = next(model.parameters()).device
     repeated = [repeated_rows(batch.cpu(), window, seed) for batch in batches]
 
-    def loss_with(kept: list[int]) -> float:
-        restricted = [layer for layer in candidates if layer not in kept]
-        total, tokens = 0.0, 0
-        with window_restricted(model, window, sinks, layers=restricted):
-            for rows, scored in repeated:
-                hidden = final_hidden_states(model, rows.to(device))
-                loss, _, scored_tokens = _row_scores(model, hidden, scored, 0)
-                total, tokens = total + loss, tokens + scored_tokens
-        return total / max(tokens, 1)
+    def loss(rows, scored) -> tuple[float, int]:
+        hidden = final_hidden_states(model, rows.to(device))
+        total, _, tokens = _row_scores(model, hidden, scored, 0)
+        return total, tokens
+
+    def losses_given(kept: list[int]) -> dict[int, float]:
+        """Per candidate not in ``kept``: the mean loss with it and ``kept`` at full softmax."""
+        sums = {layer: [0.0, 0] for layer in candidates if layer not in kept}
+        for rows, scored in repeated:
+            outputs = None
+            if reuse_prefix:
+                restricted = [layer for layer in candidates if layer not in kept]
+                with (
+                    window_restricted(model, window, sinks, layers=restricted),
+                    _recorded(decoder_layers) as outputs,
+                ):
+                    final_hidden_states(model, rows.to(device))
+            for layer, entry in sums.items():
+                restricted = [other for other in candidates if other not in kept and other != layer]
+                below = decoder_layers[:layer] if outputs is not None else []
+                with (
+                    window_restricted(model, window, sinks, layers=restricted),
+                    _replayed(below, outputs[: len(below)] if outputs is not None else []),
+                ):
+                    total, tokens = loss(rows, scored)
+                entry[0], entry[1] = entry[0] + total, entry[1] + tokens
+        return {layer: total / max(tokens, 1) for layer, (total, tokens) in sums.items()}
 
     order: list[tuple[int, float]] = []
     for _ in range(count):
-        kept = [layer for layer, _ in order]
-        losses = {layer: loss_with(kept + [layer]) for layer in candidates if layer not in kept}
+        losses = losses_given([layer for layer, _ in order])
         best = min(losses, key=lambda layer: (losses[layer], layer))
         order.append((best, losses[best]))
     return order
