@@ -946,3 +946,25 @@ def test_bench_generation_measures_the_contexts_that_fit_and_says_which_did_not(
         options["kind"] == "linear" and options["cell"] == "gated_delta" and options["options"]["short_conv"]
     )
     assert (args.feature_map, args.feature_dim) == ("projection", 64)
+
+
+def test_bench_generation_times_the_static_cache_teachers_decoding_steps_without_its_prefill(monkeypatch):
+    """--teacher-static: two generations with a static cache (the first compiles on CUDA); the rate counts
+    the times between the second's decoding steps only."""
+    from dofla.models import build_tiny_model
+
+    generation = bench_script("bench_generation")
+    clocks = []
+    original = generation._StepClock
+
+    def clock(device):
+        clocks.append(original(device))
+        return clocks[-1]
+
+    monkeypatch.setattr(generation, "_StepClock", clock)
+    model = build_tiny_model("llama", vocab_size=64, num_hidden_layers=2, seed=0).eval()
+    row = generation.static_teacher_row(model, 40, 2, 5)
+    times = clocks[0].times
+    assert len(times) == 6  # the prefill's end, then one per decoded token
+    assert row["decode_tokens_per_second"] == pytest.approx(2 * 5 / (times[-1] - times[0]))
+    assert row["context"] == 40 and row["compiled"] is False
