@@ -72,30 +72,26 @@ def build_teacher(args: argparse.Namespace) -> torch.nn.Module:
     return load_teacher("smollm2-135m", dtype=args.dtype, device=args.device).model
 
 
-def generation_row(
-    model, context: int, batch_size: int, new_tokens: int, graph: bool = False
-) -> dict | torch.OutOfMemoryError:
-    """``measure_generation``'s row for one context, or the out-of-memory error it raised (the GPU's cached
-    blocks released, so the next context starts clean)."""
+def fitting(measure, *args, **kwargs):
+    """``measure(*args, **kwargs)``, or the out-of-memory error it raised (the GPU's cached blocks released,
+    so the next row starts clean)."""
     try:
-        return measure_generation(
-            model, context_lengths=[context], batch_size=batch_size, new_tokens=new_tokens, graph=graph
-        )[0]
+        return measure(*args, **kwargs)
     except torch.OutOfMemoryError as error:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return error
 
 
-def static_or_none(model, context: int, args) -> dict | None:
-    """``static_teacher_row``, or None (and one line on stderr) where it runs out of memory."""
-    try:
-        return static_teacher_row(model, context, args.batch_size, args.new_tokens)
-    except torch.OutOfMemoryError as error:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        print(f"teacher (static cache) at {context} tokens: out of memory ({error})", file=sys.stderr)
-        return None
+def generation_row(
+    model, context: int, batch_size: int, new_tokens: int, graph: bool = False
+) -> dict | torch.OutOfMemoryError:
+    """``measure_generation``'s row for one context, or the out-of-memory error it raised."""
+    return fitting(
+        lambda: measure_generation(
+            model, context_lengths=[context], batch_size=batch_size, new_tokens=new_tokens, graph=graph
+        )[0]
+    )
 
 
 def warm_up(model, contexts: list[int], args, graph: bool = False) -> None:
@@ -105,12 +101,17 @@ def warm_up(model, contexts: list[int], args, graph: bool = False) -> None:
         generation_row(model, context, args.batch_size, 2, graph)
 
 
-def measure_rows(model, contexts: list[int], args, who: str, graph: bool = False) -> list[dict | None]:
-    """``measure_generation`` one context at a time: a context that does not fit in memory gives None (and one
-    line on stderr) and the others are still measured."""
+def measure_rows(
+    model, contexts: list[int], args, who: str, graph: bool = False, static: bool = False
+) -> list[dict | None]:
+    """``measure_generation`` (``static``: ``static_teacher_row``) one context at a time: a context that does
+    not fit in memory gives None (and one line on stderr) and the others are still measured."""
     rows = []
     for context in contexts:
-        row = generation_row(model, context, args.batch_size, args.new_tokens, graph)
+        if static:
+            row = fitting(static_teacher_row, model, context, args.batch_size, args.new_tokens)
+        else:
+            row = generation_row(model, context, args.batch_size, args.new_tokens, graph)
         if isinstance(row, torch.OutOfMemoryError):
             print(
                 f"{who} at {context} tokens, batch {args.batch_size}: out of memory ({row})", file=sys.stderr
@@ -237,7 +238,7 @@ def main() -> int:
     teacher_rows = measure_rows(model, contexts, args, "teacher")
     static_rows = [None] * len(contexts)
     if args.teacher_static:
-        static_rows = [static_or_none(model, context, args) for context in contexts]
+        static_rows = measure_rows(model, contexts, args, "teacher (static cache)", static=True)
     plan = plan_for(model, feature_map=args.feature_map, feature_dim=args.feature_dim, **plan_options)
     convert(model, plan)
     model.to(device=args.device, dtype=getattr(torch, args.dtype))

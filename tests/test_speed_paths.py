@@ -940,6 +940,16 @@ def test_bench_generation_measures_the_contexts_that_fit_and_says_which_did_not(
     ]
     assert "teacher at 4096 tokens, batch 2: out of memory" in capsys.readouterr().err
     assert generation.measure_rows(None, [64], args, "student", graph=True)[0]["graph"] is True
+
+    def static(model, context, batch_size, new_tokens):
+        if context > 100:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB")
+        return {"context": context, "static": True}
+
+    monkeypatch.setattr(generation, "static_teacher_row", static)
+    rows = generation.measure_rows(None, [64, 4096], args, "teacher (static cache)", static=True)
+    assert rows == [{"context": 64, "static": True}, None]
+    assert "teacher (static cache) at 4096 tokens, batch 2: out of memory" in capsys.readouterr().err
     args = argparse.Namespace(recipe="gated-delta-linear", feature_map="learnable_prf", feature_dim=32)
     options = generation.recipe_plan_options(args)
     assert (

@@ -204,18 +204,17 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
             teacher, batches, num_points=first.plan.dof_points, measure=first.plan.measure
         )
         measure = estimate.layer_measure()
+    options = plan_options(first)  # the window and sinks the restricted teacher is measured with
     window_cost = None
     if any(c.softmax_choice == "window" for c in cells):
         from dofla.evaluation.window_baseline import window_costs
 
-        options = plan_options(first)
         window_cost = window_costs(teacher, batches, window=options["window"], sinks=options["sinks"])
     recall_order = None
     recall_counts = [c.softmax_count for c in cells if c.softmax_choice == "recall"]
     if recall_counts:
         from dofla.evaluation.recall import recall_layer_order
 
-        options = plan_options(first)
         order = recall_layer_order(
             teacher, batches, max(recall_counts), window=options["window"], sinks=options["sinks"]
         )

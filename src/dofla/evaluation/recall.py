@@ -198,7 +198,7 @@ def recall_layer_order(
         """Per candidate not in ``kept``: the mean loss with it and ``kept`` at full softmax."""
         sums = {layer: [0.0, 0] for layer in candidates if layer not in kept}
         for rows, scored in repeated:
-            outputs = None
+            outputs: list[object] = []  # per decoder layer, what it returned with only ``kept`` full
             if reuse_prefix:
                 restricted = [layer for layer in candidates if layer not in kept]
                 with (
@@ -208,10 +208,10 @@ def recall_layer_order(
                     final_hidden_states(model, rows.to(device))
             for layer, entry in sums.items():
                 restricted = [other for other in candidates if other not in kept and other != layer]
-                below = decoder_layers[:layer] if outputs is not None else []
+                below = decoder_layers[:layer] if reuse_prefix else []
                 with (
                     window_restricted(model, window, sinks, layers=restricted),
-                    _replayed(below, outputs[: len(below)] if outputs is not None else []),
+                    _replayed(below, outputs[: len(below)]),
                 ):
                     total, tokens = loss(rows, scored)
                 entry[0], entry[1] = entry[0] + total, entry[1] + tokens
