@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from dofla.convert import convert, plan_for
-from dofla.evaluation.speed import measure_generation
+from dofla.evaluation.speed import measure_generation, random_prompt
 from dofla.recipes import RECIPES
 
 LLAMA_SIZES = (
@@ -142,9 +142,7 @@ def static_teacher_row(model, context: int, batch_size: int, new_tokens: int) ->
     from transformers import LogitsProcessorList
 
     device = next(model.parameters()).device
-    vocab = int(model.config.get_text_config().vocab_size)
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (batch_size, context), generator=generator).to(device)
+    prompt = random_prompt(model, batch_size, context, torch.Generator().manual_seed(0))
     clock = _StepClock(device)
     options = dict(
         max_new_tokens=new_tokens + 1,
@@ -176,8 +174,7 @@ def profile_prefill(model, context: int, args, top: int = 15) -> str:
 
     device = next(model.parameters()).device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    vocab = int(model.config.get_text_config().vocab_size)
-    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(1)).to(device)
+    prompt = random_prompt(model, 1, context, torch.Generator().manual_seed(1))
     with torch.no_grad(), profile(activities=activities) as profiler:
         prefill(model, prompt, DynamicCache(config=model.config))
         if device.type == "cuda":

@@ -32,6 +32,14 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def random_prompt(model, batch_size: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """(batch_size, length) random token ids of the model's vocabulary on its device (speed and memory do
+    not depend on the text)."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    prompt = torch.randint(0, vocab, (batch_size, length), generator=generator)
+    return prompt.to(next(model.parameters()).device)
+
+
 @torch.no_grad()
 def measure_generation(
     model,
@@ -52,12 +60,11 @@ def measure_generation(
     from dofla.graph_decode import CapturedDecoder
 
     device = next(model.parameters()).device
-    vocab = int(model.config.get_text_config().vocab_size)
     generator = torch.Generator().manual_seed(seed)
     rows = []
     model.eval()
     for context in context_lengths:
-        prompt = torch.randint(0, vocab, (batch_size, context), generator=generator).to(device)
+        prompt = random_prompt(model, batch_size, context, generator)
         cache = DynamicCache(config=model.config)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -218,10 +225,8 @@ def student_cache_at(model, batch_size: int, context: int, fill_tokens: int, see
     """
     from dofla.cache import RecurrentCacheLayer, self_attention_cache
 
-    device = next(model.parameters()).device
-    vocab = int(model.config.get_text_config().vocab_size)
-    generator = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, vocab, (batch_size, fill_tokens), generator=generator).to(device)
+    generator = torch.Generator().manual_seed(seed)  # the prompt, then the softmax layers' filler
+    prompt = random_prompt(model, batch_size, fill_tokens, generator)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=prompt, past_key_values=cache, use_cache=True, **_keep_last(model))
@@ -270,9 +275,7 @@ def time_prefill(
     """One prefill of ``context`` random tokens (in pieces of ``chunk_size``, see :func:`prefill`): seconds,
     tokens/s and the cache bytes it leaves."""
     device = next(model.parameters()).device
-    vocab = int(model.config.get_text_config().vocab_size)
-    generator = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, vocab, (batch_size, context), generator=generator).to(device)
+    prompt = random_prompt(model, batch_size, context, torch.Generator().manual_seed(seed))
     cache = DynamicCache(config=model.config)
     _synchronize(device)
     start = time.perf_counter()
