@@ -2,12 +2,15 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from dofla.data import (
+    NEEDLE_NAMES,
+    insert_needles,
     load_texts,
     pack_token_sequences,
     repeat_spans,
@@ -182,3 +185,36 @@ def test_repeat_spans_refuse_rows_too_short_for_the_gap():
         repeat_spans(torch.zeros(4, 66, dtype=torch.long), 0.5, gap=64)
     with pytest.raises(DoflaError, match=r"must lie in \[0, 1\], got 1.5"):
         repeat_spans(torch.zeros(4, 256, dtype=torch.long), 1.5, gap=64)
+
+
+def test_insert_needles_state_facts_that_the_row_asks_for_at_its_end_beyond_the_gap():
+    tokenizer = build_tiny_tokenizer()  # one token per character: positions read off the text
+    rows = torch.full((10, 1024), tokenizer(" ", add_special_tokens=False)["input_ids"][0])
+    out = insert_needles(rows, tokenizer, 0.5, gap=64, needles=3, seed=1)
+    changed = (out != rows).any(dim=1).nonzero().flatten().tolist()
+    assert len(changed) == 5
+    for row in changed:
+        text = tokenizer.decode(out[row])
+        questions = re.findall(r" What is the ([a-z ]+)\? The \1 is (\d{5})\.", text)
+        statements = re.findall(r" The ([a-z ]+) is (\d{5})\.", text[: text.index(" What is")])
+        assert len(questions) == 3 and sorted(questions) == sorted(statements)  # each fact asked once
+        assert all(name in NEEDLE_NAMES and "pass key" not in name for name, _ in questions)
+        tail = text.index(" What is")
+        assert text.endswith(".") and len(text) - tail < 1024 - 64  # the questions are the row's end
+        ends = [text.index(fact) + len(fact) for fact in (f" The {n} is {k}." for n, k in statements)]
+        last_fact_end = max(ends)
+        assert tail - last_fact_end >= 64  # every fact more than the gap before the first question
+    assert all(torch.equal(out[row], rows[row]) for row in range(10) if row not in changed)
+    assert torch.equal(insert_needles(rows, tokenizer, 0.5, gap=64, needles=3, seed=1), out)  # seeded
+    assert not torch.equal(insert_needles(rows, tokenizer, 0.5, gap=64, needles=3, seed=2), out)
+    assert insert_needles(rows, tokenizer, 0.0, gap=64) is rows
+
+
+def test_insert_needles_refuse_rows_too_short_and_bad_shares():
+    tokenizer = build_tiny_tokenizer()
+    with pytest.raises(
+        DoflaError, match="too short for 4 needles more than 64 tokens before their questions"
+    ):
+        insert_needles(torch.zeros(4, 256, dtype=torch.long), tokenizer, 0.5, gap=64)
+    with pytest.raises(DoflaError, match=r"must lie in \[0, 1\], got 1.5"):
+        insert_needles(torch.zeros(4, 1024, dtype=torch.long), tokenizer, 1.5, gap=64)

@@ -375,3 +375,41 @@ def test_a_run_killed_in_its_lora_stage_resumes_there_and_ends_as_an_uninterrupt
         linearize(
             config(tmp_path / "cut", resume=True, **other), teacher=tiny_teacher(), sequences=sequences()
         )
+
+
+def test_lora_needles_train_the_lora_stage_on_rows_that_ask_for_their_facts(tmp_path, monkeypatch):
+    import dofla.pipeline as pipeline
+    from dofla.models import build_tiny_model, build_tiny_tokenizer
+
+    seen = []
+
+    def lora_stage(config, model, train, history):  # the rows the stage gets; the run goes on untrained
+        seen.append(train)
+        return model, history
+
+    monkeypatch.setattr(pipeline, "lora_stage", lora_stage)
+    tokenizer = build_tiny_tokenizer()
+    rows = torch.randint(3, 90, (12, 512), generator=torch.Generator().manual_seed(0))
+    changes = dict(
+        data=dict(seq_len=512),
+        plan=dict(kind="hybrid", window=16),
+        distill=dict(tokens=512 * 4, eval_every=0, checkpoint_every=0),
+        lora=dict(enabled=True, tokens=1024, needle_fraction=1.0),
+        evaluate=dict(lengths=[], passkey_trials=0, recall=False, error_sequences=0),
+    )
+    teacher = build_tiny_model("llama", vocab_size=len(tokenizer))
+    result = linearize(config(tmp_path, **changes), teacher=teacher, tokenizer=tokenizer, sequences=rows)
+    train, _ = split_train_heldout(rows, 0.25, 0)
+    assert seen[0].shape == train.shape and (seen[0] != train).any(dim=1).all()  # every row got its facts
+    assert all(" What is the " in tokenizer.decode(row[-80:]) for row in seen[0])
+    assert "100% of its rows state five-digit facts that their last tokens ask for, at least 16 tokens" in (
+        result.report_path.read_text()
+    )
+    short = config(tmp_path / "short", **merge(changes, dict(data=dict(seq_len=128))))
+    with pytest.raises(
+        DoflaError, match="too short for 4 needles more than 16 tokens before their questions"
+    ):
+        linearize(short, teacher=teacher, tokenizer=tokenizer, sequences=rows[:, :128])
+    assert not (tmp_path / "short" / "run" / "distill").exists()  # refused before any training
+    with pytest.raises(DoflaError, match="--lora-needles writes its facts as text, which needs the teacher"):
+        linearize(config(tmp_path / "none", **changes), teacher=teacher, sequences=rows)

@@ -231,6 +231,8 @@ def test_a_config_file_with_a_mistake_is_one_sentence(tmp_path, text, message):
             dict(data=dict(recall_fraction=0.5), distill=dict(teacher_states="s", sharding="layers")),
             "without the repeated spans of --recall-fraction; drop one of the two",
         ),
+        (dict(lora=dict(needle_fraction=2.0)), "--lora-needles must lie in [0, 1], got 2.0"),
+        (dict(lora=dict(needle_fraction=0.5)), "--lora-needles sets rows of the LoRA stage; add --lora"),
         (dict(resume=True, overwrite=True), "pass only one"),
         (dict(lora=dict(enabled=True, lr=0)), "--lora-lr must be a positive number, got 0"),
         (dict(distill=dict(sharding="heads")), "unknown sharding 'heads'; choose one of: data, layers."),
@@ -259,9 +261,11 @@ def test_the_trainers_settings_come_from_their_sections_by_name():
         "sharding",
         "teacher_states",
     }
+    # which rows the stage trains on is the pipeline's too (dofla.pipeline.lora_rows)
     assert {item.name for item in dataclasses.fields(SECTIONS["lora"])} - lora_names == {
         "enabled",
         "baseline",
+        "needle_fraction",
     }
     config = every_type_set()
     distill, lora = config.distill_config(), config.lora_config()
@@ -294,6 +298,7 @@ NEW_SINCE = {
     "lora.train_students": False,
     "lora.tokens_per_forward": 2048,  # the demo's batches (2 x 512) are one piece: the same steps
     "data.recall_fraction": 0.0,
+    "lora.needle_fraction": 0.0,
     "evaluate.recall": True,
 }  # options added later, at defaults
 

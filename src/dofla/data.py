@@ -252,6 +252,80 @@ def copy_spans(rows: torch.Tensor, placements: list[tuple[int, int, int, int]]) 
     return out
 
 
+NEEDLE_SEED = 7_919  # offset of insert_needles' seed from the run's
+NEEDLE_NAMES = (
+    "secret code",
+    "magic number",
+    "access code",
+    "room number",
+    "order number",
+    "ticket number",
+    "serial number",
+    "account number",
+    "lucky number",
+    "door code",
+)  # the pass-key test asks for "the pass key": a name the needles never use
+
+
+def needle_texts(rng, needles: int) -> tuple[list[str], str]:
+    """``needles`` statements (" The magic number is 48213.") and the questions that ask for them all
+    (" What is the magic number? The magic number is 48213." ...), in a drawn order; distinct names,
+    five-digit keys."""
+    names = rng.sample(NEEDLE_NAMES, needles)
+    keys = [f"{rng.randrange(10_000, 100_000)}" for _ in names]
+    statements = [f" The {name} is {key}." for name, key in zip(names, keys, strict=True)]
+    order = rng.sample(range(needles), needles)
+    questions = "".join(f" What is the {names[i]}? The {names[i]} is {keys[i]}." for i in order)
+    return statements, questions
+
+
+def insert_needles(
+    rows: torch.Tensor, tokenizer, fraction: float, *, gap: int, needles: int = 4, seed: int = 0
+) -> torch.Tensor:
+    """A copy of ``rows`` (N, T) in which a seeded ``fraction`` of the rows state ``needles`` facts and
+    end by asking for each.
+
+    In each chosen row, statements like " The door code is 48213." overwrite the row's text at drawn
+    places, one in each of ``needles`` equal slots of the row's first part, and the row's last tokens
+    become the questions, each followed by its answer (" What is the door code? The door code is
+    48213."). Every statement ends at least ``gap`` tokens before the first question, so answering
+    means reading further back than a window of ``gap`` tokens: the retrieval a pass-key test asks
+    for, taught on the next-token loss of the answers. Names come from :data:`NEEDLE_NAMES` (never
+    "pass key"); keys are random five-digit numbers. Rows not chosen are left as they are.
+    """
+    import random
+
+    if not 0.0 <= fraction <= 1.0:
+        raise DoflaError(f"the share of rows with needles must lie in [0, 1], got {fraction}.")
+    count, length = rows.shape
+    generator = torch.Generator().manual_seed(NEEDLE_SEED + seed)
+    chosen = torch.randperm(count, generator=generator)[: round(count * fraction)].tolist()
+    if not chosen:
+        return rows
+    rng = random.Random(NEEDLE_SEED + seed)
+    out = rows.clone()
+
+    def ids(text: str) -> torch.Tensor:
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=rows.dtype)
+
+    for row in chosen:
+        statements, questions = needle_texts(rng, needles)
+        tail = ids(questions)
+        pieces = [ids(text) for text in statements]
+        slot = (length - len(tail) - gap) // needles
+        if slot < max(len(piece) for piece in pieces):
+            raise DoflaError(
+                f"rows of {length} tokens are too short for {needles} needles more than {gap} tokens "
+                f"before their questions; use rows of at least {len(tail) + gap + needles * 32} tokens "
+                "or a smaller share of needle rows (0 turns them off)."
+            )
+        for index, piece in enumerate(pieces):
+            start = index * slot + rng.randrange(slot - len(piece) + 1)
+            out[row, start : start + len(piece)] = piece
+        out[row, length - len(tail) :] = tail
+    return out
+
+
 def parse_tokens(text: str | int) -> int:
     """'2M' -> 2_000_000, '500k' -> 500_000, '1e6' -> 1_000_000, 1234 -> 1234."""
     if isinstance(text, int):

@@ -154,7 +154,7 @@ def run_stages(
     baseline_ppl = None
     if config.lora.enabled and config.lora.baseline and rank == 0:
         baseline_ppl = lora_adapted_teacher_perplexity(
-            teacher, data.train, data.heldout, config.lora_config()
+            teacher, lora_rows(config, tokenizer, data.train), data.heldout, config.lora_config()
         )
         timings.lap("LoRA baseline (teacher)")
     plan = shared_plan(config, teacher, data.train)
@@ -169,7 +169,7 @@ def run_stages(
         return None
     history = list(distilled.history)
     if config.lora.enabled:
-        model, history = lora_stage(config, model, data.train, history)
+        model, history = lora_stage(config, model, lora_rows(config, tokenizer, data.train), history)
         timings.lap("lora")
     check_finite_model(model, data.heldout[: config.distill.batch_size], what="the trained student")  # no NaN
     evaluation = evaluate_student(config, reference, model, tokenizer, data, timings)
@@ -303,6 +303,16 @@ def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences
         )
     if config.lora.enabled:
         check_targets(teacher, config.lora.targets)
+    if config.lora.enabled and config.lora.needle_fraction > 0:
+        if tokenizer is None:
+            raise DoflaError(
+                "--lora-needles writes its facts as text, which needs the teacher's tokenizer; give a teacher "
+                "with tokenizer files or leave --lora-needles at 0."
+            )
+        from dofla.data import insert_needles
+
+        probe = torch.zeros(1, config.data.seq_len, dtype=torch.long)  # are the rows long enough for them
+        insert_needles(probe, tokenizer, 1.0, gap=recall_gap(config), seed=config.seed)
 
 
 def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir: Path) -> RunData:
@@ -374,6 +384,16 @@ def with_recall(config: LinearizeConfig, rows: torch.Tensor) -> torch.Tensor:
     from dofla.data import repeat_spans
 
     return repeat_spans(rows, config.data.recall_fraction, gap=recall_gap(config), seed=config.seed)
+
+
+def lora_rows(config: LinearizeConfig, tokenizer, train: torch.Tensor) -> torch.Tensor:
+    """The LoRA stage's rows: the training rows with ``lora.needle_fraction`` of them stating facts that
+    their last tokens ask for, more than the window back (:func:`dofla.data.insert_needles`)."""
+    from dofla.data import insert_needles
+
+    return insert_needles(
+        train, tokenizer, config.lora.needle_fraction, gap=recall_gap(config), seed=config.seed
+    )
 
 
 def evaluation_lengths(config: LinearizeConfig, limit: int | None) -> list[int]:

@@ -138,6 +138,13 @@ def _stages_lines(summary: dict, config: LinearizeConfig) -> list[str]:
             f"lr {lora.lr:g}, KL weight to the teacher's logits {lora.kl_weight:g}; merged into "
             "the weights. It also adapts the model to the training text, so part of any gain over the teacher "
             "is that adaptation."
+            + (
+                f" {lora.needle_fraction:.0%} of its rows state five-digit facts that their last tokens ask "
+                f"for, at least {config.plan.window} tokens back (`--lora-needles`): it is taught the "
+                "retrieval the pass key tests."
+                if lora.needle_fraction > 0
+                else ""
+            )
             if lora.enabled
             else "- No LoRA stage."
         ),

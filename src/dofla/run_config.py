@@ -240,6 +240,14 @@ class LoraSettings:
         flag="--lora-tokens-per-forward",
         minimum=1,
     )
+    needle_fraction: float = option(
+        0.0,
+        "share of the LoRA stage's rows that state a few five-digit facts and end by asking for them, more "
+        "than the window back (teaches the pass-key kind of retrieval on next-token loss; attention transfer "
+        "and held-out rows are left as they are)",
+        flag="--lora-needles",
+        minimum=0.0,
+    )
     baseline: bool = option(
         False,
         "also train the same LoRA stage on the unconverted teacher and report its perplexity (the LoRA stage "
@@ -407,6 +415,10 @@ class LinearizeConfig:
             raise DoflaError(f"the held-out fraction must lie in (0, 1), got {self.data.heldout_fraction}.")
         if self.data.recall_fraction > 1:
             raise DoflaError(f"--recall-fraction must lie in [0, 1], got {self.data.recall_fraction}.")
+        if self.lora.needle_fraction > 1:
+            raise DoflaError(f"--lora-needles must lie in [0, 1], got {self.lora.needle_fraction}.")
+        if self.lora.needle_fraction > 0 and not self.lora.enabled:
+            raise DoflaError("--lora-needles sets rows of the LoRA stage; add --lora or leave it at 0.")
         if self.distill.teacher_states is not None and self.data.recall_fraction > 0:
             raise DoflaError(
                 "--teacher-states holds the rows as packed, without the repeated spans of --recall-fraction; "
