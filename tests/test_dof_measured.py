@@ -237,3 +237,20 @@ def test_recall_choice_keeps_the_first_layers_of_the_recall_order_and_the_plan_r
     assert plan.metadata["recall_order"] == [order[0][0]]
     assert plan.metadata["softmax_layers"] == [order[0][0]] and plan.metadata["softmax_choice"] == "recall"
     assert [layer.kind for layer in plan.layers].count("softmax") == 1
+
+
+def test_the_recall_choice_keeps_its_order_in_the_curves_folder_for_a_rerun(tmp_path, monkeypatch):
+    import dofla.evaluation.recall as recall
+
+    model = small_llama()
+    batches = [torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(0)) for _ in range(2)]
+    options = dict(variant="fix", budget=4, kind="hybrid", window=4, sinks=1, softmax_choice="recall")
+    first = dof.measure_and_plan(model, batches, keep_softmax=1, curves_folder=tmp_path, **options)
+    assert len(list(tmp_path.glob("recall_order-*.json"))) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the recall order was measured again")
+
+    monkeypatch.setattr(recall, "recall_layer_order", refuse)
+    again = dof.measure_and_plan(model, batches, keep_softmax=1, curves_folder=tmp_path, **options)
+    assert again.metadata["recall_order"] == first.metadata["recall_order"]

@@ -146,3 +146,34 @@ def test_the_order_reusing_each_candidates_lower_layers_equals_the_one_computing
     )
     for layer in get_adapter(model).decoder_layers(model):
         assert "forward" not in vars(layer)  # every layer computes again after the search
+
+
+def test_the_recall_order_is_kept_and_a_longer_one_serves_a_shorter_request(tmp_path, monkeypatch):
+    import dofla.evaluation.recall as recall
+    from dofla.models import build_tiny_model
+
+    model = build_tiny_model("llama", vocab_size=64, num_hidden_layers=3, seed=2).eval()
+    batches = [_sequences(2, 64, seed=seed) for seed in (5, 6)]
+    measured = []
+    reference = recall.recall_layer_order
+
+    def counting(*args, **kwargs):
+        measured.append(args[2])
+        return reference(*args, **kwargs)
+
+    monkeypatch.setattr(recall, "recall_layer_order", counting)
+    full = recall.cached_recall_order(model, batches, 3, window=4, sinks=1, folder=tmp_path)
+    assert full == reference(model, batches, 3, window=4, sinks=1) and measured == [3]
+    (kept,) = tmp_path.glob("recall_order-*.json")  # the order and each layer's loss, for a rerun
+    assert recall.cached_recall_order(model, batches, 2, window=4, sinks=1, folder=tmp_path) == full[:2]
+    assert measured == [3]  # read back, not measured again
+    recall.cached_recall_order(model, batches, 2, window=4, sinks=2, folder=tmp_path)  # other sinks
+    other_rows = [_sequences(2, 64, seed=seed) for seed in (7, 8)]
+    recall.cached_recall_order(model, other_rows, 2, window=4, sinks=1, folder=tmp_path)  # other rows
+    recall.cached_recall_order(model, batches, 1, window=4, sinks=1, layers=[1, 2], folder=tmp_path)
+    assert measured == [3, 2, 2, 1] and len(list(tmp_path.glob("recall_order-*.json"))) == 4
+    kept.write_text(kept.read_text()[:-20])  # a damaged file is measured again and replaced
+    assert recall.cached_recall_order(model, batches, 2, window=4, sinks=1, folder=tmp_path) == full[:2]
+    assert measured[-1] == 2 and len(measured) == 5
+    assert recall.cached_recall_order(model, batches, 2, window=4, sinks=1) == full[:2]  # no folder: measured
+    assert measured[-1] == 2

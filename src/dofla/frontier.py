@@ -213,10 +213,15 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
     recall_order = None
     recall_counts = [c.softmax_count for c in cells if c.softmax_choice == "recall"]
     if recall_counts:
-        from dofla.evaluation.recall import recall_layer_order
+        from dofla.evaluation.recall import cached_recall_order
 
-        order = recall_layer_order(
-            teacher, batches, max(recall_counts), window=options["window"], sinks=options["sinks"]
+        order = cached_recall_order(
+            teacher,
+            batches,
+            max(recall_counts),
+            window=options["window"],
+            sinks=options["sinks"],
+            folder=curves_folder,
         )
         recall_order = [layer for layer, _ in order]
 

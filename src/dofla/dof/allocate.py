@@ -645,7 +645,8 @@ def measure_and_plan(
     measure at the length the model must serve. Error curves (:mod:`dofla.dof.error_curves`) are measured on
     the same batches when the allocation or the softmax-layer choice needs them, with the planned student
     and ``curve_options`` (dims, steps, lr, loss, criterion, heldout_rows), and kept in ``curves_folder``
-    (default: the innermost :func:`~dofla.dof.error_curves.curve_cache`) for the next run with the same key.
+    (default: the innermost :func:`~dofla.dof.error_curves.curve_cache`) for the next run with the same key;
+    so is the recall order (:func:`~dofla.evaluation.recall.cached_recall_order`).
     """
     from dofla.dof.error_curves import cached_error_curves, settings_for
     from dofla.dof.estimation import estimate
@@ -672,15 +673,16 @@ def measure_and_plan(
         and choice == "recall"
         and plan_options.get("recall_order") is None
     ):
-        from dofla.evaluation.recall import recall_layer_order
+        from dofla.evaluation.recall import cached_recall_order
 
-        order = recall_layer_order(
+        order = cached_recall_order(
             model,
             batches,
             plan_options["keep_softmax"],
             window=plan_options.get("window", 64),
             sinks=plan_options.get("sinks", 0),
             layers=plan_options.get("layers"),
+            folder=curves_folder,
         )
         plan_options["recall_order"] = [layer for layer, _ in order]
     measured = None

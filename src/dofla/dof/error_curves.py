@@ -324,8 +324,16 @@ def curves_key(
 ) -> str:
     """sha256 of what the scores depend on: the settings, the calibration token ids, the layers and the teacher
     (its config and a sample of its weights: the same name with other weights is a different key)."""
+    return measurement_key(asdict(settings), model, rows, layers)
+
+
+def measurement_key(
+    settings: dict[str, Any], model: torch.nn.Module, rows: torch.Tensor, layers: Sequence[int]
+) -> str:
+    """sha256 of a measurement's inputs on a teacher: ``settings`` (JSON), the layers, the token ids and the
+    teacher (its config and a sample of its weights), for the name of the file that keeps its result."""
     digest = hashlib.sha256()
-    digest.update(json.dumps(asdict(settings), sort_keys=True, default=str).encode())
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     digest.update(json.dumps(sorted(int(layer) for layer in layers)).encode())
     digest.update(rows.to(torch.int64).cpu().numpy().tobytes())
     digest.update(model.config.to_json_string(use_diff=False).encode())
@@ -562,6 +570,11 @@ def curve_cache(folder: str | Path) -> Iterator[Path]:
         _CACHE_FOLDERS.pop()
 
 
+def cache_folder(folder: str | Path | None) -> Path | None:
+    """Where a cached measurement is written: ``folder``, else the innermost :func:`curve_cache` (or None)."""
+    return Path(folder) if folder is not None else (_CACHE_FOLDERS[-1] if _CACHE_FOLDERS else None)
+
+
 def cached_error_curves(
     model: torch.nn.Module,
     batches: Sequence[torch.Tensor],
@@ -578,7 +591,7 @@ def cached_error_curves(
     from dofla.convert import architecture
 
     settings.validate()
-    target = Path(folder) if folder is not None else (_CACHE_FOLDERS[-1] if _CACHE_FOLDERS else None)
+    target = cache_folder(folder)
     if target is None:
         return measure_error_curves(model, batches, settings, layers=layers, progress=progress)
     count = architecture(model).num_layers

@@ -15,10 +15,12 @@ loss; 0 is no recall beyond the window, 1 the teacher's.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -223,6 +225,48 @@ def recall_layer_order(
         best = min(losses, key=lambda layer: (losses[layer], layer))
         order.append((best, losses[best]))
     return order
+
+
+def cached_recall_order(
+    model: torch.nn.Module,
+    batches: Sequence[torch.Tensor],
+    count: int,
+    *,
+    window: int,
+    sinks: int = 0,
+    layers: Sequence[int] | None = None,
+    folder: str | Path | None = None,
+) -> list[tuple[int, float]]:
+    """:func:`recall_layer_order`, read from ``recall_order-KEY.json`` in ``folder`` (default: the innermost
+    :func:`dofla.dof.curve_cache`; none: measured, not kept) where one holds at least ``count`` layers for
+    the same teacher, rows, window, sinks and layers; else measured and written there atomically, with each
+    layer's loss once it is kept (where adding layers stops paying). The greedy adds one layer at a time
+    given those before, so a longer order's first ``count`` layers are the order for ``count``: a rerun or a
+    resumed run does not measure it again.
+    """
+    from dofla.dof.error_curves import _rows, cache_folder, measurement_key
+    from dofla.io import write_json_atomic
+
+    target = cache_folder(folder)
+    if target is None:
+        return recall_layer_order(model, batches, count, window=window, sinks=sinks, layers=layers)
+    chosen = "all" if layers is None else sorted({int(layer) for layer in layers})
+    settings = dict(measurement="recall order", window=window, sinks=sinks, seed=RECALL_SEED, layers=chosen)
+    path = target / f"recall_order-{measurement_key(settings, model, _rows(batches), [])}.json"
+    stored = _stored_order(path)
+    if len(stored) >= count:
+        return stored[:count]
+    order = recall_layer_order(model, batches, count, window=window, sinks=sinks, layers=layers)
+    write_json_atomic(path, dict(settings, order=[[layer, loss] for layer, loss in order]))
+    return order
+
+
+def _stored_order(path: Path) -> list[tuple[int, float]]:
+    """The (layer, loss) pairs kept in ``path``; none where it is missing or not such a file."""
+    try:
+        return [(int(layer), float(loss)) for layer, loss in json.loads(path.read_text())["order"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def recall_markdown(results: Sequence[dict], heading: str = "## Recall beyond the window") -> str:
