@@ -283,3 +283,41 @@ def test_window_memory_split_reads_a_finished_gated_delta_run_layer_by_layer(tin
         assert 0 <= row["far_mass_recall"] <= 1 and -1 <= row["cos_other"] <= 1
         assert row["error_recall"] >= 0 and row["window_error_other"] >= 0
     assert "| layer | far mass recall / other |" in (out / "window_memory_split.md").read_text()
+
+
+def test_passkey_paths_scores_a_run_four_ways_and_memories_off_is_the_window_alone(tiny, tmp_path):
+    import torch
+
+    from dofla.convert import load_converted, students
+    from dofla.evaluation.window_baseline import window_restricted
+    from dofla.models import load_teacher
+
+    run = tiny_run(
+        tiny,
+        tmp_path / "run",
+        plan=dict(sinks=1, keep_softmax=1, softmax_choice="window"),
+        student=dict(cell="gated_delta", feature_map="projection"),
+        distill=dict(loss="output_mse"),
+        evaluate=dict(recall=False),
+    )
+    paths = experiment("passkey_paths")
+    out = tmp_path / "out"
+    paths.main(["--runs", f"tiny={run}", "--lengths", "256", "--trials", "1", "--out", str(out)])
+    rows = json.loads((out / "passkey_paths.json").read_text())["rows"]
+    assert [row["variant"] for row in rows] == list(paths.VARIANTS)
+    assert all(set(row["scores"]) == {"256"} and 0 <= row["scores"]["256"] <= 1 for row in rows)
+    assert "| tiny | [" in (out / "passkey_paths.md").read_text()
+
+    student, _, plan = load_converted(run / "model")
+    teacher = load_teacher(tiny[0]).model
+    converted = sorted(students(student))
+    ids = torch.randint(3, 90, (1, 48), generator=torch.Generator().manual_seed(0))
+    before = student(ids).logits
+    with torch.no_grad(), paths.memories_off(student):
+        alone = student(ids).logits
+    with torch.no_grad(), window_restricted(teacher, 4, 1, layers=converted):
+        window = teacher(ids).logits
+    # no LoRA stage: the converted layers' window is the teacher's own softmax over the window and sinks
+    torch.testing.assert_close(alone, window, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(student(ids).logits, before)  # the shares are restored afterwards
+    assert not torch.allclose(before, window, atol=1e-3)  # the memories did add something
