@@ -413,3 +413,40 @@ def test_lora_needles_train_the_lora_stage_on_rows_that_ask_for_their_facts(tmp_
     assert not (tmp_path / "short" / "run" / "distill").exists()  # refused before any training
     with pytest.raises(DoflaError, match="--lora-needles writes its facts as text, which needs the teacher"):
         linearize(config(tmp_path / "none", **changes), teacher=teacher, sequences=rows)
+
+
+def test_gated_delta_retrieval_recipe_keeps_recall_layers_and_trains_lora_on_needle_rows(
+    tmp_path, monkeypatch
+):
+    """The retrieval recipe: the gated-delta hybrid with its window of 128, the layers of the greedy recall
+    order kept as softmax, and a LoRA stage training the converted layers on needle rows."""
+    import dofla.pipeline as pipeline
+    from dofla.models import build_tiny_model, build_tiny_tokenizer
+
+    seen = []
+    original = pipeline.lora_stage
+
+    def lora_stage(config, model, train, history):
+        seen.append(train)
+        return original(config, model, train, history)
+
+    monkeypatch.setattr(pipeline, "lora_stage", lora_stage)
+    tokenizer = build_tiny_tokenizer()
+    rows = torch.randint(3, 90, (10, 512), generator=torch.Generator().manual_seed(0))
+    changes = dict(
+        recipe="gated-delta-retrieval",
+        data=dict(seq_len=512),
+        plan=dict(keep_softmax=2, dof_batches=1),
+        distill=dict(tokens=512 * 4, eval_every=0, checkpoint_every=0),
+        lora=dict(tokens=512 * 4),
+        evaluate=dict(lengths=[], passkey_trials=0, recall=False, error_sequences=0),
+    )
+    teacher = build_tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=4)
+    result = linearize(config(tmp_path, **changes), teacher=teacher, tokenizer=tokenizer, sequences=rows)
+    settings = json.loads((tmp_path / "run" / "result.json").read_text())["config"]
+    assert settings["lora"]["train_students"] is True and settings["lora"]["needle_fraction"] == 1.0
+    assert (settings["plan"]["window"], settings["plan"]["sinks"]) == (128, 4)
+    _, _, plan = load_converted(result.out_dir)
+    assert plan.metadata["softmax_choice"] == "recall" and len(plan.metadata["softmax_layers"]) == 2
+    assert (seen[0] != split_train_heldout(rows, 0.25, 0)[0]).any(dim=1).all()  # every LoRA row has needles
+    assert list((tmp_path / "run").glob("recall_order-*.json"))  # kept for a resumed run

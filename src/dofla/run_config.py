@@ -417,7 +417,11 @@ class LinearizeConfig:
             raise DoflaError(f"--recall-fraction must lie in [0, 1], got {self.data.recall_fraction}.")
         if self.lora.needle_fraction > 1:
             raise DoflaError(f"--lora-needles must lie in [0, 1], got {self.lora.needle_fraction}.")
-        if self.lora.needle_fraction > 0 and not self.lora.enabled:
+        if (
+            self.lora.needle_fraction > 0
+            and not self.lora.enabled
+            and "lora.needle_fraction" in self.overrides
+        ):
             raise DoflaError("--lora-needles sets rows of the LoRA stage; add --lora or leave it at 0.")
         if self.distill.teacher_states is not None and self.data.recall_fraction > 0:
             raise DoflaError(
