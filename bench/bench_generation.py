@@ -61,6 +61,17 @@ def recipe_plan_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def student_plan(model, args: argparse.Namespace, plan_options: dict):
+    """(the student's plan, the layers it keeps as full softmax): every layer but ``--softmax-layers``
+    converted as the flags or the recipe say."""
+    kept = sorted({int(layer) for layer in args.softmax_layers.split(",")}) if args.softmax_layers else []
+    converted = [layer for layer in range(model.config.num_hidden_layers) if layer not in kept]
+    plan = plan_for(
+        model, feature_map=args.feature_map, feature_dim=args.feature_dim, layers=converted, **plan_options
+    )
+    return plan, kept
+
+
 def build_teacher(args: argparse.Namespace) -> torch.nn.Module:
     dtype = getattr(torch, args.dtype)
     if args.shape:
@@ -210,6 +221,12 @@ def main() -> int:
         choices=sorted(RECIPES),
         help="a recipe's students (its kind, cell, feature map, budget, window, sinks and cell options)",
     )
+    parser.add_argument(
+        "--softmax-layers",
+        default=None,
+        help="comma-separated layers the student keeps as full softmax, with their KV cache (e.g. the layers "
+        "a gated-delta-retrieval run kept; the speed does not depend on the weights); default: none",
+    )
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     parser.add_argument(
         "--profile", action="store_true", help="also print the student prefill's top operators (stderr)"
@@ -236,7 +253,7 @@ def main() -> int:
     static_rows = [None] * len(contexts)
     if args.teacher_static:
         static_rows = measure_rows(model, contexts, args, "teacher (static cache)", static=True)
-    plan = plan_for(model, feature_map=args.feature_map, feature_dim=args.feature_dim, **plan_options)
+    plan, kept = student_plan(model, args, plan_options)
     convert(model, plan)
     model.to(device=args.device, dtype=getattr(torch, args.dtype))
     warm_up(model, contexts, args)
@@ -256,7 +273,9 @@ def main() -> int:
     print(
         f"model: {args.shape or 'smollm2-135m (embedded weights)'}; student: "
         + (f"recipe {args.recipe} {plan_options}, " if args.recipe else f"{args.kind}, ")
-        + f"{args.feature_map}, F={args.feature_dim} in every layer; batch {args.batch_size}, "
+        + f"{args.feature_map}, F={args.feature_dim} in "
+        + (f"every layer but {kept} (full softmax)" if kept else "every layer")
+        + f"; batch {args.batch_size}, "
         f"{args.new_tokens} decoded tokens\n"
     )
     print(

@@ -176,6 +176,14 @@ SECTIONS = [
         "idle machine: the code before the seventh pass (commit 2df5f07) and after it.",
     ),
     (
+        "The retrieval recipe's decoding: 4 layers kept as softmax against none (CPU, batch 8, 4k)",
+        "bench/results/retrieval_decode.md",
+        "`gated-delta-retrieval` keeps a KV cache in 4 of 30 layers (it finds the pass key; "
+        "docs/results/long_context): at 4,096 tokens and batch 8 it decodes 2.9x the teacher with a sixth of "
+        "its cache, every layer converted (`gated-delta`) 4.5x with a 25th; the kept layers' cache grows with "
+        "the context (longer contexts not measured here).",
+    ),
+    (
         "Attention-transfer training throughput on one H100",
         "docs/results/distill/bench_distill_h100.txt",
         "`python bench/bench_distill.py --device cuda` (launch-bound; see docs/distillation.md).",

@@ -956,6 +956,16 @@ def test_bench_generation_measures_the_contexts_that_fit_and_says_which_did_not(
         options["kind"] == "linear" and options["cell"] == "gated_delta" and options["options"]["short_conv"]
     )
     assert (args.feature_map, args.feature_dim) == ("projection", 64)
+    from dofla.models import build_tiny_model
+
+    args = argparse.Namespace(
+        recipe="gated-delta-retrieval", feature_map="learnable_prf", feature_dim=32, softmax_layers="1"
+    )
+    plan, kept = generation.student_plan(
+        build_tiny_model("llama"), args, generation.recipe_plan_options(args)
+    )
+    assert kept == [1] and [layer.kind for layer in plan.layers] == ["hybrid", "softmax"]
+    assert (plan.layers[0].cell, plan.layers[0].window, plan.layers[0].sinks) == ("gated_delta", 128, 4)
 
 
 def test_bench_generation_times_the_static_cache_teachers_decoding_steps_without_its_prefill(monkeypatch):
