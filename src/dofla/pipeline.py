@@ -150,11 +150,13 @@ def run_stages(
     teacher_weights = teacher_fingerprint(teacher) if config.lora.enabled else None  # LoRA changes them
     data = prepare_data(config, teacher, tokenizer, sequences, out_dir / "data_cache")
     stores = checked_layer_stores(config, teacher, data) if config.distill.teacher_states else None
+    # the LoRA stage's rows, once for the stage and its baseline on the teacher (rank 0 runs both)
+    lora_train = lora_rows(config, tokenizer, data.train) if config.lora.enabled and rank == 0 else None
     timings.lap("data")
     baseline_ppl = None
     if config.lora.enabled and config.lora.baseline and rank == 0:
         baseline_ppl = lora_adapted_teacher_perplexity(
-            teacher, lora_rows(config, tokenizer, data.train), data.heldout, config.lora_config()
+            teacher, lora_train, data.heldout, config.lora_config()
         )
         timings.lap("LoRA baseline (teacher)")
     plan = shared_plan(config, teacher, data.train)
@@ -169,7 +171,7 @@ def run_stages(
         return None
     history = list(distilled.history)
     if config.lora.enabled:
-        model, history = lora_stage(config, model, lora_rows(config, tokenizer, data.train), history)
+        model, history = lora_stage(config, model, lora_train, history)
         timings.lap("lora")
     check_finite_model(model, data.heldout[: config.distill.batch_size], what="the trained student")  # no NaN
     evaluation = evaluate_student(config, reference, model, tokenizer, data, timings)
