@@ -234,7 +234,7 @@ def main() -> int:
     parser.add_argument(
         "--graph",
         action="store_true",
-        help="also decode the student through dofla.graph_decode (a CUDA graph on CUDA; every layer converted)",
+        help="also decode the student through dofla.graph_decode (a CUDA graph on CUDA)",
     )
     parser.add_argument(
         "--teacher-static",

@@ -17,6 +17,9 @@ the teacher of the same run:
   its attention replaced by zeros and everything else its own (projections, norms, MLP, cache writes).
   No student that keeps the teacher's projections and MLP prefills faster, so its ratio is the ceiling of
   every student's prefill ratio on the machine.
+- "teacher (KV written in place)" (asked for by name; decode rows only): the teacher decoding from the same
+  synthetic cache held in dofla's ``GrowingKVLayer`` (the kept softmax layers' cache layer of a partly
+  converted student) instead of transformers' ``DynamicLayer``, which copies its whole cache at each step.
 A setting that does not fit in memory prints one line and the run goes on with the rest. Every row runs
 in its own process (``--isolate rows``, the default), which loads the model, warms up with one short
 prefill and measures that row alone, so no row's figure depends on the memory the rows before it left
@@ -94,6 +97,14 @@ STUDENTS = {
         ),
         None,
     ),
+    # the gated-delta-retrieval recipe's layout: the gated-delta recipe's cell with 4 layers kept as softmax
+    # (spread evenly here; the recipe picks them by recall, which does not change the speed)
+    "gated-delta-retrieval recipe": (
+        dict(
+            kind="hybrid", cell="gated_delta", sinks=4, window=128, feature_map="projection", keep_softmax=4
+        ),
+        None,
+    ),
     "gated_delta+window (3 softmax)": (
         dict(kind="hybrid", cell="gated_delta", sinks=4, keep_softmax=3),
         None,
@@ -112,6 +123,27 @@ def no_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 AttentionInterface.register(NO_ATTENTION_IMPLEMENTATION, no_attention)
+# Not a student: the teacher decoding from the same synthetic cache held in dofla's GrowingKVLayer (new keys
+# written in place, not concatenated onto a copy of the cache); decode rows only. What a student gains over
+# it is what linearising gains, apart from the cache's implementation.
+TEACHER_IN_PLACE = "teacher (KV written in place)"
+PSEUDO_MODELS = (NO_ATTENTION, TEACHER_IN_PLACE)
+
+
+def in_place_kv(cache):
+    """``cache`` with every plain DynamicLayer replaced by a GrowingKVLayer holding the same keys and values
+    (taken into its buffers at the first update, the untimed warm-up step)."""
+    from transformers.cache_utils import DynamicLayer
+
+    from dofla.cache import GrowingKVLayer
+
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            growing = GrowingKVLayer()
+            growing.lazy_initialization(layer.keys, layer.values)
+            growing.keys, growing.values = layer.keys, layer.values
+            cache.layers[index] = growing
+    return cache
 
 
 def student_plan(model, name: str, feature_dim: int, window: int):
@@ -168,7 +200,8 @@ def row_settings(args, name: str = TEACHER) -> list[tuple[str, int, int]]:
     ]
     if name == NO_ATTENTION:
         return prefill
-    return prefill + [("decode", batch, context) for batch in args.batches for context in args.contexts]
+    decode = [("decode", batch, context) for batch in args.batches for context in args.contexts]
+    return decode if name == TEACHER_IN_PLACE else prefill + decode
 
 
 def prefill_phase(chunk: int) -> str:
@@ -188,7 +221,7 @@ def phase_chunk(phase: str) -> int | None:
 def measure_row(model, name: str, phase: str, batch: int, context: int, args, log) -> dict:
     """One prefill or decode row of one model (teacher or converted student); a setting that does not fit
     in memory gives a row with ``error="memory"`` and one line in the log."""
-    is_teacher, is_prefill = name == TEACHER, phase.startswith("prefill")
+    is_teacher, is_prefill = name in (TEACHER, TEACHER_IN_PLACE), phase.startswith("prefill")
     what = f"{name} {phase} batch {batch} context {context}"
     base = dict(model=name, phase=phase, batch=batch, context=context)
     if is_prefill:
@@ -207,6 +240,8 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
             else:
                 if is_teacher:
                     cache = synthetic_kv_cache(model, batch, context)
+                    if name == TEACHER_IN_PLACE:
+                        cache = in_place_kv(cache)
                 else:
                     fill = min(context, max(128, 2 * STUDENTS[name][0].get("window", args.window)))
                     cache = student_cache_at(model, batch, context, fill_tokens=fill)
@@ -240,6 +275,9 @@ def prepared_model(model, name: str, args, log):
     if name == TEACHER:
         log(f"{TEACHER}: softmax SDPA, DynamicCache")
         return model
+    if name == TEACHER_IN_PLACE:
+        log(f"{TEACHER_IN_PLACE}: softmax SDPA, dofla's GrowingKVLayer in every layer")
+        return model
     if name == NO_ATTENTION:
         log(f"{NO_ATTENTION}: the teacher with its attention replaced by zeros")
         model.set_attn_implementation(NO_ATTENTION_IMPLEMENTATION)
@@ -260,7 +298,7 @@ def measure_in_process(model, name: str, args, log) -> list[dict]:
     finally:
         if name == NO_ATTENTION:
             model.set_attn_implementation(previous)
-        elif name != TEACHER:
+        elif name not in (TEACHER, TEACHER_IN_PLACE):
             unconvert(model)
 
 
@@ -544,7 +582,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cells",
         default=",".join(DEFAULT_STUDENTS),
-        help=f"students: {', '.join(STUDENTS)}; or {NO_ATTENTION!r}",
+        help=f"students: {', '.join(STUDENTS)}; or {' or '.join(map(repr, PSEUDO_MODELS))}",
     )
     parser.add_argument("--feature-dim", type=int, default=64)
     parser.add_argument("--window", type=int, default=64)
@@ -589,9 +627,9 @@ def main(argv=None) -> int:
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.prefill_chunks = [int(c) for c in str(args.prefill_chunks).split(",")]
     names = [name.strip() for name in args.cells.split(",") if name.strip()]
-    unknown = [name for name in names if name not in STUDENTS and name != NO_ATTENTION]
+    unknown = [name for name in names if name not in STUDENTS and name not in PSEUDO_MODELS]
     if unknown:
-        parser.error(f"unknown student {unknown[0]!r}; known: {', '.join([*STUDENTS, NO_ATTENTION])}")
+        parser.error(f"unknown student {unknown[0]!r}; known: {', '.join([*STUDENTS, *PSEUDO_MODELS])}")
 
     if args.threads:
         torch.set_num_threads(args.threads)

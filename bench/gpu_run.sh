@@ -40,6 +40,8 @@ step graph_tests 90 env DOFLA_FLA=0 $pytest -v tests/test_graph_decode.py -k on_
 step gen_linear_b16_graph 150 $gen --recipe gated-delta-linear --contexts 32768 --batch-size 16 --new-tokens 16 --graph
 step gen_linear_b1_graph 90 $gen --recipe gated-delta-linear --contexts 4096,65536 --graph
 step gen_hybrid_b16_graph 150 $gen --recipe gated-delta --contexts 32768 --batch-size 16 --new-tokens 16 --graph
+# the retrieval recipe's 4 kept softmax layers (their keys in place at a count on the device) under the graph
+step gen_retrieval_b16_graph 150 $gen --recipe gated-delta-retrieval --softmax-layers 7,8,18,23 --contexts 32768 --batch-size 16 --new-tokens 16 --graph
 # the same with the teacher also decoding from generate's static cache (compiled by transformers: CUDA graphs)
 step gen_linear_b16_static 240 $gen --recipe gated-delta-linear --contexts 32768 --batch-size 16 --new-tokens 16 --graph --teacher-static
 # -v: each test's result as it ends (the first of them compiles fla's kernels for minutes on a fresh machine)

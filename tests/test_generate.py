@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from dofla.cache import RecurrentCacheLayer, recurrent_cache_bytes
+from dofla.cache import GrowingKVLayer, RecurrentCacheLayer, recurrent_cache_bytes
 from dofla.config import LayerPlan
-from dofla.convert import convert, plan_for
+from dofla.convert import convert, plan_for, unconvert
 from dofla.errors import DoflaError
 from dofla.models import TINY_FAMILIES, build_tiny_model
 from dofla.models.tiny import TINY_VOCAB
@@ -101,7 +102,76 @@ def test_mixed_plan_keeps_softmax_cache_for_softmax_layers():
     with torch.no_grad():
         model(torch.randint(0, VOCAB, (1, 9)), past_key_values=cache, use_cache=True)
     assert isinstance(cache.layers[0], RecurrentCacheLayer)
-    assert not isinstance(cache.layers[1], RecurrentCacheLayer) and cache.layers[1].keys.shape[2] == 9
+    assert isinstance(cache.layers[1], GrowingKVLayer) and cache.layers[1].keys.shape[2] == 9
+    unconvert(model)  # the teacher again: its cache layers are transformers' own
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (1, 9)), past_key_values=cache, use_cache=True)
+    assert [type(layer) for layer in cache.layers] == [DynamicLayer, DynamicLayer]
+
+
+def random_kv(generator, batch=2, tokens=1):
+    return [torch.randn(batch, 2, tokens, 4, generator=generator) for _ in range(2)]
+
+
+def test_growing_kv_layer_equals_dynamic_layer_through_growth_and_cache_operations(monkeypatch):
+    monkeypatch.setattr(GrowingKVLayer, "SPARE", 2)  # grow often
+    generator = torch.Generator().manual_seed(0)
+    growing, dynamic = GrowingKVLayer(), DynamicLayer()
+
+    def both(*operation):
+        name, *arguments = operation
+        for layer in (growing, dynamic):
+            getattr(layer, name)(*arguments)
+
+    def update(tokens, batch=2):
+        keys, values = random_kv(generator, batch, tokens)
+        got, expected = growing.update(keys, values), dynamic.update(keys, values)
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+        assert growing.get_seq_length() == dynamic.get_seq_length()
+        assert growing.get_mask_sizes(1) == dynamic.get_mask_sizes(1)
+
+    update(5)
+    buffer = growing.buffers[0]
+    update(1)
+    update(1)
+    assert growing.buffers[0] is buffer  # written into its spare room, not copied
+    for _ in range(20):  # past the room: grows by a quarter, keeps what it held
+        update(1)
+    assert growing.buffers[0].shape[2] > growing.get_seq_length() == 27
+    assert growing.nbytes() == 2 * growing.buffers[0].numel() * 4  # the spare room counts
+    both("crop", -3)
+    update(2)
+    both("reorder_cache", torch.tensor([1, 0]))
+    update(1)
+    both("batch_repeat_interleave", 2)
+    update(1, batch=4)
+    both("batch_select_indices", torch.tensor([0, 3]))
+    update(3)
+    both("reset")
+    update(4)
+
+
+def test_growing_kv_layer_under_autograd_concatenates():
+    generator = torch.Generator().manual_seed(1)
+    layer = GrowingKVLayer()
+    first = [tensor.requires_grad_() for tensor in random_kv(generator, tokens=3)]
+    keys, _ = layer.update(*first)
+    second = [tensor.requires_grad_() for tensor in random_kv(generator)]
+    keys, values = layer.update(*second)
+    (keys.sum() + values.square().sum()).backward()  # no tensor autograd kept was changed in place
+    assert layer.buffers is None and torch.equal(first[0].grad, torch.ones_like(first[0]))
+
+
+def test_kept_softmax_layer_decodes_through_many_growths(monkeypatch):
+    monkeypatch.setattr(GrowingKVLayer, "SPARE", 1)
+    model = tiny_model("qwen2")
+    convert(model, mixed_plan(model))
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(tokens).logits
+    torch.testing.assert_close(decode_logits(model, tokens, prefill=3), full, rtol=1e-4, atol=1e-4)
 
 
 def test_generate_greedy_equals_argmax_of_full_forwards():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from dofla.convert import convert, plan_for, students
 from dofla.errors import DoflaError
@@ -55,6 +56,23 @@ def frozen_decode(model, prompt: torch.Tensor, steps: int, graph: bool, eager_st
     return logits, cache
 
 
+def partly_converted(family: str, converted_layer: int, dtype=torch.float32, device="cpu"):
+    """A tiny 2-layer model of ``family`` with one layer converted (gated delta, window 4 + 2 sinks) and the
+    other kept as softmax."""
+    model = build_tiny_model(family, seed=0)
+    plan = plan_for(
+        model,
+        kind="hybrid",
+        feature_dim=8,
+        window=4,
+        sinks=2,
+        layers=[converted_layer],
+        **PLANS["gated_delta"],
+    )
+    convert(model, plan)
+    return model.to(device=device, dtype=dtype).eval()
+
+
 def prompt_of(batch: int = 2, length: int = 11, device="cpu") -> torch.Tensor:
     return torch.randint(0, TINY_VOCAB, (batch, length), generator=torch.Generator().manual_seed(3)).to(
         device
@@ -88,6 +106,41 @@ def test_the_frozen_step_gives_ordinary_decodings_logits_and_the_cache_continues
     torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("eager_steps", [0, 2])
+@pytest.mark.parametrize("converted_layer", [0, 1])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2", "qwen3"])
+def test_kept_softmax_layers_decode_under_the_frozen_step_and_continue(family, converted_layer, eager_steps):
+    from dofla.cache import GrowingKVLayer, self_attention_cache
+
+    model = partly_converted(family, converted_layer)
+    prompt = prompt_of()
+    expected, expected_cache = eager_decode(model, prompt, steps=6)
+    logits, cache = eager_decode(model, prompt, eager_steps)
+    decoder = CapturedDecoder(model, cache, 2, prompt.shape[1] + eager_steps, graph=False, steps=9)
+    for _ in range(6 - eager_steps):
+        logits.append(decoder.step(logits[-1].argmax(-1, keepdim=True)).clone())
+    decoder.finish()
+    for step, (actual, reference) in enumerate(zip(logits, expected, strict=True)):
+        torch.testing.assert_close(actual, reference, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    kept = self_attention_cache(cache).layers[1 - converted_layer]
+    reference = self_attention_cache(expected_cache).layers[1 - converted_layer]
+    assert isinstance(kept, GrowingKVLayer) and kept.count is None  # released: an ordinary layer again
+    torch.testing.assert_close(kept.keys, reference.keys, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kept.values, reference.values, rtol=1e-5, atol=1e-6)
+    assert getattr(model_attention(model, 1 - converted_layer), "dofla_softmax_override", None) is None
+    token = expected[-1].argmax(-1, keepdim=True)
+    with torch.no_grad():
+        after = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        wanted = model(input_ids=token, past_key_values=expected_cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(after, wanted, rtol=1e-5, atol=1e-5)
+
+
+def model_attention(model, index: int):
+    from dofla.convert import architecture
+
+    return architecture(model).attention_modules[index]
+
+
 @pytest.mark.parametrize("kind", ["linear", "hybrid"])
 def test_the_frozen_step_in_bfloat16_follows_ordinary_decoding(kind):
     model = converted("llama", "gated_delta", dtype=torch.bfloat16, kind=kind)
@@ -110,8 +163,9 @@ def test_a_window_decoded_by_its_ring_step_first_continues_under_the_decoder(cel
     assert not any(student.graph_step for student in students(model).values())  # finish() restored them
 
 
-def test_generate_greedy_continues_the_prompt_as_greedy_decoding_does():
-    model = converted("qwen2", "gated_delta")
+@pytest.mark.parametrize("partly", [False, True])
+def test_generate_greedy_continues_the_prompt_as_greedy_decoding_does(partly):
+    model = partly_converted("qwen2", 0) if partly else converted("qwen2", "gated_delta")
     prompt = prompt_of(batch=3, length=7)
     logits, _ = eager_decode(model, prompt, steps=4)
     expected = torch.cat([prompt, *(step.argmax(-1, keepdim=True) for step in logits)], dim=1)
@@ -125,12 +179,26 @@ def test_models_a_graph_cannot_hold_are_refused_with_the_reason():
     decoder = CapturedDecoder(model, cache, 2, 3, graph=False)
     with pytest.raises(DoflaError, match="a window still filling"):
         decoder.step(torch.zeros(2, 1, dtype=torch.long))
-    partly = build_tiny_model("llama", seed=0)
-    convert(partly, plan_for(partly, kind="linear", feature_map="hedgehog", feature_dim=8, layers=[0]))
+    partly = partly_converted("llama", converted_layer=0)
     cache = DynamicCache(config=partly.config)
-    prefill(partly.eval(), prompt_of(), cache)
-    with pytest.raises(DoflaError, match="every attention layer converted"):
+    prefill(partly, prompt_of(), cache)
+    with pytest.raises(DoflaError, match="give the number of steps"):
         CapturedDecoder(partly, cache, 2, 11, graph=False)
+    decoder = CapturedDecoder(partly, cache, 2, 11, graph=False, steps=1)
+    decoder.step(torch.zeros(2, 1, dtype=torch.long))
+    with pytest.raises(DoflaError, match="built for 1 steps"):
+        decoder.step(torch.zeros(2, 1, dtype=torch.long))
+    decoder.finish()
+    cache = DynamicCache(config=partly.config)
+    prefill(partly, prompt_of(), cache)
+    plain = DynamicLayer()  # the kept layer's keys in transformers' own layer, not a converted prefill's
+    plain.update(cache.layers[1].keys, cache.layers[1].values)
+    cache.layers[1] = plain
+    with pytest.raises(DoflaError, match="layer 1, kept as softmax, holds DynamicLayer"):
+        CapturedDecoder(partly, cache, 2, 11, graph=False, steps=2)
+    sliding = partly_converted("gemma2", converted_layer=1)  # its layer 0 is a sliding-window layer
+    with pytest.raises(DoflaError, match="layer 0, kept as softmax, is a sliding_attention layer"):
+        CapturedDecoder(sliding, DynamicCache(config=sliding.config), 2, 11, graph=False, steps=2)
     linear = converted("llama", "linear")
     with pytest.raises(DoflaError, match="prefill the prompt"):
         CapturedDecoder(linear, DynamicCache(config=linear.config), 2, 11, graph=False)
@@ -140,6 +208,25 @@ def test_models_a_graph_cannot_hold_are_refused_with_the_reason():
         with pytest.raises(DoflaError, match="CUDA device"):
             CapturedDecoder(linear, cache, 2, 11, graph=True)
         assert not any(student.graph_step for student in students(linear).values())  # nothing left switched
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_captured_graph_with_kept_softmax_layers_replays_the_eager_step_on_gpu(dtype):
+    model = partly_converted("llama", 1, dtype=dtype, device="cuda")
+    prompt = prompt_of(device="cuda")
+    results = []
+    for graph in (False, True):
+        logits, cache = eager_decode(model, prompt, 0)
+        decoder = CapturedDecoder(model, cache, 2, prompt.shape[1], graph=graph, steps=8)
+        for _ in range(8):
+            logits.append(decoder.step(logits[-1].argmax(-1, keepdim=True)).clone())
+        decoder.finish()
+        results.append(logits)
+    for step, (actual, reference) in enumerate(zip(results[1], results[0], strict=True)):
+        torch.testing.assert_close(
+            actual.float(), reference.float(), rtol=1e-3, atol=1e-3, msg=f"step {step}"
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -12,7 +12,7 @@ made (``DynamicCache``, or the self-attention half of an ``EncoderDecoderCache``
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, EncoderDecoderCache, StaticLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, EncoderDecoderCache, StaticLayer
 
 from dofla.errors import DoflaError
 from dofla.ops import HybridState, LinearState
@@ -95,6 +95,127 @@ class RecurrentCacheLayer(CacheLayerMixin):
         return 0 if self.state is None else self.state.nbytes()
 
 
+class GrowingKVLayer(DynamicLayer):
+    """A softmax layer's keys and values, kept by a partly converted model, in buffers with room to grow.
+
+    transformers' ``DynamicLayer`` concatenates each new token onto its whole cache, so every decoding step
+    copies the cache (at 16k tokens and batch 8 that copy is most of a softmax layer's step). This layer
+    writes new tokens into the spare room of a buffer, grown by a quarter (at least ``SPARE`` tokens) when
+    full, and hands back views of its filled front: the same keys, values and mask sizes as a
+    ``DynamicLayer``. Whatever replaces ``keys`` / ``values`` (crop, beam reordering, batch selection) is
+    taken over into a fresh buffer at the next update. New keys that need gradients are concatenated as a
+    ``DynamicLayer`` does (an in-place write would change tensors autograd keeps).
+    """
+
+    SPARE = 256  # tokens of room at least, after a prefill or a growth
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.count: torch.Tensor | None = None  # graph decoding: the tokens held, on the device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.buffers = None
+
+    def _filled(self) -> int | None:
+        """Tokens held at the front of the buffers, or None where keys / values are not their front."""
+        if self.buffers is None:
+            return None
+        for view, buffer in zip((self.keys, self.values), self.buffers, strict=True):
+            if (
+                view.dim() != 4
+                or view.data_ptr() != buffer.data_ptr()
+                or view.stride() != buffer.stride()
+                or view.shape[:2] != buffer.shape[:2]
+                or view.shape[3:] != buffer.shape[3:]
+                or view.dtype != buffer.dtype
+            ):
+                return None
+        if self.keys.shape[2] != self.values.shape[2]:
+            return None
+        return self.keys.shape[2]
+
+    def _grown(self, held: torch.Tensor, new: torch.Tensor, capacity: int) -> torch.Tensor:
+        """A buffer of ``capacity`` tokens shaped like ``new`` with ``held`` (or nothing) at its front and zeros
+        after it (graph decoding reads every slot, masked: no NaN may hide in the unwritten ones)."""
+        buffer = new.new_empty((*new.shape[:2], capacity, new.shape[3]))
+        front = held.shape[2] if held.dim() == 4 else 0
+        if front:
+            buffer[:, :, :front].copy_(held)
+        buffer[:, :, front:].zero_()
+        return buffer
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write key_states / value_states (B, Hkv, T, D) after the held tokens -> every token's keys and
+        values (views of the buffers)."""
+        if self.count is not None:
+            return self._write_at_count(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            self.buffers = None
+            return super().update(key_states, value_states, *args, **kwargs)
+        filled = self._filled()
+        held = self.keys.shape[2] if self.keys.dim() == 4 else 0
+        needed = held + key_states.shape[2]
+        if (
+            filled is None
+            or needed > self.buffers[0].shape[2]
+            or self.buffers[0].shape[:2] != key_states.shape[:2]
+            or self.buffers[0].dtype != key_states.dtype
+            or self.buffers[0].device != key_states.device
+        ):
+            capacity = needed + max(self.SPARE, needed // 4)
+            self.buffers = (
+                self._grown(self.keys, key_states, capacity),
+                self._grown(self.values, value_states, capacity),
+            )
+        keys, values = self.buffers
+        keys[:, :, held:needed].copy_(key_states)
+        values[:, :, held:needed].copy_(value_states)
+        self.keys, self.values = keys[:, :, :needed], values[:, :, :needed]
+        return self.keys, self.values
+
+    def hold_for_graph(self, steps: int) -> torch.Tensor:
+        """Graph decoding: room for ``steps`` more tokens in the buffers, and from now on one token per update
+        written at a count kept on the device (returned; the update advances it) and the whole buffers
+        handed back, every slot (the count says which hold tokens). What the cache tells transformers
+        (``keys``, lengths, mask sizes) stays as it was, as a captured graph freezes it.
+        :meth:`release_from_graph` ends it."""
+        held = self.get_seq_length()
+        keys, values = self.keys, self.values
+        if self._filled() is None or self.buffers[0].shape[2] < held + steps:
+            self.buffers = tuple(self._grown(t, t, held + int(steps)) for t in (keys, values))
+        self.keys, self.values = (buffer[:, :, :held] for buffer in self.buffers)
+        self.count = torch.tensor(held, dtype=torch.long, device=self.buffers[0].device)
+        return self.count
+
+    def _write_at_count(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        if key_states.shape[2] != 1:
+            raise DoflaError("a cache layer held for graph decoding takes one token per step.")
+        index = self.count.view(1)
+        for buffer, states in zip(self.buffers, (key_states, value_states), strict=True):
+            buffer.index_copy_(2, index, states)
+        self.count.add_(1)
+        return self.buffers
+
+    def release_from_graph(self) -> None:
+        """Back to ordinary use: keys and values are the buffers' first ``count`` tokens."""
+        held = int(self.count)
+        self.keys, self.values = (buffer[:, :, :held] for buffer in self.buffers)
+        self.count = None
+
+    def reset(self) -> None:
+        self.buffers, self.count = None, None
+        super().reset()
+
+    def nbytes(self) -> int:
+        """Bytes held: the buffers, spare room included."""
+        tensors = self.buffers if self.buffers is not None else (self.keys, self.values)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def self_attention_cache(cache):
     """The cache holding this model's self-attention layers (GPT-2 wraps it in an EncoderDecoderCache)."""
     if isinstance(cache, EncoderDecoderCache):
@@ -102,12 +223,8 @@ def self_attention_cache(cache):
     return cache
 
 
-def attach_cache_layer(cache, layer_index: int) -> RecurrentCacheLayer:
-    """Make ``cache``'s layer ``layer_index`` a :class:`RecurrentCacheLayer` (in place) and return it.
-
-    A fresh layer (no tokens yet) is replaced; a layer already holding softmax keys is refused, because
-    the linear state of those tokens cannot be rebuilt from a cache that dofla did not fill.
-    """
+def _cache_layers(cache, layer_index: int) -> list:
+    """The self-attention layers of ``cache``, extended as the cache itself would up to ``layer_index``."""
     cache = self_attention_cache(cache)
     layers = getattr(cache, "layers", None)
     if layers is None:
@@ -119,6 +236,32 @@ def attach_cache_layer(cache, layer_index: int) -> RecurrentCacheLayer:
         if replicate is None:
             raise DoflaError(f"the cache has {len(layers)} layers, the model needs layer {layer_index}.")
         layers.append(replicate())
+    return layers
+
+
+def attach_kv_layer(cache, layer_index: int) -> None:
+    """Make ``cache``'s layer ``layer_index``, a softmax layer a converted model keeps, a
+    :class:`GrowingKVLayer` (in place) where it is a plain ``DynamicLayer`` holding nothing yet; any other
+    layer (sliding, static, offloaded, already filled) stays as it is."""
+    cache = self_attention_cache(cache)
+    if getattr(cache, "offloading", False) or getattr(cache, "layers", None) is None:
+        return
+    replicate = getattr(cache, "layer_class_to_replicate", None)
+    if len(cache.layers) <= layer_index and replicate is not DynamicLayer:
+        return
+    layers = _cache_layers(cache, layer_index)
+    layer = layers[layer_index]
+    if type(layer) is DynamicLayer and layer.get_seq_length() == 0:
+        layers[layer_index] = GrowingKVLayer()
+
+
+def attach_cache_layer(cache, layer_index: int) -> RecurrentCacheLayer:
+    """Make ``cache``'s layer ``layer_index`` a :class:`RecurrentCacheLayer` (in place) and return it.
+
+    A fresh layer (no tokens yet) is replaced; a layer already holding softmax keys is refused, because
+    the linear state of those tokens cannot be rebuilt from a cache that dofla did not fill.
+    """
+    layers = _cache_layers(cache, layer_index)
     layer = layers[layer_index]
     if isinstance(layer, RecurrentCacheLayer):
         return layer

@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 from dofla import dispatch
 from dofla.attention import LinearAttention
 from dofla.auto import DoflaConfig, converted_class
-from dofla.cache import attach_cache_layer
+from dofla.cache import attach_cache_layer, attach_kv_layer
 from dofla.cells import build_student
 from dofla.config import ConversionPlan
 from dofla.dof import make_plan
@@ -152,6 +152,13 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict) -> None:
         student.pending_cache_layer = attach_cache_layer(cache, slot)
 
 
+def _before_kept_attention(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A softmax layer the plan keeps: its cache layer grows in place instead of by concatenation."""
+    cache = _attention_cache_argument(module, args, kwargs)
+    if cache is not None:
+        attach_kv_layer(cache, int(getattr(module, "layer_idx", module._dofla_kept_index)))
+
+
 def _after_attention(module: nn.Module, args: tuple, output) -> None:
     getattr(module, STUDENT_PREFIX).pending_cache_layer = None
 
@@ -195,6 +202,11 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
             module.register_forward_hook(_after_attention),
         ]
         setattr(module, _HOOKS_ATTRIBUTE, handles)
+    for index, module in enumerate(facts.attention_modules):
+        if index not in built:
+            module._dofla_kept_index = index
+            handle = module.register_forward_pre_hook(_before_kept_attention, with_kwargs=True)
+            setattr(module, _HOOKS_ATTRIBUTE, [handle])
     model.dofla_plan = plan
     if isinstance(model, PreTrainedModel):  # save_pretrained now writes a converted folder
         model.__class__ = converted_class(type(model))
@@ -206,8 +218,9 @@ def unconvert(model: nn.Module) -> nn.Module:
     for module in model.modules():
         for handle in getattr(module, _HOOKS_ATTRIBUTE, []):
             handle.remove()
-        if hasattr(module, _HOOKS_ATTRIBUTE):
-            delattr(module, _HOOKS_ATTRIBUTE)
+        for name in (_HOOKS_ATTRIBUTE, "_dofla_kept_index"):
+            if hasattr(module, name):
+                delattr(module, name)
         if isinstance(getattr(module, STUDENT_PREFIX, None), nn.Module):
             delattr(module, STUDENT_PREFIX)
     model.dofla_plan = None

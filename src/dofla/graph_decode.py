@@ -7,8 +7,12 @@ once as a CUDA graph and replayed: the states are static buffers that the step r
 writes its new states back into; the token and its position are static inputs (the position advances
 inside the graph).
 
-What it needs: every attention layer converted and a cache holding their states (after a prefill; with a
-window, a prompt at least as long as the window, so the window's state has its final size). Layers with a
+What it needs: a cache holding the converted layers' states (after a prefill; with a window, a prompt at
+least as long as the window, so the window's state has its final size). Layers a plan keeps as full softmax
+(the ``gated-delta-retrieval`` recipe's four) are held in their ``GrowingKVLayer`` with room for the steps
+to come (``steps``): a step writes its key at a token count kept on the device and attends over every slot
+with the unwritten ones masked by that count, so the graph need not know the length. Sliding-window softmax
+layers are refused. Layers with a
 window decode in their general recurrent form here (``LinearAttention.graph_step``): their ring-buffer step
 keeps its write position in Python, which a graph would freeze. The Python part of the model's step (the
 cache's token counters, mask sizes) runs once, at capture; a layer's step reads nothing of it, which the
@@ -24,7 +28,8 @@ from dataclasses import fields, is_dataclass, replace
 import torch
 from torch import Tensor
 
-from dofla.cache import RecurrentCacheLayer, self_attention_cache
+from dofla.cache import GrowingKVLayer, RecurrentCacheLayer, self_attention_cache
+from dofla.dispatch import SOFTMAX_OVERRIDE_ATTRIBUTE, teacher_attention
 from dofla.errors import DoflaError
 
 WARM_UP_STEPS = 2  # eager steps on a side stream before capture (CUDA's libraries allocate their workspaces)
@@ -44,34 +49,73 @@ def _advanced(state, steps: int):
     return replace(state, **changes)
 
 
-def check_graph_decodable(model) -> list:
-    """The converted layers in order, after checking that a decoding step of ``model`` can be captured: every
-    attention layer converted. A DoflaError says what is not and what to do."""
-    from dofla.convert import students
+def check_graph_decodable(model) -> tuple[list, list[tuple[int, object]]]:
+    """The converted layers in order and the (index, attention module) of the layers kept as softmax, after
+    checking that a decoding step of ``model`` can be captured: a converted model whose kept layers attend
+    to every token (no sliding window). A DoflaError says what is not and what to do."""
+    from dofla.convert import architecture, students
 
-    modules = [module for _, module in sorted(students(model).items())]
+    converted = students(model)
+    if not converted:
+        raise DoflaError("graph decoding needs a converted model; convert it or decode without a graph.")
     config = model.config.get_text_config()
-    if len(modules) != int(config.num_hidden_layers):
-        raise DoflaError(
-            f"graph decoding needs every attention layer converted ({len(modules)} of "
-            f"{config.num_hidden_layers} are); decode without a graph."
-        )
-    return modules
+    layer_types = getattr(config, "layer_types", None) or []
+    kept = []
+    for index, module in enumerate(architecture(model).attention_modules):
+        if index in converted:
+            continue
+        if index < len(layer_types) and layer_types[index] != "full_attention":
+            raise DoflaError(
+                f"layer {index}, kept as softmax, is a {layer_types[index]} layer; graph decoding holds "
+                "only full-attention softmax layers, so decode without a graph."
+            )
+        kept.append((index, module))
+    return [module for _, module in sorted(converted.items())], kept
 
 
-def capturable_layers(model, cache) -> tuple[list, list[RecurrentCacheLayer]]:
-    """The converted layers and the cache's layers, in order, after :func:`check_graph_decodable` and
-    checking that each cache layer holds its state."""
-    modules = check_graph_decodable(model)
+def capturable_layers(
+    model, cache
+) -> tuple[list, list[RecurrentCacheLayer], list[tuple[object, GrowingKVLayer]]]:
+    """The converted layers and their cache layers, in order, and the kept softmax layers' (attention
+    module, cache layer), after :func:`check_graph_decodable` and checking that each cache layer holds what
+    the prefill left."""
+    modules, kept = check_graph_decodable(model)
     layers = list(self_attention_cache(cache).layers)
-    for index, module in enumerate(modules):
-        layer = layers[index] if index < len(layers) else None
+
+    def slot(index: int):
+        return layers[index] if index < len(layers) else None
+
+    recurrent = [slot(module.layer_index) for module in modules]
+    for module, layer in zip(modules, recurrent, strict=True):
         if not isinstance(layer, RecurrentCacheLayer) or layer.state is None:
             raise DoflaError(
                 f"layer {module.layer_index} has no recurrent state in the cache; prefill the prompt with "
                 "this cache before building the decoder."
             )
-    return modules, layers
+    held = []
+    for index, module in kept:
+        layer = slot(index)
+        if not isinstance(layer, GrowingKVLayer) or layer.get_seq_length() == 0:
+            raise DoflaError(
+                f"layer {index}, kept as softmax, holds {type(layer).__name__ if layer else 'nothing'} in the "
+                "cache, not the prompt's keys in the GrowingKVLayer a converted model's prefill into a fresh "
+                "DynamicCache gives it; prefill that way before building the decoder, or decode without a graph."
+            )
+        held.append((module, layer))
+    return modules, recurrent, held
+
+
+def _attend_up_to(count: Tensor) -> Callable:
+    """A softmax override for a kept layer held for graph decoding: the teacher's attention over every slot
+    of its buffers, the slots at or after ``count`` (not written yet) masked out."""
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        slots = torch.arange(key.shape[2], device=key.device)
+        bias = torch.zeros(key.shape[2], dtype=query.dtype, device=key.device)
+        bias = bias.masked_fill(slots >= count, float("-inf"))
+        return teacher_attention(module, query, key, value, bias.view(1, 1, 1, -1), **kwargs)
+
+    return attention
 
 
 class CapturedDecoder:
@@ -84,13 +128,33 @@ class CapturedDecoder:
     counts up to date.
     """
 
-    def __init__(self, model, cache, batch_size: int, position: int, *, graph: bool | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        cache,
+        batch_size: int,
+        position: int,
+        *,
+        graph: bool | None = None,
+        steps: int | None = None,
+    ) -> None:
         self.model, self.cache = model, cache
-        self.students, self.layers = capturable_layers(model, cache)
+        self.students, self.layers, self.kept = capturable_layers(model, cache)
         device = next(model.parameters()).device
         self.graph_wanted = device.type == "cuda" if graph is None else bool(graph)
         if self.graph_wanted and device.type != "cuda":
             raise DoflaError("a CUDA graph needs the model on a CUDA device; use graph=False elsewhere.")
+        if self.kept and (steps is None or int(steps) < 1):
+            raise DoflaError(
+                "this model keeps softmax layers, whose keys a graph writes into buffers of fixed size; "
+                "give the number of steps to decode (steps=N)."
+            )
+        self.max_steps = None if steps is None else int(steps)
+        # kept softmax layers: buffers with room for every step, a token count on the device, the override
+        self.counts = [layer.hold_for_graph(self.max_steps) for _, layer in self.kept]
+        self.overrides = [getattr(module, SOFTMAX_OVERRIDE_ATTRIBUTE, None) for module, _ in self.kept]
+        for (module, _), count in zip(self.kept, self.counts, strict=True):
+            setattr(module, SOFTMAX_OVERRIDE_ATTRIBUTE, _attend_up_to(count))
         for student in self.students:  # windows step in their general form (see the module docstring)
             student.graph_step = True
         for layer in self.layers:  # ring buffers of earlier steps back in order
@@ -104,7 +168,11 @@ class CapturedDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None
         if self.graph_wanted:
-            self._capture()
+            try:
+                self._capture()
+            except BaseException:
+                self.finish()  # the model and cache back to ordinary use
+                raise
 
     @torch.no_grad()
     def _body(self) -> Tensor:
@@ -126,14 +194,16 @@ class CapturedDecoder:
         return logits
 
     def _capture(self) -> None:
-        saved = [buffer.clone() for buffer in self.buffers] + [self.positions.clone()]
+        # the warm-up steps write the kept layers' keys past their counts, masked out and later overwritten
+        restored = [*self.buffers, self.positions, *self.counts]
+        saved = [buffer.clone() for buffer in restored]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARM_UP_STEPS):
                 self._body()
         torch.cuda.current_stream().wait_stream(side)
-        for buffer, value in zip(self.buffers + [self.positions], saved, strict=True):
+        for buffer, value in zip(restored, saved, strict=True):
             buffer.copy_(value)  # the warm-up steps leave no trace
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
@@ -141,6 +211,11 @@ class CapturedDecoder:
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed ``tokens`` (B, 1); the (B, vocab) logits of the next position."""
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            raise DoflaError(
+                f"this decoder was built for {self.max_steps} steps (its kept softmax layers have room for "
+                "no more); build a new one with more steps."
+            )
         self.tokens.copy_(tokens)
         self.steps += 1
         if self.graph is None:
@@ -155,6 +230,9 @@ class CapturedDecoder:
             layer.num_tokens, layer.state = count + self.steps, _advanced(state, self.steps)
         for student in self.students:
             student.graph_step = False
+        for (module, layer), override in zip(self.kept, self.overrides, strict=True):
+            layer.release_from_graph()
+            setattr(module, SOFTMAX_OVERRIDE_ATTRIBUTE, override)
         self.graph, self.logits = None, None
 
 
@@ -190,7 +268,9 @@ def generate_greedy(
             if bool(finished.all()):
                 break
         if decoder is None:
-            decoder = CapturedDecoder(model, cache, input_ids.shape[0], input_ids.shape[1], graph=graph)
+            decoder = CapturedDecoder(
+                model, cache, input_ids.shape[0], input_ids.shape[1], graph=graph, steps=max_new_tokens - 1
+            )
         token = decoder.step(token).argmax(-1, keepdim=True)
         if eos_token_id is not None:  # a row that has ended repeats its end
             token = token.masked_fill(finished[:, None], eos_token_id)

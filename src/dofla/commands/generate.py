@@ -34,9 +34,9 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--graph",
         action="store_true",
-        help="decode greedily from one captured CUDA graph per generation (CUDA only; every layer converted; "
-        "with a window, prompts at least as long as it): a decoding step without Python's launch cost, many "
-        "times faster at small batch",
+        help="decode greedily from one captured CUDA graph per generation (CUDA only; layers kept as softmax "
+        "must attend to every token; with a window, prompts at least as long as it): a decoding step without "
+        "Python's launch cost, many times faster at small batch",
     )
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N")

@@ -15,12 +15,13 @@ from transformers import DynamicCache
 
 
 def cache_bytes(cache) -> int:
-    """Bytes held by a transformers cache: keys/values of softmax layers and states of linear layers."""
-    from dofla.cache import RecurrentCacheLayer, self_attention_cache
+    """Bytes held by a transformers cache: keys/values of softmax layers (a converted model's kept layers with
+    their spare room) and states of linear layers."""
+    from dofla.cache import GrowingKVLayer, RecurrentCacheLayer, self_attention_cache
 
     total = 0
     for layer in self_attention_cache(cache).layers:
-        if isinstance(layer, RecurrentCacheLayer):
+        if isinstance(layer, (RecurrentCacheLayer, GrowingKVLayer)):
             total += layer.nbytes()
         else:
             total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
@@ -54,8 +55,8 @@ def measure_generation(
 
     The prompt is random token ids (speed and memory do not depend on the text); decoding feeds
     the greedy next token back one step at a time through the model's cache. ``graph``: decode through a
-    :class:`dofla.graph_decode.CapturedDecoder` (every layer converted; a CUDA graph on CUDA), its
-    capture timed apart (``capture_seconds``).
+    :class:`dofla.graph_decode.CapturedDecoder` (kept softmax layers with room for ``new_tokens``; a CUDA
+    graph on CUDA), its capture timed apart (``capture_seconds``).
     """
     from dofla.graph_decode import CapturedDecoder
 
@@ -75,7 +76,7 @@ def measure_generation(
         prefill_seconds = time.perf_counter() - start
         bytes_after_prefill = cache_bytes(cache)
         start = time.perf_counter()
-        decoder = CapturedDecoder(model, cache, batch_size, context) if graph else None
+        decoder = CapturedDecoder(model, cache, batch_size, context, steps=new_tokens) if graph else None
         _synchronize(device)
         capture_seconds = time.perf_counter() - start
         start = time.perf_counter()
