@@ -196,9 +196,10 @@ def test_models_a_graph_cannot_hold_are_refused_with_the_reason():
     cache.layers[1] = plain
     with pytest.raises(DoflaError, match="layer 1, kept as softmax, holds DynamicLayer"):
         CapturedDecoder(partly, cache, 2, 11, graph=False, steps=2)
-    sliding = partly_converted("gemma2", converted_layer=1)  # its layer 0 is a sliding-window layer
-    with pytest.raises(DoflaError, match="layer 0, kept as softmax, is a sliding_attention layer"):
-        CapturedDecoder(sliding, DynamicCache(config=sliding.config), 2, 11, graph=False, steps=2)
+    for family in ("gemma2", "mistral"):  # gemma2's layer 0 and every mistral layer: a sliding window
+        sliding = partly_converted(family, converted_layer=1)
+        with pytest.raises(DoflaError, match="layer 0, kept as softmax, keeps its keys in a DynamicSliding"):
+            CapturedDecoder(sliding, DynamicCache(config=sliding.config), 2, 11, graph=False, steps=2)
     linear = converted("llama", "linear")
     with pytest.raises(DoflaError, match="prefill the prompt"):
         CapturedDecoder(linear, DynamicCache(config=linear.config), 2, 11, graph=False)

@@ -53,21 +53,24 @@ def check_graph_decodable(model) -> tuple[list, list[tuple[int, object]]]:
     """The converted layers in order and the (index, attention module) of the layers kept as softmax, after
     checking that a decoding step of ``model`` can be captured: a converted model whose kept layers attend
     to every token (no sliding window). A DoflaError says what is not and what to do."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
     from dofla.convert import architecture, students
 
     converted = students(model)
     if not converted:
         raise DoflaError("graph decoding needs a converted model; convert it or decode without a graph.")
-    config = model.config.get_text_config()
-    layer_types = getattr(config, "layer_types", None) or []
+    fresh = self_attention_cache(DynamicCache(config=model.config)).layers  # the layers generation gets
     kept = []
     for index, module in enumerate(architecture(model).attention_modules):
         if index in converted:
             continue
-        if index < len(layer_types) and layer_types[index] != "full_attention":
+        kind = type(fresh[index]).__name__ if index < len(fresh) else "DynamicLayer"
+        if kind != DynamicLayer.__name__:
             raise DoflaError(
-                f"layer {index}, kept as softmax, is a {layer_types[index]} layer; graph decoding holds "
-                "only full-attention softmax layers, so decode without a graph."
+                f"layer {index}, kept as softmax, keeps its keys in a {kind} (a sliding window); graph "
+                "decoding holds only softmax layers that attend to every token, so decode without a graph."
             )
         kept.append((index, module))
     return [module for _, module in sorted(converted.items())], kept
