@@ -22,7 +22,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from dofla.convert import convert, plan_for
 from dofla.evaluation.speed import measure_generation, random_prompt
-from dofla.recipes import RECIPES
+from dofla.recipes import RECIPES, plan_for_arguments
 
 LLAMA_SIZES = (
     "hidden_size",
@@ -51,13 +51,10 @@ def recipe_plan_options(args: argparse.Namespace) -> dict:
     feature map and budget into ``args``); without, {} (the flags' plan)."""
     if args.recipe is None:
         return {}
-    recipe = RECIPES[args.recipe]
-    plan, student = recipe.get("plan", {}), recipe.get("student", {})
-    args.feature_map = student.get("feature_map", args.feature_map)
-    args.feature_dim = plan.get("budget", args.feature_dim)
-    options = dict(kind=plan.get("kind", "linear"), cell=student.get("cell", "linear"))
-    options.update({key: plan[key] for key in ("window", "sinks") if key in plan})
-    options["options"] = dict(student.get("cell_options", {}))
+    options = plan_for_arguments(args.recipe)
+    options.pop("keep_softmax", None)  # --softmax-layers names the kept layers
+    args.feature_map = options.pop("feature_map", args.feature_map)
+    args.feature_dim = options.pop("feature_dim", args.feature_dim)
     return options
 
 

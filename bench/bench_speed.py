@@ -56,6 +56,7 @@ from dofla.evaluation.speed import (
     time_decode,
     time_prefill,
 )
+from dofla.recipes import plan_for_arguments
 
 HERE = Path(__file__).resolve().parent
 REPOSITORY = HERE.parent
@@ -80,31 +81,15 @@ STUDENTS = {
     "gated_delta+window": (dict(kind="hybrid", cell="gated_delta", sinks=4), None),
     # the gated-delta recipe's window since it measured best: 128 tokens whatever --window says
     "gated_delta+window 128": (dict(kind="hybrid", cell="gated_delta", sinks=4, window=128), None),
-    # the gated-delta recipe's cell exactly: its projection keys (the rows above use plan_for's PRF map, whose
-    # one-token step adds an exponential and a normalisation per layer)
-    "gated-delta recipe": (
-        dict(kind="hybrid", cell="gated_delta", sinks=4, window=128, feature_map="projection"),
-        None,
-    ),
-    # the pure-linear gated-delta-linear recipe's cell: no window, projection keys, an 8-token short convolution
-    # and the gate on the memory's read-out (its rows before the gate joined the recipe: without it)
-    "gated-delta-linear recipe": (
-        dict(
-            kind="linear",
-            cell="gated_delta",
-            feature_map="projection",
-            options={"short_conv": 8, "output_gate": True},
-        ),
-        None,
-    ),
-    # the gated-delta-retrieval recipe's layout: the gated-delta recipe's cell with 4 layers kept as softmax
-    # (spread evenly here; the recipe picks them by recall, which does not change the speed)
-    "gated-delta-retrieval recipe": (
-        dict(
-            kind="hybrid", cell="gated_delta", sinks=4, window=128, feature_map="projection", keep_softmax=4
-        ),
-        None,
-    ),
+    # the recipes' students exactly, as dofla.recipes defines them (their feature maps, windows, sinks and
+    # cell options; the rows above use plan_for's PRF map, whose one-token step adds an exponential and a
+    # normalisation per layer): gated-delta (projection keys, window 128 + 4 sinks), gated-delta-linear (no
+    # window, an 8-token short convolution, the gate on the memory's read-out), gated-delta-retrieval (the
+    # gated-delta cell with 4 layers kept as softmax, spread evenly here: which layers does not change the
+    # speed)
+    "gated-delta recipe": (plan_for_arguments("gated-delta"), None),
+    "gated-delta-linear recipe": (plan_for_arguments("gated-delta-linear"), None),
+    "gated-delta-retrieval recipe": (plan_for_arguments("gated-delta-retrieval"), None),
     "gated_delta+window (3 softmax)": (
         dict(kind="hybrid", cell="gated_delta", sinks=4, keep_softmax=3),
         None,
@@ -150,6 +135,7 @@ def student_plan(model, name: str, feature_dim: int, window: int):
     options, alternating = STUDENTS[name]
     options = dict(options)
     window = options.pop("window", window)
+    feature_dim = options.pop("feature_dim", feature_dim)
     keep = options.pop("keep_softmax", 0)
     if keep:
         count = model.config.get_text_config().num_hidden_layers

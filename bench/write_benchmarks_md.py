@@ -188,7 +188,7 @@ SECTIONS = [
         "cache (CPU)",
         "bench/results/speed_retrieval_in_place_s35.md",
         "`python bench/bench_speed.py --contexts 4096,16384 --batches 1,8 --prefill-chunks 2048 --cells "
-        "\"teacher (KV written in place),gated-delta recipe,gated-delta-retrieval recipe\"` before and after "
+        '"teacher (KV written in place),gated-delta recipe,gated-delta-retrieval recipe"` before and after '
         "the layers a plan keeps as softmax got dofla's `GrowingKVLayer` (new keys written into spare room, "
         "not concatenated onto a copy of the whole cache at each step as transformers' `DynamicLayer` does): "
         "the retrieval recipe decodes at 16k and batch 8 at 48.5 tok/s against 23.4 before (16.3x the "
@@ -201,7 +201,7 @@ SECTIONS = [
         "Transparent huge pages for PyTorch's CPU allocations: not set (CPU)",
         "bench/results/thp_s35.md",
         "`THP_MEM_ALLOC_ENABLE=1 python bench/bench_speed.py --contexts 4096,16384 --batches 1,8 "
-        "--prefill-chunks 2048 --cells \"gated-delta recipe\"` and the same without the variable: the teacher "
+        '--prefill-chunks 2048 --cells "gated-delta recipe"` and the same without the variable: the teacher '
         "prefills 4-7% slower with it and decodes slower except at batch 8 and 16k; the recipe's cell "
         "prefills the same and decodes the same or slower. dofla leaves the variable unset.",
     ),

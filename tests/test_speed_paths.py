@@ -205,6 +205,34 @@ def test_bench_speed_no_attention_bound_is_the_teacher_attending_to_nothing_in_p
     assert torch.allclose(last_logits(tokens), before)
 
 
+def test_bench_speed_in_place_teacher_decodes_as_the_teacher_in_decode_rows_only(tmp_path):
+    from transformers import DynamicCache
+
+    from dofla.cache import GrowingKVLayer
+    from dofla.evaluation.speed import synthetic_kv_cache
+
+    bench = bench_script("bench_speed")
+    arguments = ["--tiny", "--contexts", "32", "--batches", "1,2", "--steps", "1", "--isolate", "none"]
+    arguments += ["--cells", bench.TEACHER_IN_PLACE]
+    assert bench.main([*arguments, "--out", str(tmp_path), "--plot", str(tmp_path / "s.png")]) == 0
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    in_place = sorted((r["phase"], r["batch"]) for r in rows if r["model"] == bench.TEACHER_IN_PLACE)
+    assert in_place == [("decode", 1), ("decode", 2)]
+
+    # the same teacher on the same keys: the same logits, step after step, its keys written in place
+    model = bench.build_model(argparse.Namespace(tiny=True, contexts=[32], teacher=None))
+    caches = [synthetic_kv_cache(model, 2, 20), bench.in_place_kv(synthetic_kv_cache(model, 2, 20))]
+    assert all(isinstance(layer, GrowingKVLayer) for layer in caches[1].layers)
+    assert isinstance(caches[0], DynamicCache) and not isinstance(caches[0].layers[0], GrowingKVLayer)
+    token = torch.ones(2, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(3):
+            logits = [model(input_ids=token, past_key_values=cache).logits for cache in caches]
+            torch.testing.assert_close(logits[1], logits[0])
+            token = logits[0][:, -1:].argmax(-1)
+    assert caches[1].layers[0].buffers[0].shape[2] > caches[1].get_seq_length() == 23
+
+
 def test_bench_speed_measures_every_row_in_its_own_process(tmp_path, capsys):
     bench = bench_script("bench_speed")
     arguments = ["--tiny", "--contexts", "32", "--batches", "2", "--steps", "1", "--window", "8"]
@@ -966,6 +994,10 @@ def test_bench_generation_measures_the_contexts_that_fit_and_says_which_did_not(
     )
     assert kept == [1] and [layer.kind for layer in plan.layers] == ["hybrid", "softmax"]
     assert (plan.layers[0].cell, plan.layers[0].window, plan.layers[0].sinks) == ("gated_delta", 128, 4)
+    from dofla.recipes import plan_for_arguments
+
+    assert plan_for_arguments("gated-delta-retrieval")["keep_softmax"] == 4
+    assert "keep_softmax" not in plan_for_arguments("gated-delta")
 
 
 def test_bench_generation_times_the_static_cache_teachers_decoding_steps_without_its_prefill(monkeypatch):

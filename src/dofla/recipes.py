@@ -108,6 +108,24 @@ RECIPES.add(
 # LoLCATs' shared normalisation with forgetting (gla): the demo's cell
 RECIPES.add("gla", long_context_recipe("gla", "hedgehog", {"window_factor": 0.999}))
 
+
+def plan_for_arguments(name: str) -> dict[str, Any]:
+    """Recipe ``name``'s students as keyword arguments of :func:`dofla.convert.plan_for` (kind, cell, feature
+    map, feature dimension, window, sinks, cell options), with ``keep_softmax``, the number of layers it keeps
+    as softmax (which ones is chosen at run time), where it keeps any: what benchmarks build its students from
+    without training."""
+    recipe = RECIPES[name]
+    plan, student = recipe.get("plan", {}), recipe.get("student", {})
+    arguments: dict[str, Any] = dict(kind=plan.get("kind", "linear"), cell=student.get("cell", "linear"))
+    if "feature_map" in student:
+        arguments["feature_map"] = student["feature_map"]
+    if "budget" in plan:
+        arguments["feature_dim"] = int(plan["budget"])
+    arguments.update({key: plan[key] for key in ("window", "sinks", "keep_softmax") if key in plan})
+    arguments["options"] = dict(student.get("cell_options", {}))
+    return arguments
+
+
 DEMO_COMMAND = "dofla demo  (dofla.pipeline.linearize(dofla.recipes.demo_config(out)))"
 
 
