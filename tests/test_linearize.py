@@ -444,9 +444,10 @@ def test_gated_delta_retrieval_recipe_keeps_recall_layers_and_trains_lora_on_nee
     teacher = build_tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=4)
     result = linearize(config(tmp_path, **changes), teacher=teacher, tokenizer=tokenizer, sequences=rows)
     settings = json.loads((tmp_path / "run" / "result.json").read_text())["config"]
-    assert settings["lora"]["train_students"] is True and settings["lora"]["needle_fraction"] == 1.0
+    assert settings["lora"]["train_students"] is True and settings["lora"]["needle_fraction"] == 0.5
     assert (settings["plan"]["window"], settings["plan"]["sinks"]) == (128, 4)
     _, _, plan = load_converted(result.out_dir)
     assert plan.metadata["softmax_choice"] == "recall" and len(plan.metadata["softmax_layers"]) == 2
-    assert (seen[0] != split_train_heldout(rows, 0.25, 0)[0]).any(dim=1).all()  # every LoRA row has needles
+    with_needles = (seen[0] != split_train_heldout(rows, 0.25, 0)[0]).any(dim=1)
+    assert with_needles.sum() == round(len(with_needles) * 0.5)  # half the LoRA rows state facts
     assert list((tmp_path / "run").glob("recall_order-*.json"))  # kept for a resumed run
