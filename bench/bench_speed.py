@@ -25,7 +25,7 @@ in its own process (``--isolate rows``, the default), which loads the model, war
 prefill and measures that row alone, so no row's figure depends on the memory the rows before it left
 (``--isolate none``: all rows of a model in one process, faster, for smoke tests).
 
-    python bench/bench_speed.py                       # full run, about 25 min on the idle 2-core CPU
+    python bench/bench_speed.py                       # full run, about 40 min on the idle 2-core CPU
     python bench/bench_speed.py --quick               # 1k context, few steps: a check, not a measurement
     python bench/bench_speed.py --cells linear,window --contexts 1024,4096 --batches 1
     python bench/bench_speed.py --contexts 4096 --batches 1 --prefill-chunks 0 --repeats 3   # medians of 3
@@ -95,7 +95,17 @@ STUDENTS = {
         None,
     ),
 }
-DEFAULT_STUDENTS = ("linear", "linear 32/96", "gla", "gated_delta", "window", "gla+window")
+DEFAULT_STUDENTS = (
+    "linear",
+    "linear 32/96",
+    "gla",
+    "gated_delta",
+    "window",
+    "gla+window",
+    "gated-delta recipe",
+    "gated-delta-linear recipe",
+    "gated-delta-retrieval recipe",
+)
 # Not a student: the teacher attending to nothing (see the module docstring); prefill rows only.
 NO_ATTENTION = "no attention (prefill bound)"
 NO_ATTENTION_IMPLEMENTATION = "bench_no_attention"
@@ -567,7 +577,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8", help="comma-separated decode batch sizes")
     parser.add_argument(
         "--cells",
-        default=",".join(DEFAULT_STUDENTS),
+        default=",".join([TEACHER_IN_PLACE, *DEFAULT_STUDENTS]),
         help=f"students: {', '.join(STUDENTS)}; or {' or '.join(map(repr, PSEUDO_MODELS))}",
     )
     parser.add_argument("--feature-dim", type=int, default=64)

@@ -17,8 +17,9 @@ BENCHMARKS = {
     "ops": ["bench_ops.py"],
     "decode_memory": ["bench_decode_memory.py"],
     "distill": ["bench_distill.py"],
-    # every cell vs the teacher at 1k-16k, batch 1 and 8 (about 15 min; supersedes bench_generation.py on
-    # the CPU, which stays for GPU runs: `bench/run_all.py generation` still runs it)
+    # every cell, the recipes' students and the teacher on an in-place cache vs the teacher at 1k-16k, batch
+    # 1 and 8 (about 40 min; supersedes bench_generation.py on the CPU, which stays for GPU runs:
+    # `bench/run_all.py generation` still runs it)
     "speed": ["bench_speed.py"],
 }
 OPTIONAL = {

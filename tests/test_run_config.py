@@ -255,7 +255,7 @@ def test_a_recipe_with_needle_rows_runs_without_its_lora_stage_when_told():
         dict(out_dir="x", recipe="gated-delta-retrieval", lora=dict(enabled=False))
     )
     config.validate()  # the recipe's needle rows belong to the stage turned off: nothing to refuse
-    assert config.lora.needle_fraction == 1.0 and config.lora.enabled is False
+    assert config.lora.needle_fraction == 0.5 and config.lora.enabled is False
 
 
 def test_the_trainers_settings_come_from_their_sections_by_name():
