@@ -164,6 +164,20 @@ def test_growing_kv_layer_under_autograd_concatenates():
     assert layer.buffers is None and torch.equal(first[0].grad, torch.ones_like(first[0]))
 
 
+def test_a_kept_layer_prefilled_in_inference_mode_decodes_outside_it():
+    model = tiny_model("llama")
+    convert(model, mixed_plan(model))
+    tokens = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(tokens[:, :8], past_key_values=cache)
+    assert cache.layers[1].buffers[0].is_inference()
+    with torch.no_grad():
+        last = model(tokens[:, 8:], past_key_values=cache).logits
+        full = model(tokens).logits
+    torch.testing.assert_close(last[:, -1], full[:, -1], rtol=1e-4, atol=1e-4)
+
+
 def test_kept_softmax_layer_decodes_through_many_growths(monkeypatch):
     monkeypatch.setattr(GrowingKVLayer, "SPARE", 1)
     model = tiny_model("qwen2")

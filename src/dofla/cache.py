@@ -165,7 +165,8 @@ class GrowingKVLayer(DynamicLayer):
             or self.buffers[0].shape[:2] != key_states.shape[:2]
             or self.buffers[0].dtype != key_states.dtype
             or self.buffers[0].device != key_states.device
-        ):
+            or (self.buffers[0].is_inference() and not torch.is_inference_mode_enabled())
+        ):  # (made in inference mode, they take no in-place write outside it)
             capacity = needed + max(self.SPARE, needed // 4)
             self.buffers = (
                 self._grown(self.keys, key_states, capacity),
