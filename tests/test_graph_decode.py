@@ -135,6 +135,22 @@ def test_kept_softmax_layers_decode_under_the_frozen_step_and_continue(family, c
     torch.testing.assert_close(after, wanted, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("partly", [False, True])
+def test_a_prompt_prefilled_in_inference_mode_decodes_under_the_frozen_step(partly):
+    model = partly_converted("llama", 0) if partly else converted("llama", "gated_delta", kind="hybrid")
+    prompt = prompt_of()
+    expected, _ = eager_decode(model, prompt, steps=3)
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        logits = [prefill(model, prompt, cache).clone()]
+    decoder = CapturedDecoder(model, cache, 2, prompt.shape[1], graph=False, steps=3)
+    for _ in range(3):
+        logits.append(decoder.step(logits[-1].argmax(-1, keepdim=True)).clone())
+    decoder.finish()
+    for actual, reference in zip(logits, expected, strict=True):
+        torch.testing.assert_close(actual, reference, rtol=1e-5, atol=1e-5)
+
+
 def model_attention(model, index: int):
     from dofla.convert import architecture
 

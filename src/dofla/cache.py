@@ -186,7 +186,11 @@ class GrowingKVLayer(DynamicLayer):
         :meth:`release_from_graph` ends it."""
         held = self.get_seq_length()
         keys, values = self.keys, self.values
-        if self._filled() is None or self.buffers[0].shape[2] < held + steps:
+        if (
+            self._filled() is None
+            or self.buffers[0].shape[2] < held + steps
+            or (self.buffers[0].is_inference() and not torch.is_inference_mode_enabled())
+        ):
             self.buffers = tuple(self._grown(t, t, held + int(steps)) for t in (keys, values))
         self.keys, self.values = (buffer[:, :, :held] for buffer in self.buffers)
         self.count = torch.tensor(held, dtype=torch.long, device=self.buffers[0].device)

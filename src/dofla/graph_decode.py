@@ -161,7 +161,10 @@ class CapturedDecoder:
         for student in self.students:  # windows step in their general form (see the module docstring)
             student.graph_step = True
         for layer in self.layers:  # ring buffers of earlier steps back in order
-            layer.state = layer.state.general_layout()
+            state = layer.state.general_layout()
+            if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in state._tensors()):
+                state = state._map(torch.clone)  # a prefill under inference_mode: buffers the step may write
+            layer.state = state
         self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.positions = torch.full((batch_size, 1), int(position), dtype=torch.long, device=device)
         # the Python side of the cache as the graph will see it at every replay
