@@ -58,11 +58,16 @@ def memories_off(model):
                 student.window_factor_logit.copy_(saved[index])
 
 
-def variant_scores(model, tokenizer, plan, variant: str, lengths, trials: int) -> dict[int, float]:
-    """Mean pass-key accuracy per context length for one variant of the model."""
-    converted = [index for index, layer in enumerate(plan.layers) if layer.kind != "softmax"]
-    kept = [index for index, layer in enumerate(plan.layers) if layer.kind == "softmax"]
-    window = plan.layers[converted[0]]
+def kept_softmax_layers(plan) -> list[int]:
+    """The layers ``plan`` keeps as full softmax."""
+    converted = set(plan.converted_layers)
+    return [index for index in range(len(plan.layers)) if index not in converted]
+
+
+def variant_scores(model, tokenizer, plan, kept, variant: str, lengths, trials: int) -> dict[int, float]:
+    """Mean pass-key accuracy per context length for one variant of the model (``kept``: its softmax
+    layers)."""
+    window = plan.layers[plan.converted_layers[0]]
     with ExitStack() as stack:
         if variant in ("softmax layers cut", "both") and kept:
             stack.enter_context(window_restricted(model, window.window, window.sinks, layers=kept))
@@ -94,9 +99,9 @@ def main(argv: list[str] | None = None) -> None:
         path = Path(folder) / "model" if (Path(folder) / "model").is_dir() else Path(folder)
         model, tokenizer, plan = load_converted(path)
         model.eval()
-        kept = [index for index, layer in enumerate(plan.layers) if layer.kind == "softmax"]
+        kept = kept_softmax_layers(plan)
         for variant in VARIANTS:
-            scores = variant_scores(model, tokenizer, plan, variant, lengths, args.trials)
+            scores = variant_scores(model, tokenizer, plan, kept, variant, lengths, args.trials)
             rows.append(dict(run=name, folder=folder, kept_softmax=kept, variant=variant, scores=scores))
             print(name, variant, scores, flush=True)
     seconds = time.perf_counter() - started
