@@ -157,7 +157,7 @@ class GrowingKVLayer(DynamicLayer):
             self.buffers = None
             return super().update(key_states, value_states, *args, **kwargs)
         filled = self._filled()
-        held = self.keys.shape[2] if self.keys.dim() == 4 else 0
+        held = self.get_seq_length()
         needed = held + key_states.shape[2]
         if (
             filled is None
