@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from dofla.convert import convert, plan_for
-from dofla.evaluation.speed import measure_generation, random_prompt
+from dofla.evaluation.speed import measure_generation, random_prompt, time_prefill
 from dofla.recipes import RECIPES, plan_for_arguments
 
 LLAMA_SIZES = (
@@ -173,6 +173,25 @@ def static_teacher_row(model, context: int, batch_size: int, new_tokens: int) ->
     }
 
 
+def ceiling_rows(model, contexts: list[int], args) -> list[dict | None]:
+    """The teacher's prefill with its attention replaced by zeros (``bench_speed``'s ``no attention``
+    model), one context at a time after one untimed prefill: the ceiling of any student that keeps the
+    teacher's projections, norms and MLP. None where it did not fit in memory."""
+    from bench_speed import NO_ATTENTION_IMPLEMENTATION
+
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(NO_ATTENTION_IMPLEMENTATION)
+    try:
+        rows = []
+        for context in contexts:
+            fitting(time_prefill, model, args.batch_size, context)
+            row = fitting(time_prefill, model, args.batch_size, context)
+            rows.append(None if isinstance(row, torch.OutOfMemoryError) else row)
+        return rows
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def profile_prefill(model, context: int, args, top: int = 15) -> str:
     """torch.profiler's top operators of one batch-1 prefill of ``context`` random tokens (by self device
     time on a GPU, self CPU time otherwise) and the aten calls per layer: what the prefill spends its time on."""
@@ -239,6 +258,12 @@ def main() -> int:
         help="also time the teacher's decoding through generate with a static cache (compiled, CUDA graphs, "
         "on CUDA): the graph rows' fairer reference",
     )
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also time the teacher's prefill with its attention replaced by zeros: the most any student "
+        "keeping the teacher's projections and MLP can reach",
+    )
     args = parser.parse_args()
     args.dtype = args.dtype or ("bfloat16" if str(args.device).startswith("cuda") else "float32")
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -250,6 +275,7 @@ def main() -> int:
     static_rows = [None] * len(contexts)
     if args.teacher_static:
         static_rows = measure_rows(model, contexts, args, "teacher (static cache)", static=True)
+    bound_rows = ceiling_rows(model, contexts, args) if args.ceiling else [None] * len(contexts)
     plan, kept = student_plan(model, args, plan_options)
     convert(model, plan)
     model.to(device=args.device, dtype=getattr(torch, args.dtype))
@@ -332,10 +358,27 @@ def main() -> int:
                 f"| {context} | {rate:.1f} | {student['decode_tokens_per_second']:.1f} | "
                 f"{student['decode_tokens_per_second'] / rate:.2f}x | {graph_cells}"
             )
+    if args.ceiling:
+        print(
+            "\nprefill ceiling: the teacher with its attention replaced by zeros (no student that keeps the "
+            "teacher's projections, norms and MLP prefills faster)\n\n| context | prefill tok/s teacher | no "
+            "attention | ceiling ratio | student ratio | share of the ceiling |\n|---:|---:|---:|---:|---:|---:|"
+        )
+        for context, teacher, bound, student in zip(
+            contexts, teacher_rows, bound_rows, student_rows, strict=True
+        ):
+            if teacher is None or bound is None or student is None:
+                print(f"| {context} | did not fit in memory |")
+                continue
+            rate, top = teacher["prefill_tokens_per_second"], bound["tokens_per_second"]
+            mine = student["prefill_tokens_per_second"]
+            print(
+                f"| {context} | {rate:.0f} | {top:.0f} | {top / rate:.2f}x | {mine / rate:.2f}x | {mine / top:.2f} |"
+            )
     if args.json:
         with open(args.json, "w") as stream:
             rows = {"teacher": teacher_rows, "student": student_rows, "student_graph": graph_rows}
-            rows["teacher_static"] = static_rows
+            rows["teacher_static"], rows["no_attention"] = static_rows, bound_rows
             json.dump({**rows, "args": vars(args)}, stream, indent=2)
     return 0
 

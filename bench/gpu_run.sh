@@ -44,6 +44,8 @@ step gen_hybrid_b16_graph 150 $gen --recipe gated-delta --contexts 32768 --batch
 step gen_retrieval_b16_graph 150 $gen --recipe gated-delta-retrieval --softmax-layers 7,8,18,23 --contexts 32768 --batch-size 16 --new-tokens 16 --graph
 # the same with the teacher also decoding from generate's static cache (compiled by transformers: CUDA graphs)
 step gen_linear_b16_static 240 $gen --recipe gated-delta-linear --contexts 32768 --batch-size 16 --new-tokens 16 --graph --teacher-static
+# the prefill ceiling: the teacher with its attention replaced by zeros beside the teacher and the student
+step gen_ceiling 120 $gen --recipe gated-delta-linear --contexts 4096,16384,65536 --ceiling
 # -v: each test's result as it ends (the first of them compiles fla's kernels for minutes on a fresh machine)
 step fla_op_tests 240 $pytest -v tests/test_fla_backend.py -k "ops_on_fla_kernels_match"
 step fla_tests 150 $tests -k "stand_ins_follow or dispatch_to_fla or converted_model_on_gpu"
