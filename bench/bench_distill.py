@@ -26,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dofla import dispatch
 from dofla.convert import convert, plan_for
+from dofla.distill.graphed import LayerLossGraphs
 from dofla.distill.losses import layerwise_loss_names
 from dofla.distill.teacher_forcing import autocast_for, freeze_teacher, teacher_forced_step
 from dofla.recipes import RECIPES
@@ -96,12 +97,19 @@ def main() -> int:
         choices=sorted(RECIPES),
         help="a recipe's students, loss and budget (overrides those flags)",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay each layer's loss and backward from CUDA graphs (dofla.distill.graphed; CUDA only)",
+    )
     parser.add_argument("--json", default=None, help="also write the row to this JSON file")
     args = parser.parse_args()
     plan_options = recipe_plan_options(args)
     if args.recipe is not None:
         args.loss = RECIPES[args.recipe].get("distill", {}).get("loss", args.loss)
     device = torch.device(args.device)
+    if args.cuda_graphs and device.type != "cuda":
+        parser.error("--cuda-graphs replays CUDA graphs: it needs --device cuda")
 
     teacher, source = build_teacher(args)
     vocab = teacher.config.vocab_size
@@ -122,9 +130,13 @@ def main() -> int:
     groups = [group for index in sorted(students) for group in students[index].parameter_groups(1e-2)]
     optimizer = torch.optim.AdamW(groups, lr=1e-2)
 
+    graphs = LayerLossGraphs(args.loss, query_chunk=args.query_chunk) if args.cuda_graphs else None
+
     def train_step():
         optimizer.zero_grad(set_to_none=True)
-        teacher_forced_step(teacher, tokens, students, args.loss, backward=True, query_chunk=args.query_chunk)
+        teacher_forced_step(
+            teacher, tokens, students, args.loss, backward=True, query_chunk=args.query_chunk, graphs=graphs
+        )
         torch.nn.utils.clip_grad_norm_([p for s in students.values() for p in s.parameters()], 1.0)
         optimizer.step()
 
@@ -143,6 +155,7 @@ def main() -> int:
         feature_map=args.feature_map,
         feature_dim=args.feature_dim,
         loss=args.loss,
+        cuda_graphs=args.cuda_graphs,
         teacher_forward_tokens_per_s=round(count / teacher_seconds, 1),
         train_tokens_per_s=round(count / train_seconds, 1),
         ratio=round(teacher_seconds / train_seconds, 3),
@@ -151,6 +164,7 @@ def main() -> int:
     print(
         f"{source}, {device}, {torch.get_num_threads()} threads, B={args.batch_size} T={args.seq_len}, "
         f"{len(students)} layers {args.feature_map} F={args.feature_dim}, loss {args.loss}"
+        + (", CUDA graphs" if args.cuda_graphs else "")
         + (f", recipe {args.recipe}: {plan_options}" if args.recipe else "")
     )
     print(f"teacher forward      {row['teacher_forward_tokens_per_s']:10.1f} tokens/s")

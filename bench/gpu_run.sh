@@ -51,6 +51,10 @@ step fla_op_tests 240 $pytest -v tests/test_fla_backend.py -k "ops_on_fla_kernel
 step fla_tests 150 $tests -k "stand_ins_follow or dispatch_to_fla or converted_model_on_gpu"
 step gen_linear_b1 120 $gen --recipe gated-delta-linear --contexts 4096,16384,65536 --profile
 step distill_linear 100 python3 bench/bench_distill.py --device cuda --random-weights --recipe gated-delta-linear --batch-size 4 --seq-len 1024
+# the same with each layer's loss and backward replayed from CUDA graphs, and the graphed training's GPU tests
+step distill_graphs 120 python3 bench/bench_distill.py --device cuda --random-weights --recipe gated-delta-linear --batch-size 4 --seq-len 1024 --cuda-graphs
+step distill_graphs_hybrid 120 python3 bench/bench_distill.py --device cuda --random-weights --recipe gated-delta --batch-size 4 --seq-len 1024 --cuda-graphs
+step graphed_training_tests 150 $pytest -v tests/test_graphed_training.py -k on_gpu
 step gen_linear_b16 120 $gen --recipe gated-delta-linear --contexts 32768 --batch-size 16 --new-tokens 16
 step gen_hybrid_b1 100 $gen --recipe gated-delta --contexts 4096,16384,65536
 step gen_linear_b1_pytorch 100 env DOFLA_FLA=0 $gen --recipe gated-delta-linear --contexts 4096,16384  # no fla

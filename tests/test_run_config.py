@@ -184,7 +184,7 @@ def test_flags_read_every_kind_of_value():
         ("[distill]\ntoknes = 5\n", "unknown setting 'toknes' in [distill] of"),
         (
             "[distill]\ntoknes = 5\n",
-            "valid ones: batch_size, checkpoint_every, eval_every, kl_weight, length_schedule, loss, lr",
+            "valid ones: batch_size, checkpoint_every, cuda_graphs, eval_every, kl_weight, length_schedule, loss, lr",
         ),
         ("[model]\nname = 'x'\n", "unknown setting 'model' at the top of"),
         ("lora = 3\n", "[lora] in"),
@@ -300,6 +300,7 @@ NEW_SINCE = {
     "distill.sharding": "data",
     "distill.length_schedule": None,
     "distill.teacher_states": None,
+    "distill.cuda_graphs": False,
     "plan.keep_softmax": 0,
     "plan.softmax_choice": "dof",
     "plan.per_query_head": False,

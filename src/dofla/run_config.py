@@ -205,6 +205,11 @@ class DistillSettings:
         "(each its own block of converted layers, on whole batches)",
         choices=lambda: SHARDINGS,
     )
+    cuda_graphs: bool = option(
+        False,
+        "on a CUDA device, replay each converted layer's loss and backward from CUDA graphs captured at the "
+        "first step (the same training, without launching each of its operators from Python)",
+    )
     teacher_states: str | None = option(
         None,
         "with --sharding layers: a `dofla teacher-states` folder (train/, heldout/) with a boundary at each "
@@ -428,7 +433,13 @@ class LinearizeConfig:
                 "--teacher-states holds the rows as packed, without the repeated spans of --recall-fraction; "
                 "drop one of the two."
             )
-        resolve_dtype(self.teacher.dtype, resolve_device(self.teacher.device))
+        device = resolve_device(self.teacher.device)
+        resolve_dtype(self.teacher.dtype, device)
+        if self.distill.cuda_graphs and device.type != "cuda":
+            raise DoflaError(
+                f"--cuda-graphs replays the training's layers from CUDA graphs, which needs a CUDA device, and "
+                f"this run is on {device}; drop --cuda-graphs or pass --device cuda."
+            )
         self.distill_config().validate()
         if self.lora.enabled:
             self.lora_config().validate()

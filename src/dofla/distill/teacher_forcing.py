@@ -22,6 +22,7 @@ from torch import nn
 
 from dofla import dispatch
 from dofla.convert import students as converted_students
+from dofla.distill.graphed import LayerLossGraphs
 from dofla.distill.losses import layer_loss
 from dofla.errors import DoflaError
 from dofla.models import get_adapter
@@ -52,10 +53,11 @@ def freeze_teacher(model: nn.Module, layers: list[int] | None = None) -> dict[in
     return students
 
 
-def autocast_for(device: torch.device):
-    """bf16 autocast on CUDA; CPUs (no bf16 units here) compute in float32."""
+def autocast_for(device: torch.device, *, cache: bool = True):
+    """bf16 autocast on CUDA; CPUs (no bf16 units here) compute in float32. ``cache=False``: without
+    autocast's cache of cast weights, which CUDA graph capture needs."""
     if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache)
     return nullcontext()
 
 
@@ -68,23 +70,31 @@ def teacher_forced_step(
     backward: bool,
     query_chunk: int = 128,
     loss_weight: float = 1.0,
+    graphs: LayerLossGraphs | None = None,
 ) -> dict[int, float]:
     """One teacher forward over input_ids (B, T); each converted layer's loss (and, with ``backward``,
     its gradient, scaled by ``loss_weight``, accumulated into its student). Returns {layer: loss value}.
+
+    ``graphs``: with ``backward``, each layer's loss and backward replayed from CUDA graphs
+    (:mod:`dofla.distill.graphed`); the losses are read back to the host once, after the last layer.
     """
-    losses: dict[int, float] = {}
+    losses: dict[int, torch.Tensor] = {}
     last_layer = max(students)
     device = input_ids.device
+    graphed = graphs is not None and backward
 
     def observer(call: dispatch.AttentionCall) -> None:
         student = students.get(call.layer_index)
         if student is None or call.layer_index in losses:
             return
-        with torch.enable_grad(), autocast_for(device):
-            loss = layer_loss(loss_kind, student, call, query_chunk=query_chunk)
+        with torch.enable_grad(), autocast_for(device, cache=not graphed):
+            if graphed:
+                loss = graphs.loss(student, call)
+            else:
+                loss = layer_loss(loss_kind, student, call, query_chunk=query_chunk)
             if backward:
                 (loss * loss_weight).backward()
-        losses[call.layer_index] = float(loss.detach())
+        losses[call.layer_index] = loss.detach().clone()  # a graph's output is overwritten at its next replay
         if call.layer_index == last_layer:
             raise _AllLayersSeen
 
@@ -99,7 +109,8 @@ def teacher_forced_step(
             f"layers {missing} were never called during the teacher's forward; the model's attention does "
             "not go through dofla's dispatcher (call dofla.dispatch.install(model))."
         )
-    return losses
+    values = torch.stack([losses[index].float() for index in sorted(losses)]).tolist()  # one read-back
+    return dict(zip(sorted(losses), values, strict=True))
 
 
 # ------------------------------------------------------------------------------ hidden states between layers

@@ -39,6 +39,7 @@ from dofla.distill.checkpoint import (
     write_log,
 )
 from dofla.distill.curriculum import LengthStage, check_length_schedule, length_stages, stage_at, tokens_after
+from dofla.distill.graphed import LayerLossGraphs
 from dofla.distill.hidden_store import TeacherStates, open_teacher_states
 from dofla.distill.losses import LOSSES, layerwise_loss_names
 from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
@@ -56,7 +57,7 @@ CONFIG_FILE = "distill_config.json"
 LOG_FILE = "log.jsonl"
 CHECKPOINT_FOLDER = "checkpoints"
 # Fields that do not change the result, so a resumed run may differ in them.
-_NOT_IN_FINGERPRINT = ("progress", "checkpoint_every")
+_NOT_IN_FINGERPRINT = ("progress", "checkpoint_every", "cuda_graphs")
 
 
 @dataclass
@@ -70,7 +71,9 @@ class DistillConfig:
     improvement before stopping early (0 = never); checkpoint_every: steps between checkpoints (0 = none);
     max_bad_steps: consecutive non-finite steps tolerated (each halves the learning rate);
     length_schedule: a length curriculum, (length, share of ``tokens``) stages shortest first, ending at the
-    training rows' length (:mod:`dofla.distill.curriculum`; None or empty: none).
+    training rows' length (:mod:`dofla.distill.curriculum`; None or empty: none);
+    cuda_graphs: each layer's loss and backward replayed from CUDA graphs (:mod:`dofla.distill.graphed`; a
+    layer-wise loss on a CUDA device); the same training up to rounding, so not part of the run's identity.
     """
 
     loss: str = "softmax"
@@ -92,6 +95,7 @@ class DistillConfig:
     seed: int = 0
     progress: bool = True
     length_schedule: list[tuple[int, float]] | None = None
+    cuda_graphs: bool = False
 
     def validate(self) -> None:
         LOSSES[self.loss]  # an unknown name is refused with the registered ones
@@ -109,6 +113,11 @@ class DistillConfig:
         if self.max_bad_steps < 1:
             raise DoflaError(f"max_bad_steps must be at least 1, got {self.max_bad_steps}.")
         check_length_schedule(self.length_schedule)
+        if self.cuda_graphs and not LOSSES[self.loss].layerwise:
+            raise DoflaError(
+                f"--cuda-graphs captures the layer-wise losses one layer at a time; the {self.loss} loss runs "
+                "the whole model end to end: drop --cuda-graphs or choose a layer-wise --loss."
+            )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DistillConfig:
@@ -206,14 +215,17 @@ def _step_loss(
     loss_weight: float = 1.0,
     start_states: torch.Tensor | None = None,
     start_layer: int = 0,
+    graphs: LayerLossGraphs | None = None,
 ):
     """Mean loss over layers (layer-wise) or the direct loss for one batch; (mean, {layer: loss}).
 
     start_states: the teacher's stored hidden states (B, T, hidden) entering ``start_layer``; the layer-wise
-    forward then starts there instead of at the embeddings.
+    forward then starts there instead of at the embeddings. graphs: the layers' losses replayed from CUDA
+    graphs (with ``backward``).
     """
     if LOSSES[config.loss].layerwise:
         options = dict(backward=backward, query_chunk=config.query_chunk, loss_weight=loss_weight)
+        options["graphs"] = graphs
         if start_states is None:
             layer_losses = teacher_forced_step(model, input_ids, students, config.loss, **options)
         else:
@@ -437,6 +449,7 @@ def distill(
     )
     started = time.perf_counter()
     shard = 0 if layer_sharded else rank  # which slice of the batch this rank trains
+    graphs = LayerLossGraphs(config.loss, query_chunk=config.query_chunk) if config.cuda_graphs else None
 
     def combined(value: float) -> float:
         """A loss over this rank's layers (or slice) -> the loss over all layers (or the whole batch)."""
@@ -457,7 +470,9 @@ def distill(
         batch = stage.rows[mine].to(device)  # (B / world, T) data-parallel, else (B, T)
         options = _start_options(train_stored, mine, device)
         optimizer.zero_grad(set_to_none=True)
-        loss, layer_losses = _step_loss(model, students, batch, config, backward=True, **options)
+        loss, layer_losses = _step_loss(
+            model, students, batch, config, backward=True, graphs=graphs, **options
+        )
         loss = combined(loss)
         if layer_sharded:
             grad_norm = clip_global_norm(list(trainable.values()), config.grad_clip)

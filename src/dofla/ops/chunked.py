@@ -594,11 +594,13 @@ def _fused_window_attention(
     num_chunks = -(-length // size)
     pad, span = num_chunks * size - length, size + window - 1  # span: the window keys one chunk can see
     present = torch.ones(batch, num_kv_heads, length, dtype=torch.bool, device=key.device)
+    fresh = state is None  # every key of the call present and the sinks its first tokens: rows alike
     state, sink, all_keys, all_values, all_present = _window_keys(state, key, v, present, window, sinks)
     buffered = state.keys.shape[2]
     # which keys a query sees depends on its (B, Hk) row only through the presence and sink positions:
-    # where every row has the same, one mask serves all rows (broadcast by the kernel, built once)
-    alike = _rows_alike(all_present) and (not sinks or _rows_alike(sink.position))
+    # where every row has the same, one mask serves all rows (broadcast by the kernel, built once); from a
+    # fresh state that holds without looking (no value read back: training steps can be CUDA graphs)
+    alike = fresh or (_rows_alike(all_present) and (not sinks or _rows_alike(sink.position)))
     mask_present = all_present[:1, :1] if alike else all_present
     sink_positions = sink.position[:1, :1] if alike else sink.position
 
