@@ -415,6 +415,49 @@ def test_lora_needles_train_the_lora_stage_on_rows_that_ask_for_their_facts(tmp_
         linearize(config(tmp_path / "none", **changes), teacher=teacher, sequences=rows)
 
 
+def test_lora_seq_len_cuts_the_lora_rows_longer_from_the_same_training_rows(tmp_path, monkeypatch):
+    """--lora-seq-len: attention transfer on rows of --seq-len, the LoRA stage (and its needle rows) on
+    longer rows cut from the same training rows (no held-out text); longer than the packed rows: refused
+    before any training."""
+    import dofla.pipeline as pipeline
+    from dofla.data import cut_rows
+    from dofla.models import build_tiny_model, build_tiny_tokenizer
+
+    seen = []
+
+    def lora_stage(config, model, train, history):
+        seen.append(train)
+        return model, history
+
+    monkeypatch.setattr(pipeline, "lora_stage", lora_stage)
+    tokenizer = build_tiny_tokenizer()
+    rows = torch.randint(3, 90, (12, 512), generator=torch.Generator().manual_seed(0))
+    changes = dict(
+        data=dict(seq_len=256),
+        plan=dict(kind="hybrid", window=16),
+        distill=dict(tokens=256 * 4, eval_every=0, checkpoint_every=0),
+        lora=dict(enabled=True, tokens=1024, needle_fraction=0.5, seq_len=512),
+        evaluate=dict(lengths=[], passkey_trials=0, recall=False, error_sequences=0),
+    )
+
+    def teacher():
+        return build_tiny_model("llama", vocab_size=len(tokenizer))
+
+    linearize(config(tmp_path, **changes), teacher=teacher(), tokenizer=tokenizer, sequences=rows)
+    train, _ = split_train_heldout(rows, 0.25, 0)
+    assert seen[0].shape == train.shape  # whole 512-token training rows
+    changed = (seen[0] != train).any(dim=1)
+    assert changed.sum() == round(len(train) * 0.5)  # half of them needle rows
+    torch.testing.assert_close(seen[0][~changed], train[~changed])
+    shorter = dict(lora=dict(seq_len=None, needle_fraction=0.0))
+    linearize(config(tmp_path / "default", **merge(changes, shorter)), teacher=teacher(), sequences=rows)
+    torch.testing.assert_close(seen[1], cut_rows(train, 256))  # without it: the training rows
+    longer = config(tmp_path / "long", **merge(changes, dict(lora=dict(seq_len=1024))))
+    with pytest.raises(DoflaError, match="--lora-seq-len 1024 is longer than the packed rows"):
+        linearize(longer, teacher=teacher(), tokenizer=tokenizer, sequences=rows)
+    assert not (tmp_path / "long" / "run" / "distill").exists()  # refused before any training
+
+
 def test_gated_delta_retrieval_recipe_keeps_recall_layers_and_trains_lora_on_needle_rows(
     tmp_path, monkeypatch
 ):

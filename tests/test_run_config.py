@@ -274,6 +274,7 @@ def test_the_trainers_settings_come_from_their_sections_by_name():
         "enabled",
         "baseline",
         "needle_fraction",
+        "seq_len",
     }
     config = every_type_set()
     distill, lora = config.distill_config(), config.lora_config()
@@ -301,6 +302,7 @@ NEW_SINCE = {
     "distill.length_schedule": None,
     "distill.teacher_states": None,
     "distill.cuda_graphs": False,
+    "lora.seq_len": None,
     "plan.keep_softmax": 0,
     "plan.softmax_choice": "dof",
     "plan.per_query_head": False,

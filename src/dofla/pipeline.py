@@ -66,6 +66,8 @@ class RunData:
     rows: torch.Tensor  # (N, T) every packed row, before the split (what a caller may pass back as sequences)
     # a length curriculum's shorter stages: {length: (M, length)} cut from the training rows only
     shorter_train: dict[int, torch.Tensor] = field(default_factory=dict)
+    # the LoRA stage's rows where --lora-seq-len differs from the training length, cut from the same rows
+    lora_train: torch.Tensor | None = None
 
     @property
     def heldout(self) -> torch.Tensor:
@@ -151,7 +153,8 @@ def run_stages(
     data = prepare_data(config, teacher, tokenizer, sequences, out_dir / "data_cache")
     stores = checked_layer_stores(config, teacher, data) if config.distill.teacher_states else None
     # the LoRA stage's rows, once for the stage and its baseline on the teacher (rank 0 runs both)
-    lora_train = lora_rows(config, tokenizer, data.train) if config.lora.enabled and rank == 0 else None
+    lora_source = data.train if data.lora_train is None else data.lora_train
+    lora_train = lora_rows(config, tokenizer, lora_source) if config.lora.enabled and rank == 0 else None
     timings.lap("data")
     baseline_ppl = None
     if config.lora.enabled and config.lora.baseline and rank == 0:
@@ -313,7 +316,7 @@ def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences
             )
         from dofla.data import insert_needles
 
-        probe = torch.zeros(1, config.data.seq_len, dtype=torch.long)  # are the rows long enough for them
+        probe = torch.zeros(1, lora_seq_len(config), dtype=torch.long)  # are the rows long enough for them
         insert_needles(probe, tokenizer, 1.0, gap=recall_gap(config), seed=config.seed)
 
 
@@ -367,12 +370,27 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
         if length < seq_len
     }
     train = with_recall(config, cut_rows(train_rows, seq_len))
+    lora_length = lora_seq_len(config)
+    lora_train = None
+    if config.lora.enabled and lora_length != seq_len:
+        if lora_length > train_rows.shape[1]:
+            raise DoflaError(
+                f"--lora-seq-len {lora_length} is longer than the packed rows ({train_rows.shape[1]} tokens, the "
+                "longest of --seq-len and --eval-lengths the data fills twice); add it to --eval-lengths or "
+                "give more text."
+            )
+        lora_train = with_recall(config, cut_rows(train_rows, lora_length))
     if config.data.recall_fraction > 0:
         source += (
             f"; {config.data.recall_fraction:.0%} of the training rows repeat a span of their own text "
             f"at least {recall_gap(config)} tokens later (--recall-fraction)"
         )
-    return RunData(train, heldout_by_length, seq_len, skipped, source, sequences, shorter_train)
+    return RunData(train, heldout_by_length, seq_len, skipped, source, sequences, shorter_train, lora_train)
+
+
+def lora_seq_len(config: LinearizeConfig) -> int:
+    """The LoRA stage's row length: ``lora.seq_len``, else the training length."""
+    return config.lora.seq_len or config.data.seq_len
 
 
 def recall_gap(config: LinearizeConfig) -> int:

@@ -253,6 +253,14 @@ class LoraSettings:
         flag="--lora-needles",
         minimum=0.0,
     )
+    seq_len: int | None = option(
+        None,
+        "length of the LoRA stage's rows, cut from the same training text (default: --seq-len); longer rows "
+        "train the adapters and needle rows at longer contexts. At most the packed rows' length (the longest "
+        "of --seq-len and --eval-lengths the data fills twice)",
+        flag="--lora-seq-len",
+        minimum=2,
+    )
     baseline: bool = option(
         False,
         "also train the same LoRA stage on the unconverted teacher and report its perplexity (the LoRA stage "
