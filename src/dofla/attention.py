@@ -31,6 +31,7 @@ from dofla.ops.chunked import choose_chunk_size
 from dofla.ops.decode import RingHybridState, hybrid_decode_step
 from dofla.ops.recurrent import linear_decode_step
 from dofla.ops.state import HybridState, LinearState
+from dofla.rotary import rotate, wrap_angles
 
 FORMS = ("naive", "chunked", "recurrent")
 DEFAULT_WINDOW_FACTOR = 0.1  # LoLCATs: gamma = sigmoid(w) starts near 0.1
@@ -120,6 +121,10 @@ class LinearAttention(nn.Module):
         self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.decode_tokens = int(options.pop("decode_tokens", DEFAULT_DECODE_TOKENS))
         self.graph_step = False  # set by dofla.graph_decode while a step is captured or replayed
+        # rotary positions modulo this period in the memory's features (dofla.rotary; None: true positions),
+        # with the teacher's rotary frequencies (float32, set by dofla.convert.set_position_period)
+        self.position_period: int | None = None
+        self.rotary_frequencies: Tensor | None = None
         self.cell_options = {name: options.pop(name) for name in self.CELL_OPTIONS if name in options}
         self.sinks = int(plan.sinks)
         if plan.feature_map in FEATURE_MAPS and "seed" not in options:
@@ -319,6 +324,7 @@ class LinearAttention(nn.Module):
         *,
         scaling: float | None = None,
         form: str | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """query (B, H, T, D), key (B, Hkv, T, D), value (B, Hkv, T, Dv) -> output (B, T, H, Dv).
 
@@ -328,6 +334,8 @@ class LinearAttention(nn.Module):
         a single unpadded token takes the cell's ``_decode_step`` (the recurrent form's step, fewer operators).
         Padded keys (from a 4-D ``attention_mask``) take part nowhere. ``scaling`` is the teacher's logit
         scale for the window softmax of hybrid layers (default: the one given at construction).
+        ``position_ids`` (B, T): the tokens' positions, with which a ``position_period`` turns the memory's
+        q and k back to positions modulo the period (:mod:`dofla.rotary`); the window keeps the true ones.
         """
         length = query.shape[2]
         if key.shape[2] != length:
@@ -342,8 +350,13 @@ class LinearAttention(nn.Module):
         state = None if cache_layer is None else cache_layer.state
         # a decoding step, see _decode_step; under graph decoding a window's ring step (whose write position
         # lives in Python) gives way to the general recurrent form (dofla.graph_decode)
+        feature_query, feature_key = self._wrapped(query, key, position_ids)
+        wrapped = feature_query is not query
+        if self.kind == "linear":  # no window: the whole layer reads the wrapped q and k
+            query, key = feature_query, feature_key
         fast_step = form is None and state is not None and length == 1
-        fast_step = fast_step and not (self.graph_step and self.kind == "hybrid")
+        # a window's ring step reads one q and k for both halves: with wrapped features the general form
+        fast_step = fast_step and not ((self.graph_step or wrapped) and self.kind == "hybrid")
         if form is None:
             form = "recurrent" if state is not None and length <= self.decode_tokens else "chunked"
         if form == "naive" and state is not None:
@@ -357,7 +370,7 @@ class LinearAttention(nn.Module):
         if state is not None:  # a decoding step's ring buffers, put back in order for the general forms
             state = state.general_layout()
         q_features, k_features, k_log_scale = (
-            self.features(query, key) if self.uses_features else (None, None, None)
+            self.features(feature_query, feature_key) if self.uses_features else (None, None, None)
         )
         values = self._state_heads_view(value)  # (B, Hs, T, Dv)
         output, new_state = self._attend(
@@ -366,6 +379,19 @@ class LinearAttention(nn.Module):
         if cache_layer is not None:
             cache_layer.state = new_state
         return output.transpose(1, 2).contiguous()  # (B, T, H, Dv)
+
+    def _wrapped(self, query: Tensor, key: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+        """query and key turned back to their positions modulo ``position_period`` (the same tensors where no
+        period, no rotary or no positions are given, or, on the CPU, where every position is below it)."""
+        period, frequencies = self.position_period, self.rotary_frequencies
+        if period is None or frequencies is None or position_ids is None:
+            return query, key
+        if position_ids.device.type == "cpu" and int(position_ids.max()) < period:
+            return query, key  # (on a GPU the check would wait for the device: the rotation is by zero)
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        angles = wrap_angles(position_ids[:, -query.shape[2] :], period, frequencies)
+        return rotate(query, angles), rotate(key, angles)
 
     def _attend(
         self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state

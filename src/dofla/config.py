@@ -105,8 +105,13 @@ class ConversionPlan:
     layers: list[LayerPlan]
     metadata: dict[str, Any] = field(default_factory=dict)
     version: int = PLAN_VERSION
+    # converted layers' memories read rotary positions modulo this many tokens (dofla.rotary); None: true
+    position_period: int | None = None
 
     def validate(self) -> None:
+        from dofla.rotary import check_period
+
+        check_period(self.position_period)
         if len(self.layers) != self.num_layers:
             raise DoflaError(
                 f"the plan lists {len(self.layers)} layers but says the model has {self.num_layers}."

@@ -210,7 +210,29 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
     model.dofla_plan = plan
     if isinstance(model, PreTrainedModel):  # save_pretrained now writes a converted folder
         model.__class__ = converted_class(type(model))
+    if plan.position_period is not None:
+        set_position_period(model, plan.position_period)
     return model
+
+
+def set_position_period(model: nn.Module, period: int | None) -> None:
+    """Let every converted layer's memory read rotary positions modulo ``period`` tokens (None: the true
+    positions), and record it in the model's plan (saved with it): :mod:`dofla.rotary`."""
+    from dofla.rotary import check_period, rotary_frequencies
+
+    check_period(period)
+    plan = getattr(model, "dofla_plan", None)
+    if plan is None:
+        raise DoflaError("a position period applies to a converted model; convert it first.")
+    frequencies = None if period is None else rotary_frequencies(model)
+    if period is not None and frequencies is None:
+        raise DoflaError(
+            "this model has no rotary position embeddings, so a position period has nothing to wrap; leave "
+            "it unset."
+        )
+    for student in students(model).values():
+        student.position_period, student.rotary_frequencies = period, frequencies
+    plan.position_period = period
 
 
 def unconvert(model: nn.Module) -> nn.Module:

@@ -83,7 +83,10 @@ def _make_dispatcher(teacher_kind: str) -> Callable:
             scaling = query.shape[-1] ** -0.5
         student = getattr(module, STUDENT_ATTRIBUTE, None)
         if student is not None and not _STATE.teacher_forced:
-            output, weights = student(query, key, value, attention_mask, scaling=scaling), None
+            positions = {}
+            if getattr(student, "position_period", None) is not None:  # its memory wraps them (dofla.rotary)
+                positions["position_ids"] = kwargs.get("position_ids")
+            output, weights = student(query, key, value, attention_mask, scaling=scaling, **positions), None
         else:
             softmax = getattr(module, SOFTMAX_OVERRIDE_ATTRIBUTE, None) or teacher_attention
             output, weights = softmax(

@@ -112,6 +112,13 @@ def register(subparsers) -> None:
         action="store_true",
         help="compare with --teacher even if it is not the model the folder was converted from",
     )
+    parser.add_argument(
+        "--position-period",
+        type=int,
+        default=None,
+        help="the converted layers' memories read rotary positions modulo this many tokens (e.g. the length "
+        "they were trained at; 0: the true positions); default: what the folder's plan says",
+    )
     parser.set_defaults(func=run)
 
 
@@ -141,6 +148,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DoflaError(f"--sequences must be at least 1, got {args.sequences}.")
     if args.batch_size < 1:
         raise DoflaError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    if args.position_period is not None and args.position_period < 0:
+        raise DoflaError(
+            f"--position-period must be a number of tokens (0: the true positions), got {args.position_period}."
+        )
     if args.window is not None and args.window < 1:
         raise DoflaError(f"--window must be at least 1 token, got {args.window}.")
     args.sink_list = integer_list(args.sinks, "--sinks", minimum=0)
@@ -200,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     import torch
 
-    from dofla.convert import check_teacher, load_converted
+    from dofla.convert import check_teacher, load_converted, set_position_period
     from dofla.data import load_texts, span_placements
     from dofla.errors import DoflaError
     from dofla.evaluation import harness, long_context
@@ -228,6 +239,9 @@ def run(args: argparse.Namespace) -> int:
         texts = texts[args.skip_texts :]
     harness.check_task_files(args.task_list, args.tasks_dir)  # now, not after the models have run
     student, tokenizer, plan = load_converted(args.converted, dtype=args.dtype, device=args.device)
+    if args.position_period is not None:
+        set_position_period(student, args.position_period or None)
+        _progress(f"position period: {plan.position_period or 'none (true positions)'}")
     teacher_spec = args.teacher or plan.metadata.get("teacher")
     if not teacher_spec:
         raise DoflaError("the converted folder does not name its teacher; pass --teacher MODEL.")

@@ -1,0 +1,152 @@
+"""Rotary positions modulo a period in the converted layers' memories (dofla.rotary, ``position_period``).
+
+The reference is the model itself: a converted model without a window has no softmax anywhere, so with a
+period its logits must equal the same model run at wrapped position ids (the teacher's own rotary at
+p mod P); decoding token by token must equal the full forward with the period (every form and the fast
+decoding step); a window keeps the true positions; below the period nothing changes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from dofla.convert import convert, load_converted, plan_for, save_converted, set_position_period, students
+from dofla.errors import DoflaError
+from dofla.models import build_tiny_model
+from dofla.models.tiny import TINY_VOCAB
+from dofla.rotary import rotary_frequencies, rotate, wrap_angles
+
+LINEAR = dict(kind="linear", feature_map="learnable_prf", feature_dim=8)
+PLANS = {
+    "linear": LINEAR,
+    "gated_delta_conv": dict(
+        kind="linear", cell="gated_delta", feature_map="projection", feature_dim=8, options={"short_conv": 3}
+    ),
+    "gla_hybrid": dict(kind="hybrid", cell="gla", feature_map="hedgehog", feature_dim=8, window=4, sinks=2),
+    "gated_delta_hybrid": dict(
+        kind="hybrid", cell="gated_delta", feature_map="projection", feature_dim=8, window=4, sinks=2
+    ),
+}
+
+
+def tokens(length: int = 40, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, TINY_VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def converted(family: str, plan: dict, period: int | None = None, seed: int = 0):
+    model = build_tiny_model(family, seed=seed)
+    convert(model, plan_for(model, **plan))
+    if period is not None:
+        set_position_period(model, period)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "qwen3"])
+def test_rotating_back_equals_the_teachers_rotary_at_the_wrapped_positions(family):
+    """rotate(rotary(q, p), wrap_angles(p)) == rotary(q, p mod P) with the family's own rotary module
+    (GPT-NeoX rotates only part of each head)."""
+    from importlib import import_module
+
+    model = build_tiny_model(family)
+    frequencies = rotary_frequencies(model)
+    embedding = next(m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor))
+    module = import_module(type(model).__module__)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    query = torch.randn(2, 3, 50, head_dim, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(50)[None].expand(2, 50)
+
+    def rotary(x, position_ids):
+        cos, sin = embedding(x, position_ids)
+        rotated = module.apply_rotary_pos_emb(x, x, cos, sin)[0]
+        return rotated
+
+    if family == "gpt_neox":  # its rotary covers the first rotary_ndims dimensions only
+        dims = cos_dims = embedding(query, positions)[0].shape[-1]
+        assert cos_dims < head_dim
+
+        def rotary(x, position_ids):  # noqa: F811
+            cos, sin = embedding(x, position_ids)
+            turned = module.apply_rotary_pos_emb(x[..., :dims], x[..., :dims], cos, sin)[0]
+            return torch.cat([turned, x[..., dims:]], dim=-1)
+
+    wrapped = rotate(rotary(query, positions), wrap_angles(positions, 16, frequencies))
+    torch.testing.assert_close(wrapped, rotary(query, positions % 16), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("plan_name", ["linear", "gated_delta_conv"])
+def test_a_model_without_a_window_equals_itself_at_wrapped_positions(plan_name):
+    model = converted("llama", PLANS[plan_name])
+    ids = tokens()
+    with torch.no_grad():
+        true_positions = model(ids).logits
+        wrapped_positions = model(ids, position_ids=(torch.arange(40) % 16)[None].expand(2, 40)).logits
+        set_position_period(model, 16)
+        with_period = model(ids).logits
+    assert (true_positions - wrapped_positions).abs().max() > 1e-3  # the positions matter here
+    torch.testing.assert_close(with_period, wrapped_positions, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(with_period[:, :16], true_positions[:, :16], rtol=1e-5, atol=1e-5)
+
+
+def decode_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        pieces = [model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
+        for position in range(prefill, ids.shape[1]):
+            pieces.append(
+                model(ids[:, position : position + 1], past_key_values=cache, use_cache=True).logits
+            )
+    return torch.cat(pieces, dim=1)
+
+
+@pytest.mark.parametrize("plan_name", sorted(PLANS))
+def test_decoding_with_a_period_equals_the_full_forward(plan_name):
+    """Prefill then token by token (the chunked, recurrent and fast decoding forms) equals one forward, with
+    the period crossed in the prefill and again while decoding."""
+    model = converted("llama", PLANS[plan_name], period=12)
+    ids = tokens(40)
+    with torch.no_grad():
+        full = model(ids).logits
+    torch.testing.assert_close(decode_logits(model, ids, prefill=17), full, rtol=1e-4, atol=1e-4)
+    set_position_period(model, None)
+    with torch.no_grad():
+        assert (model(ids).logits - full).abs().max() > 1e-4  # the period changed the memories' inputs
+
+
+def test_below_the_period_nothing_changes_and_a_window_keeps_true_positions():
+    ids = tokens(40)
+    plain = converted("llama", PLANS["gated_delta_hybrid"])
+    long_period = converted("llama", PLANS["gated_delta_hybrid"], period=64)
+    with torch.no_grad():
+        torch.testing.assert_close(long_period(ids).logits, plain(ids).logits, rtol=0, atol=0)
+    # the window alone (the memory's share at zero) does not see the period
+    for model in (plain, long_period):
+        for student in students(model).values():
+            student.window_factor_logit.data.fill_(30.0)  # the window's share 1 - 1e-13
+    set_position_period(long_period, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(long_period(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_period_is_saved_with_the_model(tmp_path):
+    model = converted("llama", PLANS["linear"], period=16)
+    ids = tokens()
+    with torch.no_grad():
+        expected = model(ids).logits
+    save_converted(model, tmp_path / "out")
+    loaded, _, plan = load_converted(tmp_path / "out")
+    assert plan.position_period == 16
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_models_a_period_cannot_serve_are_refused():
+    with pytest.raises(DoflaError, match="no rotary position embeddings"):
+        set_position_period(converted("gpt2", LINEAR), 16)
+    with pytest.raises(DoflaError, match="2 rotary embeddings"):
+        set_position_period(converted("gemma3", LINEAR), 16)
+    with pytest.raises(DoflaError, match="positive number of tokens"):
+        set_position_period(converted("llama", LINEAR), 0)
+    with pytest.raises(DoflaError, match="converted model"):
+        set_position_period(build_tiny_model("llama"), 16)
