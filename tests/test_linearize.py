@@ -61,6 +61,8 @@ def test_linearize_saves_evaluates_and_reports(tmp_path):
     # the saved model reloads with the same held-out perplexity as the one measured in the run
     model, _, plan = load_converted(result.out_dir)
     assert [layer.feature_dim for layer in plan.layers] == [8, 8]
+    assert plan.position_period == LENGTH and summary["position_period"] == LENGTH  # the trained length
+    assert f"rotary positions modulo {LENGTH} tokens" in report
     _, heldout = split_train_heldout(data, 0.25, seed=0)
     assert perplexity(model, heldout) == pytest.approx(result.student_ppl, rel=1e-5)
     assert perplexity(tiny_teacher(), heldout) == pytest.approx(result.teacher_ppl, rel=1e-5)
@@ -74,6 +76,29 @@ def test_linearize_saves_evaluates_and_reports(tmp_path):
             errors["relative_error"], rel=1e-4
         )
     assert "| attention error |" in report
+
+
+def test_position_period_off_or_refused_where_the_teacher_has_no_rotary(tmp_path):
+    from dofla.models import build_tiny_model
+    from dofla.models.tiny import TINY_VOCAB
+
+    rows = torch.randint(0, TINY_VOCAB, (24, LENGTH), generator=torch.Generator().manual_seed(0))
+    short = dict(distill=dict(tokens=4 * LENGTH * 2), evaluate=dict(passkey_trials=0, error_sequences=0))
+    off = config(tmp_path / "off", **merge(short, dict(plan=dict(position_period=0))))
+    result = linearize(off, teacher=tiny_teacher(), sequences=sequences())
+    assert load_converted(result.out_dir)[2].position_period is None
+    assert "read the true rotary positions" in result.report_path.read_text()
+    gpt2 = dict(teacher=dict(model="tiny-gpt2"))
+    result = linearize(
+        config(tmp_path / "gpt2", **merge(short, gpt2)), teacher=build_tiny_model("gpt2"), sequences=rows
+    )
+    assert load_converted(result.out_dir)[2].position_period is None  # nothing to wrap: left unset
+    given = config(tmp_path / "given", **merge(short, gpt2, dict(plan=dict(position_period=16))))
+    with pytest.raises(
+        DoflaError, match="--position-period wraps rotary positions, and the teacher tiny-gpt2"
+    ):
+        linearize(given, teacher=build_tiny_model("gpt2"), sequences=rows)
+    assert not (tmp_path / "given" / "run" / "distill").exists()  # refused before any training
 
 
 def test_the_report_scores_recall_beyond_the_window_on_the_held_out_rows(tmp_path):

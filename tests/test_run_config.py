@@ -303,6 +303,7 @@ NEW_SINCE = {
     "distill.teacher_states": None,
     "distill.cuda_graphs": False,
     "lora.seq_len": None,
+    "plan.position_period": None,
     "plan.keep_softmax": 0,
     "plan.softmax_choice": "dof",
     "plan.per_query_head": False,

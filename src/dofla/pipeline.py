@@ -177,6 +177,7 @@ def run_stages(
         model, history = lora_stage(config, model, lora_train, history)
         timings.lap("lora")
     check_finite_model(model, data.heldout[: config.distill.batch_size], what="the trained student")  # no NaN
+    apply_position_period(config, model)
     evaluation = evaluate_student(config, reference, model, tokenizer, data, timings)
     del reference
     model_dir = save_converted(
@@ -243,6 +244,7 @@ def write_results(
         timings=result.timings,
         lora_teacher_ppl=baseline_ppl,
         processes=processes,
+        position_period=plan.position_period,
     )
     report.write_run_outputs(out_dir, result, summary, config, plan, history)
     return result
@@ -298,7 +300,8 @@ def load_teacher_for(config: LinearizeConfig, teacher, tokenizer):
 
 
 def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences) -> None:
-    """What needs the loaded teacher but not the expensive work: its tokenizer and the LoRA targets."""
+    """What needs the loaded teacher but not the expensive work: its tokenizer, the LoRA targets, the
+    rotary embedding a given position period wraps."""
     from dofla.distill.lora import check_targets
 
     if sequences is None and tokenizer is None:
@@ -308,6 +311,14 @@ def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences
         )
     if config.lora.enabled:
         check_targets(teacher, config.lora.targets)
+    if config.plan.position_period:  # given: the teacher must have the one rotary embedding it wraps
+        from dofla.rotary import rotary_frequencies
+
+        if rotary_frequencies(teacher) is None:
+            raise DoflaError(
+                f"--position-period wraps rotary positions, and the teacher {config.teacher.model} has none; "
+                "leave it unset."
+            )
     if config.lora.enabled and config.lora.needle_fraction > 0:
         if tokenizer is None:
             raise DoflaError(
@@ -386,6 +397,28 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
             f"at least {recall_gap(config)} tokens later (--recall-fraction)"
         )
     return RunData(train, heldout_by_length, seq_len, skipped, source, sequences, shorter_train, lora_train)
+
+
+def trained_length(config: LinearizeConfig) -> int:
+    """The longest rows the students train on: the training length, or the LoRA stage's where longer."""
+    return max(config.data.seq_len, lora_seq_len(config) if config.lora.enabled else 0)
+
+
+def apply_position_period(config: LinearizeConfig, model) -> None:
+    """The trained model's position period (:mod:`dofla.rotary`): ``plan.position_period`` where given (0:
+    none), else the longest length the students trained at, where the teacher has one rotary embedding."""
+    from dofla.convert import set_position_period
+    from dofla.rotary import rotary_frequencies
+
+    period = config.plan.position_period
+    if period is None:
+        try:
+            if rotary_frequencies(model) is None:
+                return
+        except DoflaError:  # several rotary embeddings or length-dependent ones: true positions
+            return
+        period = trained_length(config)
+    set_position_period(model, period or None)
 
 
 def lora_seq_len(config: LinearizeConfig) -> int:

@@ -47,6 +47,7 @@ def run_summary(
     timings: dict[str, float],
     lora_teacher_ppl: float | None,
     processes: int = 1,
+    position_period: int | None = None,
 ) -> dict[str, Any]:
     """The data of result.json: the resolved config (by section) and every number the run measured."""
     errors = evaluation.layer_errors
@@ -75,6 +76,7 @@ def run_summary(
         ),
         converted_layers=converted_layers,
         feature_dims=[row["feature_dim"] for row in table],
+        position_period=position_period,
         timings=timings,
         data_source=data.source,
     )
@@ -201,7 +203,13 @@ def _plan_lines(result: LinearizeResult, summary: dict, config: LinearizeConfig)
     lines = [
         f"Allocation `{plan.allocation}`"
         + (f" (measure `{plan.measure}`)" if ALLOCATIONS[plan.allocation].needs_measure else "")
-        + f", mean feature budget {plan.budget}.",
+        + f", mean feature budget {plan.budget}. "
+        + (
+            f"The converted layers' memories read rotary positions modulo {summary['position_period']} tokens "
+            "(`position_period`, the positions they trained at; windows keep the true ones)."
+            if summary.get("position_period")
+            else "The converted layers read the true rotary positions (no `position_period`)."
+        ),
         "",
         "Held-out layer loss: the distillation loss on held-out data. Attention error: "
         "||y_student - y_teacher|| / ||y_teacher|| of the layer's attention output before the output "

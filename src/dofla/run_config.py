@@ -159,6 +159,13 @@ class PlanSettings:
         "the window costs most at the training length)",
         choices=_softmax_choices,
     )
+    position_period: int | None = option(
+        None,
+        "the converted layers' memories read rotary positions modulo this many tokens after training, so "
+        "they never meet positions beyond those they were trained at (0: the true positions; default: the "
+        "longest length the run trains at, where the teacher has one rotary embedding)",
+        minimum=0,
+    )
     dof_points: int = option(1024, "points per head captured for the DoF estimate", minimum=1)
     dof_batches: int = option(2, "training batches the DoF estimate captures from", minimum=1)
 
