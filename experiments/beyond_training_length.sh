@@ -8,7 +8,9 @@
 #   bash experiments/beyond_training_length.sh OUT RUN_FOLDER...   # each RUN_FOLDER holds a saved model/
 #
 # Environment: DOFLA (default `dofla`), DATA (default ../shared/data/wiki_demo/tinyshakespeare.txt),
-# LENGTHS, SEQUENCES, PASSKEY, TRIALS (defaults below).
+# LENGTHS, SEQUENCES, PASSKEY (empty: no pass keys), TRIALS (defaults below); PERIOD: the converted layers'
+# position period (`dofla evaluate --position-period`; default: what each saved plan says); SUFFIX: added to
+# each run's output folder name.
 set -euo pipefail
 out=$1
 shift
@@ -16,7 +18,7 @@ dofla=${DOFLA:-dofla}
 data=${DATA:-../shared/data/wiki_demo/tinyshakespeare.txt}
 lengths=${LENGTHS:-1024,2048,4096,8192}
 sequences=${SEQUENCES:-4}
-passkey=${PASSKEY:-4096,8192}
+passkey=${PASSKEY-4096,8192}
 trials=${TRIALS:-2}
 mkdir -p "$out"
 document="$out/$(basename "${data%.*}").jsonl"
@@ -26,10 +28,12 @@ from pathlib import Path
 text = Path(sys.argv[1]).read_text(encoding="utf-8")
 Path(sys.argv[2]).write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
 PY
+period=()
+[[ -n ${PERIOD:-} ]] && period=(--position-period "$PERIOD")
 for run in "$@"; do
-    name=$(basename "$run")
+    name=$(basename "$run")${SUFFIX:-}
     mkdir -p "$out/$name"
     $dofla evaluate "$run/model" --data "$document" --lengths "$lengths" --sequences "$sequences" \
-        --passkey "$passkey" --passkey-trials "$trials" --error-sequences 0 \
+        --passkey "$passkey" --passkey-trials "$trials" --error-sequences 0 "${period[@]}" \
         --json "$out/$name/evaluate.json" --plot "$out/$name/loss_by_position.png" | tee "$out/$name/evaluate.md"
 done
