@@ -28,6 +28,7 @@ PLANS = {
     "gated_delta_hybrid": dict(
         kind="hybrid", cell="gated_delta", feature_map="projection", feature_dim=8, window=4, sinks=2
     ),
+    "linear_beside_softmax": dict(LINEAR, layers=[0]),  # layer 1 kept as softmax: per-layer rotations
 }
 
 
@@ -150,3 +151,25 @@ def test_models_a_period_cannot_serve_are_refused():
         set_position_period(converted("llama", LINEAR), 0)
     with pytest.raises(DoflaError, match="converted model"):
         set_position_period(build_tiny_model("llama"), 16)
+
+
+def test_without_any_softmax_the_positions_are_wrapped_once_and_unconvert_removes_it():
+    """Every layer converted without a window: the rotary embedding's positions are wrapped (no per-layer
+    rotation); with a layer kept as softmax the layers rotate their memories' inputs and that layer keeps
+    its true positions; unconvert gives the teacher back its own positions."""
+    ids = tokens()
+    teacher = build_tiny_model("llama")
+    with torch.no_grad():
+        expected = teacher(ids).logits
+    whole = converted("llama", PLANS["linear"], period=16)
+    assert all(student.position_period is None for student in students(whole).values())
+    mixed = converted("llama", PLANS["linear_beside_softmax"], period=16)
+    assert [student.position_period for student in students(mixed).values()] == [16]
+    with torch.no_grad():
+        wrapped = mixed(ids, position_ids=(torch.arange(40) % 16)[None].expand(2, 40)).logits
+        assert (mixed(ids).logits - wrapped).abs().max() > 1e-3  # the softmax layer's positions are true
+    from dofla.convert import unconvert
+
+    unconvert(whole)
+    with torch.no_grad():
+        torch.testing.assert_close(whole(ids).logits, expected, rtol=1e-5, atol=1e-5)

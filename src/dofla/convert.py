@@ -215,28 +215,48 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
     return model
 
 
+_PERIOD_HOOK_ATTRIBUTE = "_dofla_position_period_hook"
+
+
 def set_position_period(model: nn.Module, period: int | None) -> None:
     """Let every converted layer's memory read rotary positions modulo ``period`` tokens (None: the true
     positions), and record it in the model's plan (saved with it): :mod:`dofla.rotary`."""
-    from dofla.rotary import check_period, rotary_frequencies
+    from dofla.rotary import check_period, rotary_embedding, wrap_positions_hook
 
     check_period(period)
     plan = getattr(model, "dofla_plan", None)
     if plan is None:
         raise DoflaError("a position period applies to a converted model; convert it first.")
-    frequencies = None if period is None else rotary_frequencies(model)
-    if period is not None and frequencies is None:
+    found = None if period is None else rotary_embedding(model)
+    if period is not None and found is None:
         raise DoflaError(
             "this model has no rotary position embeddings, so a position period has nothing to wrap; leave "
             "it unset."
         )
-    for student in students(model).values():
-        student.position_period, student.rotary_frequencies = period, frequencies
+    previous = getattr(model, _PERIOD_HOOK_ATTRIBUTE, None)
+    if previous is not None:
+        previous.remove()
+        delattr(model, _PERIOD_HOOK_ATTRIBUTE)
+    layers = students(model)
+    # no softmax anywhere (every layer converted, none with a window): the positions wrapped once, at the
+    # rotary embedding; else each converted layer turns its memory's q and k back itself
+    whole = len(layers) == plan.num_layers and all(student.kind == "linear" for student in layers.values())
+    per_layer = found is not None and not whole
+    for student in layers.values():
+        student.position_period = period if per_layer else None
+        student.rotary_frequencies = found[1] if per_layer else None
+    if found is not None and whole:
+        handle = found[0].register_forward_pre_hook(wrap_positions_hook(period), with_kwargs=True)
+        setattr(model, _PERIOD_HOOK_ATTRIBUTE, handle)
     plan.position_period = period
 
 
 def unconvert(model: nn.Module) -> nn.Module:
     """Remove the students and hooks: the model is its teacher again (the dispatcher stays installed)."""
+    period_hook = getattr(model, _PERIOD_HOOK_ATTRIBUTE, None)
+    if period_hook is not None:
+        period_hook.remove()
+        delattr(model, _PERIOD_HOOK_ATTRIBUTE)
     for module in model.modules():
         for handle in getattr(module, _HOOKS_ATTRIBUTE, []):
             handle.remove()
