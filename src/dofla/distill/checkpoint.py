@@ -157,9 +157,13 @@ def append_log(path: Path, record: dict) -> None:
 
 def settings_digest(settings: dict, plan) -> Any:
     """The start of a stage's fingerprint: a sha256 of its settings (JSON, keys sorted) and then of the
-    model's plan (None: no plan); the stage adds what else determines its result (rows, starting weights)."""
+    model's plan (None: no plan; its position period left out); the stage adds what else determines its
+    result (rows, starting weights)."""
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
-    digest.update(json.dumps(plan.to_dict() if plan is not None else None, sort_keys=True).encode())
+    described = None if plan is None else plan.to_dict()
+    if described is not None:  # how a trained model reads positions afterwards, not what trains it
+        described.pop("position_period", None)
+    digest.update(json.dumps(described, sort_keys=True).encode())
     return digest
 
 
