@@ -106,6 +106,25 @@ def test_the_frozen_step_gives_ordinary_decodings_logits_and_the_cache_continues
     torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["linear", "hybrid"])
+def test_the_frozen_step_wraps_positions_across_a_period_as_ordinary_decoding_does(kind):
+    """A position period crossed while decoding (the prompt's 11 tokens, period 13, 6 steps): the positions
+    the step advances on the device are wrapped as ordinary decoding wraps them (at the rotary embedding
+    without a window, in each layer with one)."""
+    from dofla.convert import set_position_period
+
+    model = converted("llama", "gated_delta", kind=kind)
+    set_position_period(model, 13)
+    prompt = prompt_of()
+    expected, _ = eager_decode(model, prompt, steps=6)
+    got, _ = frozen_decode(model, prompt, steps=6, graph=False)
+    for step, (actual, reference) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(actual, reference, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    set_position_period(model, None)
+    unwrapped, _ = eager_decode(model, prompt, steps=6)
+    assert (unwrapped[-1] - expected[-1]).abs().max() > 1e-4  # the period was crossed and mattered
+
+
 @pytest.mark.parametrize("eager_steps", [0, 2])
 @pytest.mark.parametrize("converted_layer", [0, 1])
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "gpt2", "qwen3"])
