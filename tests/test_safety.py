@@ -285,6 +285,11 @@ def test_linearize_options_are_checked_before_loading(tmp_path, capsys, argument
         (["generate", NOT_LOADED, "--prompt", ""], "--prompt is empty"),
         (["generate", NOT_LOADED, "--prompt", "Hi", "--device", "tpu"], "unknown device 'tpu'"),
         (["generate", NOT_LOADED, "--prompt", "Hi", "--prefill-chunk", "-1"], "--prefill-chunk must be 0"),
+        (["generate", NOT_LOADED, "--prompt", "Hi", "--position-period", "-3"], "--position-period must be"),
+        (
+            ["evaluate", NOT_LOADED, "--passkey", "64", "--position-period", "-3"],
+            "--position-period must be a number of tokens",
+        ),
         (["generate", NOT_LOADED, "--prompt-file", "no-such-prompt.txt"], "is not a file"),
         (["generate", NOT_LOADED, "--prompt", "Hi", "--graph", "--sample"], "--graph decodes greedily"),
         (

@@ -186,6 +186,24 @@ def test_generate_command_reads_a_prompt_file_and_prefills_in_pieces(tmp_path, c
     assert printed == [capsys.readouterr().out] * 2
 
 
+def test_generate_command_takes_a_position_period(tmp_path, capsys):
+    """--position-period: the continuation the model gives with that period set (true positions for 0)."""
+    from dofla.convert import set_position_period
+
+    model, tokenizer = saved_hybrid(tmp_path / "out")
+    prompt = "The cat sat on the mat"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    for period in (4, 0):
+        set_position_period(model, period or None)
+        with torch.no_grad():
+            expected = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0
+            )
+        arguments = ["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "6"]
+        assert main([*arguments, "--position-period", str(period)]) == 0
+        assert capsys.readouterr().out == tokenizer.decode(expected[0], skip_special_tokens=True) + "\n"
+
+
 def test_convert_command_validates_before_loading(tmp_path, capsys):
     assert main(["convert", "no-such-model", "--out", str(tmp_path / "x"), "--feature-dim", "0"]) == 1
     assert "--feature-dim must be positive, got 0" in capsys.readouterr().err
