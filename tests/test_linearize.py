@@ -403,17 +403,24 @@ def test_a_run_killed_in_its_lora_stage_resumes_there_and_ends_as_an_uninterrupt
         )
 
 
-def test_lora_needles_train_the_lora_stage_on_rows_that_ask_for_their_facts(tmp_path, monkeypatch):
+def recorded_lora_rows(monkeypatch) -> list:
+    """The rows each LoRA stage gets, recorded; the stage itself is skipped (the run goes on untrained)."""
     import dofla.pipeline as pipeline
-    from dofla.models import build_tiny_model, build_tiny_tokenizer
 
     seen = []
 
-    def lora_stage(config, model, train, history):  # the rows the stage gets; the run goes on untrained
+    def lora_stage(config, model, train, history):
         seen.append(train)
         return model, history
 
     monkeypatch.setattr(pipeline, "lora_stage", lora_stage)
+    return seen
+
+
+def test_lora_needles_train_the_lora_stage_on_rows_that_ask_for_their_facts(tmp_path, monkeypatch):
+    from dofla.models import build_tiny_model, build_tiny_tokenizer
+
+    seen = recorded_lora_rows(monkeypatch)
     tokenizer = build_tiny_tokenizer()
     rows = torch.randint(3, 90, (12, 512), generator=torch.Generator().manual_seed(0))
     changes = dict(
@@ -445,17 +452,10 @@ def test_lora_seq_len_cuts_the_lora_rows_longer_from_the_same_training_rows(tmp_
     """--lora-seq-len: attention transfer on rows of --seq-len, the LoRA stage (and its needle rows) on
     longer rows cut from the same training rows (no held-out text); longer than the packed rows: refused
     before any training."""
-    import dofla.pipeline as pipeline
     from dofla.data import cut_rows
     from dofla.models import build_tiny_model, build_tiny_tokenizer
 
-    seen = []
-
-    def lora_stage(config, model, train, history):
-        seen.append(train)
-        return model, history
-
-    monkeypatch.setattr(pipeline, "lora_stage", lora_stage)
+    seen = recorded_lora_rows(monkeypatch)
     tokenizer = build_tiny_tokenizer()
     rows = torch.randint(3, 90, (12, 512), generator=torch.Generator().manual_seed(0))
     changes = dict(

@@ -61,3 +61,30 @@ def integer_list(text: str, option: str, *, minimum: int) -> list[int]:
     if len(set(values)) != len(values):
         raise DoflaError(f"{option} lists a value twice: {text!r}.")
     return values
+
+
+def add_position_period_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--position-period",
+        type=int,
+        default=None,
+        help="the converted layers' memories read rotary positions modulo this many tokens (e.g. the length "
+        "they were trained at; 0: the true positions); default: what the folder's plan says",
+    )
+
+
+def check_position_period(args: argparse.Namespace) -> None:
+    from dofla.errors import DoflaError
+
+    if args.position_period is not None and args.position_period < 0:
+        raise DoflaError(
+            f"--position-period must be a number of tokens (0: the true positions), got {args.position_period}."
+        )
+
+
+def apply_position_period(model, args: argparse.Namespace) -> None:
+    """``--position-period`` on a loaded converted model (nothing when not given)."""
+    if args.position_period is not None:
+        from dofla.convert import set_position_period
+
+        set_position_period(model, args.position_period or None)

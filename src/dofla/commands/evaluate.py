@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from dofla.commands._common import add_position_period_argument, apply_position_period, check_position_period
+
 DEFAULT_LENGTHS = "512,1024"
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
@@ -112,13 +114,7 @@ def register(subparsers) -> None:
         action="store_true",
         help="compare with --teacher even if it is not the model the folder was converted from",
     )
-    parser.add_argument(
-        "--position-period",
-        type=int,
-        default=None,
-        help="the converted layers' memories read rotary positions modulo this many tokens (e.g. the length "
-        "they were trained at; 0: the true positions); default: what the folder's plan says",
-    )
+    add_position_period_argument(parser)
     parser.set_defaults(func=run)
 
 
@@ -148,10 +144,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DoflaError(f"--sequences must be at least 1, got {args.sequences}.")
     if args.batch_size < 1:
         raise DoflaError(f"--batch-size must be at least 1, got {args.batch_size}.")
-    if args.position_period is not None and args.position_period < 0:
-        raise DoflaError(
-            f"--position-period must be a number of tokens (0: the true positions), got {args.position_period}."
-        )
+    check_position_period(args)
     if args.window is not None and args.window < 1:
         raise DoflaError(f"--window must be at least 1 token, got {args.window}.")
     args.sink_list = integer_list(args.sinks, "--sinks", minimum=0)
@@ -211,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     import torch
 
-    from dofla.convert import check_teacher, load_converted, set_position_period
+    from dofla.convert import check_teacher, load_converted
     from dofla.data import load_texts, span_placements
     from dofla.errors import DoflaError
     from dofla.evaluation import harness, long_context
@@ -240,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     harness.check_task_files(args.task_list, args.tasks_dir)  # now, not after the models have run
     student, tokenizer, plan = load_converted(args.converted, dtype=args.dtype, device=args.device)
     if args.position_period is not None:
-        set_position_period(student, args.position_period or None)
+        apply_position_period(student, args)
         _progress(f"position period: {plan.position_period or 'none (true positions)'}")
     teacher_spec = args.teacher or plan.metadata.get("teacher")
     if not teacher_spec:

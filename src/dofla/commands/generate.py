@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from dofla.commands._common import add_position_period_argument, apply_position_period, check_position_period
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -38,13 +40,7 @@ def register(subparsers) -> None:
         "must attend to every token; with a window, prompts at least as long as it): a decoding step without "
         "Python's launch cost, many times faster at small batch",
     )
-    parser.add_argument(
-        "--position-period",
-        type=int,
-        default=None,
-        help="the converted layers' memories read rotary positions modulo this many tokens (e.g. the length "
-        "they were trained at; 0: the true positions); default: what the folder's plan says",
-    )
+    add_position_period_argument(parser)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     parser.set_defaults(func=run)
@@ -68,10 +64,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DoflaError(
             f"--prefill-chunk must be 0 (one forward) or a positive token count, got {args.prefill_chunk}."
         )
-    if args.position_period is not None and args.position_period < 0:
-        raise DoflaError(
-            f"--position-period must be a number of tokens (0: the true positions), got {args.position_period}."
-        )
+    check_position_period(args)
     from dofla.commands._common import check_device_and_dtype
 
     check_device_and_dtype(args)
@@ -112,10 +105,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer, _ = load_converted(
         args.converted, teacher=args.teacher, dtype=args.dtype, device=args.device
     )
-    if args.position_period is not None:
-        from dofla.convert import set_position_period
-
-        set_position_period(model, args.position_period or None)
+    apply_position_period(model, args)
     if tokenizer is None:
         raise DoflaError(
             f"{args.converted} has no tokenizer files; save it with its tokenizer to generate text."
