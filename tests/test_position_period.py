@@ -168,8 +168,12 @@ def test_without_any_softmax_the_positions_are_wrapped_once_and_unconvert_remove
     with torch.no_grad():
         wrapped = mixed(ids, position_ids=(torch.arange(40) % 16)[None].expand(2, 40)).logits
         assert (mixed(ids).logits - wrapped).abs().max() > 1e-3  # the softmax layer's positions are true
+    from dofla import dispatch
     from dofla.convert import unconvert
 
+    with torch.no_grad(), dispatch.teacher_forced():  # the layers run the teacher's softmax, at its positions
+        torch.testing.assert_close(whole(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mixed(ids).logits, expected, rtol=1e-5, atol=1e-5)
     unconvert(whole)
     with torch.no_grad():
         torch.testing.assert_close(whole(ids).logits, expected, rtol=1e-5, atol=1e-5)

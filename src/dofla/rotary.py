@@ -66,9 +66,14 @@ def wrap_positions_hook(period: int):
     """A forward pre-hook for a rotary embedding module ``forward(x, position_ids)``: its positions taken
     modulo ``period``. Used where no layer attends by softmax (every layer converted, none with a window): the
     rotary embedding then feeds only the memories, so wrapping the positions once per forward is the same as
-    turning each layer's q and k back, without the per-layer rotations."""
+    turning each layer's q and k back, without the per-layer rotations. Under
+    :func:`dofla.dispatch.teacher_forced` (the layers run the teacher's softmax) the positions are left."""
 
     def hook(module, args, kwargs):
+        from dofla.dispatch import is_teacher_forced
+
+        if is_teacher_forced():  # the layers run the teacher's softmax: its own positions
+            return args, kwargs
         if "position_ids" in kwargs:
             kwargs = {**kwargs, "position_ids": torch.remainder(kwargs["position_ids"], int(period))}
         elif len(args) > 1:
