@@ -388,6 +388,8 @@ class LinearAttention(nn.Module):
             return query, key
         if position_ids.device.type == "cpu" and int(position_ids.max()) < period:
             return query, key  # (on a GPU the check would wait for the device: the rotation is by zero)
+        if frequencies.device != position_ids.device:  # moved once (a copy would not go into a CUDA graph)
+            self.rotary_frequencies = frequencies = frequencies.to(position_ids.device)
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         angles = wrap_angles(position_ids[:, -query.shape[2] :], period, frequencies)

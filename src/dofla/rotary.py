@@ -97,7 +97,7 @@ def wrap_angles(position_ids: Tensor, period: int, frequencies: Tensor) -> Tenso
     """The angles (B, 1, T, r/2) that turn tokens at ``position_ids`` (B, T) back to position mod period."""
     positions = position_ids.to(torch.int64)
     shift = (torch.remainder(positions, int(period)) - positions).to(torch.float32)  # <= 0
-    return shift[:, None, :, None] * frequencies.to(position_ids.device)
+    return shift[:, None, :, None] * frequencies.to(position_ids.device)  # (a no-op where already there)
 
 
 def check_period(period: int | None) -> None:
