@@ -280,6 +280,22 @@ def test_the_captured_graph_replays_the_eager_step_on_gpu(cell, dtype, kind):
         )
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["linear", "hybrid"])
+def test_the_captured_graph_wraps_a_position_period_as_the_eager_step_on_gpu(kind):
+    """The period crossed inside the graph (prompt 11, period 13, 8 steps): the positions wrapped on the
+    device at every replay (at the rotary embedding, or in each layer with a window)."""
+    from dofla.convert import set_position_period
+
+    model = converted("llama", "gated_delta", device="cuda", kind=kind)
+    set_position_period(model, 13)
+    prompt = prompt_of(device="cuda")
+    expected, _ = frozen_decode(model, prompt, steps=8, graph=False)
+    got, _ = frozen_decode(model, prompt, steps=8, graph=True)
+    for step, (actual, reference) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(actual, reference, rtol=1e-3, atol=1e-3, msg=f"step {step}")
+
+
 def test_measure_generation_decodes_through_the_decoder_when_asked():
     from dofla.evaluation.speed import measure_generation
 
