@@ -13,7 +13,7 @@ The rotation is the teacher's own (the ``rotate_half`` layout of Llama-style rot
 the first r dimensions, r = 2 x the number of frequencies), by the angle (p mod P - p) x frequency,
 computed in float32. Where no layer attends by softmax (every layer converted, none with a window) the
 rotary embedding feeds only the memories, and its positions are wrapped once per forward instead (a hook on
-the embedding: no per-layer rotations, which cost a decoding step about a tenth of its time). Rotary
+the embedding: no per-layer rotations, a dozen small operators per layer in every decoding step). Rotary
 embeddings whose frequencies depend on the length (dynamic NTK, LongRoPE) and models with more than one
 (Gemma 3's local and global layers) are refused.
 """
