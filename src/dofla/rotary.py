@@ -2,8 +2,8 @@
 
 A student reads the teacher's q and k after rotary position embedding, and its learned feature maps see
 the absolute rotation of each token: trained at T tokens, they never see the angles of positions beyond T,
-and a pure-linear student fell apart there (measured: held-out perplexity at 4,096 tokens, positions
-3,072-4,095, 2,854 against 98 with the positions wrapped; see docs/results/long_context/). With a period
+and a pure-linear student fell apart there (measured: perplexity at 4,096 tokens in positions 2,048-4,095, 1,088
+against 106 with a period of 1,024; docs/results/long_context/beyond_training_length/). With a period
 P, the features of a token at position p are computed from its q and k rotated back to position p mod P,
 angles the student was trained on; a layer's window softmax keeps the true positions (its relative
 positions stay exact). Positions below P are unchanged, so a model evaluated within its training length
