@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dofla.dispatch import is_teacher_forced
 from dofla.errors import DoflaError
 
 LENGTH_DEPENDENT = ("dynamic", "longrope")
@@ -70,8 +71,6 @@ def wrap_positions_hook(period: int):
     :func:`dofla.dispatch.teacher_forced` (the layers run the teacher's softmax) the positions are left."""
 
     def hook(module, args, kwargs):
-        from dofla.dispatch import is_teacher_forced
-
         if is_teacher_forced():  # the layers run the teacher's softmax: its own positions
             return args, kwargs
         if "position_ids" in kwargs:

@@ -8,7 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from dofla.commands._common import add_position_period_argument, apply_position_period, check_position_period
+from dofla.commands._common import (
+    add_position_period_argument,
+    apply_position_period,
+    check_device_and_dtype,
+    check_position_period,
+    integer_list,
+)
 
 DEFAULT_LENGTHS = "512,1024"
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
@@ -132,7 +138,6 @@ def _depths(text: str) -> list[float]:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Every option is checked before a model is loaded; sets args.length_list, sink_list, passkey_list."""
-    from dofla.commands._common import check_device_and_dtype, integer_list
     from dofla.errors import DoflaError
     from dofla.outputs import check_output_file
 

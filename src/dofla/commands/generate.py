@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from dofla.commands._common import add_position_period_argument, apply_position_period, check_position_period
+from dofla.commands._common import (
+    add_position_period_argument,
+    apply_position_period,
+    check_device_and_dtype,
+    check_position_period,
+)
 
 
 def register(subparsers) -> None:
@@ -65,8 +70,6 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"--prefill-chunk must be 0 (one forward) or a positive token count, got {args.prefill_chunk}."
         )
     check_position_period(args)
-    from dofla.commands._common import check_device_and_dtype
-
     check_device_and_dtype(args)
     if args.graph:
         import torch
