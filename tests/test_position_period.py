@@ -101,6 +101,19 @@ def decode_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     return torch.cat(pieces, dim=1)
 
 
+def record_decode_steps(model) -> list:
+    """What every converted layer's one-token step returns from now on (None: the general form ran)."""
+    steps = []
+    for student in students(model).values():
+
+        def recorded(*args, _step=student._decode_step, **kwargs):
+            steps.append(_step(*args, **kwargs))
+            return steps[-1]
+
+        student._decode_step = recorded
+    return steps
+
+
 @pytest.mark.parametrize("plan_name", sorted(PLANS))
 def test_decoding_with_a_period_equals_the_full_forward(plan_name):
     """Prefill then token by token (the chunked, recurrent and fast decoding forms) equals one forward, with
@@ -109,7 +122,10 @@ def test_decoding_with_a_period_equals_the_full_forward(plan_name):
     ids = tokens(40)
     with torch.no_grad():
         full = model(ids).logits
+    steps = record_decode_steps(model)
     torch.testing.assert_close(decode_logits(model, ids, prefill=17), full, rtol=1e-4, atol=1e-4)
+    assert len(steps) == (40 - 17) * len(students(model))
+    assert None not in steps  # every layer, windows too, took its one-token step
     set_position_period(model, None)
     with torch.no_grad():
         assert (model(ids).logits - full).abs().max() > 1e-4  # the period changed the memories' inputs

@@ -245,15 +245,16 @@ class LinearAttention(nn.Module):
         return features.squeeze(-2), log_scale, values.squeeze(-2)
 
     def _decode_step(
-        self, query: Tensor, key: Tensor, value: Tensor, state, scaling: float
+        self, query: Tensor, key: Tensor, value: Tensor, state, scaling: float, memory_qk=None
     ) -> tuple[Tensor, object] | None:
         """One new token with a state and no padding, in the fewest operators (a decoding step's cost is
         its number of small operators): output (B, 1, H, Dv) and the new state, as the recurrent form gives
-        them up to rounding (``scaling``: the window softmax's logit scale). None where the layer has no
-        such step (the general forms run then)."""
+        them up to rounding (``scaling``: the window softmax's logit scale; ``memory_qk``: the query and key
+        the memory's features read, when they differ from the window's, see ``_wrapped``). None where the
+        layer has no such step (the general forms run then)."""
         if not self._has_decode_step(state):
             return None
-        inputs = self._decode_inputs(query, key, value, state_dtype(state))
+        inputs = self._decode_inputs(*(memory_qk or (query, key)), value, state_dtype(state))
         if inputs is None:
             return None
         features, log_scale, values = inputs
@@ -355,15 +356,15 @@ class LinearAttention(nn.Module):
         if self.kind == "linear":  # no window: the whole layer reads the wrapped q and k
             query, key = feature_query, feature_key
         fast_step = form is None and state is not None and length == 1
-        # a window's ring step reads one q and k for both halves: with wrapped features the general form
-        fast_step = fast_step and not ((self.graph_step or wrapped) and self.kind == "hybrid")
+        fast_step = fast_step and not (self.graph_step and self.kind == "hybrid")
         if form is None:
             form = "recurrent" if state is not None and length <= self.decode_tokens else "chunked"
         if form == "naive" and state is not None:
             raise DoflaError("the naive form cannot continue from a cache state; use chunked or recurrent.")
         key_mask = key_mask_from_attention_mask(attention_mask, length)
         if fast_step and key_mask is None:
-            step = self._decode_step(query, key, value, state, scaling)
+            memory_qk = (feature_query, feature_key) if wrapped else None
+            step = self._decode_step(query, key, value, state, scaling, memory_qk)
             if step is not None:
                 output, cache_layer.state = step
                 return output

@@ -408,8 +408,8 @@ def apply_position_period(config: LinearizeConfig, model) -> None:
     """The trained model's position period (:mod:`dofla.rotary`): ``plan.position_period`` where given (0:
     none), else, for a model whose converted layers have no window, the longest length the students trained
     at, where the teacher has one rotary embedding. Layers with a window are left at the true positions by
-    default: there the period gained about 1% at 8,192 tokens, and beyond it their one-token decoding step
-    gives way to the general recurrent form."""
+    default: there the period gained about 1% at 8,192 tokens, and each such layer's decoding step would pay
+    for rotating its memory's q and k."""
     from dofla.convert import set_position_period, students
     from dofla.rotary import rotary_frequencies
 

@@ -380,7 +380,7 @@ class GatedDeltaAttention(LinearAttention):
             window_lse=parts["lse"],
         )
 
-    def _decode_step(self, query, key, value, state, scaling):
+    def _decode_step(self, query, key, value, state, scaling, memory_qk=None):
         """One token (see ``LinearAttention._decode_step``): queries and key normalised together, the two
         gates from the value, one delta-rule update and one read; with a window, its ring step
         (``dofla.ops.decode``) mixed in per head."""
@@ -395,7 +395,7 @@ class GatedDeltaAttention(LinearAttention):
         dtype = memory_state.kv.dtype
         if self.kind == "hybrid" and not _takes_window_step(self, state.window, dtype):
             return None
-        inputs = self._decode_inputs(query, key, value, dtype)
+        inputs = self._decode_inputs(*(memory_qk or (query, key)), value, dtype)
         if inputs is None:
             return None
         features, _, values = inputs  # a map's log scale cancels in the normalisation
@@ -486,7 +486,7 @@ class WindowAttention(LinearAttention):
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
         return _window_part(self, form, query, keys, values, key_mask, scaling, state)
 
-    def _decode_step(self, query, key, value, state, scaling):
+    def _decode_step(self, query, key, value, state, scaling, memory_qk=None):
         """One token (see ``LinearAttention._decode_step``): the window's ring step (``dofla.ops.decode``),
         sinks included, without soft-capping."""
         exact = query.dtype in (torch.float32, torch.float64)  # the general form computes in these

@@ -129,12 +129,12 @@ class GatedLinearAttention(LinearAttention):
         new_state = None if inner is None else GatedState(inner, total[..., -1].clone())
         return output, new_state
 
-    def _decode_step(self, query, key, value, state, scaling):
+    def _decode_step(self, query, key, value, state, scaling, memory_qk=None):
         """One token (see ``LinearAttention._decode_step``): the gate's log decay joins the running total
         A_t, and the key enters the inner (linear or hybrid) state with log scale ``s_t - A_t``."""
         if not isinstance(state, GatedState) or not self._has_decode_step(state.inner):
             return None
-        inputs = self._decode_inputs(query, key, value, state_dtype(state.inner))
+        inputs = self._decode_inputs(*(memory_qk or (query, key)), value, state_dtype(state.inner))
         if inputs is None:
             return None
         features, log_scale, values = inputs
