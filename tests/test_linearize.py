@@ -110,7 +110,7 @@ def test_the_report_scores_recall_beyond_the_window_on_the_held_out_rows(tmp_pat
     summary = json.loads((tmp_path / "run" / "result.json").read_text())
     assert [item["length"] for item in summary["recall"]] == [LENGTH]
     model, _, plan = load_converted(result.out_dir)
-    assert plan.position_period is None  # layers with a window keep the true positions by default
+    assert plan.position_period == LENGTH  # the memories beside windows read wrapped positions too
     _, heldout = split_train_heldout(data, 0.25, seed=0)
     again = recall_beyond_window(tiny_teacher(), model, heldout, window=8, sinks=4, batch_size=2)
     for name, row in summary["recall"][0]["models"].items():

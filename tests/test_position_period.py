@@ -146,6 +146,11 @@ def test_below_the_period_nothing_changes_and_a_window_keeps_true_positions():
         torch.testing.assert_close(long_period(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+def test_a_window_only_layer_has_no_memory_to_wrap():
+    model = converted("llama", dict(kind="hybrid", cell="window", window=4, sinks=2, layers=[0]), period=12)
+    assert students(model)[0].position_period is None and model.dofla_plan.position_period == 12
+
+
 def test_the_period_is_saved_with_the_model(tmp_path):
     model = converted("llama", PLANS["linear"], period=16)
     ids = tokens()

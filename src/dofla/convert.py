@@ -243,8 +243,9 @@ def set_position_period(model: nn.Module, period: int | None) -> None:
     whole = len(layers) == plan.num_layers and all(student.kind == "linear" for student in layers.values())
     per_layer = found is not None and not whole
     for student in layers.values():
-        student.position_period = period if per_layer else None
-        student.rotary_frequencies = found[1] if per_layer else None
+        wraps = per_layer and student.uses_features  # a window-only cell has no memory to wrap
+        student.position_period = period if wraps else None
+        student.rotary_frequencies = found[1] if wraps else None
     if found is not None and whole:
         handle = found[0].register_forward_pre_hook(wrap_positions_hook(period), with_kwargs=True)
         setattr(model, _PERIOD_HOOK_ATTRIBUTE, handle)

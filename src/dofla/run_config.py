@@ -163,8 +163,8 @@ class PlanSettings:
         None,
         "the converted layers' memories read rotary positions modulo this many tokens after training, so "
         "they never meet positions beyond those they were trained at (0: the true positions; default: the "
-        "longest length the run trains at where no converted layer has a window and the teacher has one "
-        "rotary embedding, else 0)",
+        "longest length the run trains at where the teacher has one rotary embedding with fixed frequencies, "
+        "else 0)",
         minimum=0,
     )
     dof_points: int = option(1024, "points per head captured for the DoF estimate", minimum=1)
