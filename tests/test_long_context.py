@@ -315,3 +315,35 @@ def test_baselines_restrict_only_the_layers_a_student_converted():
         teacher, student, build_tiny_tokenizer(), context_lengths=[64], depths=(0.5,), trials=1, window=4
     )
     assert passkeys["window_layers"] == [0] and "restrict only the 1 layers" in passkeys["notes"][0]
+
+
+def test_edge_sink_baselines_are_rows_beside_the_true_position_ones():
+    from dofla.evaluation.window_baseline import window_restricted
+
+    teacher = small_llama()
+    data = {12: _sequences(2, 12), 40: _sequences(2, 40, seed=1)}
+    result = long_context_quality(teacher, None, data, window=4, sinks=(0, 2), sinks_at_edge=True)
+    assert list(result["rows"]) == ["teacher", "window", "window+sinks2", "window+sinks2@edge"]
+    assert result["rows"]["window+sinks2@edge"]["label"] == "window 4 + 2 sinks at the edge"
+    short, long = (result["by_length"][key]["models"] for key in ("12", "40"))
+    # up to position window + sinks the sinks are where they are: the first bucket agrees
+    assert short["window+sinks2@edge"]["buckets"][0]["nll"] == pytest.approx(
+        short["window+sinks2"]["buckets"][0]["nll"], rel=1e-6
+    )
+    with torch.no_grad(), window_restricted(teacher, 4, 2, sinks_at_edge=True):
+        expected = perplexity(teacher, data[40])["perplexity"]
+    assert long["window+sinks2@edge"]["perplexity"] == pytest.approx(expected, rel=1e-5)
+    assert long["window+sinks2@edge"]["perplexity"] != pytest.approx(long["window+sinks2"]["perplexity"])
+    assert "at the edge" in long_context_markdown(result)
+    with pytest.raises(DoflaError, match="rotary"):  # refused before any model runs
+        long_context_quality(build_tiny_model("gpt2"), None, data, window=4, sinks=(2,), sinks_at_edge=True)
+
+
+def test_evaluate_edge_sinks_adds_the_rows(converted_folder, tmp_path, capsys):
+    root = converted_folder
+    arguments = ["evaluate", str(root / "student"), "--data", str(root / "heldout.txt"), "--lengths", "32"]
+    arguments += ["--sequences", "2", "--passkey", "", "--error-sequences", "0", "--edge-sinks"]
+    assert main(arguments + ["--json", str(tmp_path / "eval.json")]) == 0
+    assert "| window 8 + 4 sinks at the edge |" in capsys.readouterr().out
+    models = json.loads((tmp_path / "eval.json").read_text())["long_context"]["by_length"]["32"]["models"]
+    assert list(models) == ["teacher", "window", "window+sinks4", "window+sinks4@edge", "student"]

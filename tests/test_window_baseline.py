@@ -236,3 +236,82 @@ def test_the_baselines_take_the_students_window_and_say_when_it_has_none():
     (note,) = window_baseline.baseline_notes(linear, 64)
     assert "keeps no window" in note and "window 64" in note
     assert window_baseline.baseline_notes(None, 64) == []
+
+
+def _edge_reference(query, key, value, window, sinks, scaling, frequencies):
+    """Sinks seen from the window's edge, built query by query: query i scores sink j (older than its window)
+    after turning back to position min(i, window + sinks) with the rotate-half convention of the model
+    files; the window's keys with the query as it is."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    length = query.shape[2]
+    rows = []
+    for i in range(length):
+        angle = (min(i, window + sinks) - i) * torch.cat(
+            [frequencies, frequencies]
+        )  # float32, as the model's
+        cos, sin = angle.cos().to(query.dtype), angle.sin().to(query.dtype)
+        half = query.shape[-1] // 2
+        q = query[:, :, i]
+        turned = q * cos + torch.cat([-q[..., half:], q[..., :half]], dim=-1) * sin
+        scores, values = [], []
+        for j in range(i + 1):
+            if j > i - window:
+                scores.append((q * key[:, :, j]).sum(-1))
+            elif j < sinks:
+                scores.append((turned * key[:, :, j]).sum(-1))
+            else:
+                continue
+            values.append(value[:, :, j])
+        weights = (torch.stack(scores, -1) * scaling).softmax(-1)  # (B, H, K)
+        rows.append((weights[..., None] * torch.stack(values, 2)).sum(2))  # (B, H, Dv)
+    return torch.stack(rows, 1)  # (B, T, H, Dv)
+
+
+@pytest.mark.parametrize(("window", "sinks", "block"), [(5, 3, 4), (3, 1, 16), (6, 0, 8), (2, 9, 5)])
+def test_sinks_at_the_edge_equal_a_query_by_query_reference_forward_and_gradients(window, sinks, block):
+    generator = torch.Generator().manual_seed(window)
+    shape = dict(generator=generator, dtype=torch.float64, requires_grad=True)
+    query = torch.randn(2, 4, 29, 8, **shape)
+    key, value = torch.randn(2, 2, 29, 8, **shape), torch.randn(2, 2, 29, 6, **shape)
+    frequencies = 1.0 / 100.0 ** (torch.arange(4, dtype=torch.float32) / 4)
+    upstream = torch.randn(2, 29, 4, 6, generator=generator, dtype=torch.float64)
+    outputs, gradients = [], []
+    for function in (
+        lambda q, k, v: _edge_reference(q, k, v, window, sinks, 0.3, frequencies),
+        lambda q, k, v: window_baseline.edge_sink_window_attention(
+            q, k, v, window, sinks, 0.3, frequencies, block=block
+        ),
+    ):
+        output = function(query, key, value)
+        outputs.append(output)
+        gradients.append(torch.autograd.grad((output * upstream).sum(), (query, key, value)))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-10, atol=1e-12)
+    for fast, slow in zip(gradients[1], gradients[0], strict=True):
+        torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
+
+
+def test_sinks_at_the_edge_change_only_queries_beyond_window_plus_sinks():
+    model = small_llama()
+    tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), window_restricted(model, 6, 2):
+        true_positions = model(tokens).logits
+    with torch.no_grad(), window_restricted(model, 6, 2, sinks_at_edge=True):
+        at_edge = model(tokens).logits
+    # queries up to position window + sinks see the sinks where they are; later ones from the edge
+    torch.testing.assert_close(at_edge[:, :9], true_positions[:, :9], rtol=1e-5, atol=1e-5)
+    assert (at_edge[:, 9:] - true_positions[:, 9:]).abs().max() > 1e-3
+
+
+def test_sinks_at_the_edge_are_refused_without_rotary_positions_or_with_a_cache():
+    from dofla.models import build_tiny_model
+
+    with pytest.raises(DoflaError, match="rotary"):
+        with window_restricted(build_tiny_model("gpt2"), 4, 2, sinks_at_edge=True):
+            pass
+    model = small_llama()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), window_restricted(model, 4, 2, sinks_at_edge=True):
+        model(torch.zeros(1, 12, dtype=torch.long), past_key_values=cache)  # a whole row from position 0
+        with pytest.raises(DoflaError, match="uncached rows"):
+            model(torch.zeros(1, 1, dtype=torch.long), past_key_values=cache)

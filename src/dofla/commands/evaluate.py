@@ -60,6 +60,12 @@ def register(subparsers) -> None:
         "--sinks", default="0,4", help="comma-separated sink-token counts, one window baseline each"
     )
     parser.add_argument(
+        "--edge-sinks",
+        action="store_true",
+        help="also the window baselines whose sinks are seen from the window's edge instead of their true "
+        "positions (rotary teachers; perplexity only): a stronger no-training cache far beyond the window",
+    )
+    parser.add_argument(
         "--error-sequences",
         type=int,
         default=4,
@@ -278,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
             sinks=args.sink_list,
             batch_size=args.batch_size,
             progress=_progress,
+            sinks_at_edge=args.edge_sinks,
         )
         results["long_context"] = quality
         if args.error_sequences:

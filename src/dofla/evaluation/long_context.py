@@ -40,6 +40,7 @@ from dofla.evaluation.window_baseline import (
     REFERENCE_WINDOW,
     baseline_layers,
     baseline_notes,
+    check_edge_sinks,
     window_restricted,
 )
 
@@ -202,12 +203,21 @@ def _measures(sums: _PositionSums, start: int, end: int, compared: bool, notes: 
     return measures
 
 
-def _row_names(window: int, sinks: Sequence[int], with_student: bool) -> dict[str, dict]:
+def _row_names(window: int, sinks: Sequence[int], with_student: bool, at_edge: bool) -> dict[str, dict]:
     rows: dict[str, dict] = {"teacher": {"label": "teacher"}}
     for count in sinks:
         name = "window" if count == 0 else f"window+sinks{count}"
         label = f"window {window}" + (f" + {count} sinks" if count else "")
         rows[name] = {"label": label, "window": window, "sinks": count}
+    for count in sinks if at_edge else ():
+        if count:
+            label = f"window {window} + {count} sinks at the edge"
+            rows[f"window+sinks{count}@edge"] = {
+                "label": label,
+                "window": window,
+                "sinks": count,
+                "at_edge": True,
+            }
     if with_student:
         rows["student"] = {"label": "student"}
     return rows
@@ -236,13 +246,16 @@ def long_context_quality(
     buckets: Mapping[int, Sequence[tuple[int, int]]] | None = None,
     batch_size: int = 4,
     progress: Callable[[str], None] | None = None,
+    sinks_at_edge: bool = False,
 ) -> dict:
     """Perplexity by position bucket for teacher, window baselines and student, and KL / top-1, per length.
 
     teacher: the plain teacher (the window baselines run on it); student: the converted model (None to
     measure the teacher and its baselines only). sequences_by_length: ``{length: (N, length) token ids}``
     of held-out text (:func:`pack_by_length`). window, sinks: one baseline per entry of ``sinks`` (0 = the
-    window alone). A student that keeps some layers as full softmax (its plan) is compared with
+    window alone); ``sinks_at_edge`` adds, for each nonzero count, the baseline whose sinks are seen from the
+    window's edge (``window+sinks4@edge``; :func:`dofla.evaluation.window_baseline.edge_sink_window_attention`,
+    rotary teachers only). A student that keeps some layers as full softmax (its plan) is compared with
     baselines restricting only the layers it converted (``window_layers`` in the result, a note says so). buckets: ``{length: [(start, end), ...]}`` to override :func:`position_buckets`.
     Every length is checked against the teacher's maximum positions before any model runs.
 
@@ -274,7 +287,9 @@ def long_context_quality(
     for length, sequences in sequences_by_length.items():
         check_context(teacher, int(length))
         _check_sequences(sequences, int(length), vocabulary)
-    rows = _row_names(int(window), sinks, student is not None)
+    if sinks_at_edge:
+        check_edge_sinks(teacher)
+    rows = _row_names(int(window), sinks, student is not None, sinks_at_edge)
     notes: set[str] = set(baseline_notes(student, int(window)))
     restricted = baseline_layers(student)
     result: dict = {
@@ -312,15 +327,17 @@ def long_context_quality(
     return result
 
 
-def row_hidden_states(name: str, teacher, student, batch, window: int, sinks: int, layers) -> tuple:
+def row_hidden_states(
+    name: str, teacher, student, batch, window: int, sinks: int, layers, at_edge: bool = False
+) -> tuple:
     """(the model whose output head a row reads, its final hidden states (B, T, E)) for a comparison row:
     ``teacher``, ``student``, or any other name the teacher cut to ``window`` keys plus ``sinks`` first
-    ones in ``layers`` (None: all)."""
+    ones in ``layers`` (None: all), seen from the window's edge where ``at_edge``."""
     if name == "teacher":
         return teacher, final_hidden_states(teacher, batch)
     if name == "student":
         return student, final_hidden_states(student, batch)
-    with window_restricted(teacher, window, sinks, layers=layers):
+    with window_restricted(teacher, window, sinks, layers=layers, sinks_at_edge=at_edge):
         return teacher, final_hidden_states(teacher, batch)
 
 
@@ -337,7 +354,14 @@ def _one_length(
         for name, row in rows.items():
             clock = time.perf_counter()
             hidden[name] = row_hidden_states(
-                name, teacher, student, batch, window, row.get("sinks", 0), restricted
+                name,
+                teacher,
+                student,
+                batch,
+                window,
+                row.get("sinks", 0),
+                restricted,
+                row.get("at_edge", False),
             )
             seconds[name] += time.perf_counter() - clock
         clock = time.perf_counter()
@@ -436,6 +460,12 @@ def long_context_markdown(
         + (
             f"; `+ N sinks` also lets every token see the first N tokens ({', '.join(map(str, sinks))})"
             if sinks
+            else ""
+        )
+        + (
+            "; `at the edge`: the sinks seen as if just before the window (a fixed distance) instead of at "
+            "their true positions"
+            if any(row.get("at_edge") for row in result["rows"].values())
             else ""
         )
         + ". KL: mean KL divergence from the teacher's next-token distribution (nats per token); top-1: share "

@@ -138,11 +138,57 @@ def _band_mask(
     return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf")).to(device)
 
 
+def edge_sink_window_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    window: int,
+    sinks: int,
+    scaling: float,
+    frequencies: torch.Tensor,
+    block: int = 128,
+) -> torch.Tensor:
+    """Causal softmax over the last ``window`` keys plus the first ``sinks``, with the sinks seen from the
+    window's edge: query t scores the sinks as if it stood at position min(t, window + sinks) (its rotary
+    angle turned back by the difference, ``frequencies`` the model's inverse frequencies), so they sit just
+    before its window at a fixed distance instead of t tokens away; the window's keys keep their true
+    distances. A sink is seen only once it is older than the window (inside it, as a window key), as in
+    :func:`restrict_to_window`. For an uncached, unpadded call: query (B, H, T, D), key and value
+    (B, Hkv, T, D) -> (B, T, H, Dv); blocks of ``block`` queries, each scoring its band of keys and the sinks.
+    """
+    from dofla.rotary import rotate
+
+    batch, heads, length, _ = query.shape
+    group = heads // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    sinks = min(int(sinks), length)
+    position = torch.arange(length, device=query.device)
+    shift = (torch.clamp(position, max=int(window) + sinks) - position).to(torch.float32)  # <= 0
+    sink_query = rotate(query, shift[None, None, :, None] * frequencies.to(query.device))
+    outputs = []
+    for start in range(0, length, int(block)):
+        stop = min(start + int(block), length)
+        first = max(0, start - int(window) + 1)
+        queries, keys = position[start:stop, None], position[None, first:stop]
+        band = (keys <= queries) & (keys > queries - int(window))  # (q, k)
+        scores = (query[:, :, start:stop] @ key[:, :, first:stop].transpose(-1, -2)) * scaling
+        scores = scores.masked_fill(~band, float("-inf"))
+        values = value[:, :, first:stop]
+        if sinks:
+            seen = position[None, :sinks] <= queries - int(window)  # (q, S): older than the window
+            sink_scores = (sink_query[:, :, start:stop] @ key[:, :, :sinks].transpose(-1, -2)) * scaling
+            scores = torch.cat([sink_scores.masked_fill(~seen, float("-inf")), scores], dim=-1)
+            values = torch.cat([value[:, :, :sinks], values], dim=2)
+        outputs.append(torch.softmax(scores, dim=-1) @ values)
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
 class _WindowedSoftmax:
     """Runs in place of a layer's softmax (dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE) with the window restriction."""
 
-    def __init__(self, window: int, sinks: int) -> None:
+    def __init__(self, window: int, sinks: int, edge_frequencies: torch.Tensor | None = None) -> None:
         self.window, self.sinks = window, sinks
+        self.edge_frequencies = edge_frequencies  # sinks seen from the window's edge (rotary frequencies)
         # Every layer of one forward gets the same mask: build it once. The entry holds the mask object
         # itself, so its identity cannot be reused by another tensor while it is remembered.
         self.last: dict = {}
@@ -155,6 +201,15 @@ class _WindowedSoftmax:
         plain = attention_mask is None and key.shape[2] == length and causal and not dropout
         # what else SDPA would take into account; the banded form does not
         altered = any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "cache"))
+        if self.edge_frequencies is not None:
+            if not plain or altered:
+                raise DoflaError(
+                    "sinks at the window's edge are measured on whole uncached rows without padding or "
+                    "soft-capping (perplexity); use the true-position window baseline for this."
+                )
+            return edge_sink_window_attention(
+                query, key, value, self.window, self.sinks, scaling, self.edge_frequencies
+            ), None
         if teacher_kind == "sdpa" and plain and not altered and length > 2 * max(BAND_BLOCK, self.window):
             output = banded_window_attention(
                 query, key, value, self.window, self.sinks, scaling, block=BAND_BLOCK
@@ -191,14 +246,21 @@ class _WindowedSoftmax:
 
 @contextmanager
 def window_restricted(
-    model: torch.nn.Module, window: int, sinks: int = 0, layers: Sequence[int] | None = None
+    model: torch.nn.Module,
+    window: int,
+    sinks: int = 0,
+    layers: Sequence[int] | None = None,
+    *,
+    sinks_at_edge: bool = False,
 ) -> Iterator[torch.nn.Module]:
     """Within this block the model's softmax attention sees only the last ``window`` keys plus ``sinks`` first ones.
 
     The window counts the query itself: ``window=1`` lets a token see only itself (and the sinks). layers:
     the attention layers restricted (indices; default all), the others keep their full softmax, e.g. the
     layers a student converted when it keeps some as softmax. The dispatcher is installed on the model if
-    it was not (it computes exactly the model's own attention).
+    it was not (it computes exactly the model's own attention). ``sinks_at_edge``: the sinks are seen from
+    the window's edge instead of their true positions (:func:`edge_sink_window_attention`; rotary models,
+    whole uncached rows only).
     """
     if int(window) < 1:
         raise DoflaError(f"the attention window must be at least 1 token, got {window}.")
@@ -220,7 +282,7 @@ def window_restricted(
     taken = [module for module in modules if getattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE, None)]
     if taken:
         raise DoflaError("this model is already inside window_restricted; leave that block first.")
-    softmax = _WindowedSoftmax(int(window), int(sinks))
+    softmax = _WindowedSoftmax(int(window), int(sinks), check_edge_sinks(model) if sinks_at_edge else None)
     for module in modules:
         setattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE, softmax)
     try:
@@ -228,6 +290,23 @@ def window_restricted(
     finally:
         for module in modules:
             delattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE)
+
+
+def check_edge_sinks(model: torch.nn.Module) -> torch.Tensor:
+    """The rotary frequencies sinks at the window's edge turn queries with; a model without one rotary
+    embedding of fixed frequencies is refused in one sentence."""
+    from dofla.rotary import rotary_frequencies
+
+    try:
+        frequencies = rotary_frequencies(model)
+    except DoflaError:  # several rotary embeddings, or length-dependent ones
+        frequencies = None
+    if frequencies is None:
+        raise DoflaError(
+            "sinks at the window's edge move rotary positions, which needs one rotary embedding with fixed "
+            "frequencies, and this model has not; leave the edge baseline off for it."
+        )
+    return frequencies
 
 
 def baseline_layers(student: torch.nn.Module | None) -> list[int] | None:
