@@ -18,20 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from sink_positions import length_table, perplexities  # experiments/, beside this script
 
 import dofla.cells.delta as delta
 import dofla.ops.chunked as chunked
 from dofla.convert import load_converted, set_position_period, students
 from dofla.models import load_teacher
 from dofla.rotary import rotary_frequencies, rotate
-
-BUCKETS = [(1, 128), (128, 256), (256, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]
 
 
 @contextmanager
@@ -61,19 +58,6 @@ def sinks_at_edge(window: int, frequencies: torch.Tensor):
         yield
     finally:
         chunked.sink_sums, delta.chunked_window_attention = original, window_attention
-
-
-def perplexities(model, rows: torch.Tensor) -> list[float]:
-    """Overall, then per bucket of predicted-token positions that the rows reach."""
-    length = rows.shape[1]
-    losses = torch.zeros(length - 1)
-    with torch.no_grad():
-        for row in rows:
-            logits = model(row[None]).logits[0, :-1].float()
-            losses += F.cross_entropy(logits, row[1:], reduction="none")
-    losses /= rows.shape[0]
-    buckets = [(a, min(b, length)) for a, b in BUCKETS if a < length]
-    return [math.exp(losses.mean())] + [math.exp(losses[a - 1 : b - 1].mean()) for a, b in buckets]
 
 
 def main() -> None:
@@ -116,14 +100,7 @@ def main() -> None:
             with sinks_at_edge(window, frequencies):
                 named[f"student, sinks at the window's edge{suffix}"] = perplexities(student, rows)
         results.append({"length": length, "sequences": args.sequences, "perplexity": named})
-        buckets = [f"{a}-{min(b, length) - 1}" for a, b in BUCKETS if a < length]
-        lines += [f"**{length} tokens** ({args.sequences} sequences)", ""]
-        lines += ["| model | ppl | x teacher | " + " | ".join(buckets) + " |"]
-        lines += ["|---|---:|---:|" + "---:|" * len(buckets)]
-        for name, values in named.items():
-            cells = " | ".join(f"{v:.2f}" for v in values[1:])
-            lines.append(f"| {name} | {values[0]:.2f} | {values[0] / named['teacher'][0]:.2f} | {cells} |")
-        lines.append("")
+        lines += length_table(named, length, args.sequences)
         print("\n".join(lines[-len(named) - 5 :]), flush=True)
     (out / "edge_sinks_student.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "edge_sinks_student.md").write_text("\n".join(lines))

@@ -44,6 +44,18 @@ def perplexities(model, rows: torch.Tensor) -> list[float]:
     return [math.exp(losses.mean())] + [math.exp(losses[a - 1 : b - 1].mean()) for a, b in buckets]
 
 
+def length_table(named: dict[str, list[float]], length: int, sequences: int) -> list[str]:
+    """Markdown lines: one row per model (overall, ratio to ``teacher``, buckets) under a length heading."""
+    buckets = [f"{a}-{min(b, length) - 1}" for a, b in BUCKETS if a < length]
+    lines = [f"**{length} tokens** ({sequences} sequences)", ""]
+    lines += ["| model | ppl | x teacher | " + " | ".join(buckets) + " |"]
+    lines += ["|---|---:|---:|" + "---:|" * len(buckets)]
+    for name, values in named.items():
+        cells = " | ".join(f"{v:.2f}" for v in values[1:])
+        lines.append(f"| {name} | {values[0]:.2f} | {values[0] / named['teacher'][0]:.2f} | {cells} |")
+    return lines + [""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -71,15 +83,7 @@ def main() -> None:
                 with window_restricted(model, window, args.sinks, sinks_at_edge=at_edge):
                     named[f"window {window} + {args.sinks} sinks, {label}"] = perplexities(model, rows)
         results.append({"length": length, "sequences": args.sequences, "perplexity": named})
-        buckets = [f"{a}-{min(b, length) - 1}" for a, b in BUCKETS if a < length]
-        lines += [f"**{length} tokens** ({args.sequences} sequences)", ""]
-        lines += ["| model | ppl | x teacher | " + " | ".join(buckets) + " |"]
-        lines += ["|---|---:|---:|" + "---:|" * len(buckets)]
-        for name, values in named.items():
-            ratio = values[0] / named["teacher"][0]
-            cells = " | ".join(f"{v:.2f}" for v in values[1:])
-            lines.append(f"| {name} | {values[0]:.2f} | {ratio:.2f} | {cells} |")
-        lines.append("")
+        lines += length_table(named, length, args.sequences)
         print("\n".join(lines[-len(named) - 5 :]), flush=True)
     (out / "sink_positions.json").write_text(json.dumps(results, indent=2) + "\n")
     header = f"# Sink positions: the teacher cut to a window plus {args.sinks} sinks, two ways\n\n"

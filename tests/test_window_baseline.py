@@ -127,17 +127,24 @@ def test_banded_form_equals_the_masked_softmax_forward_and_gradients(window, sin
         )
         return output.transpose(1, 2)
 
-    outputs, gradients = [], []
-    for function in (
-        reference,
+    _assert_same_forward_and_gradients(
         lambda q, k, v: banded_window_attention(q, k, v, window, sinks, 0.3, block=block),
-    ):
-        output = function(query, key, value)
-        outputs.append(output)
-        gradients.append(torch.autograd.grad((output * upstream).sum(), (query, key, value)))
-    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-10, atol=1e-12)
-    for banded, masked in zip(gradients[1], gradients[0], strict=True):
-        torch.testing.assert_close(banded, masked, rtol=1e-10, atol=1e-12)
+        reference,
+        (query, key, value),
+        upstream,
+    )
+
+
+def _assert_same_forward_and_gradients(fast, reference, inputs, upstream):
+    """``fast`` and ``reference`` give the same output and input gradients (float64, tight tolerances)."""
+    results = []
+    for function in (fast, reference):
+        output = function(*inputs)
+        results.append((output, torch.autograd.grad((output * upstream).sum(), inputs)))
+    (output, gradients), (expected, expected_gradients) = results
+    torch.testing.assert_close(output, expected, rtol=1e-10, atol=1e-12)
+    for gradient, expected_gradient in zip(gradients, expected_gradients, strict=True):
+        torch.testing.assert_close(gradient, expected_gradient, rtol=1e-10, atol=1e-12)
 
 
 def test_banded_form_of_a_long_float32_sequence_equals_the_masked_teacher_softmax():
@@ -276,19 +283,14 @@ def test_sinks_at_the_edge_equal_a_query_by_query_reference_forward_and_gradient
     key, value = torch.randn(2, 2, 29, 8, **shape), torch.randn(2, 2, 29, 6, **shape)
     frequencies = 1.0 / 100.0 ** (torch.arange(4, dtype=torch.float32) / 4)
     upstream = torch.randn(2, 29, 4, 6, generator=generator, dtype=torch.float64)
-    outputs, gradients = [], []
-    for function in (
-        lambda q, k, v: _edge_reference(q, k, v, window, sinks, 0.3, frequencies),
+    _assert_same_forward_and_gradients(
         lambda q, k, v: window_baseline.edge_sink_window_attention(
             q, k, v, window, sinks, 0.3, frequencies, block=block
         ),
-    ):
-        output = function(query, key, value)
-        outputs.append(output)
-        gradients.append(torch.autograd.grad((output * upstream).sum(), (query, key, value)))
-    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-10, atol=1e-12)
-    for fast, slow in zip(gradients[1], gradients[0], strict=True):
-        torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
+        lambda q, k, v: _edge_reference(q, k, v, window, sinks, 0.3, frequencies),
+        (query, key, value),
+        upstream,
+    )
 
 
 def test_sinks_at_the_edge_change_only_queries_beyond_window_plus_sinks():
