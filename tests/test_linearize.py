@@ -99,16 +99,23 @@ def test_position_period_off_or_refused_where_the_teacher_has_no_rotary(tmp_path
     ):
         linearize(given, teacher=build_tiny_model("gpt2"), sequences=rows)
     assert not (tmp_path / "given" / "run" / "distill").exists()  # refused before any training
+    edge = config(tmp_path / "edge", **merge(short, gpt2, dict(evaluate=dict(edge_sinks=True))))
+    with pytest.raises(DoflaError, match="sinks at the window's edge move rotary positions"):
+        linearize(edge, teacher=build_tiny_model("gpt2"), sequences=rows)
+    assert not (tmp_path / "edge" / "run" / "distill").exists()
 
 
 def test_the_report_scores_recall_beyond_the_window_on_the_held_out_rows(tmp_path):
     from dofla.evaluation.recall import recall_beyond_window
 
     data = sequences()
-    settings = config(tmp_path, plan=dict(kind="hybrid", window=8), evaluate=dict(passkey_trials=0))
+    settings = config(
+        tmp_path, plan=dict(kind="hybrid", window=8), evaluate=dict(passkey_trials=0, edge_sinks=True)
+    )
     result = linearize(settings, teacher=tiny_teacher(), sequences=data)
     summary = json.loads((tmp_path / "run" / "result.json").read_text())
     assert [item["length"] for item in summary["recall"]] == [LENGTH]
+    assert "window+sinks4@edge" in summary["long_context"]["by_length"][str(LENGTH)]["models"]
     model, _, plan = load_converted(result.out_dir)
     assert plan.position_period == LENGTH  # the memories beside windows read wrapped positions too
     _, heldout = split_train_heldout(data, 0.25, seed=0)

@@ -312,6 +312,7 @@ NEW_SINCE = {
     "data.recall_fraction": 0.0,
     "lora.needle_fraction": 0.0,
     "evaluate.recall": True,
+    "evaluate.edge_sinks": False,
 }  # options added later, at defaults
 
 

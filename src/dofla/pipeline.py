@@ -301,7 +301,7 @@ def load_teacher_for(config: LinearizeConfig, teacher, tokenizer):
 
 def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences) -> None:
     """What needs the loaded teacher but not the expensive work: its tokenizer, the LoRA targets, the
-    rotary embedding a given position period wraps."""
+    rotary embedding a given position period wraps or edge sinks turn."""
     from dofla.distill.lora import check_targets
 
     if sequences is None and tokenizer is None:
@@ -319,6 +319,10 @@ def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences
                 f"--position-period wraps rotary positions, and the teacher {config.teacher.model} has none; "
                 "leave it unset."
             )
+    if config.evaluate.edge_sinks:
+        from dofla.evaluation.window_baseline import check_edge_sinks
+
+        check_edge_sinks(teacher)
     if config.lora.enabled and config.lora.needle_fraction > 0:
         if tokenizer is None:
             raise DoflaError(
@@ -641,6 +645,7 @@ def evaluate_student(
         window=window,
         sinks=sorted({0, baseline_sinks}),
         batch_size=batch_size,
+        sinks_at_edge=config.evaluate.edge_sinks,
     )
     at_training_length = quality["by_length"][str(config.data.seq_len)]["models"]
     timings.lap("held-out quality at length (teacher, window baselines, student)")

@@ -299,6 +299,11 @@ class EvaluateSettings:
         "past the window: teacher, window baseline and student)",
     )
     error_sequences: int = option(8, "held-out sequences of the per-layer attention error", minimum=0)
+    edge_sinks: bool = option(
+        False,
+        "also the window baselines whose sinks are seen from the window's edge instead of their true positions "
+        "(rotary teachers): a stronger no-training cache beyond about 4,096 tokens",
+    )
 
 
 SECTIONS: dict[str, type] = dict(
