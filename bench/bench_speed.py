@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface
 
-from dofla.convert import convert, plan_for, unconvert
+from dofla.convert import convert, plan_for, set_position_period, unconvert
 from dofla.evaluation.speed import (
     PeakMemory,
     available_memory_bytes,
@@ -280,6 +280,8 @@ def prepared_model(model, name: str, args, log):
         return model
     plan = student_plan(model, name, args.feature_dim, args.window)
     convert(model, plan)
+    if args.position_period:
+        set_position_period(model, args.position_period)
     log(f"{name}: {plan.layers[0].cell} cell, kind {plan.layers[0].kind}")
     return model
 
@@ -581,6 +583,13 @@ def main(argv=None) -> int:
         help=f"students: {', '.join(STUDENTS)}; or {' or '.join(map(repr, PSEUDO_MODELS))}",
     )
     parser.add_argument("--feature-dim", type=int, default=64)
+    parser.add_argument(
+        "--position-period",
+        type=int,
+        default=0,
+        help="the students' memories read rotary positions modulo this many tokens (what linearize gives "
+        "rotary models by default: the trained length; 0: true positions)",
+    )
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument(
         "--steps", type=int, default=16, help="timed decode steps per row after one warm-up step (0: by time)"
@@ -667,7 +676,9 @@ def main(argv=None) -> int:
     )
     print(
         f"model: {'tiny random Llama' if args.tiny else args.teacher}; students untrained, F={args.feature_dim}, "
-        f"window {args.window}; teacher decode from a synthetic (random) KV cache of the context length; "
+        f"window {args.window}"
+        f"{f'; students read positions modulo {args.position_period}' if args.position_period else ''}"
+        "; teacher decode from a synthetic (random) KV cache of the context length; "
         "student decode from a real prefill of twice its window (at least 128 tokens, at most the context) with the "
         "token count set to the context (state size and step work do not depend on it; layers kept as softmax "
         "get random keys and values up to the context); decode: "
