@@ -27,8 +27,9 @@ from sink_positions import length_table, perplexities  # experiments/, beside th
 import dofla.cells.delta as delta
 import dofla.ops.chunked as chunked
 from dofla.convert import load_converted, set_position_period, students
+from dofla.evaluation.window_baseline import edge_sink_queries
 from dofla.models import load_teacher
-from dofla.rotary import rotary_frequencies, rotate
+from dofla.rotary import rotary_frequencies
 
 
 @contextmanager
@@ -36,13 +37,8 @@ def sinks_at_edge(window: int, frequencies: torch.Tensor):
     """The chunked window's sink scores taken from queries turned back to position min(t, window + sinks)."""
     original = chunked.sink_sums
 
-    def patched(queries, sink, *, scaling, softcap=None):
-        batch, heads, group, length, dim = queries.shape
-        sinks = sink.keys.shape[2]
-        position = torch.arange(length, device=queries.device)
-        shift = (torch.clamp(position, max=window + sinks) - position).to(torch.float32)
-        angles = shift[None, None, :, None] * frequencies.to(queries.device)
-        turned = rotate(queries.reshape(batch, heads * group, length, dim), angles).view_as(queries)
+    def patched(queries, sink, *, scaling, softcap=None):  # queries (B, Hk, G, T, D)
+        turned = edge_sink_queries(queries, window, sink.keys.shape[2], frequencies)
         return original(turned, sink, scaling=scaling, softcap=softcap)
 
     window_attention = delta.chunked_window_attention

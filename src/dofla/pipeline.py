@@ -414,14 +414,11 @@ def apply_position_period(config: LinearizeConfig, model) -> None:
     with fixed frequencies (measured at 8 times the training length: it removed the pure-linear student's
     collapse and gained 5% for the constant-memory hybrid, 1% beside kept softmax layers)."""
     from dofla.convert import set_position_period
-    from dofla.rotary import rotary_frequencies
+    from dofla.rotary import fixed_rotary_frequencies
 
     period = config.plan.position_period
     if period is None:
-        try:
-            if rotary_frequencies(model) is None:
-                return
-        except DoflaError:  # several rotary embeddings or length-dependent ones: true positions
+        if fixed_rotary_frequencies(model) is None:  # none, several or length-dependent: true positions
             return
         period = trained_length(config)
     set_position_period(model, period or None)

@@ -36,6 +36,15 @@ def rotary_frequencies(model: nn.Module) -> Tensor | None:
     return None if found is None else found[1]
 
 
+def fixed_rotary_frequencies(model: nn.Module) -> Tensor | None:
+    """As :func:`rotary_frequencies`, but None (instead of an error) for a model with several rotary
+    embeddings or length-dependent ones: for features that apply only where the frequencies are fixed."""
+    try:
+        return rotary_frequencies(model)
+    except DoflaError:
+        return None
+
+
 def rotary_embedding(model: nn.Module) -> tuple[nn.Module, Tensor] | None:
     """``model``'s one rotary embedding module and its inverse frequencies (float32, CPU), or None; several
     or length-dependent ones are refused (see the module docstring)."""

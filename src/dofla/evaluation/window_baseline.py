@@ -138,6 +138,19 @@ def _band_mask(
     return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf")).to(device)
 
 
+def edge_sink_queries(
+    query: torch.Tensor, window: int, sinks: int, frequencies: torch.Tensor
+) -> torch.Tensor:
+    """The queries (..., T, D) of a call starting at position 0 turned back to position min(t, window + sinks)
+    in the rotary planes (``frequencies``: the model's inverse frequencies): what scores the sinks when they
+    are seen from the window's edge (:func:`edge_sink_window_attention`)."""
+    from dofla.rotary import rotate
+
+    position = torch.arange(query.shape[-2], device=query.device)
+    shift = (torch.clamp(position, max=int(window) + int(sinks)) - position).to(torch.float32)  # <= 0
+    return rotate(query, shift[:, None] * frequencies.to(query.device))  # angles (T, r/2), broadcast
+
+
 def edge_sink_window_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -156,15 +169,12 @@ def edge_sink_window_attention(
     :func:`restrict_to_window`. For an uncached, unpadded call: query (B, H, T, D), key and value
     (B, Hkv, T, D) -> (B, T, H, Dv); blocks of ``block`` queries, each scoring its band of keys and the sinks.
     """
-    from dofla.rotary import rotate
-
     batch, heads, length, _ = query.shape
     group = heads // key.shape[1]
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     sinks = min(int(sinks), length)
     position = torch.arange(length, device=query.device)
-    shift = (torch.clamp(position, max=int(window) + sinks) - position).to(torch.float32)  # <= 0
-    sink_query = rotate(query, shift[None, None, :, None] * frequencies.to(query.device))
+    sink_query = edge_sink_queries(query, window, sinks, frequencies)
     outputs = []
     for start in range(0, length, int(block)):
         stop = min(start + int(block), length)
@@ -295,12 +305,9 @@ def window_restricted(
 def check_edge_sinks(model: torch.nn.Module) -> torch.Tensor:
     """The rotary frequencies sinks at the window's edge turn queries with; a model without one rotary
     embedding of fixed frequencies is refused in one sentence."""
-    from dofla.rotary import rotary_frequencies
+    from dofla.rotary import fixed_rotary_frequencies
 
-    try:
-        frequencies = rotary_frequencies(model)
-    except DoflaError:  # several rotary embeddings, or length-dependent ones
-        frequencies = None
+    frequencies = fixed_rotary_frequencies(model)
     if frequencies is None:
         raise DoflaError(
             "sinks at the window's edge move rotary positions, which needs one rotary embedding with fixed "
