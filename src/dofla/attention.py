@@ -125,6 +125,9 @@ class LinearAttention(nn.Module):
         # with the teacher's rotary frequencies (float32, set by dofla.convert.set_position_period)
         self.position_period: int | None = None
         self.rotary_frequencies: Tensor | None = None
+        # sinks seen from the window's edge: the teacher's rotary frequencies (float32, set by
+        # dofla.convert.set_sinks_at_edge; None: the sinks at their true positions), see edge_sink_query
+        self.edge_sink_frequencies: Tensor | None = None
         self.cell_options = {name: options.pop(name) for name in self.CELL_OPTIONS if name in options}
         self.sinks = int(plan.sinks)
         if plan.feature_map in FEATURE_MAPS and "seed" not in options:
@@ -245,13 +248,21 @@ class LinearAttention(nn.Module):
         return features.squeeze(-2), log_scale, values.squeeze(-2)
 
     def _decode_step(
-        self, query: Tensor, key: Tensor, value: Tensor, state, scaling: float, memory_qk=None
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        state,
+        scaling: float,
+        memory_qk=None,
+        sink_query: Tensor | None = None,
     ) -> tuple[Tensor, object] | None:
         """One new token with a state and no padding, in the fewest operators (a decoding step's cost is
         its number of small operators): output (B, 1, H, Dv) and the new state, as the recurrent form gives
         them up to rounding (``scaling``: the window softmax's logit scale; ``memory_qk``: the query and key
-        the memory's features read, when they differ from the window's, see ``_wrapped``). None where the
-        layer has no such step (the general forms run then)."""
+        the memory's features read, when they differ from the window's, see ``_wrapped``; ``sink_query``
+        (B, H, 1, D): the query that scores the sinks, see ``edge_sink_query``). None where the layer has no
+        such step (the general forms run then)."""
         if not self._has_decode_step(state):
             return None
         inputs = self._decode_inputs(*(memory_qk or (query, key)), value, state_dtype(state))
@@ -261,7 +272,7 @@ class LinearAttention(nn.Module):
         k_log_scale = (
             values.new_zeros(values.shape[:2]) if log_scale is None else log_scale[..., -1]
         )  # (B, Hs)
-        return self._state_step(state, query, key, features, values, k_log_scale, scaling)
+        return self._state_step(state, query, key, features, values, k_log_scale, scaling, sink_query)
 
     def _has_decode_step(self, state) -> bool:
         """Whether ``state`` (the inner op's) can take the one-token step: a linear layer's LinearState, or
@@ -281,9 +292,10 @@ class LinearAttention(nn.Module):
             and state.sinks == self.sinks
         )
 
-    def _state_step(self, state, query, key, features, values, k_log_scale, scaling):
+    def _state_step(self, state, query, key, features, values, k_log_scale, scaling, sink_query=None):
         """The step on the inner op's state: features (B, Hs, G + 1, F) (queries, then the key), values
-        (B, Hs, Dv), k_log_scale (B, Hs) -> output (B, 1, H, Dv) and the new inner state."""
+        (B, Hs, Dv), k_log_scale (B, Hs), sink_query (B, H, 1, D) or None -> output (B, 1, H, Dv) and the
+        new inner state."""
         batch = query.shape[0]
         if self.kind == "linear":
             output, new_state = linear_decode_step(
@@ -303,6 +315,7 @@ class LinearAttention(nn.Module):
             k_log_scale,
             self.step_window_factor(),
             scaling=scaling,
+            sink_queries=None if sink_query is None else sink_query.view(batch, heads, group, self.head_dim),
         )
         return output.view(batch, 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
 
@@ -337,6 +350,8 @@ class LinearAttention(nn.Module):
         scale for the window softmax of hybrid layers (default: the one given at construction).
         ``position_ids`` (B, T): the tokens' positions, with which a ``position_period`` turns the memory's
         q and k back to positions modulo the period (:mod:`dofla.rotary`); the window keeps the true ones.
+        They also place the window's edge for sinks seen from it (``edge_sink_query``; without them the
+        call's tokens follow the state's).
         """
         length = query.shape[2]
         if key.shape[2] != length:
@@ -351,6 +366,7 @@ class LinearAttention(nn.Module):
         state = None if cache_layer is None else cache_layer.state
         # a decoding step, see _decode_step; under graph decoding a window's ring step (whose write position
         # lives in Python) gives way to the general recurrent form (dofla.graph_decode)
+        sink_query = self.edge_sink_query(query, position_ids, state)
         feature_query, feature_key = self._wrapped(query, key, position_ids)
         wrapped = feature_query is not query
         if self.kind == "linear":  # no window: the whole layer reads the wrapped q and k
@@ -364,7 +380,7 @@ class LinearAttention(nn.Module):
         key_mask = key_mask_from_attention_mask(attention_mask, length)
         if fast_step and key_mask is None:
             memory_qk = (feature_query, feature_key) if wrapped else None
-            step = self._decode_step(query, key, value, state, scaling, memory_qk)
+            step = self._decode_step(query, key, value, state, scaling, memory_qk, sink_query)
             if step is not None:
                 output, cache_layer.state = step
                 return output
@@ -375,11 +391,44 @@ class LinearAttention(nn.Module):
         )
         values = self._state_heads_view(value)  # (B, Hs, T, Dv)
         output, new_state = self._attend(
-            form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
+            form,
+            query,
+            key,
+            q_features,
+            k_features,
+            values,
+            k_log_scale,
+            key_mask,
+            scaling,
+            state,
+            sink_query,
         )
         if cache_layer is not None:
             cache_layer.state = new_state
         return output.transpose(1, 2).contiguous()  # (B, T, H, Dv)
+
+    def edge_sink_query(self, query: Tensor, position_ids: Tensor | None, state=None) -> Tensor | None:
+        """The query (B, H, T, D) that scores the sinks when they are seen from the window's edge: each token
+        turned back to position ``min(t, window + sinks)`` in the rotary planes, so that the sinks sit just
+        before its window (where the teacher saw them in training) instead of t tokens away. None where the
+        sinks keep their true positions (no ``edge_sink_frequencies``, no window or no sinks) and, on the
+        CPU, where no token is past the edge (the query would be the same). ``position_ids`` (B, T) or (T,)
+        give t; without them the call's tokens follow the ``state``'s (from 0 without one)."""
+        frequencies = self.edge_sink_frequencies
+        if frequencies is None or self.kind != "hybrid" or not self.sinks:
+            return None
+        edge, length = self.window + self.sinks, query.shape[2]
+        if position_ids is None:
+            start = 0 if state is None else int(state.num_tokens)
+            positions = torch.arange(start, start + length, device=query.device)[None]
+        else:
+            positions = (position_ids[None] if position_ids.dim() == 1 else position_ids)[:, -length:]
+        if positions.device.type == "cpu" and int(positions.max()) < edge:
+            return None  # (on a GPU the check would wait for the device: the rotation is by zero)
+        if frequencies.device != positions.device:  # moved once (a copy would not go into a CUDA graph)
+            self.edge_sink_frequencies = frequencies = frequencies.to(positions.device)
+        shift = (positions.clamp(max=edge) - positions).to(torch.float32)  # (B, T) <= 0
+        return rotate(query, shift[:, None, :, None] * frequencies)
 
     def _wrapped(self, query: Tensor, key: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         """query and key turned back to their positions modulo ``position_period`` (the same tensors where no
@@ -397,9 +446,21 @@ class LinearAttention(nn.Module):
         return rotate(query, angles), rotate(key, angles)
 
     def _attend(
-        self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
+        self,
+        form,
+        query,
+        key,
+        q_features,
+        k_features,
+        values,
+        k_log_scale,
+        key_mask,
+        scaling,
+        state,
+        sink_query=None,
     ):
-        """Run one form; returns out (B, H, T, Dv) and the new state (None for the naive form)."""
+        """Run one form; returns out (B, H, T, Dv) and the new state (None for the naive form). sink_query
+        (B, H, T, D): the queries that score a hybrid layer's sinks (None: query)."""
         common = dict(k_log_scale=k_log_scale, key_mask=key_mask)
         chunk_size = self.chunk_size_for("linear", q_features.shape[2])
         chunked = dict(chunk_size=chunk_size, initial_state=state, return_state=True)
@@ -419,6 +480,7 @@ class LinearAttention(nn.Module):
             window_factor=self.window_factor(),
             sinks=self.sinks,
             softcap=self.softcap,
+            sink_query=sink_query,
             **common,
         )
         if form == "naive":

@@ -107,11 +107,15 @@ class ConversionPlan:
     version: int = PLAN_VERSION
     # converted layers' memories read rotary positions modulo this many tokens (dofla.rotary); None: true
     position_period: int | None = None
+    # hybrid layers' windows see their sinks from the window's edge (dofla.convert.set_sinks_at_edge)
+    sinks_at_edge: bool = False
 
     def validate(self) -> None:
         from dofla.rotary import check_period
 
         check_period(self.position_period)
+        if not isinstance(self.sinks_at_edge, bool):
+            raise DoflaError(f"sinks_at_edge must be true or false, got {self.sinks_at_edge!r}.")
         if len(self.layers) != self.num_layers:
             raise DoflaError(
                 f"the plan lists {len(self.layers)} layers but says the model has {self.num_layers}."

@@ -212,6 +212,8 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
         model.__class__ = converted_class(type(model))
     if plan.position_period is not None:
         set_position_period(model, plan.position_period)
+    if plan.sinks_at_edge:
+        set_sinks_at_edge(model, True)
     return model
 
 
@@ -250,6 +252,29 @@ def set_position_period(model: nn.Module, period: int | None) -> None:
         handle = found[0].register_forward_pre_hook(wrap_positions_hook(period), with_kwargs=True)
         setattr(model, _PERIOD_HOOK_ATTRIBUTE, handle)
     plan.position_period = period
+
+
+def set_sinks_at_edge(model: nn.Module, on: bool) -> None:
+    """Let every converted layer's window see its sinks from the window's edge (``on``) or at their true
+    positions, and record it in the model's plan (saved with it). From the edge, token t scores the sinks
+    with its query turned back to position ``min(t, window + sinks)`` (``LinearAttention.edge_sink_query``):
+    they stay just before its window, at the distances the teacher read them in training, instead of
+    moving ever further away (the teacher stops reading sinks some thousands of tokens away). Needs the
+    model's one rotary embedding with fixed frequencies; layers without a window or sinks are unchanged."""
+    from dofla.rotary import fixed_rotary_frequencies
+
+    plan = getattr(model, "dofla_plan", None)
+    if plan is None:
+        raise DoflaError("sinks at the window's edge apply to a converted model; convert it first.")
+    frequencies = fixed_rotary_frequencies(model) if on else None
+    if on and frequencies is None:
+        raise DoflaError(
+            "sinks at the window's edge move rotary positions, which needs one rotary embedding with fixed "
+            "frequencies, and this model has not; leave sinks_at_edge off for it."
+        )
+    for student in students(model).values():
+        student.edge_sink_frequencies = frequencies
+    plan.sinks_at_edge = bool(on)
 
 
 def unconvert(model: nn.Module) -> nn.Module:

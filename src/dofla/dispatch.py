@@ -84,7 +84,9 @@ def _make_dispatcher(teacher_kind: str) -> Callable:
         student = getattr(module, STUDENT_ATTRIBUTE, None)
         if student is not None and not _STATE.teacher_forced:
             positions = {}
-            if getattr(student, "position_period", None) is not None:  # its memory wraps them (dofla.rotary)
+            # its memory wraps them (dofla.rotary), or its window sees its sinks from the edge
+            reads = ("position_period", "edge_sink_frequencies")
+            if any(getattr(student, name, None) is not None for name in reads):
                 positions["position_ids"] = kwargs.get("position_ids")
             output, weights = student(query, key, value, attention_mask, scaling=scaling, **positions), None
         else:

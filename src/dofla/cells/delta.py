@@ -117,10 +117,20 @@ class DeltaHybridState(BatchedState):
 
 
 def _window_part(
-    cell: LinearAttention, form, query, keys, values, key_mask, scaling, state, return_lse: bool = False
+    cell: LinearAttention,
+    form,
+    query,
+    keys,
+    values,
+    key_mask,
+    scaling,
+    state,
+    return_lse: bool = False,
+    sink_query=None,
 ):
-    """The sliding-window softmax (+ sinks) in ``form``: out (B, H, T, Dv) and its WindowState (or None);
-    with ``return_lse`` (out, lse (B, H, T), state), lse the log-sum-exp of each query's scores."""
+    """The sliding-window softmax (+ sinks, scored by ``sink_query`` where given) in ``form``: out (B, H, T,
+    Dv) and its WindowState (or None); with ``return_lse`` (out, lse (B, H, T), state), lse the log-sum-exp
+    of each query's scores."""
     common = dict(
         scaling=scaling,
         window=cell.window,
@@ -128,6 +138,7 @@ def _window_part(
         key_mask=key_mask,
         softcap=cell.softcap,
         return_lse=return_lse,
+        sink_query=sink_query,
     )
     if form == "naive":
         result = window_attention(query, keys, values, **common)
@@ -143,6 +154,14 @@ def _window_part(
         return_state=True,
         **common,
     )
+
+
+def _grouped_query(query: Tensor | None, heads: int) -> Tensor | None:
+    """One token's query (B, H, 1, D) -> (B, Hs, G, D) for a ring step (``heads`` = Hs); None stays None."""
+    if query is None:
+        return None
+    batch, num_heads, _, head_dim = query.shape
+    return query.view(batch, heads, num_heads // heads, head_dim)
 
 
 def _takes_window_step(cell: LinearAttention, window, dtype: torch.dtype) -> bool:
@@ -247,9 +266,22 @@ class GatedDeltaAttention(LinearAttention):
         return memory * (2 * torch.sigmoid(logits + bias))
 
     def _attend(
-        self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
+        self,
+        form,
+        query,
+        key,
+        q_features,
+        k_features,
+        values,
+        k_log_scale,
+        key_mask,
+        scaling,
+        state,
+        sink_query=None,
     ):
-        parts = self._parts(form, query, key, q_features, k_features, values, key_mask, scaling, state)
+        parts = self._parts(
+            form, query, key, q_features, k_features, values, key_mask, scaling, state, sink_query=sink_query
+        )
         memory, new_memory = parts["memory"], parts["memory_state"]
         if self.kind == "linear":
             return memory, new_memory
@@ -260,11 +292,23 @@ class GatedDeltaAttention(LinearAttention):
         return output.to(values.dtype), new_state
 
     def _parts(
-        self, form, query, key, q_features, k_features, values, key_mask, scaling, state, need_lse=False
+        self,
+        form,
+        query,
+        key,
+        q_features,
+        k_features,
+        values,
+        key_mask,
+        scaling,
+        state,
+        need_lse=False,
+        sink_query=None,
     ) -> dict:
         """The memory's read-out (B, H, T, Dv) and state; with a window also the window's output (B, H, T, Dv),
         its log-sum-exp (B, H, T; None unless the mix is adaptive or ``need_lse``), its state and gamma
-        ((B, H, T, 1) adaptive, else (1, H, 1, 1)), in the memory's dtype."""
+        ((B, H, T, 1) adaptive, else (1, H, 1, 1)), in the memory's dtype; ``sink_query`` scores the
+        window's sinks (see ``edge_sink_query``)."""
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
         tail = None
         if isinstance(memory_state, ConvDeltaState):
@@ -311,11 +355,20 @@ class GatedDeltaAttention(LinearAttention):
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
         if self.adaptive_mix or need_lse:
             window, lse, new_window = _window_part(
-                self, form, query, keys, values, key_mask, scaling, window_state, return_lse=True
+                self,
+                form,
+                query,
+                keys,
+                values,
+                key_mask,
+                scaling,
+                window_state,
+                return_lse=True,
+                sink_query=sink_query,
             )
         else:
             window, new_window = _window_part(
-                self, form, query, keys, values, key_mask, scaling, window_state
+                self, form, query, keys, values, key_mask, scaling, window_state, sink_query=sink_query
             )
             lse = None
         if self.adaptive_mix:
@@ -371,7 +424,17 @@ class GatedDeltaAttention(LinearAttention):
         q_features, k_features, _ = self.features(query, key)
         values = self._state_heads_view(value)
         parts = self._parts(
-            "chunked", query, key, q_features, k_features, values, key_mask, scaling, None, need_lse=True
+            "chunked",
+            query,
+            key,
+            q_features,
+            k_features,
+            values,
+            key_mask,
+            scaling,
+            None,
+            need_lse=True,
+            sink_query=self.edge_sink_query(query, None),  # an uncached call: its tokens from position 0
         )
         return dict(
             window=parts["window"].transpose(1, 2),
@@ -380,7 +443,7 @@ class GatedDeltaAttention(LinearAttention):
             window_lse=parts["lse"],
         )
 
-    def _decode_step(self, query, key, value, state, scaling, memory_qk=None):
+    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, sink_query=None):
         """One token (see ``LinearAttention._decode_step``): queries and key normalised together, the two
         gates from the value, one delta-rule update and one read; with a window, its ring step
         (``dofla.ops.decode``) mixed in per head."""
@@ -428,12 +491,13 @@ class GatedDeltaAttention(LinearAttention):
             self._state_heads_view(key).view(batch, heads, self.head_dim),
             values,
         )
+        sinks_by = dict(sink_queries=_grouped_query(sink_query, heads))
         if self.adaptive_mix:
-            window, lse, ring = ring_window_step(*step, scaling=scaling, return_lse=True)  # (B, Hs, G, ...)
+            window, lse, ring = ring_window_step(*step, scaling=scaling, return_lse=True, **sinks_by)
             logits = self.window_share_logits(lse.reshape(batch, -1, 1), values[:, :, None])  # (B, H, 1)
             gamma = torch.sigmoid(logits).view(batch, heads, group, 1)
         else:
-            window, ring = ring_window_step(*step, scaling=scaling)  # (B, Hs, G, Dv)
+            window, ring = ring_window_step(*step, scaling=scaling, **sinks_by)  # (B, Hs, G, Dv)
             gamma = self.step_window_factor()
         output = torch.lerp(output, window, gamma)
         return output.view(batch, 1, self.num_heads, -1), DeltaHybridState(window=ring, delta=new_memory)
@@ -481,12 +545,23 @@ class WindowAttention(LinearAttention):
         super().__init__(plan, **shape)
 
     def _attend(
-        self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
+        self,
+        form,
+        query,
+        key,
+        q_features,
+        k_features,
+        values,
+        k_log_scale,
+        key_mask,
+        scaling,
+        state,
+        sink_query=None,
     ):
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
-        return _window_part(self, form, query, keys, values, key_mask, scaling, state)
+        return _window_part(self, form, query, keys, values, key_mask, scaling, state, sink_query=sink_query)
 
-    def _decode_step(self, query, key, value, state, scaling, memory_qk=None):
+    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, sink_query=None):
         """One token (see ``LinearAttention._decode_step``): the window's ring step (``dofla.ops.decode``),
         sinks included, without soft-capping."""
         exact = query.dtype in (torch.float32, torch.float64)  # the general form computes in these
@@ -501,5 +576,6 @@ class WindowAttention(LinearAttention):
             self._state_heads_view(key).view(batch, heads, head_dim),
             self._state_heads_view(value).view(batch, heads, -1),
             scaling=scaling,
+            sink_queries=_grouped_query(sink_query, heads),
         )
         return output.view(batch, 1, num_heads, -1), new_state  # (B, 1, H, Dv)

@@ -108,7 +108,18 @@ class GatedLinearAttention(LinearAttention):
         return self.decay.log_gate(values, key_mask)
 
     def _attend(
-        self, form, query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state
+        self,
+        form,
+        query,
+        key,
+        q_features,
+        k_features,
+        values,
+        k_log_scale,
+        key_mask,
+        scaling,
+        state,
+        sink_query=None,
     ):
         total = torch.cumsum(self.log_decay(values, key_mask), dim=-1)  # (B, Hs, T): A_t
         if state is not None:
@@ -125,11 +136,12 @@ class GatedLinearAttention(LinearAttention):
             key_mask,
             scaling,
             None if state is None else state.inner,
+            sink_query,
         )
         new_state = None if inner is None else GatedState(inner, total[..., -1].clone())
         return output, new_state
 
-    def _decode_step(self, query, key, value, state, scaling, memory_qk=None):
+    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, sink_query=None):
         """One token (see ``LinearAttention._decode_step``): the gate's log decay joins the running total
         A_t, and the key enters the inner (linear or hybrid) state with log scale ``s_t - A_t``."""
         if not isinstance(state, GatedState) or not self._has_decode_step(state.inner):
@@ -140,7 +152,9 @@ class GatedLinearAttention(LinearAttention):
         features, log_scale, values = inputs
         total = state.log_decay_total + F.logsigmoid(self.decay.step_logits(values))  # (B, Hs): A_t
         decayed = -total if log_scale is None else log_scale[..., -1] - total
-        output, inner = self._state_step(state.inner, query, key, features, values, decayed, scaling)
+        output, inner = self._state_step(
+            state.inner, query, key, features, values, decayed, scaling, sink_query
+        )
         return output, GatedState(inner, total)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:

@@ -163,6 +163,8 @@ def settings_digest(settings: dict, plan) -> Any:
     described = None if plan is None else plan.to_dict()
     if described is not None:  # how a trained model reads positions afterwards, not what trains it
         described.pop("position_period", None)
+        if not described.get("sinks_at_edge"):  # off: as plans were before the option
+            described.pop("sinks_at_edge", None)
     digest.update(json.dumps(described, sort_keys=True).encode())
     return digest
 

@@ -93,6 +93,14 @@ def check_window_inputs(query: Tensor, key: Tensor, v: Tensor, window: int, sink
     return query.shape[1] // key.shape[1]
 
 
+def check_sink_query(query: Tensor, sink_query: Tensor | None) -> None:
+    """A sink query (the queries that score the sinks) must have the queries' shape."""
+    if sink_query is not None and tuple(sink_query.shape) != tuple(query.shape):
+        raise DoflaError(
+            f"sink_query {tuple(sink_query.shape)} must have the shape of query {tuple(query.shape)}."
+        )
+
+
 def check_delta_inputs(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor) -> int:
     """Check (B, H, T, K), (B, Hk, T, K), (B, Hk, T, Dv), (B, Hk, T), (B, Hk, T); return H // Hk."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:

@@ -6,7 +6,8 @@ earlier chunks is a state (F, Dv) per key/value head, as in the recurrent form. 
 with the running maximum m_t (the same offsets as the recurrent state), so every exponent is <= 0.
 Query heads of a key/value group are kept as a separate axis (B, Hk, G, ...) and read one shared state.
 The softmax part of window and hybrid attention is one function, ``window_part_sums``: a blocked softmax
-over the last ``window`` keys, merged (at a common maximum) with a small block over the sink keys.
+over the last ``window`` keys, merged (at a common maximum) with a small block over the sink keys, which
+queries of their own may score (``sink_query``, see ``dofla.ops.naive``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dofla.errors import DoflaError
 from dofla.ops._checks import (
     check_hybrid_inputs,
     check_linear_inputs,
+    check_sink_query,
     check_sinks,
     check_state_window,
     check_window_inputs,
@@ -426,11 +428,13 @@ def window_part_sums(
     sinks: int,
     chunk_size: int,
     softcap: float | None,
+    sink_queries: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, WindowState]:
     """The softmax part shared by window and hybrid attention: the last ``window`` keys plus the sinks.
 
     queries (B, Hk, G, T, D) in the compute dtype; key (B, Hk, T, D), value (B, Hk, T, Dv) as given;
-    present (B, Hk, T) bool; state: the window state before this call (None: nothing seen).
+    present (B, Hk, T) bool; state: the window state before this call (None: nothing seen); sink_queries
+    (B, Hk, G, T, D) in the compute dtype, the queries that score the sinks (None: ``queries``).
     Returns numerator (B, Hk, G, T, Dv), denominator (B, Hk, G, T) relative to each query's softmax
     maximum, that maximum (B, Hk, G, T) (-inf for a query that sees no key), is_sink (B, Hk, T) (the keys
     that became sinks) and the state after the call.
@@ -453,7 +457,10 @@ def window_part_sums(
     maximum = window_max[..., buffered:]
     if sinks:
         numerator, denominator, maximum = merge_softmax_sums(
-            (numerator, denominator, maximum), sink_sums(queries, sink, scaling=scaling, softcap=softcap)
+            (numerator, denominator, maximum),
+            sink_sums(
+                queries if sink_queries is None else sink_queries, sink, scaling=scaling, softcap=softcap
+            ),
         )
     new_state = _window_state_after(state, all_keys, all_values, all_present, sink, length)
     return numerator, denominator, maximum, sink.is_sink, new_state
@@ -478,17 +485,19 @@ def chunked_hybrid_attention(
     softcap: float | None = None,
     eps: float = 1e-6,
     kernel: SimpleGLAKernel | None = None,
+    sink_query: Tensor | None = None,
 ):
     """Sliding-window softmax (plus ``sinks`` sink keys) + linear attention (LoLCATs), chunked; semantics in
     ``dofla.ops.naive``.
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary, features and v as in ``chunked_linear_attention``,
-    window_factor (H,) = gamma. The linear part is linear attention on keys delayed by ``window`` tokens
+    window_factor (H,) = gamma, sink_query (B, H, T, D) the queries that score the sinks (None: query). The linear part is linear attention on keys delayed by ``window`` tokens
     (sinks get log scale -inf there, i.e. take no part), on fla's ``kernel`` when one is given (the window
     part is always PyTorch). Returns out (B, H, T, Dv) in v's dtype, or (out, HybridState) when return_state.
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
     check_hybrid_inputs(query, key, q_features, window, window_factor)
+    check_sink_query(query, sink_query)
     size = _check_chunk_size(chunk_size)
     window, sinks = int(window), check_sinks(sinks)
     k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
@@ -513,6 +522,7 @@ def chunked_hybrid_attention(
         sinks=sinks,
         chunk_size=size,
         softcap=softcap,
+        sink_queries=_grouped(sink_query, dtype, num_kv_heads),
     )
     if sinks:
         log_scale = log_scale.masked_fill(is_sink, NEGATIVE_INFINITY)  # sinks never reach the linear part
@@ -563,6 +573,14 @@ def chunked_hybrid_attention(
     return out, state
 
 
+def _grouped(query: Tensor | None, dtype: torch.dtype, num_kv_heads: int) -> Tensor | None:
+    """query (B, H, T, D) -> (B, Hk, G, T, D) in ``dtype``; None stays None."""
+    if query is None:
+        return None
+    batch, num_heads, length, head_dim = query.shape
+    return query.to(dtype).view(batch, num_kv_heads, num_heads // num_kv_heads, length, head_dim)
+
+
 def _rows_alike(tensor: Tensor) -> bool:
     """Whether every (B, Hk) row of ``tensor`` (B, Hk, ...) equals the first."""
     return tensor.shape[0] * tensor.shape[1] == 1 or bool((tensor == tensor[:1, :1]).all())
@@ -579,10 +597,13 @@ def _fused_window_attention(
     sinks: int,
     chunk_size: int,
     return_lse: bool = False,
+    sink_query: Tensor | None = None,
 ):
     """``chunked_window_attention`` with every key of the call present and no soft-capping, from ``state``
     (None: nothing seen): per chunk of C queries, one fused softmax attention call over the sink slots and
-    the C + window - 1 window keys the chunk can see. Every query sees its own key (in the window, or as a
+    the C + window - 1 window keys the chunk can see. Sinks scored by their own ``sink_query`` join the same
+    call: queries ``[q, q_sink]`` against window keys ``[k, 0]`` and sink keys ``[0, k_sink]`` give each
+    score from its own query (the added zeros change nothing). Every query sees its own key (in the window, or as a
     sink), so no real query's row is empty; the rows of padding queries past the end see every key (finite,
     then dropped). Returns out (B, H, T, Dv) in v's dtype (a transposed view of a (B, T, H, Dv) tensor) and
     the WindowState after the call; with ``return_lse`` (out, lse (B, H, T), state) from PyTorch's fused CPU
@@ -591,6 +612,7 @@ def _fused_window_attention(
     batch, num_heads, length, head_dim = query.shape
     num_kv_heads, value_dim = key.shape[1], v.shape[-1]
     group, size = num_heads // num_kv_heads, min(chunk_size, length)
+    own_sink_scores = bool(sinks) and sink_query is not None
     num_chunks = -(-length // size)
     pad, span = num_chunks * size - length, size + window - 1  # span: the window keys one chunk can see
     present = torch.ones(batch, num_kv_heads, length, dtype=torch.bool, device=key.device)
@@ -609,31 +631,39 @@ def _fused_window_attention(
         shift = (0, 0) * (tensor.dim() - 3) + (window - 1, pad)
         return F.pad(tensor, shift, value=fill)[:, :, buffered:].unfold(2, span, size)
 
+    if own_sink_scores:  # [q, q_sink] against [k, 0] (window) and [0, k_sink] (sinks)
+        query = torch.cat([query.to(dtype), sink_query.to(dtype)], dim=-1)
+    width_qk = query.shape[-1]  # D, or 2 D with the sink queries
     queries = (
         F.pad(query.to(dtype), (0, 0, 0, pad))
-        .view(batch, num_kv_heads, group, num_chunks, size, head_dim)
+        .view(batch, num_kv_heads, group, num_chunks, size, width_qk)
         .transpose(2, 3)
-        .reshape(batch, num_kv_heads, num_chunks, group * size, head_dim)
+        .reshape(batch, num_kv_heads, num_chunks, group * size, width_qk)
     )  # (B, Hk, N, G * C, D): a chunk's queries of a key/value head are rows of one call
     row = torch.arange(size, device=query.device)[:, None]  # query r in its chunk
     column = torch.arange(span, device=query.device)[None, :]  # key u in the block
     token = torch.arange(num_chunks * size, device=query.device).view(num_chunks, size, 1)  # (N, C, 1)
     visible = (column >= row) & (column <= row + window - 1) & blocks(mask_present, False)[:, :, :, None, :]
-    keys = blocks(all_keys.to(dtype), 0.0).transpose(-1, -2)  # (B, Hk, N, S, D)
+    window_keys, sink_keys = all_keys.to(dtype), sink.keys.to(dtype)
+    if own_sink_scores:
+        window_keys, sink_keys = F.pad(window_keys, (0, head_dim)), F.pad(sink_keys, (head_dim, 0))
+    keys = blocks(window_keys, 0.0).transpose(-1, -2)  # (B, Hk, N, S, D)
     values = blocks(all_values.to(dtype), 0.0).transpose(-1, -2)
     if sinks:  # the sink slots first: slot s is seen from call token position[s] on
         sink_visible = sink_positions[:, :, None, None, :] <= token  # (B, Hk, N, C, sinks)
         visible = torch.cat([sink_visible, visible], dim=-1)
-        keys = torch.cat([sink.keys.to(dtype)[:, :, None].expand(-1, -1, num_chunks, -1, -1), keys], dim=3)
+        keys = torch.cat([sink_keys[:, :, None].expand(-1, -1, num_chunks, -1, -1), keys], dim=3)
         values = torch.cat(
             [sink.values.to(dtype)[:, :, None].expand(-1, -1, num_chunks, -1, -1), values], dim=3
         )
     visible = visible | (token >= length)  # padding queries: see everything, dropped below
     rows, width = batch * num_kv_heads, keys.shape[3]  # 4-D inputs: PyTorch's fused CPU kernel takes them
+    if return_lse and values.shape[-1] < width_qk:  # the kernel takes values as wide as the keys
+        values = F.pad(values, (0, width_qk - values.shape[-1]))
     arguments = (
-        queries.reshape(rows, num_chunks, group * size, head_dim),
-        keys.reshape(rows, num_chunks, width, head_dim),
-        values.reshape(rows, num_chunks, width, value_dim),
+        queries.reshape(rows, num_chunks, group * size, width_qk),
+        keys.reshape(rows, num_chunks, width, width_qk),
+        values.reshape(rows, num_chunks, width, values.shape[-1]),
     )
     mask_rows = visible.shape[0] * visible.shape[1]  # B * Hk, or 1 when the rows are alike
     hidden = ~(
@@ -652,7 +682,8 @@ def _fused_window_attention(
     else:
         out = F.scaled_dot_product_attention(*arguments, attn_mask=bias, scale=scaling)
     out = (
-        out.view(batch, num_kv_heads, num_chunks, group, size, value_dim)
+        out[..., :value_dim]
+        .reshape(batch, num_kv_heads, num_chunks, group, size, value_dim)
         .permute(0, 2, 4, 1, 3, 5)
         .reshape(batch, num_chunks * size, num_heads, value_dim)[:, :length]
     )  # (B, T, H, Dv)
@@ -692,15 +723,18 @@ def chunked_window_attention(
     key_mask: Tensor | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
+    sink_query: Tensor | None = None,
 ):
     """Sliding-window softmax attention with ``sinks`` sink keys, chunked; semantics in ``dofla.ops.naive``.
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary, v (B, Hk, T, Dv), key_mask (B, T) True for real
-    tokens; initial_state: a WindowState from an earlier call of either form. Returns out (B, H, T, Dv) in
+    tokens; sink_query (B, H, T, D) the queries that score the sinks (None: query); initial_state: a
+    WindowState from an earlier call of either form. Returns out (B, H, T, Dv) in
     v's dtype, or (out, WindowState) when return_state; ``return_lse`` puts lse (B, H, T), the log-sum-exp
     of each query's softmax scores in the compute dtype (-inf when it sees no key), after out.
     """
     group = check_window_inputs(query, key, v, window, sinks)
+    check_sink_query(query, sink_query)
     size = _check_chunk_size(chunk_size)
     if not softcap and key_mask is None and (not return_lse or takes_fused_lse(query, key, v)):
         *results, state = _fused_window_attention(
@@ -713,6 +747,7 @@ def chunked_window_attention(
             sinks=int(sinks),
             chunk_size=size,
             return_lse=return_lse,
+            sink_query=sink_query,
         )
         results = (*results, state) if return_state else tuple(results)
         return results if len(results) > 1 else results[0]
@@ -733,6 +768,7 @@ def chunked_window_attention(
         sinks=int(sinks),
         chunk_size=size,
         softcap=softcap,
+        sink_queries=_grouped(sink_query, dtype, key.shape[1]),
     )
     results = [None]
     if return_lse:

@@ -28,6 +28,12 @@ linear part. The count is per batch row and key/value head and runs from the sta
 across calls (states carry it); absent keys do not count, so left padding gives the unpadded outputs.
 S = 0 is plain sliding-window (hybrid) attention.
 
+Sinks seen by other queries (``sink_query``, same shape as the queries, None: the queries). The sinks'
+scores are ``scaling sink_query_i.k_j`` (soft-capped as the rest) instead of ``scaling q_i.k_j``; nothing
+else changes. The attention module passes its queries turned back to the window's edge (position
+``min(t, window + sinks)``), so that the sinks sit just before every window, where the teacher saw them
+in training, instead of ever further away.
+
 Absent keys (padding). ``key_mask`` (B, T), True for real tokens, gives absent keys log scale -inf (and
 zero features and values): they take part nowhere, neither in the linear sums nor in the window. A key
 whose given log scale is -inf is absent in the same way. A query with no present key returns 0.
@@ -41,6 +47,7 @@ from torch import Tensor
 from dofla.ops._checks import (
     check_hybrid_inputs,
     check_linear_inputs,
+    check_sink_query,
     check_sinks,
     check_window_inputs,
     compute_dtype,
@@ -99,8 +106,10 @@ def softmax_part_weights(
     window: int,
     sinks: int,
     softcap: float | None,
+    sink_query: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The window part: query (B, H, T, D), keys (B, H, T, D), present (B, H, T) bool, compute dtype.
+    """The window part: query (B, H, T, D), keys (B, H, T, D), present (B, H, T) bool, compute dtype;
+    sink_query (B, H, T, D) or None: the queries that score the sinks.
 
     Returns weights (B, H, T, T) = exp(score - c_i) on the softmax set W_i (window and sinks), 0 elsewhere,
     is_sink (B, H, T), which keys are sinks, and c_i (B, H, T, 1) (0 where W_i is empty).
@@ -113,6 +122,9 @@ def softmax_part_weights(
     sink_seen = is_sink[:, :, None, :] & (key_index <= query_index)  # (B, H, T, T)
     softmax_set = (in_window | sink_seen) & present[:, :, None, :]
     scores = soft_cap(scaling * (query @ keys.transpose(-1, -2)), softcap)  # (B, H, T, T)
+    if sink_query is not None:  # the sinks' columns scored by the sink queries
+        sink_scores = soft_cap(scaling * (sink_query @ keys.transpose(-1, -2)), softcap)
+        scores = torch.where(is_sink[:, :, None, :], sink_scores, scores)
     scores = torch.where(softmax_set, scores, float("-inf"))
     window_max = scores.amax(-1, keepdim=True)  # c_i; -inf when W_i is empty
     window_max = torch.where(torch.isfinite(window_max), window_max, torch.zeros_like(window_max))
@@ -134,15 +146,18 @@ def hybrid_attention(
     key_mask: Tensor | None = None,
     softcap: float | None = None,
     eps: float = 1e-6,
+    sink_query: Tensor | None = None,
 ) -> Tensor:
     """Sliding-window softmax (plus ``sinks`` attention-sink keys) + linear attention (LoLCATs), quadratic.
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary; features as in ``linear_attention``;
     window_factor (H,) = gamma in (0, 1); softcap: the teacher's logit soft-capping (Gemma-2), applied to
-    the window's softmax scores. Returns (B, H, T, Dv) in v's dtype.
+    the window's softmax scores; sink_query (B, H, T, D): the queries that score the sinks (None: query).
+    Returns (B, H, T, Dv) in v's dtype.
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
     check_hybrid_inputs(query, key, q_features, window, window_factor)
+    check_sink_query(query, sink_query)
     sinks = check_sinks(sinks)
     k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
@@ -159,7 +174,14 @@ def hybrid_attention(
 
     present = ~torch.isneginf(log_scale)  # (B, H, T): absent keys have log scale -inf
     window_weights, is_sink, _ = softmax_part_weights(
-        query.to(dtype), keys, present, scaling=scaling, window=window, sinks=sinks, softcap=softcap
+        query.to(dtype),
+        keys,
+        present,
+        scaling=scaling,
+        window=window,
+        sinks=sinks,
+        softcap=softcap,
+        sink_query=None if sink_query is None else sink_query.to(dtype),
     )  # (B, H, T, T), 0 outside the softmax set
 
     position = torch.arange(length, device=q.device)
@@ -186,15 +208,17 @@ def window_attention(
     key_mask: Tensor | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
+    sink_query: Tensor | None = None,
 ):
     """Sliding-window softmax attention with ``sinks`` attention-sink keys, quadratic reference.
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary, v (B, Hk, T, Dv), key_mask (B, T) True for real
-    tokens. Returns (B, H, T, Dv) in v's dtype; a query with no visible key gets 0. With ``return_lse``
-    also the log-sum-exp of each query's softmax scores, (B, H, T) in the compute dtype (-inf when it sees
-    no key).
+    tokens, sink_query (B, H, T, D) the queries that score the sinks (None: query). Returns (B, H, T, Dv)
+    in v's dtype; a query with no visible key gets 0. With ``return_lse`` also the log-sum-exp of each
+    query's softmax scores, (B, H, T) in the compute dtype (-inf when it sees no key).
     """
     group = check_window_inputs(query, key, v, window, sinks)
+    check_sink_query(query, sink_query)
     present = present_keys(key_mask, key)
     dtype = compute_dtype(query, key, v)
     keys = _expand_kv_heads(key, group).to(dtype)  # (B, H, T, D)
@@ -207,6 +231,7 @@ def window_attention(
         window=int(window),
         sinks=int(sinks),
         softcap=softcap,
+        sink_query=None if sink_query is None else sink_query.to(dtype),
     )  # (B, H, T, T)
     total = weights.sum(-1, keepdim=True)
     out = ((weights @ values) / torch.where(total > 0, total, torch.ones_like(total))).to(v.dtype)

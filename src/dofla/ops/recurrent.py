@@ -12,6 +12,7 @@ from torch import Tensor
 from dofla.ops._checks import (
     check_hybrid_inputs,
     check_linear_inputs,
+    check_sink_query,
     check_sinks,
     check_state_window,
     check_window_inputs,
@@ -165,19 +166,30 @@ def advance_window(
 
 
 def read_window(
-    state: WindowState, queries: Tensor, *, scaling: float, softcap: float | None
+    state: WindowState,
+    queries: Tensor,
+    *,
+    scaling: float,
+    softcap: float | None,
+    sink_queries: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """queries (B, Hk, G, D) in the compute dtype -> numerator (B, Hk, G, Dv), denominator (B, Hk, G) of
     exp(score - max) over the window's present keys and the filled sink slots, and that max (B, Hk, G)
-    (-inf for a query that sees no key)."""
+    (-inf for a query that sees no key); sink_queries (B, Hk, G, D) score the sinks (None: queries)."""
     dtype = queries.dtype
     keys, values, visible = state.keys, state.values, state.key_present  # (B, Hk, L, ...)
+    own_sink_scores = bool(state.sinks) and sink_queries is not None
     if state.sinks:
         filled = torch.arange(state.sinks, device=keys.device) < state.sink_count[..., None]  # (B, Hk, S)
-        keys = torch.cat([keys, state.sink_keys.to(keys.dtype)], dim=2)
+        if not own_sink_scores:  # one product for both
+            keys = torch.cat([keys, state.sink_keys.to(keys.dtype)], dim=2)
         values = torch.cat([values, state.sink_values.to(values.dtype)], dim=2)
         visible = torch.cat([visible, filled], dim=2)
-    scores = soft_cap(scaling * (queries @ keys.to(dtype).transpose(-1, -2)), softcap)  # (B, Hk, G, L)
+    scores = queries @ keys.to(dtype).transpose(-1, -2)  # (B, Hk, G, L (+ S))
+    if own_sink_scores:
+        sink_scores = sink_queries @ state.sink_keys.to(dtype).transpose(-1, -2)  # (B, Hk, G, S)
+        scores = torch.cat([scores, sink_scores], dim=-1)
+    scores = soft_cap(scaling * scores, softcap)  # (B, Hk, G, L + S)
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))  # absent keys
     # exp_relative: a query that sees no key has max -inf, and all its weights 0
     maximum = scores.amax(-1, keepdim=True)
@@ -201,16 +213,19 @@ def recurrent_hybrid_attention(
     key_mask: Tensor | None = None,
     softcap: float | None = None,
     eps: float = 1e-6,
+    sink_query: Tensor | None = None,
 ) -> tuple[Tensor, HybridState]:
     """Sliding-window softmax (plus ``sinks`` sink keys) + linear attention token by token (semantics in
     ``dofla.ops.naive``).
 
-    query (B, H, T, D), key (B, Hk, T, D), window_factor (H,). The state keeps the last ``window`` keys,
+    query (B, H, T, D), key (B, Hk, T, D), window_factor (H,), sink_query (B, H, T, D) the queries that
+    score the sinks (None: query). The state keeps the last ``window`` keys,
     values, key features and log scales, the sink keys and values, and the linear state of everything
     older. Returns out (B, H, T, Dv) in v's dtype and the new HybridState.
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
     check_hybrid_inputs(query, key, q_features, window, window_factor)
+    check_sink_query(query, sink_query)
     window, sinks = int(window), check_sinks(sinks)
     k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
@@ -230,6 +245,7 @@ def recurrent_hybrid_attention(
     gamma = window_factor.to(dtype).view(num_kv_heads, group)  # (Hk, G)
     q = q_features.to(dtype).view(batch, num_kv_heads, group, length, feature_dim)  # (B, Hk, G, T, F)
     queries = query.to(dtype).view(batch, num_kv_heads, group, length, head_dim)  # (B, Hk, G, T, D)
+    sink_queries = None if sink_query is None else sink_query.to(dtype).view_as(queries)
     outputs = []
     for t in range(length):
         if scales.shape[2] == window:  # the oldest key leaves the window and joins the linear state
@@ -252,7 +268,11 @@ def recurrent_hybrid_attention(
             linear, q[:, :, :, t]
         )  # (B,Hk,G,Dv), (B,Hk,G)
         window_numerator, window_denominator, _ = read_window(
-            window_state, queries[:, :, :, t], scaling=scaling, softcap=softcap
+            window_state,
+            queries[:, :, :, t],
+            scaling=scaling,
+            softcap=softcap,
+            sink_queries=None if sink_queries is None else sink_queries[:, :, :, t],
         )
         numerator = gamma[..., None] * window_numerator + (1 - gamma[..., None]) * linear_numerator
         denominator = gamma * window_denominator + (1 - gamma) * linear_denominator  # (B, Hk, G)
@@ -284,16 +304,19 @@ def recurrent_window_attention(
     key_mask: Tensor | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
+    sink_query: Tensor | None = None,
 ):
     """Sliding-window softmax attention with ``sinks`` sink keys, token by token (semantics in
     ``dofla.ops.naive``).
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary, v (B, Hk, T, Dv), key_mask (B, T) True for real
-    tokens; state from an earlier call of either form, or None. Returns out (B, H, T, Dv) in v's dtype and
+    tokens, sink_query (B, H, T, D) the queries that score the sinks (None: query); state from an earlier
+    call of either form, or None. Returns out (B, H, T, Dv) in v's dtype and
     the new WindowState (memory bounded by window + sinks keys); with ``return_lse`` (out, lse, state),
     lse (B, H, T) the log-sum-exp of each query's softmax scores (-inf when it sees no key).
     """
     group = check_window_inputs(query, key, v, window, sinks)
+    check_sink_query(query, sink_query)
     window, sinks = int(window), int(sinks)
     present = present_keys(key_mask, key)  # (B, Hk, T)
     if key_mask is not None:
@@ -305,12 +328,17 @@ def recurrent_window_attention(
     else:
         check_state_window(state, window, sinks)
     queries = query.to(dtype).view(batch, key.shape[1], group, length, head_dim)  # (B, Hk, G, T, D)
+    sink_queries = None if sink_query is None else sink_query.to(dtype).view_as(queries)
     outputs, lses = [], []
     for t in range(length):
         step = slice(t, t + 1)
         state, _ = advance_window(state, key[:, :, step], v[:, :, step], present[:, :, step])
         numerator, denominator, maximum = read_window(
-            state, queries[:, :, :, t], scaling=scaling, softcap=softcap
+            state,
+            queries[:, :, :, t],
+            scaling=scaling,
+            softcap=softcap,
+            sink_queries=None if sink_queries is None else sink_queries[:, :, :, t],
         )
         # a visible key contributes exp(0) = 1, so the sum is 0 (nothing seen: output 0) or >= 1
         outputs.append(numerator / denominator.clamp_min(1.0)[..., None])  # (B, Hk, G, Dv)
