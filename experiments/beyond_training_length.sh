@@ -9,8 +9,10 @@
 #
 # Environment: DOFLA (default `dofla`), DATA (default ../shared/data/wiki_demo/tinyshakespeare.txt),
 # LENGTHS, SEQUENCES, PASSKEY (empty: no pass keys), TRIALS (defaults below); PERIOD: the converted layers'
-# position period (`dofla evaluate --position-period`; default: what each saved plan says); SUFFIX: added to
-# each run's output folder name.
+# position period (`dofla evaluate --position-period`; default: what each saved plan says); EDGE: on or off,
+# where the hybrid layers' windows see their sinks (`dofla evaluate --sinks-at-edge`; default: what each saved
+# plan says; on also adds the window baselines with their sinks at the edge); SUFFIX: added to each run's
+# output folder name.
 set -euo pipefail
 out=$1
 shift
@@ -30,6 +32,7 @@ Path(sys.argv[2]).write_text(json.dumps({"text": text}) + "\n", encoding="utf-8"
 PY
 period=()
 [[ -n ${PERIOD:-} ]] && period=(--position-period "$PERIOD")
+[[ -n ${EDGE:-} ]] && period+=(--sinks-at-edge "$EDGE")
 for run in "$@"; do
     name=$(basename "$run")${SUFFIX:-}
     mkdir -p "$out/$name"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_distill import VOCAB, tiny_converted
 
-from dofla.convert import load_converted, unconvert
+from dofla.convert import load_converted, students, unconvert
 from dofla.data import parse_tokens, split_train_heldout
 from dofla.errors import DoflaError
 from dofla.pipeline import linearize, perplexity
@@ -103,6 +103,24 @@ def test_position_period_off_or_refused_where_the_teacher_has_no_rotary(tmp_path
     with pytest.raises(DoflaError, match="sinks at the window's edge move rotary positions"):
         linearize(edge, teacher=build_tiny_model("gpt2"), sequences=rows)
     assert not (tmp_path / "edge" / "run" / "distill").exists()
+
+
+def test_sinks_at_edge_trains_saves_and_reports_the_edge_baselines_beside_the_student(tmp_path):
+    hybrid = dict(kind="hybrid", window=8, sinks=2)
+    with pytest.raises(DoflaError, match="--sinks-at-edge moves the sinks of hybrid layers"):
+        config(tmp_path / "none", plan=dict(hybrid, sinks=0, sinks_at_edge=True)).validate()
+    settings = config(
+        tmp_path,
+        plan=dict(hybrid, sinks_at_edge=True),
+        distill=dict(tokens=4 * LENGTH * 2, loss="output_mse"),
+        evaluate=dict(passkey_trials=0, error_sequences=0, recall=False),
+    )
+    result = linearize(settings, teacher=tiny_teacher(), sequences=sequences())
+    model, _, plan = load_converted(result.out_dir)
+    assert plan.sinks_at_edge and all(s.edge_sink_frequencies is not None for s in students(model).values())
+    summary = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert "window+sinks2@edge" in summary["long_context"]["by_length"][str(LENGTH)]["models"]
+    assert "see their sinks from the window's edge" in result.report_path.read_text()
 
 
 def test_the_report_scores_recall_beyond_the_window_on_the_held_out_rows(tmp_path):

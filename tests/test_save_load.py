@@ -204,6 +204,29 @@ def test_generate_command_takes_a_position_period(tmp_path, capsys):
         assert capsys.readouterr().out == tokenizer.decode(expected[0], skip_special_tokens=True) + "\n"
 
 
+def test_generate_command_takes_sinks_at_edge(tmp_path, capsys):
+    """--sinks-at-edge on: the continuation of the model with its windows' sinks seen from the edge."""
+    from dofla.convert import set_sinks_at_edge
+
+    model = tiny_model("llama")
+    convert(model, PLANS["gated_delta"](model))  # window 4 and 2 sinks: the edge at position 6
+    tokenizer = build_tiny_tokenizer()
+    save_converted(model, tmp_path / "out", tokenizer=tokenizer)
+    prompt = "The cat sat on the mat"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    set_sinks_at_edge(model, True)
+    with torch.no_grad():
+        expected = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+    arguments = ["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "6"]
+    assert main([*arguments, "--sinks-at-edge", "on"]) == 0
+    assert capsys.readouterr().out == tokenizer.decode(expected[0], skip_special_tokens=True) + "\n"
+    with pytest.raises(SystemExit):  # argparse's own refusal, naming the choices
+        main([*arguments, "--sinks-at-edge", "maybe"])
+    assert "choose from 'on', 'off'" in capsys.readouterr().err
+
+
 def test_convert_command_validates_before_loading(tmp_path, capsys):
     assert main(["convert", "no-such-model", "--out", str(tmp_path / "x"), "--feature-dim", "0"]) == 1
     assert "--feature-dim must be positive, got 0" in capsys.readouterr().err

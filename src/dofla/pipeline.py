@@ -163,6 +163,7 @@ def run_stages(
         )
         timings.lap("LoRA baseline (teacher)")
     plan = shared_plan(config, teacher, data.train)
+    plan.sinks_at_edge = config.plan.sinks_at_edge  # convert applies it: the students train with it
     timings.lap("plan (DoF estimate)" if "measure" in plan.metadata else "plan")
     # The unconverted teacher, for the side-by-side evaluation: conversion works in place and LoRA merges
     # into the shared projections, so the teacher cannot be recovered from the student afterwards.
@@ -319,7 +320,7 @@ def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences
                 f"--position-period wraps rotary positions, and the teacher {config.teacher.model} has none; "
                 "leave it unset."
             )
-    if config.evaluate.edge_sinks:
+    if config.evaluate.edge_sinks or config.plan.sinks_at_edge:
         from dofla.evaluation.window_baseline import check_edge_sinks
 
         check_edge_sinks(teacher)
@@ -642,7 +643,7 @@ def evaluate_student(
         window=window,
         sinks=sorted({0, baseline_sinks}),
         batch_size=batch_size,
-        sinks_at_edge=config.evaluate.edge_sinks,
+        sinks_at_edge=config.evaluate.edge_sinks or config.plan.sinks_at_edge,  # the student's own cache
     )
     at_training_length = quality["by_length"][str(config.data.seq_len)]["models"]
     timings.lap("held-out quality at length (teacher, window baselines, student)")

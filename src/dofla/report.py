@@ -209,6 +209,12 @@ def _plan_lines(result: LinearizeResult, summary: dict, config: LinearizeConfig)
             "(`position_period`, the positions they trained at; windows keep the true ones)."
             if summary.get("position_period")
             else "The converted layers read the true rotary positions (no `position_period`)."
+        )
+        + (
+            " Their windows see their sinks from the window's edge (`sinks_at_edge`), and so do the "
+            "`window+sinks…@edge` baselines beside them."
+            if plan.sinks_at_edge
+            else ""
         ),
         "",
         "Held-out layer loss: the distillation loss on held-out data. Attention error: "

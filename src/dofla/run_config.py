@@ -167,6 +167,12 @@ class PlanSettings:
         "else 0)",
         minimum=0,
     )
+    sinks_at_edge: bool = option(
+        False,
+        "the hybrid layers' windows see their --sinks from the window's edge (each token's query turned back "
+        "to position window + sinks for the sinks' scores) instead of at their true positions, which the "
+        "teacher stops reading some thousands of tokens away (rotary teachers; trained and saved so)",
+    )
     dof_points: int = option(1024, "points per head captured for the DoF estimate", minimum=1)
     dof_batches: int = option(2, "training batches the DoF estimate captures from", minimum=1)
 
@@ -436,6 +442,11 @@ class LinearizeConfig:
         )
         plan.validate(0, 1, 1)
         check_kernel_loss(self.distill.loss, self.student.cell, self.plan.sinks)
+        if self.plan.sinks_at_edge and (self.plan.kind != "hybrid" or not self.plan.sinks):
+            raise DoflaError(
+                "--sinks-at-edge moves the sinks of hybrid layers' windows; give --kind hybrid with --sinks N "
+                "(N > 0), or leave it off."
+            )
         check_length_schedule(self.distill.length_schedule, self.data.seq_len)
         if not 0 < self.data.heldout_fraction < 1:
             raise DoflaError(f"the held-out fraction must lie in (0, 1), got {self.data.heldout_fraction}.")

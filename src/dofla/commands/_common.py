@@ -63,7 +63,9 @@ def integer_list(text: str, option: str, *, minimum: int) -> list[int]:
     return values
 
 
-def add_position_period_argument(parser: argparse.ArgumentParser) -> None:
+def add_position_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--position-period`` and ``--sinks-at-edge``: how a saved student reads positions (its plan's by
+    default)."""
     parser.add_argument(
         "--position-period",
         type=int,
@@ -71,9 +73,16 @@ def add_position_period_argument(parser: argparse.ArgumentParser) -> None:
         help="the converted layers' memories read rotary positions modulo this many tokens (e.g. the length "
         "they were trained at; 0: the true positions); default: what the folder's plan says",
     )
+    parser.add_argument(
+        "--sinks-at-edge",
+        choices=("on", "off"),
+        default=None,
+        help="on: the hybrid layers' windows see their sinks from the window's edge; off: at their true "
+        "positions; default: what the folder's plan says",
+    )
 
 
-def check_position_period(args: argparse.Namespace) -> None:
+def check_position_arguments(args: argparse.Namespace) -> None:
     from dofla.errors import DoflaError
 
     if args.position_period is not None and args.position_period < 0:
@@ -82,9 +91,17 @@ def check_position_period(args: argparse.Namespace) -> None:
         )
 
 
-def apply_position_period(model, args: argparse.Namespace) -> None:
-    """``--position-period`` on a loaded converted model (nothing when not given)."""
-    if args.position_period is not None:
-        from dofla.convert import set_position_period
+def apply_position_arguments(model, args: argparse.Namespace) -> list[str]:
+    """``--position-period`` and ``--sinks-at-edge`` on a loaded converted model (nothing when not given).
+    Returns a line for each setting changed."""
+    from dofla.convert import set_position_period, set_sinks_at_edge
 
+    changed = []
+    if args.position_period is not None:
         set_position_period(model, args.position_period or None)
+        changed.append(f"position period: {args.position_period or 'none (true positions)'}")
+    if args.sinks_at_edge is not None:
+        set_sinks_at_edge(model, args.sinks_at_edge == "on")
+        where = "the window's edge" if args.sinks_at_edge == "on" else "their true positions"
+        changed.append(f"sinks seen from {where}")
+    return changed

@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 from dofla.commands._common import (
-    add_position_period_argument,
-    apply_position_period,
+    add_position_arguments,
+    apply_position_arguments,
     check_device_and_dtype,
-    check_position_period,
+    check_position_arguments,
     integer_list,
 )
 
@@ -126,7 +126,7 @@ def register(subparsers) -> None:
         action="store_true",
         help="compare with --teacher even if it is not the model the folder was converted from",
     )
-    add_position_period_argument(parser)
+    add_position_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -155,7 +155,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DoflaError(f"--sequences must be at least 1, got {args.sequences}.")
     if args.batch_size < 1:
         raise DoflaError(f"--batch-size must be at least 1, got {args.batch_size}.")
-    check_position_period(args)
+    check_position_arguments(args)
     if args.window is not None and args.window < 1:
         raise DoflaError(f"--window must be at least 1 token, got {args.window}.")
     args.sink_list = integer_list(args.sinks, "--sinks", minimum=0)
@@ -243,9 +243,8 @@ def run(args: argparse.Namespace) -> int:
         texts = texts[args.skip_texts :]
     harness.check_task_files(args.task_list, args.tasks_dir)  # now, not after the models have run
     student, tokenizer, plan = load_converted(args.converted, dtype=args.dtype, device=args.device)
-    if args.position_period is not None:
-        apply_position_period(student, args)
-        _progress(f"position period: {plan.position_period or 'none (true positions)'}")
+    for line in apply_position_arguments(student, args):
+        _progress(line)
     teacher_spec = args.teacher or plan.metadata.get("teacher")
     if not teacher_spec:
         raise DoflaError("the converted folder does not name its teacher; pass --teacher MODEL.")
@@ -284,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
             sinks=args.sink_list,
             batch_size=args.batch_size,
             progress=_progress,
-            sinks_at_edge=args.edge_sinks,
+            sinks_at_edge=args.edge_sinks or plan.sinks_at_edge,  # a student's own cache beside it
         )
         results["long_context"] = quality
         if args.error_sequences:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from dofla.commands._common import (
-    add_position_period_argument,
-    apply_position_period,
+    add_position_arguments,
+    apply_position_arguments,
     check_device_and_dtype,
-    check_position_period,
+    check_position_arguments,
 )
 
 
@@ -45,7 +45,7 @@ def register(subparsers) -> None:
         "must attend to every token; with a window, prompts at least as long as it): a decoding step without "
         "Python's launch cost, many times faster at small batch",
     )
-    add_position_period_argument(parser)
+    add_position_arguments(parser)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     parser.set_defaults(func=run)
@@ -69,7 +69,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DoflaError(
             f"--prefill-chunk must be 0 (one forward) or a positive token count, got {args.prefill_chunk}."
         )
-    check_position_period(args)
+    check_position_arguments(args)
     check_device_and_dtype(args)
     if args.graph:
         import torch
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer, _ = load_converted(
         args.converted, teacher=args.teacher, dtype=args.dtype, device=args.device
     )
-    apply_position_period(model, args)
+    apply_position_arguments(model, args)
     if tokenizer is None:
         raise DoflaError(
             f"{args.converted} has no tokenizer files; save it with its tokenizer to generate text."

@@ -311,7 +311,7 @@ def check_edge_sinks(model: torch.nn.Module) -> torch.Tensor:
     if frequencies is None:
         raise DoflaError(
             "sinks at the window's edge move rotary positions, which needs one rotary embedding with fixed "
-            "frequencies, and this model has not; leave the edge baseline off for it."
+            "frequencies, and this model has not; leave --edge-sinks and --sinks-at-edge off for it."
         )
     return frequencies
 
