@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface
 
-from dofla.convert import convert, plan_for, set_position_period, unconvert
+from dofla.convert import convert, plan_for, set_position_period, set_sinks_at_edge, unconvert
 from dofla.evaluation.speed import (
     PeakMemory,
     available_memory_bytes,
@@ -282,6 +282,8 @@ def prepared_model(model, name: str, args, log):
     convert(model, plan)
     if args.position_period:
         set_position_period(model, args.position_period)
+    if args.sinks_at_edge and any(layer.sinks for layer in plan.layers):
+        set_sinks_at_edge(model, True)
     log(f"{name}: {plan.layers[0].cell} cell, kind {plan.layers[0].kind}")
     return model
 
@@ -590,6 +592,11 @@ def main(argv=None) -> int:
         help="the students' memories read rotary positions modulo this many tokens (what linearize gives "
         "rotary models by default: the trained length; 0: true positions)",
     )
+    parser.add_argument(
+        "--sinks-at-edge",
+        action="store_true",
+        help="the students' windows see their sinks from the window's edge (plan option sinks_at_edge)",
+    )
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument(
         "--steps", type=int, default=16, help="timed decode steps per row after one warm-up step (0: by time)"
@@ -678,6 +685,7 @@ def main(argv=None) -> int:
         f"model: {'tiny random Llama' if args.tiny else args.teacher}; students untrained, F={args.feature_dim}, "
         f"window {args.window}"
         f"{f'; students read positions modulo {args.position_period}' if args.position_period else ''}"
+        f"{'; windows see their sinks from the edge' if args.sinks_at_edge else ''}"
         "; teacher decode from a synthetic (random) KV cache of the context length; "
         "student decode from a real prefill of twice its window (at least 128 tokens, at most the context) with the "
         "token count set to the context (state size and step work do not depend on it; layers kept as softmax "

@@ -105,6 +105,21 @@ def test_position_period_off_or_refused_where_the_teacher_has_no_rotary(tmp_path
     assert not (tmp_path / "edge" / "run" / "distill").exists()
 
 
+def test_sinks_at_edge_by_default_where_a_hybrid_plan_has_sinks_and_the_teacher_one_fixed_rotary(tmp_path):
+    from dofla.models import build_tiny_model
+    from dofla.pipeline import resolve_sinks_at_edge
+
+    hybrid = dict(kind="hybrid", window=8, sinks=2)
+    llama, gpt2 = build_tiny_model("llama"), build_tiny_model("gpt2")
+    assert resolve_sinks_at_edge(config(tmp_path, plan=hybrid), llama)
+    assert not resolve_sinks_at_edge(
+        config(tmp_path, plan=hybrid), gpt2
+    )  # learned positions: nothing to turn
+    assert not resolve_sinks_at_edge(config(tmp_path, plan=dict(hybrid, sinks=0)), llama)
+    assert not resolve_sinks_at_edge(config(tmp_path, plan=dict(kind="linear")), llama)
+    assert not resolve_sinks_at_edge(config(tmp_path, plan=dict(hybrid, sinks_at_edge=False)), llama)
+
+
 def test_sinks_at_edge_trains_saves_and_reports_the_edge_baselines_beside_the_student(tmp_path):
     hybrid = dict(kind="hybrid", window=8, sinks=2)
     with pytest.raises(DoflaError, match="--sinks-at-edge moves the sinks of hybrid layers"):
@@ -296,10 +311,17 @@ def test_long_context_recipe_evaluates_every_length_beside_the_window_baselines(
     summary = json.loads((tmp_path / "run" / "result.json").read_text())
     plan = load_converted(result.out_dir)[2]
     assert {(layer.cell, layer.sinks, layer.window) for layer in plan.layers} == {("gla", 4, 4)}
+    assert plan.sinks_at_edge  # by default for a rotary teacher's windows with sinks
     by_length = summary["long_context"]["by_length"]
     assert sorted(by_length, key=int) == [str(LENGTH), str(2 * LENGTH)]
-    for measured in by_length.values():
-        assert set(measured["models"]) == {"teacher", "window", "window+sinks4", "student"}
+    for measured in by_length.values():  # the edge baseline beside the student, as its own cache
+        assert set(measured["models"]) == {
+            "teacher",
+            "window",
+            "window+sinks4",
+            "window+sinks4@edge",
+            "student",
+        }
         assert measured["models"]["student"]["kl"] is not None
     # held-out rows were split off before cutting: the training-length pieces are the long rows cut in two
     assert summary["heldout_sequences"] == 2 * by_length[str(2 * LENGTH)]["sequences"]

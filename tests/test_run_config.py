@@ -313,7 +313,7 @@ NEW_SINCE = {
     "lora.needle_fraction": 0.0,
     "evaluate.recall": True,
     "evaluate.edge_sinks": False,
-    "plan.sinks_at_edge": False,
+    "plan.sinks_at_edge": None,
 }  # options added later, at defaults
 
 

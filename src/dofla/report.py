@@ -48,6 +48,7 @@ def run_summary(
     lora_teacher_ppl: float | None,
     processes: int = 1,
     position_period: int | None = None,
+    sinks_at_edge: bool = False,
 ) -> dict[str, Any]:
     """The data of result.json: the resolved config (by section) and every number the run measured."""
     errors = evaluation.layer_errors
@@ -77,6 +78,7 @@ def run_summary(
         converted_layers=converted_layers,
         feature_dims=[row["feature_dim"] for row in table],
         position_period=position_period,
+        sinks_at_edge=sinks_at_edge,
         timings=timings,
         data_source=data.source,
     )
@@ -213,7 +215,7 @@ def _plan_lines(result: LinearizeResult, summary: dict, config: LinearizeConfig)
         + (
             " Their windows see their sinks from the window's edge (`sinks_at_edge`), and so do the "
             "`window+sinks…@edge` baselines beside them."
-            if plan.sinks_at_edge
+            if summary.get("sinks_at_edge")
             else ""
         ),
         "",

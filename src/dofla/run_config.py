@@ -167,11 +167,12 @@ class PlanSettings:
         "else 0)",
         minimum=0,
     )
-    sinks_at_edge: bool = option(
-        False,
+    sinks_at_edge: bool | None = option(
+        None,
         "the hybrid layers' windows see their --sinks from the window's edge (each token's query turned back "
         "to position window + sinks for the sinks' scores) instead of at their true positions, which the "
-        "teacher stops reading some thousands of tokens away (rotary teachers; trained and saved so)",
+        "teacher stops reading some thousands of tokens away (trained and saved so; default: on for a hybrid "
+        "plan with sinks where the teacher has one rotary embedding with fixed frequencies, else off)",
     )
     dof_points: int = option(1024, "points per head captured for the DoF estimate", minimum=1)
     dof_batches: int = option(2, "training batches the DoF estimate captures from", minimum=1)
