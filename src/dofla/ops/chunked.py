@@ -491,9 +491,10 @@ def chunked_hybrid_attention(
     ``dofla.ops.naive``.
 
     query (B, H, T, D), key (B, Hk, T, D) after rotary, features and v as in ``chunked_linear_attention``,
-    window_factor (H,) = gamma, sink_query (B, H, T, D) the queries that score the sinks (None: query). The linear part is linear attention on keys delayed by ``window`` tokens
-    (sinks get log scale -inf there, i.e. take no part), on fla's ``kernel`` when one is given (the window
-    part is always PyTorch). Returns out (B, H, T, Dv) in v's dtype, or (out, HybridState) when return_state.
+    window_factor (H,) = gamma, sink_query (B, H, T, D) the queries that score the sinks (None: query).
+    The linear part is linear attention on keys delayed by ``window`` tokens (sinks get log scale -inf
+    there, i.e. take no part), on fla's ``kernel`` when one is given (the window part is always PyTorch).
+    Returns out (B, H, T, Dv) in v's dtype, or (out, HybridState) when return_state.
     """
     group = check_linear_inputs(q_features, k_features, v, k_log_scale)
     check_hybrid_inputs(query, key, q_features, window, window_factor)
@@ -603,11 +604,11 @@ def _fused_window_attention(
     (None: nothing seen): per chunk of C queries, one fused softmax attention call over the sink slots and
     the C + window - 1 window keys the chunk can see. Sinks scored by their own ``sink_query`` join the same
     call: queries ``[q, q_sink]`` against window keys ``[k, 0]`` and sink keys ``[0, k_sink]`` give each
-    score from its own query (the added zeros change nothing). Every query sees its own key (in the window, or as a
-    sink), so no real query's row is empty; the rows of padding queries past the end see every key (finite,
-    then dropped). Returns out (B, H, T, Dv) in v's dtype (a transposed view of a (B, T, H, Dv) tensor) and
-    the WindowState after the call; with ``return_lse`` (out, lse (B, H, T), state) from PyTorch's fused CPU
-    kernel, which gives the log-sum-exp but no gradient for it (see ``takes_fused_lse``)."""
+    score from its own query (the added zeros change nothing). Every query sees its own key (in the window,
+    or as a sink), so no real query's row is empty; the rows of padding queries past the end see every key
+    (finite, then dropped). Returns out (B, H, T, Dv) in v's dtype (a transposed view of a (B, T, H, Dv)
+    tensor) and the WindowState after the call; with ``return_lse`` (out, lse (B, H, T), state) from
+    PyTorch's fused CPU kernel, which gives the log-sum-exp but no gradient for it (see ``takes_fused_lse``)."""
     dtype = compute_dtype(query, key, v)
     batch, num_heads, length, head_dim = query.shape
     num_kv_heads, value_dim = key.shape[1], v.shape[-1]

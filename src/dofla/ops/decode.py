@@ -310,8 +310,9 @@ def hybrid_decode_step(
     """One present token of ``recurrent_hybrid_attention`` (sinks included, no soft-capping) on the ring
     layout: queries (B, Hk, G, D), q_features (B, Hk, G, F), key (B, Hk, D), k_features (B, Hk, F),
     value (B, Hk, Dv), log_scale (B, Hk) finite, window_factor (Hk, G, 1), sink_queries (B, Hk, G, D) or
-    None (the queries that score the sinks); every tensor and the state's buffers in one dtype -> out (B, Hk, G, Dv) and the state after the token (a general ``HybridState``
-    is converted first; a ring state's buffers are updated in place without autograd)."""
+    None (the queries that score the sinks); every tensor and the state's buffers in one dtype -> out
+    (B, Hk, G, Dv) and the state after the token (a general ``HybridState`` is converted first; a ring
+    state's buffers are updated in place without autograd)."""
     source = ring_hybrid_state(state) if isinstance(state, HybridState) else state
     state = _owned(source, source.sums)
     ring = state.ring
