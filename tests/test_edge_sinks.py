@@ -73,7 +73,7 @@ def test_window_with_sink_queries_equals_brute_force_in_every_form():
     assert (without - expected).abs().amax() > 1e-2  # the sink queries matter
     outputs = [
         window_attention(**tensors, **kwargs),
-        chunked_window_attention(**tensors, **kwargs, chunk_size=4),  # the fused path
+        chunked_window_attention(**tensors, **kwargs, chunk_size=4),  # fused, no gradient: sinks apart
         chunked_window_attention(**tensors, **kwargs, chunk_size=5, key_mask=torch.ones(2, 13, dtype=bool)),
         recurrent_window_attention(**tensors, **kwargs)[0],
     ]
@@ -95,6 +95,7 @@ def test_window_with_sink_queries_matches_naive_forward_and_gradients(case, form
     if form == "chunked_general":
         kwargs["key_mask"] = random_key_mask(batch, length)
     fast = recurrent_window_attention if form == "recurrent" else chunked_window_attention
+    # with gradients the fused chunked path scores window and sinks in one call of doubled key width
     assert_matches_reference(
         fast, window_attention, inputs, WINDOW_NAMES, torch.float32, 1e-4, extra, **kwargs
     )

@@ -604,8 +604,10 @@ def _fused_window_attention(
     (None: nothing seen): per chunk of C queries, one fused softmax attention call over the sink slots and
     the C + window - 1 window keys the chunk can see. Sinks scored by their own ``sink_query`` join the same
     call: queries ``[q, q_sink]`` against window keys ``[k, 0]`` and sink keys ``[0, k_sink]`` give each
-    score from its own query (the added zeros change nothing). Every query sees its own key (in the window,
-    or as a sink), so no real query's row is empty; the rows of padding queries past the end see every key
+    score from its own query (the added zeros change nothing); without gradients to track on the CPU, the
+    window is one fused call that returns its log-sum-exp instead, and the sinks a small block merged into it
+    (``_merged_sink_sums``: the doubled key width cost a sixth of a prefill). Every query sees its own key
+    (in the window, or as a sink), so no real query's row is empty; the rows of padding queries past the end see every key
     (finite, then dropped). Returns out (B, H, T, Dv) in v's dtype (a transposed view of a (B, T, H, Dv)
     tensor) and the WindowState after the call; with ``return_lse`` (out, lse (B, H, T), state) from
     PyTorch's fused CPU kernel, which gives the log-sum-exp but no gradient for it (see ``takes_fused_lse``)."""
@@ -614,6 +616,9 @@ def _fused_window_attention(
     num_kv_heads, value_dim = key.shape[1], v.shape[-1]
     group, size = num_heads // num_kv_heads, min(chunk_size, length)
     own_sink_scores = bool(sinks) and sink_query is not None
+    # sinks with their own queries apart from the window (its log-sum-exp from the kernel, no gradient)
+    apart = own_sink_scores and takes_fused_lse(query, key, v) and not _tracked(sink_query)
+    doubled = own_sink_scores and not apart  # [q, q_sink] against [k, 0] and [0, k_sink] in one call
     num_chunks = -(-length // size)
     pad, span = num_chunks * size - length, size + window - 1  # span: the window keys one chunk can see
     present = torch.ones(batch, num_kv_heads, length, dtype=torch.bool, device=key.device)
@@ -632,11 +637,10 @@ def _fused_window_attention(
         shift = (0, 0) * (tensor.dim() - 3) + (window - 1, pad)
         return F.pad(tensor, shift, value=fill)[:, :, buffered:].unfold(2, span, size)
 
-    if own_sink_scores:  # [q, q_sink] against [k, 0] (window) and [0, k_sink] (sinks)
-        query = torch.cat([query.to(dtype), sink_query.to(dtype)], dim=-1)
-    width_qk = query.shape[-1]  # D, or 2 D with the sink queries
+    joined = torch.cat([query.to(dtype), sink_query.to(dtype)], dim=-1) if doubled else query
+    width_qk = joined.shape[-1]  # D, or 2 D with the sink queries
     queries = (
-        F.pad(query.to(dtype), (0, 0, 0, pad))
+        F.pad(joined.to(dtype), (0, 0, 0, pad))
         .view(batch, num_kv_heads, group, num_chunks, size, width_qk)
         .transpose(2, 3)
         .reshape(batch, num_kv_heads, num_chunks, group * size, width_qk)
@@ -646,17 +650,20 @@ def _fused_window_attention(
     token = torch.arange(num_chunks * size, device=query.device).view(num_chunks, size, 1)  # (N, C, 1)
     visible = (column >= row) & (column <= row + window - 1) & blocks(mask_present, False)[:, :, :, None, :]
     window_keys, sink_keys = all_keys.to(dtype), sink.keys.to(dtype)
-    if own_sink_scores:
+    if doubled:
         window_keys, sink_keys = F.pad(window_keys, (0, head_dim)), F.pad(sink_keys, (head_dim, 0))
     keys = blocks(window_keys, 0.0).transpose(-1, -2)  # (B, Hk, N, S, D)
     values = blocks(all_values.to(dtype), 0.0).transpose(-1, -2)
-    if sinks:  # the sink slots first: slot s is seen from call token position[s] on
+    if sinks and not apart:  # the sink slots first: slot s is seen from call token position[s] on
         sink_visible = sink_positions[:, :, None, None, :] <= token  # (B, Hk, N, C, sinks)
         visible = torch.cat([sink_visible, visible], dim=-1)
         keys = torch.cat([sink_keys[:, :, None].expand(-1, -1, num_chunks, -1, -1), keys], dim=3)
         values = torch.cat(
             [sink.values.to(dtype)[:, :, None].expand(-1, -1, num_chunks, -1, -1), values], dim=3
         )
+    # a query may see no window key only apart from its sinks (one that is a sink itself): the kernel gives
+    # that row 0 and a log-sum-exp of 0, so which rows saw something is kept here
+    window_seen = visible.any(-1).flatten(-2)[:, :, None, :length] if apart else None  # (B, Hk, 1, T)
     visible = visible | (token >= length)  # padding queries: see everything, dropped below
     rows, width = batch * num_kv_heads, keys.shape[3]  # 4-D inputs: PyTorch's fused CPU kernel takes them
     if return_lse and values.shape[-1] < width_qk:  # the kernel takes values as wide as the keys
@@ -676,19 +683,35 @@ def _fused_window_attention(
     bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
         hidden, NEGATIVE_INFINITY
     )
-    if return_lse:  # the kernel's own entry point returns the log-sum-exp
+    if return_lse or apart:  # the kernel's own entry point returns the log-sum-exp
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             *arguments, attn_mask=bias, scale=scaling
         )  # (B * Hk, N, G * C, Dv), (B * Hk, N, G * C)
     else:
         out = F.scaled_dot_product_attention(*arguments, attn_mask=bias, scale=scaling)
+    new_state = _window_state_after(state, all_keys, all_values, all_present, sink, length)
+    if apart:
+        shape = (batch, num_kv_heads, num_chunks, group, size)
+        out, lse = _merged_sink_sums(
+            out.view(*shape, value_dim)
+            .transpose(2, 3)
+            .reshape(*shape[:2], group, -1, value_dim)[..., :length, :],
+            lse.view(shape).transpose(2, 3).reshape(*shape[:2], group, -1)[..., :length],
+            window_seen,
+            _grouped(sink_query, dtype, num_kv_heads),
+            sink,
+            scaling,
+        )  # (B, Hk, G, T, Dv), (B, Hk, G, T)
+        out = out.reshape(batch, num_heads, length, value_dim).to(v.dtype)
+        if not return_lse:
+            return out, new_state
+        return out, lse.reshape(batch, num_heads, length), new_state
     out = (
         out[..., :value_dim]
         .reshape(batch, num_kv_heads, num_chunks, group, size, value_dim)
         .permute(0, 2, 4, 1, 3, 5)
         .reshape(batch, num_chunks * size, num_heads, value_dim)[:, :length]
     )  # (B, T, H, Dv)
-    new_state = _window_state_after(state, all_keys, all_values, all_present, sink, length)
     if not return_lse:
         return out.transpose(1, 2).to(v.dtype), new_state
     lse = (
@@ -697,6 +720,31 @@ def _fused_window_attention(
         .reshape(batch, num_heads, num_chunks * size)[:, :, :length]
     )
     return out.transpose(1, 2).to(v.dtype), lse, new_state
+
+
+def _merged_sink_sums(
+    window_out: Tensor,
+    window_lse: Tensor,
+    seen: Tensor,
+    sink_queries: Tensor,
+    sink: SinkUpdate,
+    scaling: float,
+) -> tuple[Tensor, Tensor]:
+    """A window softmax's normalised output (B, Hk, G, T, Dv) and log-sum-exp (B, Hk, G, T) merged with the
+    sinks scored by ``sink_queries`` (B, Hk, G, T, D): the output and log-sum-exp over both. ``seen``
+    (broadcast to (B, Hk, G, T)): the window rows that saw a key; the others add nothing."""
+    seen = seen.expand_as(window_lse)
+    window_lse = window_lse.masked_fill(~seen, NEGATIVE_INFINITY)
+    window_out = torch.where(seen[..., None], window_out, torch.zeros_like(window_out))
+    window = (window_out, torch.ones_like(window_lse), window_lse)
+    numerator, denominator, maximum = merge_softmax_sums(
+        window, sink_sums(sink_queries, sink, scaling=scaling)
+    )
+    return numerator / denominator[..., None], log_sum_exp(denominator, maximum)
+
+
+def _tracked(tensor: Tensor) -> bool:
+    return torch.is_grad_enabled() and tensor.requires_grad
 
 
 def takes_fused_lse(query: Tensor, key: Tensor, v: Tensor) -> bool:
