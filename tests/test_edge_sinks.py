@@ -324,3 +324,20 @@ def test_a_left_padded_batch_generates_what_each_prompt_gives_alone(name):
         for row, prompt in enumerate((short, long_)):
             alone = model.generate(prompt, attention_mask=torch.ones_like(prompt), **options).logits
             torch.testing.assert_close(together[row], torch.cat(alone), rtol=1e-4, atol=1e-4)
+
+
+def test_edge_turns_are_computed_once_per_positions_tensor_and_again_when_it_changes():
+    from dofla.rotary import edge_turns, rotate
+
+    frequencies = torch.tensor([1.0, 0.1, 0.01])
+    positions = torch.arange(20)[None]
+    first = edge_turns(positions, 20, 9, frequencies, torch.float32)
+    assert edge_turns(positions, 20, 9, frequencies, torch.float32) is first  # the next layer's call
+    x = torch.randn(1, 2, 20, 8)
+    shift = (positions.clamp(max=9) - positions).float()[:, None, :, None] * frequencies
+    torch.testing.assert_close(rotate(x, shift), rotate(x, torch.atan2(first[1], first[0])))
+    positions += 1  # changed in place: computed again
+    moved = edge_turns(positions, 20, 9, frequencies, torch.float32)
+    assert moved is not first and not torch.equal(moved[0], first[0])
+    assert edge_turns(positions.clone(), 20, 9, frequencies, torch.float32) is not moved  # another tensor
+    assert edge_turns(torch.arange(9)[None], 9, 9, frequencies, torch.float32) is None  # none past the edge

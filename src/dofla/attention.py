@@ -31,7 +31,7 @@ from dofla.ops.chunked import choose_chunk_size
 from dofla.ops.decode import RingHybridState, hybrid_decode_step
 from dofla.ops.recurrent import linear_decode_step
 from dofla.ops.state import HybridState, LinearState
-from dofla.rotary import rotate, wrap_angles
+from dofla.rotary import edge_turns, rotate, rotate_by, wrap_angles
 
 FORMS = ("naive", "chunked", "recurrent")
 DEFAULT_WINDOW_FACTOR = 0.1  # LoLCATs: gamma = sigmoid(w) starts near 0.1
@@ -417,18 +417,16 @@ class LinearAttention(nn.Module):
         frequencies = self.edge_sink_frequencies
         if frequencies is None or self.kind != "hybrid" or not self.sinks:
             return None
-        edge, length = self.window + self.sinks, query.shape[2]
+        length = query.shape[2]
         if position_ids is None:
             start = 0 if state is None else int(state.num_tokens)
-            positions = torch.arange(start, start + length, device=query.device)[None]
-        else:
-            positions = (position_ids[None] if position_ids.dim() == 1 else position_ids)[:, -length:]
-        if positions.device.type == "cpu" and int(positions.max()) < edge:
-            return None  # (on a GPU the check would wait for the device: the rotation is by zero)
-        if frequencies.device != positions.device:  # moved once (a copy would not go into a CUDA graph)
-            self.edge_sink_frequencies = frequencies = frequencies.to(positions.device)
-        shift = (positions.clamp(max=edge) - positions).to(torch.float32)  # (B, T) <= 0
-        return rotate(query, shift[:, None, :, None] * frequencies)
+            position_ids = torch.arange(start, start + length, device=query.device)
+        if frequencies.device != position_ids.device:  # moved once (a copy would not go into a CUDA graph)
+            self.edge_sink_frequencies = frequencies = frequencies.to(position_ids.device)
+        # None where no token is past the edge, on the CPU (on a GPU the check would wait for the device:
+        # the rotation is by zero there)
+        turns = edge_turns(position_ids, length, self.window + self.sinks, frequencies, query.dtype)
+        return None if turns is None else rotate_by(query, *turns)
 
     def _wrapped(self, query: Tensor, key: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         """query and key turned back to their positions modulo ``position_period`` (the same tensors where no

@@ -20,6 +20,8 @@ embeddings whose frequencies depend on the length (dynamic NTK, LongRoPE) and mo
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor, nn
 
@@ -94,11 +96,47 @@ def wrap_positions_hook(period: int):
 def rotate(x: Tensor, angles: Tensor) -> Tensor:
     """``x`` (B, H, T, D) rotated by ``angles`` (B, 1, T, r/2) (float32) in the rotary planes (i, i + r/2)
     of its first r dimensions; the rest unchanged. In x's dtype."""
-    half = angles.shape[-1]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    return rotate_by(x, *turns_of(angles, x.dtype))
+
+
+def turns_of(angles: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The cosines and sines of ``angles`` in ``dtype``: what :func:`rotate_by` turns with."""
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_by(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """:func:`rotate` with the angles' cosines and sines given (B, 1, T, r/2), in x's dtype."""
+    half = cos.shape[-1]
     first, second, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     turned = [first * cos - second * sin, second * cos + first * sin]
     return torch.cat(turned + ([rest] if rest.shape[-1] else []), dim=-1)
+
+
+_KEPT_EDGE_TURNS: list = [None]  # (weak reference to position_ids, key, turns): see edge_turns
+
+
+def edge_turns(
+    position_ids: Tensor, length: int, edge: int, frequencies: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor] | None:
+    """The turns (cos, sin, each (B, 1, T, r/2) in ``dtype``) that take the last ``length`` tokens of
+    ``position_ids`` (B, T') or (T',) back to position min(p, edge); None on the CPU where no token is past
+    the edge (nothing to turn). On the CPU the last answer is kept for the same ``position_ids`` tensor
+    (unchanged since): every layer of a forward reads the one tensor, so a decoding step computes them once
+    instead of once per layer. Not on other devices (a CUDA graph must compute them in every replay)."""
+    on_cpu = position_ids.device.type == "cpu"
+    key = (length, edge, id(frequencies), dtype, position_ids._version)
+    kept = _KEPT_EDGE_TURNS[0]
+    if on_cpu and kept is not None and kept[0]() is position_ids and kept[1] == key:
+        return kept[2]
+    positions = (position_ids[None] if position_ids.dim() == 1 else position_ids)[:, -length:]
+    if on_cpu and int(positions.max()) < edge:
+        turns = None
+    else:
+        shift = (positions.clamp(max=edge) - positions).to(torch.float32)  # (B, T) <= 0
+        turns = turns_of(shift[:, None, :, None] * frequencies, dtype)
+    if on_cpu:
+        _KEPT_EDGE_TURNS[0] = (weakref.ref(position_ids), key, turns)
+    return turns
 
 
 def wrap_angles(position_ids: Tensor, period: int, frequencies: Tensor) -> Tensor:
