@@ -197,9 +197,8 @@ def ring_window_step(
             queries, ring.keys, ring.values, attn_mask=ring.bias, scale=scaling
         )
         return out, ring
-    if not own_sink_scores and takes_fused_lse(
-        queries, ring.keys, ring.values
-    ):  # the fused kernel gives both
+    fused = not own_sink_scores and takes_fused_lse(queries, ring.keys, ring.values)
+    if fused:  # generation: the fused kernel gives both
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             queries, ring.keys, ring.values, attn_mask=ring.bias, scale=scaling
         )
