@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ops_helpers import HYBRID_NAMES, assert_matches_reference, make_inputs, random_key_mask, split
+from test_ops_cells import brute_force_window
 from test_position_period import decode_logits, record_decode_steps, tokens
 
 from dofla.config import ConversionPlan
@@ -41,25 +42,6 @@ def with_sink_query(inputs, seed=7):
     return {**inputs, "sink_query": sink_query.requires_grad_()}
 
 
-def brute_force_window(query, key, v, sink_query, *, scaling, window, sinks):
-    """Query i: softmax over keys j <= i in its window or among the first ``sinks``, the sinks' scores
-    from sink_query i."""
-    batch, heads, length, _ = query.shape
-    group = heads // key.shape[1]
-    out = torch.zeros(batch, heads, length, v.shape[-1], dtype=torch.float64)
-    for b in range(batch):
-        for h in range(heads):
-            kv = h // group
-            for i in range(length):
-                seen = [j for j in range(i + 1) if j > i - window or j < sinks]
-                scores = torch.stack(
-                    [scaling * (sink_query if j < sinks else query)[b, h, i] @ key[b, kv, j] for j in seen]
-                )
-                weights = torch.softmax(scores, dim=0)
-                out[b, h, i] = sum(w * v[b, kv, j] for w, j in zip(weights, seen, strict=True))
-    return out
-
-
 def test_window_with_sink_queries_equals_brute_force_in_every_form():
     inputs = {
         k: t.detach()
@@ -68,7 +50,7 @@ def test_window_with_sink_queries_equals_brute_force_in_every_form():
     }
     kwargs = {"scaling": 0.8, "window": 4, "sinks": 3}
     tensors = {name: inputs[name] for name in WINDOW_NAMES}
-    expected = brute_force_window(**tensors, **kwargs)
+    expected = brute_force_window(tensors, **kwargs)
     without = window_attention(**{**tensors, "sink_query": None}, **kwargs)
     assert (without - expected).abs().amax() > 1e-2  # the sink queries matter
     outputs = [

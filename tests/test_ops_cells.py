@@ -80,7 +80,9 @@ def brute_force_hybrid(inputs, *, scaling, window, sinks, eps=1e-6):
 
 
 def brute_force_window(inputs, *, scaling, window, sinks):
+    """Softmax over each query's window and sinks; the sinks scored by ``inputs["sink_query"]`` if given."""
     query, key, v = (inputs[name].detach() for name in WINDOW_NAMES)
+    sink_query = query if inputs.get("sink_query") is None else inputs["sink_query"].detach()
     batch, heads, length, _ = query.shape
     group = heads // key.shape[1]
     out = torch.zeros(batch, heads, length, v.shape[-1], dtype=torch.float64)
@@ -88,7 +90,12 @@ def brute_force_window(inputs, *, scaling, window, sinks):
         for h in range(heads):
             for i in range(length):
                 soft = brute_force_softmax_set(i, window, sinks)
-                scores = torch.stack([scaling * query[b, h, i] @ key[b, h // group, j] for j in soft])
+                scores = torch.stack(
+                    [
+                        scaling * (sink_query if j < sinks else query)[b, h, i] @ key[b, h // group, j]
+                        for j in soft
+                    ]
+                )
                 probabilities = torch.softmax(scores, dim=0)
                 out[b, h, i] = sum(p * v[b, h // group, j] for p, j in zip(probabilities, soft, strict=True))
     return out
