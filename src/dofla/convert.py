@@ -261,17 +261,12 @@ def set_sinks_at_edge(model: nn.Module, on: bool) -> None:
     they stay just before its window, at the distances the teacher read them in training, instead of
     moving ever further away (the teacher stops reading sinks some thousands of tokens away). Needs the
     model's one rotary embedding with fixed frequencies; layers without a window or sinks are unchanged."""
-    from dofla.rotary import fixed_rotary_frequencies
+    from dofla.rotary import check_edge_sinks
 
     plan = getattr(model, "dofla_plan", None)
     if plan is None:
         raise DoflaError("sinks at the window's edge apply to a converted model; convert it first.")
-    frequencies = fixed_rotary_frequencies(model) if on else None
-    if on and frequencies is None:
-        raise DoflaError(
-            "sinks at the window's edge move rotary positions, which needs one rotary embedding with fixed "
-            "frequencies, and this model has not; leave sinks_at_edge off for it."
-        )
+    frequencies = check_edge_sinks(model) if on else None
     for student in students(model).values():
         student.edge_sink_frequencies = frequencies
     plan.sinks_at_edge = bool(on)

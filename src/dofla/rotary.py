@@ -47,6 +47,19 @@ def fixed_rotary_frequencies(model: nn.Module) -> Tensor | None:
         return None
 
 
+def check_edge_sinks(model: nn.Module) -> Tensor:
+    """The rotary frequencies sinks at the window's edge turn queries with (the edge-sink baselines, and
+    a student's ``sinks_at_edge``); a model without one rotary embedding of fixed frequencies is refused in
+    one sentence."""
+    frequencies = fixed_rotary_frequencies(model)
+    if frequencies is None:
+        raise DoflaError(
+            "sinks at the window's edge move rotary positions, which needs one rotary embedding with fixed "
+            "frequencies, and this model has not; leave --edge-sinks and --sinks-at-edge off for it."
+        )
+    return frequencies
+
+
 def rotary_embedding(model: nn.Module) -> tuple[nn.Module, Tensor] | None:
     """``model``'s one rotary embedding module and its inverse frequencies (float32, CPU), or None; several
     or length-dependent ones are refused (see the module docstring)."""

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from dofla import dispatch
 from dofla.errors import DoflaError
+from dofla.rotary import check_edge_sinks
 
 REFERENCE_WINDOW = 64  # the baselines' window for a student without one (pure linear)
 
@@ -144,11 +145,12 @@ def edge_sink_queries(
     """The queries (..., T, D) of a call starting at position 0 turned back to position min(t, window + sinks)
     in the rotary planes (``frequencies``: the model's inverse frequencies): what scores the sinks when they
     are seen from the window's edge (:func:`edge_sink_window_attention`)."""
-    from dofla.rotary import rotate
+    from dofla.rotary import edge_turns, rotate_by
 
-    position = torch.arange(query.shape[-2], device=query.device)
-    shift = (torch.clamp(position, max=int(window) + int(sinks)) - position).to(torch.float32)  # <= 0
-    return rotate(query, shift[:, None] * frequencies.to(query.device))  # angles (T, r/2), broadcast
+    length = query.shape[-2]
+    position = torch.arange(length, device=query.device)
+    turns = edge_turns(position, length, int(window) + int(sinks), frequencies.to(query.device), query.dtype)
+    return query if turns is None else rotate_by(query, *turns)
 
 
 def edge_sink_window_attention(
@@ -300,20 +302,6 @@ def window_restricted(
     finally:
         for module in modules:
             delattr(module, dispatch.SOFTMAX_OVERRIDE_ATTRIBUTE)
-
-
-def check_edge_sinks(model: torch.nn.Module) -> torch.Tensor:
-    """The rotary frequencies sinks at the window's edge turn queries with; a model without one rotary
-    embedding of fixed frequencies is refused in one sentence."""
-    from dofla.rotary import fixed_rotary_frequencies
-
-    frequencies = fixed_rotary_frequencies(model)
-    if frequencies is None:
-        raise DoflaError(
-            "sinks at the window's edge move rotary positions, which needs one rotary embedding with fixed "
-            "frequencies, and this model has not; leave --edge-sinks and --sinks-at-edge off for it."
-        )
-    return frequencies
 
 
 def baseline_layers(student: torch.nn.Module | None) -> list[int] | None:
