@@ -292,6 +292,13 @@ class LinearAttention(nn.Module):
             and state.sinks == self.sinks
         )
 
+    def step_queries(self, query: Tensor | None) -> Tensor | None:
+        """One token's queries (B, H, 1, D) grouped by state head for a ring step: (B, Hs, G, D) (G = H // Hs);
+        None stays None."""
+        if query is None:
+            return None
+        return query.view(query.shape[0], self.state_heads, -1, self.head_dim)
+
     def _state_step(self, state, query, key, features, values, k_log_scale, scaling, sink_query=None):
         """The step on the inner op's state: features (B, Hs, G + 1, F) (queries, then the key), values
         (B, Hs, Dv), k_log_scale (B, Hs), sink_query (B, H, 1, D) or None -> output (B, 1, H, Dv) and the
@@ -302,12 +309,10 @@ class LinearAttention(nn.Module):
                 state, features[:, :, :-1], features[:, :, -1], values, k_log_scale
             )
             return output.view(batch, 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
-        heads = self.state_heads
-        group = self.num_heads // heads
         keys = self._state_heads_view(key)  # (B, Hs, 1, D)
         output, new_state = hybrid_decode_step(
             state,
-            query.view(batch, heads, group, self.head_dim),
+            self.step_queries(query),
             features[:, :, :-1],
             keys.squeeze(2),
             features[:, :, -1],
@@ -315,7 +320,7 @@ class LinearAttention(nn.Module):
             k_log_scale,
             self.step_window_factor(),
             scaling=scaling,
-            sink_queries=None if sink_query is None else sink_query.view(batch, heads, group, self.head_dim),
+            sink_queries=self.step_queries(sink_query),
         )
         return output.view(batch, 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
 

@@ -156,14 +156,6 @@ def _window_part(
     )
 
 
-def _grouped_query(query: Tensor | None, heads: int) -> Tensor | None:
-    """One token's query (B, H, 1, D) -> (B, Hs, G, D) for a ring step (``heads`` = Hs); None stays None."""
-    if query is None:
-        return None
-    batch, num_heads, _, head_dim = query.shape
-    return query.view(batch, heads, num_heads // heads, head_dim)
-
-
 def _takes_window_step(cell: LinearAttention, window, dtype: torch.dtype) -> bool:
     """Whether a layer's window state takes the ring step: no soft-capping, the layer's window and sinks,
     its buffers in ``dtype`` (the step's)."""
@@ -487,11 +479,11 @@ class GatedDeltaAttention(LinearAttention):
             ring = ring_window(ring, ring.num_tokens)
         step = (
             ring,
-            query.view(batch, heads, group, self.head_dim),
+            self.step_queries(query),
             self._state_heads_view(key).view(batch, heads, self.head_dim),
             values,
         )
-        sinks_by = dict(sink_queries=_grouped_query(sink_query, heads))
+        sinks_by = dict(sink_queries=self.step_queries(sink_query))
         if self.adaptive_mix:
             window, lse, ring = ring_window_step(*step, scaling=scaling, return_lse=True, **sinks_by)
             logits = self.window_share_logits(lse.reshape(batch, -1, 1), values[:, :, None])  # (B, H, 1)
@@ -572,10 +564,10 @@ class WindowAttention(LinearAttention):
         ring = state if isinstance(state, RingWindow) else ring_window(state, state.num_tokens)
         output, new_state = ring_window_step(
             ring,
-            query.view(batch, heads, num_heads // heads, head_dim),  # (B, Hs, G, D)
+            self.step_queries(query),  # (B, Hs, G, D)
             self._state_heads_view(key).view(batch, heads, head_dim),
             self._state_heads_view(value).view(batch, heads, -1),
             scaling=scaling,
-            sink_queries=_grouped_query(sink_query, heads),
+            sink_queries=self.step_queries(sink_query),
         )
         return output.view(batch, 1, num_heads, -1), new_state  # (B, 1, H, Dv)
