@@ -20,10 +20,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
-from dofla.convert import convert, unconvert
+from dofla.convert import unconvert
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from bench_speed import DEFAULT_STUDENTS, STUDENTS, TEACHER, build_model, student_plan  # noqa: E402
+from bench_speed import DEFAULT_STUDENTS, STUDENTS, TEACHER, build_model, prepared_model  # noqa: E402
 
 
 def profile_model(model, name: str, args) -> str:
@@ -51,8 +51,11 @@ def profile_model(model, name: str, args) -> str:
                 f"## {name}: decode step, batch {batch}, after {args.fill} tokens",
                 f"{seconds * 1000:.1f} ms per step under the profiler ({total:.1f} ms of operator self time), "
                 f"{calls / args.steps / layers:.0f} aten calls per step and layer",
-                events.table(sort_by="self_cpu_time_total", row_limit=args.top),
             ]
+            if not args.counts_only:
+                lines.append(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
+        if args.counts_only or not args.prefill:
+            return "\n".join(lines)
         prompt = torch.randint(0, vocab, (1, args.prefill), generator=generator)
         model(input_ids=prompt[:, :64], past_key_values=DynamicCache(config=model.config), logits_to_keep=1)
         start = time.perf_counter()
@@ -86,6 +89,15 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--feature-dim", type=int, default=64)
     parser.add_argument("--window", type=int, default=64)
+    parser.add_argument(
+        "--position-period", type=int, default=0, help="the students' position period (0: true positions)"
+    )
+    parser.add_argument(
+        "--sinks-at-edge", action="store_true", help="the students' windows see their sinks from the edge"
+    )
+    parser.add_argument(
+        "--counts-only", action="store_true", help="print the time and operator calls per step, no tables"
+    )
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     args.contexts = [args.fill]  # build_model's position budget
@@ -98,7 +110,7 @@ def main(argv=None) -> int:
     )
     print(profile_model(model, TEACHER, args))
     for name in [name.strip() for name in args.cells.split(",") if name.strip()]:
-        convert(model, student_plan(model, name, args.feature_dim, args.window))
+        prepared_model(model, name, args, lambda line: None)
         try:
             print(profile_model(model, name, args))
         finally:

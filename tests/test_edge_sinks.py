@@ -175,6 +175,57 @@ def test_window_ring_step_with_sink_queries_equals_the_recurrent_form(return_lse
             torch.testing.assert_close(result[1].reshape(1, 4), expected_lse[:, :, t], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("step", ["window", "window_lse", "hybrid"])
+@pytest.mark.parametrize("rows", [1, 2])  # one position for the batch, or one per row
+def test_ring_steps_with_sink_keys_turned_back_equal_turned_sink_queries(step, rows):
+    """A decoding step turns the sinks' keys the opposite way (one product) and scores every slot in one
+    softmax (``sink_key_turn``): the same as scoring the sinks with the turned queries, forward and gradients."""
+    from dofla.rotary import edge_turns
+
+    batch, heads, kv_heads, dim = 2, 6, 2, 8
+    inputs = {
+        k: None if t is None else t.detach()
+        for k, t in make_inputs(batch, heads, kv_heads, 12, 5, head_dim=dim, log_scale_std=1.0).items()
+    }
+    names = HYBRID_NAMES[:-1]
+    kwargs = {"scaling": 0.7, "window": 4, "sinks": 2}
+    gamma = inputs["window_factor"]
+    _, state = chunked_hybrid_attention(
+        **split(inputs, names, 0, 11), window_factor=gamma, chunk_size=4, return_state=True, **kwargs
+    )
+    now = split(inputs, names, 11, 12)
+    query = now["query"].reshape(batch, kv_heads, 3, dim).clone().requires_grad_()
+    key, value = now["key"][:, :, 0], now["v"][:, :, 0]
+    positions = torch.tensor([[15], [40]])[:rows]
+    turns = edge_turns(positions, 1, 6, torch.tensor([1.0, 0.2, 0.03]), torch.float64, dim)
+    assert turns is not None and turns.matrix is not None
+
+    def run(**sinks_by):
+        if step == "hybrid":
+            out, _ = hybrid_decode_step(
+                state, query, now["q_features"].reshape(batch, kv_heads, 3, -1), key,
+                now["k_features"][:, :, 0], value, now["k_log_scale"][:, :, 0],
+                gamma.view(kv_heads, 3, 1), scaling=0.7, **sinks_by,
+            )  # fmt: skip
+            return (out,)
+        ring = ring_window(state.window_state(), state.num_tokens)
+        result = ring_window_step(ring, query, key, value, scaling=0.7, return_lse=step == "window_lse",
+                                  **sinks_by)  # fmt: skip
+        return result[:-1]
+
+    turned = turns(query.reshape(batch, kv_heads * 3, 1, dim)).view(query.shape)
+    expected = run(sink_queries=turned)
+    result = run(sink_key_turn=turns.keys_for_turned_query)
+    for got, want in zip(result, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    weights = torch.randn(expected[0].shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    (want_grad,) = torch.autograd.grad((expected[0] * weights).sum(), query)
+    (got_grad,) = torch.autograd.grad((result[0] * weights).sum(), query)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-10)
+    plain = run()  # the sinks at their true positions score differently
+    assert (plain[0] - expected[0]).abs().max() > 1e-6
+
+
 def test_a_wrongly_shaped_sink_query_is_refused():
     inputs = {k: t.detach() for k, t in make_inputs(1, 4, 2, 6, 2).items() if t is not None}
     with pytest.raises(DoflaError, match="sink_query"):
@@ -317,9 +368,9 @@ def test_edge_turns_are_computed_once_per_positions_tensor_and_again_when_it_cha
     assert edge_turns(positions, 20, 9, frequencies, torch.float32) is first  # the next layer's call
     x = torch.randn(1, 2, 20, 8)
     shift = (positions.clamp(max=9) - positions).float()[:, None, :, None] * frequencies
-    torch.testing.assert_close(rotate(x, shift), rotate(x, torch.atan2(first[1], first[0])))
+    torch.testing.assert_close(rotate(x, shift), rotate(x, torch.atan2(first.sin, first.cos)))
     positions += 1  # changed in place: computed again
     moved = edge_turns(positions, 20, 9, frequencies, torch.float32)
-    assert moved is not first and not torch.equal(moved[0], first[0])
+    assert moved is not first and not torch.equal(moved.cos, first.cos)
     assert edge_turns(positions.clone(), 20, 9, frequencies, torch.float32) is not moved  # another tensor
     assert edge_turns(torch.arange(9)[None], 9, 9, frequencies, torch.float32) is None  # none past the edge

@@ -16,7 +16,7 @@ from dofla.convert import convert, load_converted, plan_for, save_converted, set
 from dofla.errors import DoflaError
 from dofla.models import build_tiny_model
 from dofla.models.tiny import TINY_VOCAB
-from dofla.rotary import rotary_frequencies, rotate, wrap_angles
+from dofla.rotary import period_turns, rotary_frequencies, rotate, rotate_by, wrap_angles
 
 LINEAR = dict(kind="linear", feature_map="learnable_prf", feature_dim=8)
 PLANS = {
@@ -74,6 +74,40 @@ def test_rotating_back_equals_the_teachers_rotary_at_the_wrapped_positions(famil
 
     wrapped = rotate(rotary(query, positions), wrap_angles(positions, 16, frequencies))
     torch.testing.assert_close(wrapped, rotary(query, positions % 16), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch_positions", [1, 3])
+@pytest.mark.parametrize("dim", [8, 12])  # 12: two dimensions past the rotary planes stay unchanged
+def test_one_tokens_turn_as_a_matrix_equals_the_rotation(batch_positions, dim):
+    """A decoding step turns its token by one product with a matrix (``Turns.matrix``): the same as
+    ``rotate_by``'s slices and products, forward and gradients, for one position per batch or per row."""
+    frequencies = torch.tensor([1.0, 0.3, 0.05, 0.01, 0.002][: min(5, dim // 2 - 1)])
+    positions = torch.tensor([[37], [5], [100]])[:batch_positions]
+    turns = period_turns(positions, 1, 16, frequencies, torch.float32, dim)
+    assert turns is not None and turns.matrix.shape == (batch_positions, dim, dim)
+    x = torch.randn(3, 4, 1, dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    slow = rotate_by(x, turns.cos, turns.sin)
+    fast = turns(x)
+    torch.testing.assert_close(fast, slow, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fast, rotate(x, wrap_angles(positions, 16, frequencies)))
+    weights = torch.randn(fast.shape, generator=torch.Generator().manual_seed(2))
+    (slow_grad,) = torch.autograd.grad((slow * weights).sum(), x)
+    (fast_grad,) = torch.autograd.grad((fast * weights).sum(), x)
+    torch.testing.assert_close(fast_grad, slow_grad, rtol=1e-6, atol=1e-6)
+    several = torch.randn(3, 4, 2, dim)  # more than one token: the rotation, not the matrix
+    two = period_turns(torch.tensor([[30, 31]]), 2, 16, frequencies, torch.float32, dim)
+    assert two.matrix is None
+    torch.testing.assert_close(two(several), rotate_by(several, two.cos, two.sin))
+
+
+def test_period_turns_are_kept_per_positions_tensor_and_none_below_the_period():
+    frequencies = torch.tensor([1.0, 0.1])
+    positions = torch.arange(30)[None]
+    first = period_turns(positions, 1, 16, frequencies, torch.float32, 4)
+    assert period_turns(positions, 1, 16, frequencies, torch.float32, 4) is first  # the next layer's call
+    positions += 1  # changed in place: computed again
+    assert period_turns(positions, 1, 16, frequencies, torch.float32, 4) is not first
+    assert period_turns(torch.arange(16)[None], 16, 16, frequencies, torch.float32, 4) is None
 
 
 @pytest.mark.parametrize("plan_name", ["linear", "gated_delta_conv"])

@@ -31,7 +31,7 @@ from dofla.ops.chunked import choose_chunk_size
 from dofla.ops.decode import RingHybridState, hybrid_decode_step
 from dofla.ops.recurrent import linear_decode_step
 from dofla.ops.state import HybridState, LinearState
-from dofla.rotary import edge_turns, rotate, rotate_by, wrap_angles
+from dofla.rotary import Turns, edge_turns, period_turns
 
 FORMS = ("naive", "chunked", "recurrent")
 DEFAULT_WINDOW_FACTOR = 0.1  # LoLCATs: gamma = sigmoid(w) starts near 0.1
@@ -255,14 +255,14 @@ class LinearAttention(nn.Module):
         state,
         scaling: float,
         memory_qk=None,
-        sink_query: Tensor | None = None,
+        edge: Turns | None = None,
     ) -> tuple[Tensor, object] | None:
         """One new token with a state and no padding, in the fewest operators (a decoding step's cost is
         its number of small operators): output (B, 1, H, Dv) and the new state, as the recurrent form gives
         them up to rounding (``scaling``: the window softmax's logit scale; ``memory_qk``: the query and key
-        the memory's features read, when they differ from the window's, see ``_wrapped``; ``sink_query``
-        (B, H, 1, D): the query that scores the sinks, see ``edge_sink_query``). None where the layer has no
-        such step (the general forms run then)."""
+        the memory's features read, when they differ from the window's, see ``_wrapped``; ``edge``: the turn
+        of the query that scores the sinks, see ``edge_sink_turns``). None where the layer has no such step
+        (the general forms run then)."""
         if not self._has_decode_step(state):
             return None
         inputs = self._decode_inputs(*(memory_qk or (query, key)), value, state_dtype(state))
@@ -272,7 +272,7 @@ class LinearAttention(nn.Module):
         k_log_scale = (
             values.new_zeros(values.shape[:2]) if log_scale is None else log_scale[..., -1]
         )  # (B, Hs)
-        return self._state_step(state, query, key, features, values, k_log_scale, scaling, sink_query)
+        return self._state_step(state, query, key, features, values, k_log_scale, scaling, edge)
 
     def _has_decode_step(self, state) -> bool:
         """Whether ``state`` (the inner op's) can take the one-token step: a linear layer's LinearState, or
@@ -299,10 +299,21 @@ class LinearAttention(nn.Module):
             return None
         return query.view(query.shape[0], self.state_heads, -1, self.head_dim)
 
-    def _state_step(self, state, query, key, features, values, k_log_scale, scaling, sink_query=None):
+    def step_sinks(self, query: Tensor, edge: Turns | None) -> dict:
+        """How a ring step (``dofla.ops.decode``) scores the sinks of one token's query (B, H, 1, D) whose
+        sinks are seen from the window's edge by the turn ``edge`` (None: at their true positions, nothing
+        to pass): the sink keys turned the opposite way where the turn is one product (the queries then
+        score every slot in the one fused softmax), else the turned queries."""
+        if edge is None:
+            return {}
+        if edge.matrix is not None:
+            return dict(sink_key_turn=edge.keys_for_turned_query)
+        return dict(sink_queries=self.step_queries(edge(query)))
+
+    def _state_step(self, state, query, key, features, values, k_log_scale, scaling, edge=None):
         """The step on the inner op's state: features (B, Hs, G + 1, F) (queries, then the key), values
-        (B, Hs, Dv), k_log_scale (B, Hs), sink_query (B, H, 1, D) or None -> output (B, 1, H, Dv) and the
-        new inner state."""
+        (B, Hs, Dv), k_log_scale (B, Hs), edge as in ``_decode_step`` -> output (B, 1, H, Dv) and the new
+        inner state."""
         batch = query.shape[0]
         if self.kind == "linear":
             output, new_state = linear_decode_step(
@@ -320,7 +331,7 @@ class LinearAttention(nn.Module):
             k_log_scale,
             self.step_window_factor(),
             scaling=scaling,
-            sink_queries=self.step_queries(sink_query),
+            **self.step_sinks(query, edge),
         )
         return output.view(batch, 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
 
@@ -371,7 +382,7 @@ class LinearAttention(nn.Module):
         state = None if cache_layer is None else cache_layer.state
         # a decoding step, see _decode_step; under graph decoding a window's ring step (whose write position
         # lives in Python) gives way to the general recurrent form (dofla.graph_decode)
-        sink_query = self.edge_sink_query(query, position_ids, state)
+        edge = self.edge_sink_turns(query, position_ids, state)
         feature_query, feature_key = self._wrapped(query, key, position_ids)
         wrapped = feature_query is not query
         if self.kind == "linear":  # no window: the whole layer reads the wrapped q and k
@@ -385,12 +396,13 @@ class LinearAttention(nn.Module):
         key_mask = key_mask_from_attention_mask(attention_mask, length)
         if fast_step and key_mask is None:
             memory_qk = (feature_query, feature_key) if wrapped else None
-            step = self._decode_step(query, key, value, state, scaling, memory_qk, sink_query)
+            step = self._decode_step(query, key, value, state, scaling, memory_qk, edge)
             if step is not None:
                 output, cache_layer.state = step
                 return output
         if state is not None:  # a decoding step's ring buffers, put back in order for the general forms
             state = state.general_layout()
+        sink_query = None if edge is None else edge(query)
         q_features, k_features, k_log_scale = (
             self.features(feature_query, feature_key) if self.uses_features else (None, None, None)
         )
@@ -416,9 +428,16 @@ class LinearAttention(nn.Module):
         """The query (B, H, T, D) that scores the sinks when they are seen from the window's edge: each token
         turned back to position ``min(t, window + sinks)`` in the rotary planes, so that the sinks sit just
         before its window (where the teacher saw them in training) instead of t tokens away. None where the
-        sinks keep their true positions (no ``edge_sink_frequencies``, no window or no sinks) and, on the
-        CPU, where no token is past the edge (the query would be the same). ``position_ids`` (B, T) or (T,)
-        give t; without them the call's tokens follow the ``state``'s (from 0 without one)."""
+        sinks keep their true positions and, on the CPU, where no token is past the edge (see
+        ``edge_sink_turns``)."""
+        turns = self.edge_sink_turns(query, position_ids, state)
+        return None if turns is None else turns(query)
+
+    def edge_sink_turns(self, query: Tensor, position_ids: Tensor | None, state=None) -> Turns | None:
+        """The turns of ``edge_sink_query`` (for one token also as a matrix, see ``dofla.rotary.Turns``). None
+        where the sinks keep their true positions (no ``edge_sink_frequencies``, no window or no sinks) and,
+        on the CPU, where no token is past the edge (the query would be the same). ``position_ids`` (B, T)
+        or (T,) give t; without them the call's tokens follow the ``state``'s (from 0 without one)."""
         frequencies = self.edge_sink_frequencies
         if frequencies is None or self.kind != "hybrid" or not self.sinks:
             return None
@@ -430,8 +449,9 @@ class LinearAttention(nn.Module):
             self.edge_sink_frequencies = frequencies = frequencies.to(position_ids.device)
         # None where no token is past the edge, on the CPU (on a GPU the check would wait for the device:
         # the rotation is by zero there)
-        turns = edge_turns(position_ids, length, self.window + self.sinks, frequencies, query.dtype)
-        return None if turns is None else rotate_by(query, *turns)
+        return edge_turns(
+            position_ids, length, self.window + self.sinks, frequencies, query.dtype, query.shape[-1]
+        )
 
     def _wrapped(self, query: Tensor, key: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         """query and key turned back to their positions modulo ``position_period`` (the same tensors where no
@@ -439,14 +459,12 @@ class LinearAttention(nn.Module):
         period, frequencies = self.position_period, self.rotary_frequencies
         if period is None or frequencies is None or position_ids is None:
             return query, key
-        if position_ids.device.type == "cpu" and int(position_ids.max()) < period:
-            return query, key  # (on a GPU the check would wait for the device: the rotation is by zero)
         if frequencies.device != position_ids.device:  # moved once (a copy would not go into a CUDA graph)
             self.rotary_frequencies = frequencies = frequencies.to(position_ids.device)
-        if position_ids.dim() == 1:
-            position_ids = position_ids[None]
-        angles = wrap_angles(position_ids[:, -query.shape[2] :], period, frequencies)
-        return rotate(query, angles), rotate(key, angles)
+        # None on the CPU where every position is below the period (on a GPU the check would wait for the
+        # device: the rotation is by zero there)
+        turns = period_turns(position_ids, query.shape[2], period, frequencies, query.dtype, query.shape[-1])
+        return (query, key) if turns is None else (turns(query), turns(key))
 
     def _attend(
         self,

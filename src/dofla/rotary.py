@@ -21,6 +21,7 @@ embeddings whose frequencies depend on the length (dynamic NTK, LongRoPE) and mo
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -125,31 +126,127 @@ def rotate_by(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat(turned + ([rest] if rest.shape[-1] else []), dim=-1)
 
 
-_KEPT_EDGE_TURNS: list = [None]  # (weak reference to position_ids, key, turns): see edge_turns
+@dataclass(frozen=True)
+class Turns:
+    """Turns of tokens in the rotary planes, applied by calling it on x (B, H, T, D): ``cos``, ``sin``
+    (B, 1, T, r/2) as :func:`rotate_by` takes them; for one token on the CPU also ``matrix`` (B, D, D), the
+    same turn as one product (a decoding step's cost is its number of small operators: one ``mm`` instead of
+    the dozen slicing and elementwise ones of :func:`rotate_by`)."""
+
+    cos: Tensor
+    sin: Tensor
+    matrix: Tensor | None = None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        matrix = self.matrix
+        if matrix is None or x.shape[2] != 1 or x.shape[-1] != matrix.shape[-1] or x.dtype != matrix.dtype:
+            return rotate_by(x, self.cos, self.sin)
+        batch, heads, _, dim = x.shape
+        if matrix.shape[0] == 1:  # one position for the whole batch: one product over every row
+            return torch.mm(x.reshape(batch * heads, dim), matrix[0]).view(batch, heads, 1, dim)
+        return torch.bmm(x.reshape(batch, heads, dim), matrix).view(batch, heads, 1, dim)
+
+    def keys_for_turned_query(self, keys: Tensor) -> Tensor:
+        """keys (B, Hk, S, D) turned the opposite way, so that an unturned query scores them as the turned
+        query (this turn of one token) scores the keys themselves: q . result == self(q) . keys. One
+        product with the transposed matrix (one-token turns with ``matrix`` only)."""
+        matrix = self.matrix
+        batch, heads, count, dim = keys.shape
+        if matrix.shape[0] == 1:
+            return torch.mm(keys.reshape(-1, dim), matrix[0].T).view(keys.shape)
+        return torch.bmm(keys.reshape(batch, heads * count, dim), matrix.transpose(1, 2)).view(keys.shape)
+
+
+def turn_matrix(cos: Tensor, sin: Tensor, dim: int) -> Tensor:
+    """The (B, dim, dim) matrices M with x @ M == rotate_by(x, cos, sin) for one token's x (..., dim):
+    cos, sin (B, 1, 1, r/2); the dimensions past the first r unchanged."""
+    batch, half = cos.shape[0], cos.shape[-1]
+    cos, sin = cos.reshape(batch, half), sin.reshape(batch, half)
+    matrix = torch.eye(dim, dtype=cos.dtype, device=cos.device).repeat(batch, 1, 1)
+    first = torch.arange(half, device=cos.device)
+    second = first + half
+    matrix[:, first, first] = cos
+    matrix[:, second, second] = cos
+    matrix[:, second, first] = -sin
+    matrix[:, first, second] = sin
+    return matrix
+
+
+def _turns(angles: Tensor, dtype: torch.dtype, dim: int | None) -> Turns:
+    """``Turns`` by ``angles`` (B, 1, T, r/2) float32, with the one-token matrix where ``dim`` is given, on
+    the CPU (where the turns are kept for every layer, :func:`kept_turns`; elsewhere each layer would build
+    its matrix)."""
+    cos, sin = turns_of(angles, dtype)
+    one_token = dim is not None and angles.shape[2] == 1 and angles.device.type == "cpu"
+    return Turns(cos, sin, turn_matrix(cos, sin, dim) if one_token else None)
+
+
+# purpose -> (weak reference to position_ids, key, turns): see kept_turns
+_KEPT_TURNS: dict[str, tuple] = {}
+
+
+def kept_turns(purpose: str, position_ids: Tensor, key: tuple, compute):
+    """``compute()`` (turns of the tokens at ``position_ids``, or None), kept on the CPU for the same
+    ``position_ids`` tensor (unchanged since) and ``key``: every layer of a forward reads the one positions
+    tensor, so a decoding step computes its turns once instead of once per layer. Not on other devices (a
+    CUDA graph must compute them in every replay)."""
+    if position_ids.device.type != "cpu":
+        return compute()
+    key = (*key, position_ids._version)
+    kept = _KEPT_TURNS.get(purpose)
+    if kept is not None and kept[0]() is position_ids and kept[1] == key:
+        return kept[2]
+    turns = compute()
+    _KEPT_TURNS[purpose] = (weakref.ref(position_ids), key, turns)
+    return turns
+
+
+def _last(position_ids: Tensor, length: int) -> Tensor:
+    """The last ``length`` positions of ``position_ids`` (B, T') or (T',) as (B, length)."""
+    return (position_ids[None] if position_ids.dim() == 1 else position_ids)[:, -length:]
 
 
 def edge_turns(
-    position_ids: Tensor, length: int, edge: int, frequencies: Tensor, dtype: torch.dtype
-) -> tuple[Tensor, Tensor] | None:
-    """The turns (cos, sin, each (B, 1, T, r/2) in ``dtype``) that take the last ``length`` tokens of
-    ``position_ids`` (B, T') or (T',) back to position min(p, edge); None on the CPU where no token is past
-    the edge (nothing to turn). On the CPU the last answer is kept for the same ``position_ids`` tensor
-    (unchanged since): every layer of a forward reads the one tensor, so a decoding step computes them once
-    instead of once per layer. Not on other devices (a CUDA graph must compute them in every replay)."""
-    on_cpu = position_ids.device.type == "cpu"
-    key = (length, edge, id(frequencies), dtype, position_ids._version)
-    kept = _KEPT_EDGE_TURNS[0]
-    if on_cpu and kept is not None and kept[0]() is position_ids and kept[1] == key:
-        return kept[2]
-    positions = (position_ids[None] if position_ids.dim() == 1 else position_ids)[:, -length:]
-    if on_cpu and int(positions.max()) < edge:
-        turns = None
-    else:
+    position_ids: Tensor,
+    length: int,
+    edge: int,
+    frequencies: Tensor,
+    dtype: torch.dtype,
+    dim: int | None = None,
+) -> Turns | None:
+    """The turns that take the last ``length`` tokens of ``position_ids`` (B, T') or (T',) back to position
+    min(p, edge) (with ``dim``, the head size, one token's also as a matrix); None on the CPU where no token
+    is past the edge (nothing to turn). Kept per positions tensor on the CPU (:func:`kept_turns`)."""
+
+    def compute():
+        positions = _last(position_ids, length)
+        if positions.device.type == "cpu" and int(positions.max()) < edge:
+            return None
         shift = (positions.clamp(max=edge) - positions).to(torch.float32)  # (B, T) <= 0
-        turns = turns_of(shift[:, None, :, None] * frequencies, dtype)
-    if on_cpu:
-        _KEPT_EDGE_TURNS[0] = (weakref.ref(position_ids), key, turns)
-    return turns
+        return _turns(shift[:, None, :, None] * frequencies, dtype, dim)
+
+    return kept_turns("edge", position_ids, (length, edge, id(frequencies), dtype, dim), compute)
+
+
+def period_turns(
+    position_ids: Tensor,
+    length: int,
+    period: int,
+    frequencies: Tensor,
+    dtype: torch.dtype,
+    dim: int | None = None,
+) -> Turns | None:
+    """The turns that take the last ``length`` tokens of ``position_ids`` back to their positions modulo
+    ``period`` (:func:`wrap_angles`; with ``dim`` one token's also as a matrix); None on the CPU where every
+    position is below the period. Kept per positions tensor on the CPU (:func:`kept_turns`)."""
+
+    def compute():
+        positions = _last(position_ids, length)
+        if positions.device.type == "cpu" and int(positions.max()) < period:
+            return None
+        return _turns(wrap_angles(positions, period, frequencies), dtype, dim)
+
+    return kept_turns("period", position_ids, (length, period, id(frequencies), dtype, dim), compute)
 
 
 def wrap_angles(position_ids: Tensor, period: int, frequencies: Tensor) -> Tensor:

@@ -435,7 +435,7 @@ class GatedDeltaAttention(LinearAttention):
             window_lse=parts["lse"],
         )
 
-    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, sink_query=None):
+    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None):
         """One token (see ``LinearAttention._decode_step``): queries and key normalised together, the two
         gates from the value, one delta-rule update and one read; with a window, its ring step
         (``dofla.ops.decode``) mixed in per head."""
@@ -483,7 +483,7 @@ class GatedDeltaAttention(LinearAttention):
             self._state_heads_view(key).view(batch, heads, self.head_dim),
             values,
         )
-        sinks_by = dict(sink_queries=self.step_queries(sink_query))
+        sinks_by = self.step_sinks(query, edge)
         if self.adaptive_mix:
             window, lse, ring = ring_window_step(*step, scaling=scaling, return_lse=True, **sinks_by)
             logits = self.window_share_logits(lse.reshape(batch, -1, 1), values[:, :, None])  # (B, H, 1)
@@ -553,7 +553,7 @@ class WindowAttention(LinearAttention):
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
         return _window_part(self, form, query, keys, values, key_mask, scaling, state, sink_query=sink_query)
 
-    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, sink_query=None):
+    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None):
         """One token (see ``LinearAttention._decode_step``): the window's ring step (``dofla.ops.decode``),
         sinks included, without soft-capping."""
         exact = query.dtype in (torch.float32, torch.float64)  # the general form computes in these
@@ -568,6 +568,6 @@ class WindowAttention(LinearAttention):
             self._state_heads_view(key).view(batch, heads, head_dim),
             self._state_heads_view(value).view(batch, heads, -1),
             scaling=scaling,
-            sink_queries=self.step_queries(sink_query),
+            **self.step_sinks(query, edge),
         )
         return output.view(batch, 1, num_heads, -1), new_state  # (B, 1, H, Dv)

@@ -141,7 +141,7 @@ class GatedLinearAttention(LinearAttention):
         new_state = None if inner is None else GatedState(inner, total[..., -1].clone())
         return output, new_state
 
-    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, sink_query=None):
+    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None):
         """One token (see ``LinearAttention._decode_step``): the gate's log decay joins the running total
         A_t, and the key enters the inner (linear or hybrid) state with log scale ``s_t - A_t``."""
         if not isinstance(state, GatedState) or not self._has_decode_step(state.inner):
@@ -152,9 +152,7 @@ class GatedLinearAttention(LinearAttention):
         features, log_scale, values = inputs
         total = state.log_decay_total + F.logsigmoid(self.decay.step_logits(values))  # (B, Hs): A_t
         decayed = -total if log_scale is None else log_scale[..., -1] - total
-        output, inner = self._state_step(
-            state.inner, query, key, features, values, decayed, scaling, sink_query
-        )
+        output, inner = self._state_step(state.inner, query, key, features, values, decayed, scaling, edge)
         return output, GatedState(inner, total)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:

@@ -145,12 +145,12 @@ def edge_sink_queries(
     """The queries (..., T, D) of a call starting at position 0 turned back to position min(t, window + sinks)
     in the rotary planes (``frequencies``: the model's inverse frequencies): what scores the sinks when they
     are seen from the window's edge (:func:`edge_sink_window_attention`)."""
-    from dofla.rotary import edge_turns, rotate_by
+    from dofla.rotary import edge_turns
 
     length = query.shape[-2]
     position = torch.arange(length, device=query.device)
     turns = edge_turns(position, length, int(window) + int(sinks), frequencies.to(query.device), query.dtype)
-    return query if turns is None else rotate_by(query, *turns)
+    return query if turns is None else turns(query)
 
 
 def edge_sink_window_attention(

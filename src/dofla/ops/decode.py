@@ -156,12 +156,28 @@ def write_key(ring: RingWindow, key: Tensor, value: Tensor) -> Tensor | None:
     return is_sink
 
 
+def sink_seen_keys(ring: RingWindow, sink_key_turn=None) -> Tensor:
+    """The ring's keys (B, Hk, S + W, D) as the queries score them: its sink slots passed through
+    ``sink_key_turn`` (a function of the sink keys (B, Hk, S, D), e.g. ``Turns.keys_for_turned_query`` for
+    sinks seen from the window's edge) where given (a copy), else the ring's own buffer."""
+    sinks = ring.sinks
+    if sink_key_turn is None or not sinks:
+        return ring.keys
+    return torch.cat([sink_key_turn(ring.keys[:, :, :sinks]), ring.keys[:, :, sinks:]], dim=2)
+
+
 def window_scores(
-    ring: RingWindow, queries: Tensor, scaling: float, sink_queries: Tensor | None = None
+    ring: RingWindow,
+    queries: Tensor,
+    scaling: float,
+    sink_queries: Tensor | None = None,
+    keys: Tensor | None = None,
 ) -> Tensor:
     """queries (B, Hk, G, D) -> scaling * q.k + bias (B * Hk, G, S + W) over every slot, in one operator;
-    with ``sink_queries`` (B, Hk, G, D) the sink slots' scores from those (one more, and a copy)."""
-    keys, bias = ring.keys.flatten(0, 1), ring.bias.flatten(0, 1)  # (B * Hk, S + W, D), (B * Hk, 1, S + W)
+    with ``sink_queries`` (B, Hk, G, D) the sink slots' scores from those (one more, and a copy). ``keys``:
+    the slots' keys (default the ring's, see ``sink_seen_keys``)."""
+    keys = (ring.keys if keys is None else keys).flatten(0, 1)  # (B * Hk, S + W, D)
+    bias = ring.bias.flatten(0, 1)  # (B * Hk, 1, S + W)
     scores = torch.baddbmm(bias, queries.flatten(0, 1), keys.transpose(1, 2), alpha=scaling)
     sinks = ring.sinks
     if sink_queries is None or not sinks:
@@ -181,29 +197,30 @@ def ring_window_step(
     scaling: float,
     return_lse: bool = False,
     sink_queries: Tensor | None = None,
+    sink_key_turn=None,
 ):
     """One present token of ``recurrent_window_attention`` (sinks included, no soft-capping): queries
     (B, Hk, G, D), key (B, Hk, D), value (B, Hk, Dv), in the ring's dtype, sink_queries (B, Hk, G, D) the
     queries that score the sinks (None: queries) -> out (B, Hk, G, Dv) and the ring after the token (the
     same buffers, updated in place without autograd); with ``return_lse`` (out, lse, ring), lse (B, Hk, G)
-    the log-sum-exp of the queries' softmax scores."""
+    the log-sum-exp of the queries' softmax scores. ``sink_key_turn`` instead of ``sink_queries``: the sinks
+    scored by the queries against their keys turned by it (``sink_seen_keys``), in the fused softmax."""
     ring = _owned(ring, ring.keys)
     write_key(ring, key, value)
     ring.num_tokens += 1
     own_sink_scores = sink_queries is not None and ring.sinks > 0
+    keys = sink_seen_keys(ring, sink_key_turn)
     if not return_lse and not own_sink_scores:
         # one fused softmax over all slots; the new key is visible (in the window or as a sink)
-        out = F.scaled_dot_product_attention(
-            queries, ring.keys, ring.values, attn_mask=ring.bias, scale=scaling
-        )
+        out = F.scaled_dot_product_attention(queries, keys, ring.values, attn_mask=ring.bias, scale=scaling)
         return out, ring
-    fused = not own_sink_scores and takes_fused_lse(queries, ring.keys, ring.values)
+    fused = not own_sink_scores and takes_fused_lse(queries, keys, ring.values)
     if fused:  # generation: the fused kernel gives both
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            queries, ring.keys, ring.values, attn_mask=ring.bias, scale=scaling
+            queries, keys, ring.values, attn_mask=ring.bias, scale=scaling
         )
         return out, lse, ring
-    scores = window_scores(ring, queries, scaling, sink_queries)  # (B * Hk, G, S + W)
+    scores = window_scores(ring, queries, scaling, sink_queries, keys)  # (B * Hk, G, S + W)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # finite: the new key is visible
     out = torch.bmm(torch.exp(scores - lse), ring.values.flatten(0, 1)).view(*queries.shape[:3], -1)
     return (out, lse.view(queries.shape[:3]), ring) if return_lse else (out, ring)
@@ -305,11 +322,13 @@ def hybrid_decode_step(
     scaling: float,
     eps: float = 1e-6,
     sink_queries: Tensor | None = None,
+    sink_key_turn=None,
 ) -> tuple[Tensor, RingHybridState]:
     """One present token of ``recurrent_hybrid_attention`` (sinks included, no soft-capping) on the ring
     layout: queries (B, Hk, G, D), q_features (B, Hk, G, F), key (B, Hk, D), k_features (B, Hk, F),
     value (B, Hk, Dv), log_scale (B, Hk) finite, window_factor (Hk, G, 1), sink_queries (B, Hk, G, D) or
-    None (the queries that score the sinks); every tensor and the state's buffers in one dtype -> out
+    None (the queries that score the sinks; or ``sink_key_turn``, see ``ring_window_step``); every tensor
+    and the state's buffers in one dtype -> out
     (B, Hk, G, Dv) and the state after the token (a general ``HybridState`` is converted first; a ring
     state's buffers are updated in place without autograd)."""
     source = ring_hybrid_state(state) if isinstance(state, HybridState) else state
@@ -327,7 +346,8 @@ def hybrid_decode_step(
         state.key_log_scales[:, :, old] = log_scale.masked_fill(is_sink, NEGATIVE_INFINITY)
     ring.num_tokens += 1
 
-    scores = window_scores(ring, queries, scaling, sink_queries)  # (B * Hk, G, S + W)
+    keys = sink_seen_keys(ring, sink_key_turn)
+    scores = window_scores(ring, queries, scaling, sink_queries, keys)  # (B * Hk, G, S + W)
     # the new key is visible (in the window or as a sink): every max is finite
     weights = torch.exp(scores - scores.amax(-1, keepdim=True))
     # (B * Hk, G, Dv + 1): numerators, then denominators (the values' column of ones)
