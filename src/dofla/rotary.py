@@ -129,32 +129,34 @@ def rotate_by(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class Turns:
     """Turns of tokens in the rotary planes, applied by calling it on x (B, H, T, D): ``cos``, ``sin``
-    (B, 1, T, r/2) as :func:`rotate_by` takes them; for one token on the CPU also ``matrix`` (B, D, D), the
-    same turn as one product (a decoding step's cost is its number of small operators: one ``mm`` instead of
-    the dozen slicing and elementwise ones of :func:`rotate_by`)."""
+    (B, 1, T, r/2) as :func:`rotate_by` takes them; for one token on the CPU also ``matrix``, the same turn
+    as one product (a decoding step's cost is its number of small operators: one ``mm`` instead of the dozen
+    slicing and elementwise ones of :func:`rotate_by`): (D, D) where the batch shares one position, else
+    (B, D, D); ``key_matrix`` its transpose (the opposite turn, see :meth:`keys_for_turned_query`)."""
 
     cos: Tensor
     sin: Tensor
     matrix: Tensor | None = None
+    key_matrix: Tensor | None = None
 
     def __call__(self, x: Tensor) -> Tensor:
         matrix = self.matrix
         if matrix is None or x.shape[2] != 1 or x.shape[-1] != matrix.shape[-1] or x.dtype != matrix.dtype:
             return rotate_by(x, self.cos, self.sin)
-        batch, heads, _, dim = x.shape
-        if matrix.shape[0] == 1:  # one position for the whole batch: one product over every row
-            return torch.mm(x.reshape(batch * heads, dim), matrix[0]).view(batch, heads, 1, dim)
-        return torch.bmm(x.reshape(batch, heads, dim), matrix).view(batch, heads, 1, dim)
+        return _one_token_product(x, matrix)
 
     def keys_for_turned_query(self, keys: Tensor) -> Tensor:
         """keys (B, Hk, S, D) turned the opposite way, so that an unturned query scores them as the turned
         query (this turn of one token) scores the keys themselves: q . result == self(q) . keys. One
-        product with the transposed matrix (one-token turns with ``matrix`` only)."""
-        matrix = self.matrix
-        batch, heads, count, dim = keys.shape
-        if matrix.shape[0] == 1:
-            return torch.mm(keys.reshape(-1, dim), matrix[0].T).view(keys.shape)
-        return torch.bmm(keys.reshape(batch, heads * count, dim), matrix.transpose(1, 2)).view(keys.shape)
+        product (one-token turns with ``matrix`` only)."""
+        return _one_token_product(keys, self.key_matrix)
+
+
+def _one_token_product(x: Tensor, matrix: Tensor) -> Tensor:
+    """x (B, H, N, D) times ``matrix`` (D, D), or per batch row (B, D, D): one ``mm`` or ``bmm``."""
+    if matrix.dim() == 2:  # one position for the whole batch: one product over every row
+        return torch.mm(x.reshape(-1, x.shape[-1]), matrix).view(x.shape)
+    return torch.bmm(x.reshape(x.shape[0], -1, x.shape[-1]), matrix).view(x.shape)
 
 
 def turn_matrix(cos: Tensor, sin: Tensor, dim: int) -> Tensor:
@@ -177,8 +179,12 @@ def _turns(angles: Tensor, dtype: torch.dtype, dim: int | None) -> Turns:
     the CPU (where the turns are kept for every layer, :func:`kept_turns`; elsewhere each layer would build
     its matrix)."""
     cos, sin = turns_of(angles, dtype)
-    one_token = dim is not None and angles.shape[2] == 1 and angles.device.type == "cpu"
-    return Turns(cos, sin, turn_matrix(cos, sin, dim) if one_token else None)
+    if dim is None or angles.shape[2] != 1 or angles.device.type != "cpu":
+        return Turns(cos, sin)
+    matrix = turn_matrix(cos, sin, dim)
+    if matrix.shape[0] == 1:
+        matrix = matrix[0]
+    return Turns(cos, sin, matrix, matrix.transpose(-1, -2).contiguous())
 
 
 # purpose -> (weak reference to position_ids, key, turns): see kept_turns
