@@ -7,6 +7,8 @@ operator calls per decode step and layer (what Python-level overhead scales with
 
     python bench/profile_decode.py                                # embedded SmolLM2-135M, all cells
     python bench/profile_decode.py --cells linear --batches 8 --top 15
+    python bench/profile_decode.py --cells "gated-delta recipe" --batches 1 --fill 1200 --counts-only \
+        --position-period 1024 --sinks-at-edge    # operator calls per step and layer, as linearize converts
 """
 
 from __future__ import annotations
