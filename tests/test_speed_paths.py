@@ -1020,3 +1020,18 @@ def test_bench_generation_times_the_static_cache_teachers_decoding_steps_without
     assert len(times) == 6  # the prefill's end, then one per decoded token
     assert row["decode_tokens_per_second"] == pytest.approx(2 * 5 / (times[-1] - times[0]))
     assert row["context"] == 40 and row["compiled"] is False
+
+
+def test_profile_decode_counts_only_with_the_period_and_edge_sinks(capsys, one_thread):
+    """--counts-only prints one line per model (no tables, no prefill); the students are converted as the
+    speed bench converts them, the period and edge sinks included (a window past its edge, positions past
+    the period)."""
+    profile = bench_script("profile_decode")
+    arguments = ["--tiny", "--cells", "gla+window", "--window", "8", "--batches", "1", "--steps", "1"]
+    arguments += ["--fill", "40", "--counts-only", "--position-period", "16", "--sinks-at-edge"]
+    assert profile.main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "gla+window: decode step, batch 1" in printed and "prefill" not in printed.split("\n", 3)[-1]
+    assert "Self CPU" not in printed
+    counts = [int(line.split(", ")[-1].split()[0]) for line in printed.splitlines() if "aten calls" in line]
+    assert len(counts) == 2 and counts[1] > counts[0]  # the student's step does more small operators
