@@ -14,7 +14,7 @@ import pytest
 import torch
 from ops_helpers import HYBRID_NAMES, assert_matches_reference, make_inputs, random_key_mask, split
 from test_ops_cells import brute_force_window
-from test_position_period import decode_logits, record_decode_steps, tokens
+from test_position_period import decode_logits, record_decode_steps, rotate, tokens
 
 from dofla.config import ConversionPlan
 from dofla.convert import convert, load_converted, plan_for, save_converted, set_sinks_at_edge, students
@@ -360,7 +360,7 @@ def test_a_left_padded_batch_generates_what_each_prompt_gives_alone(name):
 
 
 def test_edge_turns_are_computed_once_per_positions_tensor_and_again_when_it_changes():
-    from dofla.rotary import edge_turns, rotate
+    from dofla.rotary import edge_turns
 
     frequencies = torch.tensor([1.0, 0.1, 0.01])
     positions = torch.arange(20)[None]

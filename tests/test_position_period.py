@@ -16,7 +16,7 @@ from dofla.convert import convert, load_converted, plan_for, save_converted, set
 from dofla.errors import DoflaError
 from dofla.models import build_tiny_model
 from dofla.models.tiny import TINY_VOCAB
-from dofla.rotary import period_turns, rotary_frequencies, rotate, rotate_by, wrap_angles
+from dofla.rotary import period_turns, rotary_frequencies, rotate_by, turns_of, wrap_angles
 
 LINEAR = dict(kind="linear", feature_map="learnable_prf", feature_dim=8)
 PLANS = {
@@ -34,6 +34,11 @@ PLANS = {
 
 def tokens(length: int = 40, batch: int = 2, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, TINY_VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def rotate(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, D) turned by ``angles`` (B, 1, T, r/2) float32, in x's dtype."""
+    return rotate_by(x, *turns_of(angles, x.dtype))
 
 
 def converted(family: str, plan: dict, period: int | None = None, seed: int = 0):

@@ -107,19 +107,14 @@ def wrap_positions_hook(period: int):
     return hook
 
 
-def rotate(x: Tensor, angles: Tensor) -> Tensor:
-    """``x`` (B, H, T, D) rotated by ``angles`` (B, 1, T, r/2) (float32) in the rotary planes (i, i + r/2)
-    of its first r dimensions; the rest unchanged. In x's dtype."""
-    return rotate_by(x, *turns_of(angles, x.dtype))
-
-
 def turns_of(angles: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The cosines and sines of ``angles`` in ``dtype``: what :func:`rotate_by` turns with."""
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rotate_by(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """:func:`rotate` with the angles' cosines and sines given (B, 1, T, r/2), in x's dtype."""
+    """``x`` (B, H, T, D) rotated in the rotary planes (i, i + r/2) of its first r dimensions by the angles
+    whose cosines and sines are given (B, 1, T, r/2) (:func:`turns_of`); the rest unchanged. In x's dtype."""
     half = cos.shape[-1]
     first, second, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     turned = [first * cos - second * sin, second * cos + first * sin]
