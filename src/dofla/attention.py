@@ -121,6 +121,9 @@ class LinearAttention(nn.Module):
         self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.decode_tokens = int(options.pop("decode_tokens", DEFAULT_DECODE_TOKENS))
         self.graph_step = False  # set by dofla.graph_decode while a step is captured or replayed
+        # decoding steps through one compiled kernel where the cell has one (dofla.ops.compiled; set by
+        # dofla.convert.set_compiled_steps)
+        self.compiled_steps = False
         # rotary positions modulo this period in the memory's features (dofla.rotary; None: true positions),
         # with the teacher's rotary frequencies (float32, set by dofla.convert.set_position_period)
         self.position_period: int | None = None
@@ -383,11 +386,16 @@ class LinearAttention(nn.Module):
         # a decoding step, see _decode_step; under graph decoding a window's ring step (whose write position
         # lives in Python) gives way to the general recurrent form (dofla.graph_decode)
         edge = self.edge_sink_turns(query, position_ids, state)
+        fast_step = form is None and state is not None and length == 1
+        if fast_step and self.compiled_steps and not self.graph_step:
+            step = self._compiled_step(query, key, value, attention_mask, state, scaling, position_ids, edge)
+            if step is not None:
+                output, cache_layer.state = step
+                return output
         feature_query, feature_key = self._wrapped(query, key, position_ids)
         wrapped = feature_query is not query
         if self.kind == "linear":  # no window: the whole layer reads the wrapped q and k
             query, key = feature_query, feature_key
-        fast_step = form is None and state is not None and length == 1
         fast_step = fast_step and not (self.graph_step and self.kind == "hybrid")
         if form is None:
             form = "recurrent" if state is not None and length <= self.decode_tokens else "chunked"
@@ -456,15 +464,28 @@ class LinearAttention(nn.Module):
     def _wrapped(self, query: Tensor, key: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         """query and key turned back to their positions modulo ``position_period`` (the same tensors where no
         period, no rotary or no positions are given, or, on the CPU, where every position is below it)."""
+        turns = self.period_turns(query, position_ids)
+        return (query, key) if turns is None else (turns(query), turns(key))
+
+    def period_turns(self, query: Tensor, position_ids: Tensor | None) -> Turns | None:
+        """The turns of ``_wrapped`` for the query (B, H, T, D)'s tokens at ``position_ids``: None where no
+        period, no rotary or no positions are given, or, on the CPU, where every position is below it."""
         period, frequencies = self.position_period, self.rotary_frequencies
         if period is None or frequencies is None or position_ids is None:
-            return query, key
+            return None
         if frequencies.device != position_ids.device:  # moved once (a copy would not go into a CUDA graph)
             self.rotary_frequencies = frequencies = frequencies.to(position_ids.device)
         # None on the CPU where every position is below the period (on a GPU the check would wait for the
         # device: the rotation is by zero there)
-        turns = period_turns(position_ids, query.shape[2], period, frequencies, query.dtype, query.shape[-1])
-        return (query, key) if turns is None else (turns(query), turns(key))
+        return period_turns(position_ids, query.shape[2], period, frequencies, query.dtype, query.shape[-1])
+
+    def _compiled_step(
+        self, query, key, value, attention_mask, state, scaling, position_ids, edge
+    ) -> tuple[Tensor, object] | None:
+        """A decoding step of one token through the cell's compiled kernel (:mod:`dofla.ops.compiled`), as
+        ``_decode_step`` gives it: output (B, 1, H, Dv) and the new state; None where the cell has none or the
+        state is not in its steady state (the eager step runs then)."""
+        return None
 
     def _attend(
         self,

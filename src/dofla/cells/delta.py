@@ -43,6 +43,7 @@ from dofla.cells.gated import DEFAULT_DECAY_MEMORY, TokenGate, initial_gate_logi
 from dofla.cells.registry import register_cell
 from dofla.derived import DerivedTensor
 from dofla.errors import DoflaError
+from dofla.feature_maps.learned import ProjectionFeatures
 from dofla.ops import (
     DeltaState,
     WindowState,
@@ -55,6 +56,7 @@ from dofla.ops import (
     update_delta_state,
     window_attention,
 )
+from dofla.ops.compiled import gated_delta_window_step, run_compiled, slot_index
 from dofla.ops.decode import RingWindow, ring_window, ring_window_step
 from dofla.ops.state import BatchedState
 
@@ -166,6 +168,31 @@ def _takes_window_step(cell: LinearAttention, window, dtype: torch.dtype) -> boo
         and window.sinks == cell.sinks
         and window.keys.dtype == window.values.dtype == dtype
     )
+
+
+def _steady_ring(cell: LinearAttention, ring, dtype: torch.dtype) -> bool:
+    """Whether a hybrid layer's window is a ring in its steady state, as the compiled step takes it: every
+    slot visible (the window full, each sink kept, no slot hidden), values without an extra column, in
+    ``dtype``, updatable in place."""
+    return (
+        isinstance(ring, RingWindow)
+        and _takes_window_step(cell, ring, dtype)
+        and ring.sinks_full
+        and ring.num_tokens >= ring.hidden_until
+        and ring.values.shape[-1] == ring.value_dim
+        and not (ring.keys.is_inference() and not torch.is_inference_mode_enabled())
+    )
+
+
+def _one_token_matrix(turns, name: str, dtype: torch.dtype):
+    """The one-token turn ``turns.<name>`` as the compiled step takes it: (D, D), or per batch row
+    (B, 1, D, D); None for no turns, False where the turns have no such matrix in ``dtype``."""
+    if turns is None:
+        return None
+    matrix = getattr(turns, name)
+    if matrix is None or matrix.dtype != dtype:
+        return False
+    return matrix if matrix.dim() == 2 else matrix[:, None]
 
 
 @register_cell("gated_delta")
@@ -496,20 +523,82 @@ class GatedDeltaAttention(LinearAttention):
 
     def _step_gates(self, values: Tensor) -> tuple[Tensor, Tensor]:
         """One token's decay a = sigmoid(decay logit) and write strength b (B, Hs) from its values
-        (B, Hs, Dv), both in one product with the two gates' weights stacked (kept between calls without
-        autograd until a gate changes), as ``TokenGate.logits`` computes them."""
+        (B, Hs, Dv), both in one product with the two gates' weights stacked, as ``TokenGate.logits``
+        computes them."""
         dtype = torch.promote_types(values.dtype, torch.float32)
+        weight, bias = self._step_gate_weights(dtype, values.shape[-1])
+        both = torch.sigmoid(torch.baddbmm(bias, values.to(dtype).transpose(0, 1), weight))  # (Hs, B, 2)
+        return both[..., 0].T, both[..., 1].T
+
+    def _step_gate_weights(self, dtype: torch.dtype, value_dim: int) -> tuple[Tensor, Tensor]:
+        """The two gates' weights stacked (Hs, Dv, 2), scaled by 1/sqrt(Dv), and biases (Hs, 1, 2) in
+        ``dtype``, kept between calls without autograd until a gate changes."""
         gates = (self.decay, self.write)
 
         def build() -> tuple[Tensor, Tensor]:
             weight = torch.stack([gate.weight for gate in gates], dim=-1).to(dtype)  # (Hs, Dv, 2)
             bias = torch.stack([gate.bias for gate in gates], dim=-1).to(dtype)[:, None, :]  # (Hs, 1, 2)
-            return weight * values.shape[-1] ** -0.5, bias
+            return weight * value_dim**-0.5, bias
 
         parameters = [parameter for gate in gates for parameter in (gate.weight, gate.bias)]
-        weight, bias = self._kept_step_gates.get(parameters, build, dtype, values.shape[-1])
-        both = torch.sigmoid(torch.baddbmm(bias, values.to(dtype).transpose(0, 1), weight))  # (Hs, B, 2)
-        return both[..., 0].T, both[..., 1].T
+        return self._kept_step_gates.get(parameters, build, dtype, value_dim)
+
+    def _compiled_step(self, query, key, value, attention_mask, state, scaling, position_ids, edge):
+        """``_decode_step`` through ``dofla.ops.compiled.gated_delta_window_step``: the projection map, no
+        short convolution, output gate or adaptive mix, key/value heads as state heads, on the CPU without
+        autograd, and with a window only once it is full with every sink kept (its steady state)."""
+        memory_state = state.delta if isinstance(state, DeltaHybridState) else state
+        dtype = query.dtype
+        if (
+            torch.is_grad_enabled()
+            or query.device.type != "cpu"
+            or self.short_conv
+            or self.output_gate
+            or self.adaptive_mix
+            or type(self.feature_map) is not ProjectionFeatures
+            or key.shape[1] != self.state_heads
+            or type(memory_state) is not DeltaState
+            or not memory_state.kv.dtype == key.dtype == value.dtype == dtype
+            or (self.kind == "hybrid") != isinstance(state, DeltaHybridState)
+            or key_mask_from_attention_mask(attention_mask, 1) is not None
+        ):
+            return None
+        ring = state.window if self.kind == "hybrid" else None
+        if ring is not None and not _steady_ring(self, ring, dtype):
+            return None
+        memory_turn = _one_token_matrix(self.period_turns(query, position_ids), "matrix", dtype)
+        sink_key_turn = _one_token_matrix(edge, "key_matrix", dtype)
+        if memory_turn is False or sink_key_turn is False:
+            return None
+        feature_map = self.feature_map
+        gate_weight, gate_bias = self._step_gate_weights(dtype, value.shape[-1])
+        stepped = run_compiled(
+            gated_delta_window_step,
+            query,
+            key,
+            value,
+            memory_state.kv,
+            feature_map.weight.to(dtype),
+            gate_weight,
+            gate_bias,
+            None if ring is None else self.step_window_factor().to(dtype),
+            None if ring is None else ring.keys,
+            None if ring is None else ring.values,
+            None if ring is None else slot_index(ring.next_slot, ring.keys.shape[2], ring.keys.device),
+            memory_turn,
+            sink_key_turn,
+            feature_map.feature_mask.to(dtype) if feature_map.has_headwise_dims else None,
+            float(scaling),
+            self.sinks,
+        )
+        if stepped is None:
+            return None
+        output, memory = stepped
+        new_memory = DeltaState(memory, memory_state.num_tokens + 1)
+        if ring is None:
+            return output, new_memory
+        ring.num_tokens += 1
+        return output, DeltaHybridState(window=ring, delta=new_memory)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)

@@ -118,7 +118,8 @@ def ring_window(state: WindowState, tokens: int, *, ones_column: bool = False) -
         value_dim=state.values.shape[-1],
         num_tokens=int(tokens),
         sinks_full=bool((state.sink_count >= sinks).all()),
-        hidden_until=int(tokens) + window,  # empty slots, absent keys, sinks: all rewritten by then
+        # empty slots, absent keys, sinks: all rewritten by then (none to rewrite where every slot shows)
+        hidden_until=int(tokens) + (0 if bool((window_bias == 0).all()) else window),
     )
 
 

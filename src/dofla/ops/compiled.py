@@ -1,0 +1,156 @@
+"""Decoding steps as one compiled kernel on the CPU (``torch.compile``, inductor's C++ code).
+
+A converted layer's decoding step is a few dozen small operators (features, gates, the memory's update and
+read, the window's ring write and softmax, the mix); at batch 1 on a CPU each costs its dispatch more than
+its arithmetic, so a step costs several times the teacher's one fused attention call. Here a whole step is
+one pure function of tensors, written plainly (it is also its own eager reference), which ``torch.compile``
+turns into one generated C++ kernel per shape: the layers share it (their parameters are its arguments).
+
+The steps take the steady state only (the window full, every sink kept, no slot hidden, no padding, no
+autograd); the cells run their usual eager step otherwise, and wherever compiling fails (no C++ compiler,
+say): once, with a warning, and never again in the process. Enabled per model by
+:func:`dofla.convert.set_compiled_steps` (``dofla generate --compile``); the first step of each shape
+compiles (about ten seconds on two cores; inductor keeps the code on disk for the next process).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+_COMPILED: dict[Callable, Callable | None] = {}
+_FAILED: set[Callable] = set()
+# inductor's options: the generated wrapper in C++ too (a call costs microseconds, not tens of them)
+COMPILE_OPTIONS = {"cpp_wrapper": True}
+
+
+def compiled(function: Callable) -> Callable | None:
+    """``function`` compiled by ``torch.compile`` (kept per function; None once compiling it has failed)."""
+    if function in _FAILED:
+        return None
+    kept = _COMPILED.get(function)
+    if kept is None:
+        kept = _COMPILED[function] = torch.compile(
+            function, fullgraph=True, dynamic=None, options=COMPILE_OPTIONS
+        )
+    return kept
+
+
+def run_compiled(function: Callable, *args, **kwargs):
+    """``function(*args, **kwargs)`` through its compiled kernel; None (nothing run) where it cannot compile,
+    with one warning per function."""
+    kernel = compiled(function)
+    if kernel is None:
+        return None
+    try:
+        return kernel(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - any backend failure (compiler missing, codegen): fall back
+        if not _compile_failure(error):
+            raise
+        _FAILED.add(function)
+        _COMPILED.pop(function, None)
+        warnings.warn(
+            f"dofla: compiling the decoding step failed ({type(error).__name__}: {str(error).splitlines()[0]}); "
+            "decoding goes on with the eager step.",
+            stacklevel=2,
+        )
+        return None
+
+
+def _compile_failure(error: Exception) -> bool:
+    """Whether ``error`` came from compiling (dynamo or inductor), not from the step's inputs."""
+    module = type(error).__module__
+    return module.startswith(("torch._dynamo", "torch._inductor", "torch.fx")) or isinstance(
+        error, (OSError, ImportError, NotImplementedError)
+    )
+
+
+def slot_index(slot: int, size: int, device: torch.device) -> Tensor:
+    """The ring slot ``slot`` of ``size`` as a 1-element int64 tensor, kept per (size, device) (a Python int
+    would specialise the compiled step on it; a new tensor per step is one more allocation)."""
+    key = (size, device)
+    slots = _SLOTS.get(key)
+    if slots is None:
+        slots = _SLOTS[key] = torch.arange(size, device=device).split(1)
+    return slots[slot]
+
+
+_SLOTS: dict[tuple[int, torch.device], tuple[Tensor, ...]] = {}
+
+
+def product(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` (broadcast batches) as a sum of products: compiled, it becomes loops fused with the
+    operators around it, where a small matrix product would be a library call of its own (at decoding's sizes
+    the call costs more than the arithmetic; measured twice as fast a step)."""
+    return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
+
+
+def _turned(x: Tensor, matrix: Tensor | None) -> Tensor:
+    """x (B, Hk, N, D) times ``matrix`` (D, D) or per batch row (B, 1, D, D); x itself for None."""
+    return x if matrix is None else product(x, matrix)
+
+
+def gated_delta_window_step(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    memory: Tensor,
+    map_weight: Tensor,
+    gate_weight: Tensor,
+    gate_bias: Tensor,
+    gamma: Tensor | None,
+    ring_keys: Tensor | None,
+    ring_values: Tensor | None,
+    slot: Tensor | None,
+    memory_turn: Tensor | None,
+    sink_key_turn: Tensor | None,
+    feature_mask: Tensor | None,
+    scaling: float,
+    sinks: int,
+) -> tuple[Tensor, Tensor]:
+    """One token of the gated delta rule over projected features, mixed with the window's softmax
+    (``GatedDeltaAttention``'s step, in its steady state): returns the output (B, 1, H, Dv) and the new memory;
+    the token's key and value are written into the ring (in place).
+
+    query (B, H, 1, D), key and value (B, Hs, 1, D) (Hs state heads, the key/value heads; G = H // Hs), the
+    memory S (B, Hs, F, Dv); the projection map's weight (Hs, D, F) and its head-wise mask (Hs, F) or None;
+    the two gates' stacked weight (Hs, Dv, 2), already scaled by 1/sqrt(Dv), and bias (Hs, 1, 2); without a
+    window (``ring_keys`` None) the memory's read-out is the output, else ``gamma`` (Hs, G, 1) mixes it with
+    the window's softmax over ``ring_keys`` (B, Hs, S + W, D) and ``ring_values`` (B, Hs, S + W, Dv) after
+    the token is written to ring slot ``slot`` (1-element int64); ``memory_turn`` (D, D) or (B, 1, D, D)
+    turns the memory's q and k (a position period), ``sink_key_turn`` the ``sinks`` sink keys (sinks seen from
+    the window's edge); None: unturned. ``scaling``: the window softmax's logit scale.
+    """
+    batch, heads, _, dim = query.shape
+    state_heads = key.shape[1]
+    group = heads // state_heads
+    queries = query.reshape(batch, state_heads, group, dim)
+    both = torch.cat([queries, key], dim=2)  # (B, Hs, G + 1, D): each state head's queries, then its key
+    features = product(_turned(both, memory_turn), map_weight)  # (B, Hs, G + 1, F)
+    if feature_mask is not None:
+        features = features * feature_mask[:, None]
+    norms = torch.linalg.vector_norm(features, dim=-1, keepdim=True).clamp_min(1e-12)
+    features = features / norms
+    values = value[:, :, 0]  # (B, Hs, Dv)
+    gates = torch.sigmoid(product(values[:, :, None], gate_weight) + gate_bias)  # (B, Hs, 1, 2)
+    decay, beta = gates[..., 0:1], gates[..., 1:2]  # (B, Hs, 1, 1)
+    written = features[:, :, -1:]  # (B, Hs, 1, F)
+    recalled = product(written, memory)  # (B, Hs, 1, Dv): k^T S
+    correction = (value - decay * recalled) * beta  # b (v - a k^T S)
+    memory = memory * decay + written.transpose(-1, -2) * correction  # a S + k (b (v - a k^T S))^T
+    output = product(features[:, :, :-1], memory)  # (B, Hs, G, Dv)
+    if ring_keys is not None:
+        ring_keys.index_copy_(2, slot, key)
+        ring_values.index_copy_(2, slot, value)
+        keys = ring_keys
+        if sink_key_turn is not None:
+            keys = torch.cat(
+                [_turned(ring_keys[:, :, :sinks], sink_key_turn), ring_keys[:, :, sinks:]], dim=2
+            )
+        scores = product(queries, keys.transpose(-1, -2)) * scaling  # (B, Hs, G, S + W)
+        window = product(torch.softmax(scores, dim=-1), ring_values)  # (B, Hs, G, Dv)
+        output = torch.lerp(output, window, gamma)
+    return output.reshape(batch, 1, heads, -1), memory

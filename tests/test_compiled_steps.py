@@ -1,0 +1,208 @@
+"""Decoding steps through one compiled kernel (``dofla.ops.compiled``, ``set_compiled_steps``).
+
+The reference is the cells' eager decoding (itself tested against the full forward): token by token with
+the compiled steps on, a model's logits must equal its full forward, with the compiled step taken once the
+window is in its steady state (and the eager step before it). Most tests run the step function eagerly (it
+is written plainly, and compiling costs seconds); one compiles it for real (inductor's C++ backend).
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+from test_position_period import decode_logits, tokens
+
+import dofla.cells.delta as delta_cells
+from dofla.convert import (
+    convert,
+    plan_for,
+    set_compiled_steps,
+    set_position_period,
+    set_sinks_at_edge,
+    students,
+)
+from dofla.errors import DoflaError
+from dofla.models import build_tiny_model
+from dofla.ops import compiled as compiled_ops
+from dofla.ops.decode import ring_window
+from dofla.ops.state import WindowState
+
+HYBRID = dict(kind="hybrid", cell="gated_delta", feature_map="projection", feature_dim=8, window=6, sinks=3)
+PLANS = {
+    "hybrid": (HYBRID, dict()),
+    "hybrid, period and edge sinks": (HYBRID, dict(period=8, edge=True)),
+    "hybrid, no sinks, period": ({**HYBRID, "sinks": 0}, dict(period=8)),
+    "linear": (dict(kind="linear", cell="gated_delta", feature_map="projection", feature_dim=8), dict()),
+    "hybrid, head-wise features": (HYBRID, dict(head_dims=[8, 5])),
+}
+
+
+def converted(name: str, seed: int = 0):
+    plan_settings, extra = PLANS[name]
+    model = build_tiny_model("llama", seed=seed)
+    plan = plan_for(model, **plan_settings)
+    if "head_dims" in extra:
+        for layer in plan.layers:
+            layer.head_feature_dims = list(extra["head_dims"])
+    convert(model, plan)
+    if "period" in extra:
+        set_position_period(model, extra["period"])
+    if extra.get("edge"):
+        set_sinks_at_edge(model, True)
+    return model.eval()
+
+
+@pytest.fixture
+def eager_kernel(monkeypatch):
+    """The compiled steps run as their plain (eager) function; returns the list of calls."""
+    calls = []
+
+    def run(function, *args, **kwargs):
+        calls.append(function.__name__)
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(delta_cells, "run_compiled", run)
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_decoding_through_the_step_function_equals_the_full_forward(name, eager_kernel):
+    model = converted(name)
+    ids = tokens(30)
+    with torch.no_grad():
+        full = model(ids).logits
+    set_compiled_steps(model, True)
+    torch.testing.assert_close(decode_logits(model, ids, prefill=4), full, rtol=1e-4, atol=1e-4)
+    # after a prefill shorter than the window, W more tokens take the eager step (until every window slot
+    # holds a present key); then every step is compiled
+    window = PLANS[name][0].get("window", 0)
+    assert len(eager_kernel) == (30 - 4 - window) * len(students(model))
+
+
+def test_a_full_window_takes_the_compiled_step_from_the_second_token_after_the_prefill(eager_kernel):
+    """The first step puts the prefill's window in the ring layout (eagerly); the others are compiled."""
+    model = converted("hybrid, period and edge sinks")
+    set_compiled_steps(model, True)
+    ids = tokens(30)
+    with torch.no_grad():
+        full = model(ids).logits
+    torch.testing.assert_close(decode_logits(model, ids, prefill=20), full, rtol=1e-4, atol=1e-4)
+    assert len(eager_kernel) == 9 * len(students(model))
+
+
+def test_a_left_padded_batch_decodes_as_each_prompt_alone(eager_kernel):
+    """Padded slots keep the window out of its steady state until they are overwritten."""
+    model = converted("hybrid, period and edge sinks")
+    set_compiled_steps(model, True)
+    generator = torch.Generator().manual_seed(0)
+    short, long_ = (torch.randint(3, 60, (1, length), generator=generator) for length in (5, 12))
+    batch = torch.cat([torch.cat([torch.zeros(1, 7, dtype=torch.long), short], 1), long_])
+    mask = torch.ones_like(batch)
+    mask[0, :7] = 0
+    options = dict(
+        max_new_tokens=14, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
+    )
+    with torch.no_grad():
+        together = torch.stack(model.generate(batch, attention_mask=mask, **options).logits, 1)
+        for row, prompt in enumerate((short, long_)):
+            alone = model.generate(prompt, attention_mask=torch.ones_like(prompt), **options).logits
+            torch.testing.assert_close(together[row], torch.cat(alone), rtol=1e-4, atol=1e-4)
+    assert eager_kernel  # the steady state was reached
+
+
+def test_with_autograd_the_eager_step_runs_and_gradients_flow(eager_kernel):
+    model = converted("hybrid")
+    set_compiled_steps(model, True)
+    ids = tokens(20, batch=1)
+    with torch.no_grad():
+        full = model(ids).logits
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :12], past_key_values=cache, use_cache=True)
+    logits = model(ids[:, 12:13], past_key_values=cache, use_cache=True).logits
+    logits.sum().backward()
+    assert not eager_kernel
+    torch.testing.assert_close(logits, full[:, 12:13], rtol=1e-4, atol=1e-4)
+    assert students(model)[0].feature_map.weight.grad is not None
+
+
+def test_a_failing_compiler_warns_once_and_decoding_goes_on_eagerly(monkeypatch):
+    def broken(*args, **kwargs):
+        from torch._inductor.exc import InvalidCxxCompiler
+
+        raise InvalidCxxCompiler()  # what inductor raises on a machine without a C++ compiler
+
+    monkeypatch.setattr(compiled_ops, "_COMPILED", {})
+    monkeypatch.setattr(compiled_ops, "_FAILED", set())
+    monkeypatch.setattr(compiled_ops.torch, "compile", lambda function, **kwargs: broken)
+    model = converted("hybrid")
+    set_compiled_steps(model, True)
+    ids = tokens(20)
+    with torch.no_grad():
+        full = model(ids).logits
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits = decode_logits(model, ids, prefill=12)
+    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+    assert sum("compiling the decoding step failed" in str(warning.message) for warning in caught) == 1
+
+
+def test_an_error_of_the_inputs_is_not_swallowed(monkeypatch):
+    monkeypatch.setattr(compiled_ops, "_COMPILED", {})
+    monkeypatch.setattr(compiled_ops, "_FAILED", set())
+
+    def wrong(*args, **kwargs):
+        raise ValueError("bad shapes")
+
+    monkeypatch.setattr(compiled_ops.torch, "compile", lambda function, **kwargs: wrong)
+    with pytest.raises(ValueError, match="bad shapes"):
+        compiled_ops.run_compiled(compiled_ops.gated_delta_window_step)
+
+
+def test_set_compiled_steps_needs_a_converted_model():
+    with pytest.raises(DoflaError, match="convert it first"):
+        set_compiled_steps(build_tiny_model("llama", seed=0), True)
+
+
+def test_a_ring_made_from_a_full_window_hides_no_slot():
+    keys = torch.randn(1, 2, 4, 8)
+    state = WindowState(
+        keys=keys,
+        values=torch.randn(1, 2, 4, 8),
+        key_present=torch.ones(1, 2, 4, dtype=torch.bool),
+        sink_keys=torch.randn(1, 2, 2, 8),
+        sink_values=torch.randn(1, 2, 2, 8),
+        sink_count=torch.full((1, 2), 2),
+        window=4,
+        num_tokens=10,
+    )
+    assert ring_window(state, 10).hidden_until == 10
+    state.key_present[0, 1, 2] = False
+    assert ring_window(state, 10).hidden_until == 14
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="needs a C++ compiler"
+)
+def test_the_compiled_kernel_decodes_as_the_full_forward(monkeypatch):
+    """torch.compile for real: the generated kernel, with the ring written in place."""
+    monkeypatch.setattr(compiled_ops, "_COMPILED", {})
+    monkeypatch.setattr(compiled_ops, "_FAILED", set())
+    ran = []
+    original = compiled_ops.compiled
+    monkeypatch.setattr(compiled_ops, "compiled", lambda function: ran.append(1) or original(function))
+    model = converted("hybrid, period and edge sinks")
+    set_compiled_steps(model, True)
+    ids = tokens(30)
+    with torch.no_grad():
+        full = model(ids).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a fallback to the eager step would warn
+        torch.testing.assert_close(decode_logits(model, ids, prefill=20), full, rtol=1e-4, atol=1e-4)
+    assert len(ran) == 9 * len(students(model))
+    assert compiled_ops.gated_delta_window_step not in compiled_ops._FAILED
