@@ -17,6 +17,10 @@ the teacher of the same run:
   its attention replaced by zeros and everything else its own (projections, norms, MLP, cache writes).
   No student that keeps the teacher's projections and MLP prefills faster, so its ratio is the ceiling of
   every student's prefill ratio on the machine.
+- any student's name followed by " (compiled steps)": that student decoding through its cells' compiled
+  steps where they have one (``dofla.convert.set_compiled_steps``: one generated kernel per step instead of
+  its few dozen operators; the first step, untimed, compiles); the teacher keeps its own eager step, whose
+  attention is already one fused SDPA call;
 - "teacher (KV written in place)" (asked for by name; decode rows only): the teacher decoding from the same
   synthetic cache held in dofla's ``GrowingKVLayer`` (the kept softmax layers' cache layer of a partly
   converted student) instead of transformers' ``DynamicLayer``, which copies its whole cache at each step.
@@ -29,6 +33,8 @@ prefill and measures that row alone, so no row's figure depends on the memory th
     python bench/bench_speed.py --quick               # 1k context, few steps: a check, not a measurement
     python bench/bench_speed.py --cells linear,window --contexts 1024,4096 --batches 1
     python bench/bench_speed.py --contexts 4096 --batches 1 --prefill-chunks 0 --repeats 3   # medians of 3
+    python bench/bench_speed.py --contexts 4096 --batches 1 --prefill-chunks 0 --repeats 3 \
+        --cells "gated-delta recipe,gated-delta recipe (compiled steps)" --position-period 1024 --sinks-at-edge
 """
 
 from __future__ import annotations
@@ -45,7 +51,14 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface
 
-from dofla.convert import convert, plan_for, set_position_period, set_sinks_at_edge, unconvert
+from dofla.convert import (
+    convert,
+    plan_for,
+    set_compiled_steps,
+    set_position_period,
+    set_sinks_at_edge,
+    unconvert,
+)
 from dofla.evaluation.speed import (
     PeakMemory,
     available_memory_bytes,
@@ -122,6 +135,18 @@ AttentionInterface.register(NO_ATTENTION_IMPLEMENTATION, no_attention)
 # written in place, not concatenated onto a copy of the cache); decode rows only. What a student gains over
 # it is what linearising gains, apart from the cache's implementation.
 TEACHER_IN_PLACE = "teacher (KV written in place)"
+COMPILED_SUFFIX = " (compiled steps)"
+
+
+def base_student(name: str) -> str:
+    """The student a row's name measures (without the compiled steps' suffix)."""
+    return name.removesuffix(COMPILED_SUFFIX)
+
+
+def known_model(name: str) -> bool:
+    return name in PSEUDO_MODELS or base_student(name) in STUDENTS
+
+
 PSEUDO_MODELS = (NO_ATTENTION, TEACHER_IN_PLACE)
 
 
@@ -142,7 +167,7 @@ def in_place_kv(cache):
 
 
 def student_plan(model, name: str, feature_dim: int, window: int):
-    options, alternating = STUDENTS[name]
+    options, alternating = STUDENTS[base_student(name)]
     options = dict(options)
     window = options.pop("window", window)
     feature_dim = options.pop("feature_dim", feature_dim)
@@ -239,8 +264,12 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
                     if name == TEACHER_IN_PLACE:
                         cache = in_place_kv(cache)
                 else:
-                    fill = min(context, max(128, 2 * STUDENTS[name][0].get("window", args.window)))
+                    fill = min(
+                        context, max(128, 2 * STUDENTS[base_student(name)][0].get("window", args.window))
+                    )
                     cache = student_cache_at(model, batch, context, fill_tokens=fill)
+                if name.endswith(COMPILED_SUFFIX):  # untimed: the window into its ring, the kernel compiled
+                    time_decode(model, cache, batch, steps=2)
                 result = time_decode(
                     model, cache, batch, steps=args.steps or None, target_seconds=args.seconds_per_row
                 )
@@ -284,6 +313,8 @@ def prepared_model(model, name: str, args, log):
         set_position_period(model, args.position_period)
     if args.sinks_at_edge and any(layer.sinks for layer in plan.layers):
         set_sinks_at_edge(model, True)
+    if name.endswith(COMPILED_SUFFIX):
+        set_compiled_steps(model, True)
     log(f"{name}: {plan.layers[0].cell} cell, kind {plan.layers[0].kind}")
     return model
 
@@ -582,7 +613,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cells",
         default=",".join([TEACHER_IN_PLACE, *DEFAULT_STUDENTS]),
-        help=f"students: {', '.join(STUDENTS)}; or {' or '.join(map(repr, PSEUDO_MODELS))}",
+        help=f"students: {', '.join(STUDENTS)} (each also as 'NAME{COMPILED_SUFFIX}'); or "
+        f"{' or '.join(map(repr, PSEUDO_MODELS))}",
     )
     parser.add_argument("--feature-dim", type=int, default=64)
     parser.add_argument(
@@ -639,7 +671,7 @@ def main(argv=None) -> int:
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.prefill_chunks = [int(c) for c in str(args.prefill_chunks).split(",")]
     names = [name.strip() for name in args.cells.split(",") if name.strip()]
-    unknown = [name for name in names if name not in STUDENTS and name not in PSEUDO_MODELS]
+    unknown = [name for name in names if not known_model(name)]
     if unknown:
         parser.error(f"unknown student {unknown[0]!r}; known: {', '.join([*STUDENTS, *PSEUDO_MODELS])}")
 
