@@ -219,6 +219,8 @@ def row_settings(args, name: str = TEACHER) -> list[tuple[str, int, int]]:
         for context in args.contexts
         if (phase_chunk(phase) or 0) < context  # a prompt of one piece is the one-forward row
     ]
+    if args.decode_only:
+        prefill = []
     if name == NO_ATTENTION:
         return prefill
     decode = [("decode", batch, context) for batch in args.batches for context in args.contexts]
@@ -642,6 +644,7 @@ def main(argv=None) -> int:
         help="comma-separated prefill ways: 0 = one forward, N = the prompt in pieces of N tokens (as "
         "generate(prefill_chunk_size=N)); each model is measured every way",
     )
+    parser.add_argument("--decode-only", action="store_true", help="decode rows only (no prefill rows)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="1k context only, batch 1 and 2, 2 decode steps")
     parser.add_argument("--out", default=str(HERE / "results"), help="folder for speed.json and the plot")

@@ -206,3 +206,19 @@ def test_the_compiled_kernel_decodes_as_the_full_forward(monkeypatch):
         torch.testing.assert_close(decode_logits(model, ids, prefill=20), full, rtol=1e-4, atol=1e-4)
     assert len(ran) == 9 * len(students(model))
     assert compiled_ops.gated_delta_window_step not in compiled_ops._FAILED
+
+
+def test_the_generate_command_with_compile_prints_the_eager_continuation(tmp_path, capsys, eager_kernel):
+    from dofla.cli import main
+    from dofla.convert import save_converted
+    from dofla.models import build_tiny_tokenizer
+
+    model = converted("hybrid, period and edge sinks")
+    save_converted(model, tmp_path / "out", tokenizer=build_tiny_tokenizer())
+    arguments = ["generate", str(tmp_path / "out"), "--prompt", "The cat sat on the mat and the dog"]
+    assert main([*arguments, "--max-new-tokens", "12"]) == 0
+    eager = capsys.readouterr().out
+    assert not eager_kernel
+    assert main([*arguments, "--max-new-tokens", "12", "--compile"]) == 0
+    assert capsys.readouterr().out == eager
+    assert eager_kernel  # the continuation went past the window's first fill

@@ -292,6 +292,7 @@ def test_linearize_options_are_checked_before_loading(tmp_path, capsys, argument
         ),
         (["generate", NOT_LOADED, "--prompt-file", "no-such-prompt.txt"], "is not a file"),
         (["generate", NOT_LOADED, "--prompt", "Hi", "--graph", "--sample"], "--graph decodes greedily"),
+        (["generate", NOT_LOADED, "--prompt", "Hi", "--graph", "--compile"], "give one"),
         (
             ["generate", NOT_LOADED, "--prompt", "Hi", "--graph", "--device", "cpu"],
             "--graph needs a CUDA GPU",

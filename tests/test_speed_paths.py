@@ -1035,3 +1035,27 @@ def test_profile_decode_counts_only_with_the_period_and_edge_sinks(capsys, one_t
     assert "Self CPU" not in printed
     counts = [int(line.split(", ")[-1].split()[0]) for line in printed.splitlines() if "aten calls" in line]
     assert len(counts) == 2 and counts[1] > counts[0]  # the student's step does more small operators
+
+
+def test_bench_speed_measures_a_student_through_its_compiled_steps_in_decode_rows_only(
+    tmp_path, monkeypatch, capsys
+):
+    import dofla.cells.delta as delta_cells
+
+    calls = []
+    monkeypatch.setattr(  # the step function eagerly (compiling is tested in test_compiled_steps)
+        delta_cells,
+        "run_compiled",
+        lambda function, *args, **kwargs: calls.append(1) or function(*args, **kwargs),
+    )
+    bench = bench_script("bench_speed")
+    name = "gated-delta recipe" + bench.COMPILED_SUFFIX
+    arguments = ["--tiny", "--contexts", "256", "--batches", "1", "--steps", "2", "--isolate", "none"]
+    arguments += ["--cells", name, "--decode-only", "--position-period", "64", "--sinks-at-edge"]
+    assert bench.main([*arguments, "--out", str(tmp_path), "--plot", str(tmp_path / "s.png")]) == 0
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    assert sorted((r["model"], r["phase"]) for r in rows) == [(name, "decode"), ("teacher", "decode")]
+    assert calls  # the untimed steps reached the window's steady state; the timed ones ran compiled
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--cells", "linear (compiled)"])
+    assert "unknown student 'linear (compiled)'" in capsys.readouterr().err

@@ -45,6 +45,13 @@ def register(subparsers) -> None:
         "must attend to every token; with a window, prompts at least as long as it): a decoding step without "
         "Python's launch cost, many times faster at small batch",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode through each converted layer's compiled step where its cell has one (the CPU; the "
+        "gated_delta cell with projection keys, as the gated-delta recipes): one generated kernel per step "
+        "instead of a few dozen operators; the first steps compile it (seconds; kept on disk by torch)",
+    )
     add_position_arguments(parser)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
@@ -71,6 +78,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
     check_position_arguments(args)
     check_device_and_dtype(args)
+    if args.compile and args.graph:
+        raise DoflaError("--compile is the CPU's compiled step and --graph the GPU's CUDA graph; give one.")
     if args.graph:
         import torch
 
@@ -109,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
         args.converted, teacher=args.teacher, dtype=args.dtype, device=args.device
     )
     apply_position_arguments(model, args)
+    if args.compile:
+        from dofla.convert import set_compiled_steps
+
+        set_compiled_steps(model, True)
     if tokenizer is None:
         raise DoflaError(
             f"{args.converted} has no tokenizer files; save it with its tokenizer to generate text."
