@@ -37,7 +37,13 @@ PLANS = {
     "hybrid, no sinks, period": ({**HYBRID, "sinks": 0}, dict(period=8)),
     "linear": (dict(kind="linear", cell="gated_delta", feature_map="projection", feature_dim=8), dict()),
     "hybrid, head-wise features": (HYBRID, dict(head_dims=[8, 5])),
-}
+    "hybrid, output gate": ({**HYBRID, "options": {"output_gate": True}}, dict(period=8, edge=True)),
+    "linear, short convolution and output gate": (
+        dict(kind="linear", cell="gated_delta", feature_map="projection", feature_dim=8,
+             options={"short_conv": 4, "output_gate": True}),
+        dict(period=8),
+    ),
+}  # fmt: skip
 
 
 def converted(name: str, seed: int = 0):
@@ -52,6 +58,11 @@ def converted(name: str, seed: int = 0):
         set_position_period(model, extra["period"])
     if extra.get("edge"):
         set_sinks_at_edge(model, True)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # gates, mix and convolution away from their starting values (zeros, identity)
+        for student in students(model).values():
+            for parameter in student.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
     return model.eval()
 
 

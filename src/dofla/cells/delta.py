@@ -544,20 +544,22 @@ class GatedDeltaAttention(LinearAttention):
         return self._kept_step_gates.get(parameters, build, dtype, value_dim)
 
     def _compiled_step(self, query, key, value, attention_mask, state, scaling, position_ids, edge):
-        """``_decode_step`` through ``dofla.ops.compiled.gated_delta_window_step``: the projection map, no
-        short convolution, output gate or adaptive mix, key/value heads as state heads, on the CPU without
-        autograd, and with a window only once it is full with every sink kept (its steady state)."""
+        """``_decode_step`` through ``dofla.ops.compiled.gated_delta_window_step``: the projection map, the
+        fixed mix, key/value heads as state heads, on the CPU without autograd, and with a window only once
+        it is full with every sink kept (its steady state)."""
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
+        tail = None
+        if type(memory_state) is ConvDeltaState:
+            memory_state, tail = memory_state.memory, memory_state.tail
         dtype = query.dtype
         if (
             torch.is_grad_enabled()
             or query.device.type != "cpu"
-            or self.short_conv
-            or self.output_gate
             or self.adaptive_mix
             or type(self.feature_map) is not ProjectionFeatures
             or key.shape[1] != self.state_heads
             or type(memory_state) is not DeltaState
+            or (tail is not None) != bool(self.short_conv)
             or not memory_state.kv.dtype == key.dtype == value.dtype == dtype
             or (self.kind == "hybrid") != isinstance(state, DeltaHybridState)
             or key_mask_from_attention_mask(attention_mask, 1) is not None
@@ -571,30 +573,37 @@ class GatedDeltaAttention(LinearAttention):
         if memory_turn is False or sink_key_turn is False:
             return None
         feature_map = self.feature_map
-        gate_weight, gate_bias = self._step_gate_weights(dtype, value.shape[-1])
         stepped = run_compiled(
             gated_delta_window_step,
             query,
             key,
             value,
             memory_state.kv,
-            feature_map.weight.to(dtype),
-            gate_weight,
-            gate_bias,
-            None if ring is None else self.step_window_factor().to(dtype),
+            feature_map.weight,
+            self.decay.weight,
+            self.decay.bias,
+            self.write.weight,
+            self.write.bias,
+            self.window_factor_logit if ring is not None else None,
             None if ring is None else ring.keys,
             None if ring is None else ring.values,
             None if ring is None else slot_index(ring.next_slot, ring.keys.shape[2], ring.keys.device),
             memory_turn,
             sink_key_turn,
-            feature_map.feature_mask.to(dtype) if feature_map.has_headwise_dims else None,
+            feature_map.feature_mask if feature_map.has_headwise_dims else None,
+            tail,
+            self.conv_weight if tail is not None else None,
+            self.output_gate_weight if self.output_gate else None,
+            self.output_gate_bias if self.output_gate else None,
             float(scaling),
             self.sinks,
         )
         if stepped is None:
             return None
-        output, memory = stepped
+        output, memory, tail = stepped
         new_memory = DeltaState(memory, memory_state.num_tokens + 1)
+        if tail is not None:
+            new_memory = ConvDeltaState(new_memory, tail)
         if ring is None:
             return output, new_memory
         ring.num_tokens += 1
