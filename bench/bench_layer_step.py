@@ -15,6 +15,7 @@ run in alternating subprocesses, ``--runs`` times each, and the table gives the 
     python bench/bench_layer_step.py
     python bench/bench_layer_step.py --cells "gla+window,gated_delta+window" --against /tmp/before/src
     python bench/bench_layer_step.py --cells "gated_delta conv8" --prefill 16384 --threads 2 --rounds 3
+    python bench/bench_layer_step.py --cells "gated_delta+window,gated_delta conv8 gate" --window 128 --compiled
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ CELLS = {
     "gated_delta conv8": dict(
         kind="linear", cell="gated_delta", feature_map="projection", options={"short_conv": 8}
     ),
+    # the gated-delta-linear recipe's cell: that convolution and the gate on the memory's read-out
+    "gated_delta conv8 gate": dict(
+        kind="linear",
+        cell="gated_delta",
+        feature_map="projection",
+        options={"short_conv": 8, "output_gate": True},
+    ),
 }
 DEFAULT_CELLS = ("gla+window", "gated_delta+window", "linear+window", "gla")
 
@@ -63,6 +71,7 @@ def build_layer(name: str, args):
         head_dim=args.head_dim,
         scaling=args.head_dim**-0.5,
     ).eval()
+    student.compiled_steps = args.compiled
     with torch.no_grad():  # trained-looking parameters, not the initial ones
         generator = torch.Generator().manual_seed(0)
         for parameter in student.parameters():
@@ -196,6 +205,11 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--against", default=None, help="another checkout's src folder to compare with")
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per side with --against")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="decode through the cells' compiled steps where they have one (dofla.ops.compiled)",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     args.cells = [name.strip() for name in args.cells.split(",") if name.strip()]

@@ -219,8 +219,6 @@ def row_settings(args, name: str = TEACHER) -> list[tuple[str, int, int]]:
         for context in args.contexts
         if (phase_chunk(phase) or 0) < context  # a prompt of one piece is the one-forward row
     ]
-    if args.decode_only:
-        prefill = []
     if name == NO_ATTENTION:
         return prefill
     decode = [("decode", batch, context) for batch in args.batches for context in args.contexts]
@@ -233,6 +231,8 @@ def prefill_phase(chunk: int) -> str:
 
 
 def prefill_phases(args) -> list[str]:
+    if args.decode_only:
+        return []
     return [prefill_phase(chunk) for chunk in args.prefill_chunks]
 
 
