@@ -101,6 +101,9 @@ STUDENTS = {
     # gated-delta cell with 4 layers kept as softmax, spread evenly here: which layers does not change the
     # speed)
     "gated-delta recipe": (plan_for_arguments("gated-delta"), None),
+    # the gla recipe (the demo's cell): gla over Hedgehog features sharing one normalisation with a window
+    # of 64 and 4 sinks
+    "gla recipe": (plan_for_arguments("gla"), None),
     "gated-delta-linear recipe": (plan_for_arguments("gated-delta-linear"), None),
     "gated-delta-retrieval recipe": (plan_for_arguments("gated-delta-retrieval"), None),
     "gated_delta+window (3 softmax)": (

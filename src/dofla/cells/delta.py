@@ -56,7 +56,13 @@ from dofla.ops import (
     update_delta_state,
     window_attention,
 )
-from dofla.ops.compiled import gated_delta_window_step, run_compiled, slot_index
+from dofla.ops.compiled import (
+    gated_delta_window_step,
+    one_token_matrix,
+    run_compiled,
+    slot_index,
+    steady_ring,
+)
 from dofla.ops.decode import RingWindow, ring_window, ring_window_step
 from dofla.ops.state import BatchedState
 
@@ -168,31 +174,6 @@ def _takes_window_step(cell: LinearAttention, window, dtype: torch.dtype) -> boo
         and window.sinks == cell.sinks
         and window.keys.dtype == window.values.dtype == dtype
     )
-
-
-def _steady_ring(cell: LinearAttention, ring, dtype: torch.dtype) -> bool:
-    """Whether a hybrid layer's window is a ring in its steady state, as the compiled step takes it: every
-    slot visible (the window full, each sink kept, no slot hidden), values without an extra column, in
-    ``dtype``, updatable in place."""
-    return (
-        isinstance(ring, RingWindow)
-        and _takes_window_step(cell, ring, dtype)
-        and ring.sinks_full
-        and ring.num_tokens >= ring.hidden_until
-        and ring.values.shape[-1] == ring.value_dim
-        and not (ring.keys.is_inference() and not torch.is_inference_mode_enabled())
-    )
-
-
-def _one_token_matrix(turns, name: str, dtype: torch.dtype):
-    """The one-token turn ``turns.<name>`` as the compiled step takes it: (D, D), or per batch row
-    (B, 1, D, D); None for no turns, False where the turns have no such matrix in ``dtype``."""
-    if turns is None:
-        return None
-    matrix = getattr(turns, name)
-    if matrix is None or matrix.dtype != dtype:
-        return False
-    return matrix if matrix.dim() == 2 else matrix[:, None]
 
 
 @register_cell("gated_delta")
@@ -566,10 +547,10 @@ class GatedDeltaAttention(LinearAttention):
         ):
             return None
         ring = state.window if self.kind == "hybrid" else None
-        if ring is not None and not _steady_ring(self, ring, dtype):
+        if ring is not None and not (_takes_window_step(self, ring, dtype) and steady_ring(ring, dtype)):
             return None
-        memory_turn = _one_token_matrix(self.period_turns(query, position_ids), "matrix", dtype)
-        sink_key_turn = _one_token_matrix(edge, "key_matrix", dtype)
+        memory_turn = one_token_matrix(self.period_turns(query, position_ids), "matrix", dtype)
+        sink_key_turn = one_token_matrix(edge, "key_matrix", dtype)
         if memory_turn is False or sink_key_turn is False:
             return None
         feature_map = self.feature_map

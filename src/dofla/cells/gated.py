@@ -17,15 +17,18 @@ Initialisation starts close to "remember": ``w = 0`` and the biases give the hea
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dofla.attention import LinearAttention, state_dtype
+from dofla.attention import LinearAttention, key_mask_from_attention_mask, state_dtype
 from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
+from dofla.feature_maps.learned import HedgehogFeatures
+from dofla.ops.compiled import gla_window_step, one_token_matrix, run_compiled, slot_index, steady_ring
+from dofla.ops.decode import RingHybridState
 from dofla.ops.state import BatchedState
 
 DEFAULT_DECAY_MEMORY = (128.0, 2048.0)
@@ -154,6 +157,61 @@ class GatedLinearAttention(LinearAttention):
         decayed = -total if log_scale is None else log_scale[..., -1] - total
         output, inner = self._state_step(state.inner, query, key, features, values, decayed, scaling, edge)
         return output, GatedState(inner, total)
+
+    def _compiled_step(self, query, key, value, attention_mask, state, scaling, position_ids, edge):
+        """``_decode_step`` through ``dofla.ops.compiled.gla_window_step``: a hybrid layer over Hedgehog
+        features (no head-wise dimensions), key/value heads as state heads, on the CPU without autograd, its
+        window in the ring layout, full and with every sink kept (the steady state)."""
+        inner = state.inner if isinstance(state, GatedState) else None
+        dtype = query.dtype
+        if (
+            not isinstance(inner, RingHybridState)
+            or torch.is_grad_enabled()
+            or query.device.type != "cpu"
+            or type(self.feature_map) is not HedgehogFeatures
+            or self.feature_map.has_headwise_dims
+            or key.shape[1] != self.state_heads
+            or not self._has_decode_step(inner)
+            or not inner.sums.dtype == inner.key_features.dtype == key.dtype == value.dtype == dtype
+            or key_mask_from_attention_mask(attention_mask, 1) is not None
+        ):
+            return None
+        ring = inner.ring
+        if not (steady_ring(ring, dtype, ones_column=True) and ring.num_tokens >= ring.window):
+            return None
+        memory_turn = one_token_matrix(self.period_turns(query, position_ids), "matrix", dtype)
+        sink_key_turn = one_token_matrix(edge, "key_matrix", dtype)
+        if memory_turn is False or sink_key_turn is False:
+            return None
+        slot = ring.next_slot
+        stepped = run_compiled(
+            gla_window_step,
+            query,
+            key,
+            value,
+            state.log_decay_total,
+            self.feature_map.signed_weight(dtype),
+            self.decay.weight,
+            self.decay.bias,
+            self.window_factor_logit,
+            ring.keys,
+            ring.values,
+            inner.key_features,
+            inner.key_log_scales,
+            inner.sums,
+            inner.log_offset,
+            slot_index(slot, ring.keys.shape[2], ring.keys.device),
+            slot_index(slot - ring.sinks, ring.keys.shape[2], ring.keys.device),
+            memory_turn,
+            sink_key_turn,
+            float(scaling),
+            self.sinks,
+        )
+        if stepped is None:
+            return None
+        output, total, sums, log_offset = stepped
+        ring.num_tokens += 1
+        return output, GatedState(replace(inner, sums=sums, log_offset=log_offset), total)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)

@@ -45,7 +45,7 @@ class HedgehogFeatures(FeatureMap):
                 self.num_heads, self.head_dim, self.feature_dim // 2, generator, self.head_dim**-0.5
             )
         )
-        self._kept_signed_weight = DerivedTensor()  # see _signed_weight
+        self._kept_signed_weight = DerivedTensor()  # see signed_weight
 
     def forward(self, x: Tensor, *, is_query: bool) -> tuple[Tensor, None]:
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
@@ -64,11 +64,11 @@ class HedgehogFeatures(FeatureMap):
         if self.has_headwise_dims:
             return self.forward(x, is_query=False)
         grouped = self.grouped_input(x)  # (B, Hm, G, T, D)
-        projection = grouped_product(grouped, self._signed_weight(grouped.dtype))  # (..., N, F)
+        projection = grouped_product(grouped, self.signed_weight(grouped.dtype))  # (..., N, F)
         features = torch.softmax(projection.unflatten(-1, (-1, 2)), dim=-2)  # (..., F/2, 2)
         return features.reshape(x.shape[:3] + (self.feature_dim,)).to(x.dtype), None
 
-    def _signed_weight(self, dtype: torch.dtype) -> Tensor:
+    def signed_weight(self, dtype: torch.dtype) -> Tensor:
         """(Hm, D, F): W's columns interleaved with their negations; kept between calls without autograd
         until the weight changes (an optimiser step, a load)."""
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from dofla.ops.decode import RingWindow
+
 _COMPILED: dict[Callable, Callable | None] = {}
 _FAILED: set[Callable] = set()
 # inductor's options: the generated wrapper in C++ too (a call costs microseconds, not tens of them)
@@ -86,6 +88,32 @@ def product(a: Tensor, b: Tensor) -> Tensor:
     operators around it, where a small matrix product would be a library call of its own (at decoding's sizes
     the call costs more than the arithmetic; measured twice as fast a step)."""
     return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
+
+
+def steady_ring(ring, dtype: torch.dtype, *, ones_column: bool = False) -> bool:
+    """Whether a window (a ``RingWindow``) is in the steady state the compiled steps take: every slot
+    visible (the window full, each sink kept, no slot hidden), in ``dtype``, its values with a column of
+    ones where ``ones_column`` (the shared normalisation's), updatable in place."""
+    return (
+        isinstance(ring, RingWindow)
+        and ring.keys.dtype == ring.values.dtype == dtype
+        and ring.sinks_full
+        and ring.num_tokens >= ring.hidden_until
+        and ring.values.shape[-1] == ring.value_dim + int(ones_column)
+        and not (ring.keys.is_inference() and not torch.is_inference_mode_enabled())
+    )
+
+
+def one_token_matrix(turns, name: str, dtype: torch.dtype):
+    """The one-token turn ``turns.<name>`` (``dofla.rotary.Turns``) as the compiled steps take it: (D, D),
+    or per batch row (B, 1, D, D); None for no turns, False where the turns have no such matrix in
+    ``dtype``."""
+    if turns is None:
+        return None
+    matrix = getattr(turns, name)
+    if matrix is None or matrix.dtype != dtype:
+        return False
+    return matrix if matrix.dim() == 2 else matrix[:, None]
 
 
 def _turned(x: Tensor, matrix: Tensor | None) -> Tensor:
@@ -181,3 +209,77 @@ def gated_delta_window_step(
         window = product(torch.softmax(scores, dim=-1), ring_values)  # (B, Hs, G, Dv)
         output = torch.lerp(output, window, torch.sigmoid(mix_logit).view(state_heads, group, 1))
     return output.reshape(batch, 1, heads, -1), memory, tail
+
+
+def gla_window_step(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    log_decay_total: Tensor,
+    signed_weight: Tensor,
+    decay_weight: Tensor,
+    decay_bias: Tensor,
+    mix_logit: Tensor,
+    ring_keys: Tensor,
+    ring_values: Tensor,
+    key_features: Tensor,
+    key_log_scales: Tensor,
+    sums: Tensor,
+    log_offset: Tensor,
+    slot: Tensor,
+    oldest: Tensor,
+    memory_turn: Tensor | None,
+    sink_key_turn: Tensor | None,
+    scaling: float,
+    sinks: int,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One token of the gated linear attention sharing its normalisation with the window's softmax over
+    Hedgehog features (``GatedLinearAttention``'s hybrid step, its window full and every sink kept, as
+    ``dofla.ops.decode.hybrid_decode_step`` gives it): returns the output (B, 1, H, Dv), the new running log
+    decay (B, Hs), the linear sums and their log offset; the ring and the window's key features and log
+    scales are updated in place.
+
+    query (B, H, 1, D), key and value (B, Hs, 1, D); ``log_decay_total`` A (B, Hs) before the token; the map's
+    columns interleaved with their negations (Hs, D, F) (phi = softmax over each pair's sign, then over the
+    F/2 columns); the decay gate's weight (Hs, Dv) and bias (Hs,); gamma = sigmoid(``mix_logit`` (H,)); the
+    ring's keys (B, Hs, S + W, D) and values with their column of ones (B, Hs, S + W, Dv + 1); the window
+    slots' key features (B, Hs, W, F) and log scales (B, Hs, W); the sums (B, Hs, F, Dv + 1) of the keys
+    that left the window, relative to ``log_offset`` (B, Hs); ``slot`` the ring slot this token takes and
+    ``oldest`` (slot - S) the window slot whose key leaves for the sums (1-element int64 each); the turns as
+    in ``gated_delta_window_step``.
+    """
+    batch, heads, _, dim = query.shape
+    state_heads = key.shape[1]
+    group = heads // state_heads
+    queries = query.reshape(batch, state_heads, group, dim)
+    both = torch.cat([queries, key], dim=2)  # (B, Hs, G + 1, D)
+    projection = product(_turned(both, memory_turn), signed_weight)  # (B, Hs, G + 1, F)
+    features = torch.softmax(projection.unflatten(-1, (-1, 2)), dim=-2).flatten(-2)
+    values = value[:, :, 0]  # (B, Hs, Dv)
+    gate = (values * decay_weight).sum(-1) * values.shape[-1] ** -0.5 + decay_bias
+    total = log_decay_total + torch.nn.functional.logsigmoid(gate)  # (B, Hs): A_t
+    log_scale = -total  # the key's log scale s_t - A_t (Hedgehog's s_t = 0)
+    # the oldest window key joins the sums (read before this token overwrites its slots)
+    leaving_scale = key_log_scales.index_select(2, oldest)[:, :, 0]  # (B, Hs)
+    new_offset = torch.maximum(log_offset, leaving_scale)
+    finite_offset = new_offset.clamp_min(torch.finfo(new_offset.dtype).min)
+    decay = torch.exp(log_offset - finite_offset)[..., None, None]
+    weight = torch.exp(leaving_scale - finite_offset)[..., None]  # (B, Hs, 1)
+    leaving_key = key_features.index_select(2, oldest)[:, :, 0] * weight  # (B, Hs, F)
+    leaving_value = ring_values.index_select(2, slot)  # (B, Hs, 1, Dv + 1)
+    sums = sums * decay + leaving_key[..., None] * leaving_value
+    ring_keys.index_copy_(2, slot, key)
+    ring_values.index_copy_(2, slot, torch.cat([value, torch.ones_like(value[..., :1])], dim=-1))
+    key_features.index_copy_(2, oldest, features[:, :, -1:])
+    key_log_scales.index_copy_(2, oldest, log_scale[..., None])
+    keys = ring_keys
+    if sink_key_turn is not None:
+        keys = torch.cat([_turned(ring_keys[:, :, :sinks], sink_key_turn), ring_keys[:, :, sinks:]], dim=2)
+    scores = product(queries, keys.transpose(-1, -2)) * scaling  # (B, Hs, G, S + W)
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    window_sums = product(weights, ring_values)  # (B, Hs, G, Dv + 1): numerators, then denominators
+    linear_sums = product(features[:, :, :-1], sums)  # relative to the offset
+    mixed = torch.lerp(linear_sums, window_sums, torch.sigmoid(mix_logit).view(state_heads, group, 1))
+    output = mixed[..., :-1] / (mixed[..., -1:] + eps)
+    return output.reshape(batch, 1, heads, -1), total, sums, new_offset
