@@ -116,6 +116,20 @@ SECTIONS = [
         "the lower one; the per-round samples follow the tables).",
     ),
     (
+        "Compiled decoding steps at 4k, batch 1: each recipe's cell eager and through its one compiled kernel (CPU, medians of 3 rounds)",
+        "bench/results/speed_compiled_4k.md",
+        "`python bench/bench_speed.py --contexts 4096 --batches 1 --decode-only --repeats 3 --position-period "
+        "1024 --sinks-at-edge --cells ...` (command in the file): a row named `NAME (compiled steps)` decodes "
+        "through its cells' compiled steps (`dofla.ops.compiled`, `dofla generate --compile`), the teacher "
+        "with its own eager step (its attention one SDPA call). Target: decode at 4k and batch 1 >= 1.3x.",
+    ),
+    (
+        "Compiled decoding steps at 16k, batch 1 and 8: the gated-delta recipe's cell eager and compiled (CPU, 2 rounds)",
+        "bench/results/speed_compiled_16k.md",
+        "The same comparison at 16k (each row its median of two samples, the lower one). Target: decode at "
+        "16k and batch 8 >= 10x.",
+    ),
+    (
         "Graph decoding on one H200: the pure-linear recipe's decoding step replayed from a CUDA graph (bf16)",
         "bench/results/gpu_h200_graph_decode_s32.md",
         "`bench/bench_generation.py --graph` through `bash bench/gpu_run.sh` on a lent H200 (random weights of "
