@@ -58,7 +58,8 @@ from dofla.ops import (
 )
 from dofla.ops.compiled import (
     gated_delta_window_step,
-    one_token_matrix,
+    in_place,
+    one_token_turn,
     run_compiled,
     slot_index,
     steady_ring,
@@ -549,9 +550,9 @@ class GatedDeltaAttention(LinearAttention):
         ring = state.window if self.kind == "hybrid" else None
         if ring is not None and not (_takes_window_step(self, ring, dtype) and steady_ring(ring, dtype)):
             return None
-        memory_turn = one_token_matrix(self.period_turns(query, position_ids), "matrix", dtype)
-        sink_key_turn = one_token_matrix(edge, "key_matrix", dtype)
-        if memory_turn is False or sink_key_turn is False:
+        memory_turn = one_token_turn(self.period_turns(query, position_ids), dtype)
+        sink_turn = one_token_turn(edge, dtype)
+        if memory_turn is None or sink_turn is None or not in_place(memory_state.kv):
             return None
         feature_map = self.feature_map
         stepped = run_compiled(
@@ -569,8 +570,8 @@ class GatedDeltaAttention(LinearAttention):
             None if ring is None else ring.keys,
             None if ring is None else ring.values,
             None if ring is None else slot_index(ring.next_slot, ring.keys.shape[2], ring.keys.device),
-            memory_turn,
-            sink_key_turn,
+            *memory_turn,
+            *sink_turn,
             feature_map.feature_mask if feature_map.has_headwise_dims else None,
             tail,
             self.conv_weight if tail is not None else None,
@@ -581,8 +582,8 @@ class GatedDeltaAttention(LinearAttention):
         )
         if stepped is None:
             return None
-        output, memory, tail = stepped
-        new_memory = DeltaState(memory, memory_state.num_tokens + 1)
+        output, tail = stepped
+        new_memory = DeltaState(memory_state.kv, memory_state.num_tokens + 1)  # updated in place
         if tail is not None:
             new_memory = ConvDeltaState(new_memory, tail)
         if ring is None:

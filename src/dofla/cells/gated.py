@@ -27,7 +27,14 @@ from dofla.attention import LinearAttention, key_mask_from_attention_mask, state
 from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
 from dofla.feature_maps.learned import HedgehogFeatures
-from dofla.ops.compiled import gla_window_step, one_token_matrix, run_compiled, slot_index, steady_ring
+from dofla.ops.compiled import (
+    gla_window_step,
+    in_place,
+    one_token_turn,
+    run_compiled,
+    slot_index,
+    steady_ring,
+)
 from dofla.ops.decode import RingHybridState
 from dofla.ops.state import BatchedState
 
@@ -179,9 +186,9 @@ class GatedLinearAttention(LinearAttention):
         ring = inner.ring
         if not (steady_ring(ring, dtype, ones_column=True) and ring.num_tokens >= ring.window):
             return None
-        memory_turn = one_token_matrix(self.period_turns(query, position_ids), "matrix", dtype)
-        sink_key_turn = one_token_matrix(edge, "key_matrix", dtype)
-        if memory_turn is False or sink_key_turn is False:
+        memory_turn = one_token_turn(self.period_turns(query, position_ids), dtype)
+        sink_turn = one_token_turn(edge, dtype)
+        if memory_turn is None or sink_turn is None or not in_place(inner.sums):
             return None
         slot = ring.next_slot
         stepped = run_compiled(
@@ -202,16 +209,16 @@ class GatedLinearAttention(LinearAttention):
             inner.log_offset,
             slot_index(slot, ring.keys.shape[2], ring.keys.device),
             slot_index(slot - ring.sinks, ring.keys.shape[2], ring.keys.device),
-            memory_turn,
-            sink_key_turn,
+            *memory_turn,
+            *sink_turn,
             float(scaling),
             self.sinks,
         )
         if stepped is None:
             return None
-        output, total, sums, log_offset = stepped
+        output, total, log_offset = stepped
         ring.num_tokens += 1
-        return output, GatedState(replace(inner, sums=sums, log_offset=log_offset), total)
+        return output, GatedState(replace(inner, log_offset=log_offset), total)  # sums updated in place
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)

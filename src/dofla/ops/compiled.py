@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from dofla.ops.decode import RingWindow
+from dofla.rotary import rotate_by
 
 _COMPILED: dict[Callable, Callable | None] = {}
 _FAILED: set[Callable] = set()
@@ -90,6 +91,12 @@ def product(a: Tensor, b: Tensor) -> Tensor:
     return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
 
 
+def in_place(tensor: Tensor) -> bool:
+    """Whether a state's buffer may be updated in place here (as ``dofla.ops.decode`` updates its rings):
+    not one made in inference mode while this is not."""
+    return not (tensor.is_inference() and not torch.is_inference_mode_enabled())
+
+
 def steady_ring(ring, dtype: torch.dtype, *, ones_column: bool = False) -> bool:
     """Whether a window (a ``RingWindow``) is in the steady state the compiled steps take: every slot
     visible (the window full, each sink kept, no slot hidden), in ``dtype``, its values with a column of
@@ -100,25 +107,33 @@ def steady_ring(ring, dtype: torch.dtype, *, ones_column: bool = False) -> bool:
         and ring.sinks_full
         and ring.num_tokens >= ring.hidden_until
         and ring.values.shape[-1] == ring.value_dim + int(ones_column)
-        and not (ring.keys.is_inference() and not torch.is_inference_mode_enabled())
+        and in_place(ring.keys)
     )
 
 
-def one_token_matrix(turns, name: str, dtype: torch.dtype):
-    """The one-token turn ``turns.<name>`` (``dofla.rotary.Turns``) as the compiled steps take it: (D, D),
-    or per batch row (B, 1, D, D); None for no turns, False where the turns have no such matrix in
-    ``dtype``."""
+def one_token_turn(turns, dtype: torch.dtype):
+    """The cosines and sines (B, 1, 1, r/2) of one token's turn (``dofla.rotary.Turns``) as the compiled
+    steps take them: (None, None) for no turns, None where they are not in ``dtype``."""
     if turns is None:
+        return None, None
+    if turns.cos.dtype != dtype or turns.cos.shape[2] != 1:
         return None
-    matrix = getattr(turns, name)
-    if matrix is None or matrix.dtype != dtype:
-        return False
-    return matrix if matrix.dim() == 2 else matrix[:, None]
+    return turns.cos, turns.sin
 
 
-def _turned(x: Tensor, matrix: Tensor | None) -> Tensor:
-    """x (B, Hk, N, D) times ``matrix`` (D, D) or per batch row (B, 1, D, D); x itself for None."""
-    return x if matrix is None else product(x, matrix)
+def _turned(x: Tensor, cos: Tensor | None, sin: Tensor | None) -> Tensor:
+    """x (B, Hk, N, D) turned in the rotary planes by the angles of ``cos``, ``sin`` (B, 1, 1, r/2)
+    (``dofla.rotary.rotate_by``: elementwise, fused into the kernel); x itself for None."""
+    return x if cos is None else rotate_by(x, cos, sin)
+
+
+def _sinks_turned(ring_keys: Tensor, cos: Tensor | None, sin: Tensor | None, sinks: int) -> Tensor:
+    """The ring's keys (B, Hk, S + W, D) with its ``sinks`` sink keys turned by the opposite of the angles of
+    ``cos``, ``sin`` (so that a query scores them as its turn would, ``Turns.keys_for_turned_query``); the
+    ring's keys for None."""
+    if cos is None:
+        return ring_keys
+    return torch.cat([rotate_by(ring_keys[:, :, :sinks], cos, -sin), ring_keys[:, :, sinks:]], dim=2)
 
 
 def gated_delta_window_step(
@@ -135,8 +150,10 @@ def gated_delta_window_step(
     ring_keys: Tensor | None,
     ring_values: Tensor | None,
     slot: Tensor | None,
-    memory_turn: Tensor | None,
-    sink_key_turn: Tensor | None,
+    memory_cos: Tensor | None,
+    memory_sin: Tensor | None,
+    sink_cos: Tensor | None,
+    sink_sin: Tensor | None,
     feature_mask: Tensor | None,
     conv_tail: Tensor | None,
     conv_weight: Tensor | None,
@@ -144,11 +161,11 @@ def gated_delta_window_step(
     out_gate_bias: Tensor | None,
     scaling: float,
     sinks: int,
-) -> tuple[Tensor, Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None]:
     """One token of the gated delta rule over projected features, alone or mixed with the window's softmax
-    (``GatedDeltaAttention``'s step, in its steady state): returns the output (B, 1, H, Dv), the new memory
-    and the short convolution's new tail (or None); the token's key and value are written into the ring (in
-    place).
+    (``GatedDeltaAttention``'s step, in its steady state): returns the output (B, 1, H, Dv) and the short
+    convolution's new tail (or None); the memory is updated and the token's key and value written into the
+    ring in place.
 
     query (B, H, 1, D), key and value (B, Hs, 1, D) (Hs state heads, the key/value heads; G = H // Hs), the
     memory S (B, Hs, F, Dv); the projection map's weight (Hs, D, F) and its head-wise mask (Hs, F) or None;
@@ -160,8 +177,9 @@ def gated_delta_window_step(
     output, else gamma = sigmoid(``mix_logit`` (H,)) mixes it per head with the window's softmax over
     ``ring_keys`` (B, Hs, S + W, D)
     and ``ring_values`` (B, Hs, S + W, Dv) after the token is written to ring slot ``slot`` (1-element
-    int64); ``memory_turn`` (D, D) or (B, 1, D, D) turns the memory's q and k (a position period),
-    ``sink_key_turn`` the ``sinks`` sink keys (sinks seen from the window's edge); None: unturned.
+    int64); ``memory_cos``, ``memory_sin`` (B, 1, 1, r/2) turn the memory's q and k (a position period),
+    ``sink_cos``, ``sink_sin`` the queries that score the ``sinks`` sinks, as the sink keys turned the
+    opposite way (sinks seen from the window's edge); None: unturned.
     ``scaling``: the window softmax's logit scale.
     """
     batch, heads, _, dim = query.shape
@@ -169,7 +187,7 @@ def gated_delta_window_step(
     group = heads // state_heads
     queries = query.reshape(batch, state_heads, group, dim)
     both = torch.cat([queries, key], dim=2)  # (B, Hs, G + 1, D): each state head's queries, then its key
-    features = product(_turned(both, memory_turn), map_weight)  # (B, Hs, G + 1, F)
+    features = product(_turned(both, memory_cos, memory_sin), map_weight)  # (B, Hs, G + 1, F)
     if feature_mask is not None:
         features = features * feature_mask[:, None]
     values = value[:, :, 0]  # (B, Hs, Dv)
@@ -192,7 +210,7 @@ def gated_delta_window_step(
     key_features = features[:, :, -1:]  # (B, Hs, 1, F)
     recalled = product(key_features, memory)  # (B, Hs, 1, Dv): k^T S
     correction = (written - decay * recalled) * beta  # b (v - a k^T S)
-    memory = memory * decay + key_features.transpose(-1, -2) * correction  # a S + k (b (v - a k^T S))^T
+    memory.copy_(memory * decay + key_features.transpose(-1, -2) * correction)  # a S + k (b (v - a k^T S))^T
     output = product(features[:, :, :-1], memory)  # (B, Hs, G, Dv)
     if out_gate_weight is not None:
         logits = product(values[:, :, None, None], out_gate_weight * scale).squeeze(-2)  # (B, Hs, G, Dv)
@@ -200,15 +218,11 @@ def gated_delta_window_step(
     if ring_keys is not None:
         ring_keys.index_copy_(2, slot, key)
         ring_values.index_copy_(2, slot, value)
-        keys = ring_keys
-        if sink_key_turn is not None:
-            keys = torch.cat(
-                [_turned(ring_keys[:, :, :sinks], sink_key_turn), ring_keys[:, :, sinks:]], dim=2
-            )
+        keys = _sinks_turned(ring_keys, sink_cos, sink_sin, sinks)
         scores = product(queries, keys.transpose(-1, -2)) * scaling  # (B, Hs, G, S + W)
         window = product(torch.softmax(scores, dim=-1), ring_values)  # (B, Hs, G, Dv)
         output = torch.lerp(output, window, torch.sigmoid(mix_logit).view(state_heads, group, 1))
-    return output.reshape(batch, 1, heads, -1), memory, tail
+    return output.reshape(batch, 1, heads, -1), tail
 
 
 def gla_window_step(
@@ -228,16 +242,18 @@ def gla_window_step(
     log_offset: Tensor,
     slot: Tensor,
     oldest: Tensor,
-    memory_turn: Tensor | None,
-    sink_key_turn: Tensor | None,
+    memory_cos: Tensor | None,
+    memory_sin: Tensor | None,
+    sink_cos: Tensor | None,
+    sink_sin: Tensor | None,
     scaling: float,
     sinks: int,
     eps: float = 1e-6,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """One token of the gated linear attention sharing its normalisation with the window's softmax over
     Hedgehog features (``GatedLinearAttention``'s hybrid step, its window full and every sink kept, as
     ``dofla.ops.decode.hybrid_decode_step`` gives it): returns the output (B, 1, H, Dv), the new running log
-    decay (B, Hs), the linear sums and their log offset; the ring and the window's key features and log
+    decay (B, Hs) and the sums' new log offset; the sums, the ring and the window's key features and log
     scales are updated in place.
 
     query (B, H, 1, D), key and value (B, Hs, 1, D); ``log_decay_total`` A (B, Hs) before the token; the map's
@@ -254,7 +270,7 @@ def gla_window_step(
     group = heads // state_heads
     queries = query.reshape(batch, state_heads, group, dim)
     both = torch.cat([queries, key], dim=2)  # (B, Hs, G + 1, D)
-    projection = product(_turned(both, memory_turn), signed_weight)  # (B, Hs, G + 1, F)
+    projection = product(_turned(both, memory_cos, memory_sin), signed_weight)  # (B, Hs, G + 1, F)
     features = torch.softmax(projection.unflatten(-1, (-1, 2)), dim=-2).flatten(-2)
     values = value[:, :, 0]  # (B, Hs, Dv)
     gate = (values * decay_weight).sum(-1) * values.shape[-1] ** -0.5 + decay_bias
@@ -268,18 +284,16 @@ def gla_window_step(
     weight = torch.exp(leaving_scale - finite_offset)[..., None]  # (B, Hs, 1)
     leaving_key = key_features.index_select(2, oldest)[:, :, 0] * weight  # (B, Hs, F)
     leaving_value = ring_values.index_select(2, slot)  # (B, Hs, 1, Dv + 1)
-    sums = sums * decay + leaving_key[..., None] * leaving_value
+    sums.copy_(sums * decay + leaving_key[..., None] * leaving_value)
     ring_keys.index_copy_(2, slot, key)
     ring_values.index_copy_(2, slot, torch.cat([value, torch.ones_like(value[..., :1])], dim=-1))
     key_features.index_copy_(2, oldest, features[:, :, -1:])
     key_log_scales.index_copy_(2, oldest, log_scale[..., None])
-    keys = ring_keys
-    if sink_key_turn is not None:
-        keys = torch.cat([_turned(ring_keys[:, :, :sinks], sink_key_turn), ring_keys[:, :, sinks:]], dim=2)
+    keys = _sinks_turned(ring_keys, sink_cos, sink_sin, sinks)
     scores = product(queries, keys.transpose(-1, -2)) * scaling  # (B, Hs, G, S + W)
     weights = torch.exp(scores - scores.amax(-1, keepdim=True))
     window_sums = product(weights, ring_values)  # (B, Hs, G, Dv + 1): numerators, then denominators
     linear_sums = product(features[:, :, :-1], sums)  # relative to the offset
     mixed = torch.lerp(linear_sums, window_sums, torch.sigmoid(mix_logit).view(state_heads, group, 1))
     output = mixed[..., :-1] / (mixed[..., -1:] + eps)
-    return output.reshape(batch, 1, heads, -1), total, sums, new_offset
+    return output.reshape(batch, 1, heads, -1), total, new_offset
