@@ -124,10 +124,11 @@ SECTIONS = [
         "with its own eager step (its attention one SDPA call). Target: decode at 4k and batch 1 >= 1.3x.",
     ),
     (
-        "Compiled decoding steps at 16k, batch 1 and 8: the gated-delta recipe's cell eager and compiled (CPU, 2 rounds)",
+        "Compiled decoding steps at 16k, batch 1 and 8: the gated-delta and gla recipes' cells eager and compiled (CPU, one round)",
         "bench/results/speed_compiled_16k.md",
-        "The same comparison at 16k (each row its median of two samples, the lower one). Target: decode at "
-        "16k and batch 8 >= 10x.",
+        "The same comparison at 16k with this version of the kernels (one round: no gain beyond a round's "
+        "noise here; a first version of the kernels measured more over two rounds, "
+        "`bench/results/speed_compiled_16k_first.md`). Target: decode at 16k and batch 8 >= 10x.",
     ),
     (
         "Graph decoding on one H200: the pure-linear recipe's decoding step replayed from a CUDA graph (bf16)",

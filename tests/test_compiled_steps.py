@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from test_edge_sinks import assert_left_padded_batch_generates_each_prompt_alone
 from test_position_period import decode_logits, tokens
 
 import dofla.cells.delta as delta_cells
@@ -113,19 +114,7 @@ def test_a_left_padded_batch_decodes_as_each_prompt_alone(eager_kernel):
     """Padded slots keep the window out of its steady state until they are overwritten."""
     model = converted("hybrid, period and edge sinks")
     set_compiled_steps(model, True)
-    generator = torch.Generator().manual_seed(0)
-    short, long_ = (torch.randint(3, 60, (1, length), generator=generator) for length in (5, 12))
-    batch = torch.cat([torch.cat([torch.zeros(1, 7, dtype=torch.long), short], 1), long_])
-    mask = torch.ones_like(batch)
-    mask[0, :7] = 0
-    options = dict(
-        max_new_tokens=14, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
-    )
-    with torch.no_grad():
-        together = torch.stack(model.generate(batch, attention_mask=mask, **options).logits, 1)
-        for row, prompt in enumerate((short, long_)):
-            alone = model.generate(prompt, attention_mask=torch.ones_like(prompt), **options).logits
-            torch.testing.assert_close(together[row], torch.cat(alone), rtol=1e-4, atol=1e-4)
+    assert_left_padded_batch_generates_each_prompt_alone(model, new_tokens=14)
     assert eager_kernel  # the steady state was reached
 
 

@@ -343,14 +343,23 @@ def test_a_model_without_rotary_embeddings_is_refused_in_one_sentence():
 @pytest.mark.parametrize("name", ["gla", "gated_delta"])
 def test_a_left_padded_batch_generates_what_each_prompt_gives_alone(name):
     """The edge is placed by each row's positions (left padding shifts a row's tokens, not its positions)."""
-    model = converted(HYBRID_PLANS[name])
+    assert_left_padded_batch_generates_each_prompt_alone(converted(HYBRID_PLANS[name]), new_tokens=8)
+
+
+def assert_left_padded_batch_generates_each_prompt_alone(model, new_tokens: int) -> None:
+    """Greedy generation of two prompts (5 and 12 tokens) in one left-padded batch gives each row's logits
+    as the prompt alone does."""
     generator = torch.Generator().manual_seed(0)
     short, long_ = (torch.randint(3, 60, (1, length), generator=generator) for length in (5, 12))
     batch = torch.cat([torch.cat([torch.zeros(1, 7, dtype=torch.long), short], 1), long_])  # left padding
     mask = torch.ones_like(batch)
     mask[0, :7] = 0
     options = dict(
-        max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     with torch.no_grad():
         together = torch.stack(model.generate(batch, attention_mask=mask, **options).logits, 1)

@@ -1059,3 +1059,17 @@ def test_bench_speed_measures_a_student_through_its_compiled_steps_in_decode_row
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--cells", "linear (compiled)"])
     assert "unknown student 'linear (compiled)'" in capsys.readouterr().err
+
+
+def test_bench_compiled_kernel_times_the_step_eager_and_compiled(monkeypatch, capsys):
+    bench = bench_script("bench_compiled_kernel")
+    kernel_calls = []
+
+    def eager_kernel(function):  # the plain function stands in for the compiled one (compiling: seconds)
+        return lambda *args: kernel_calls.append(1) or function(*args)
+
+    monkeypatch.setattr(bench, "compiled", eager_kernel)
+    assert bench.main(["--rounds", "1", "--sweep-mib", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "| eager (the plain function) |" in printed and "| compiled |" in printed
+    assert len(kernel_calls) == 1 + 2 * 30  # one first call, then the 30 layers hot and after a sweep

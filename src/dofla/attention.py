@@ -28,6 +28,7 @@ from dofla.ops import (
     recurrent_linear_attention,
 )
 from dofla.ops.chunked import choose_chunk_size
+from dofla.ops.compiled import one_token_turn
 from dofla.ops.decode import RingHybridState, hybrid_decode_step
 from dofla.ops.recurrent import linear_decode_step
 from dofla.ops.state import HybridState, LinearState
@@ -478,6 +479,22 @@ class LinearAttention(nn.Module):
         # None on the CPU where every position is below the period (on a GPU the check would wait for the
         # device: the rotation is by zero there)
         return period_turns(position_ids, query.shape[2], period, frequencies, query.dtype, query.shape[-1])
+
+    def compiled_step_turns(self, query, key, attention_mask, position_ids, edge) -> tuple | None:
+        """What every cell's compiled step needs of a call: None where it cannot run (autograd, off the
+        CPU, state heads other than the key/value heads, padding, turns without one token's cosines and
+        sines in the query's dtype), else the cosines and sines (B, 1, 1, r/2) of the memory's turn (a
+        position period) and of the sinks' (seen from the window's edge), each None where unturned."""
+        if (
+            torch.is_grad_enabled()
+            or query.device.type != "cpu"
+            or key.shape[1] != self.state_heads
+            or key_mask_from_attention_mask(attention_mask, 1) is not None
+        ):
+            return None
+        memory_turn = one_token_turn(self.period_turns(query, position_ids), query.dtype)
+        sink_turn = one_token_turn(edge, query.dtype)
+        return None if memory_turn is None or sink_turn is None else (*memory_turn, *sink_turn)
 
     def _compiled_step(
         self, query, key, value, attention_mask, state, scaling, position_ids, edge

@@ -59,7 +59,6 @@ from dofla.ops import (
 from dofla.ops.compiled import (
     gated_delta_window_step,
     in_place,
-    one_token_turn,
     run_compiled,
     slot_index,
     steady_ring,
@@ -535,24 +534,20 @@ class GatedDeltaAttention(LinearAttention):
             memory_state, tail = memory_state.memory, memory_state.tail
         dtype = query.dtype
         if (
-            torch.is_grad_enabled()
-            or query.device.type != "cpu"
-            or self.adaptive_mix
+            self.adaptive_mix
             or type(self.feature_map) is not ProjectionFeatures
-            or key.shape[1] != self.state_heads
             or type(memory_state) is not DeltaState
             or (tail is not None) != bool(self.short_conv)
             or not memory_state.kv.dtype == key.dtype == value.dtype == dtype
+            or not in_place(memory_state.kv)
             or (self.kind == "hybrid") != isinstance(state, DeltaHybridState)
-            or key_mask_from_attention_mask(attention_mask, 1) is not None
         ):
             return None
         ring = state.window if self.kind == "hybrid" else None
         if ring is not None and not (_takes_window_step(self, ring, dtype) and steady_ring(ring, dtype)):
             return None
-        memory_turn = one_token_turn(self.period_turns(query, position_ids), dtype)
-        sink_turn = one_token_turn(edge, dtype)
-        if memory_turn is None or sink_turn is None or not in_place(memory_state.kv):
+        turns = self.compiled_step_turns(query, key, attention_mask, position_ids, edge)
+        if turns is None:
             return None
         feature_map = self.feature_map
         stepped = run_compiled(
@@ -570,8 +565,7 @@ class GatedDeltaAttention(LinearAttention):
             None if ring is None else ring.keys,
             None if ring is None else ring.values,
             None if ring is None else slot_index(ring.next_slot, ring.keys.shape[2], ring.keys.device),
-            *memory_turn,
-            *sink_turn,
+            *turns,
             feature_map.feature_mask if feature_map.has_headwise_dims else None,
             tail,
             self.conv_weight if tail is not None else None,

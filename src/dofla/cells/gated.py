@@ -23,14 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dofla.attention import LinearAttention, key_mask_from_attention_mask, state_dtype
+from dofla.attention import LinearAttention, state_dtype
 from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
 from dofla.feature_maps.learned import HedgehogFeatures
 from dofla.ops.compiled import (
     gla_window_step,
     in_place,
-    one_token_turn,
     run_compiled,
     slot_index,
     steady_ring,
@@ -173,22 +172,18 @@ class GatedLinearAttention(LinearAttention):
         dtype = query.dtype
         if (
             not isinstance(inner, RingHybridState)
-            or torch.is_grad_enabled()
-            or query.device.type != "cpu"
             or type(self.feature_map) is not HedgehogFeatures
             or self.feature_map.has_headwise_dims
-            or key.shape[1] != self.state_heads
             or not self._has_decode_step(inner)
             or not inner.sums.dtype == inner.key_features.dtype == key.dtype == value.dtype == dtype
-            or key_mask_from_attention_mask(attention_mask, 1) is not None
+            or not in_place(inner.sums)
         ):
             return None
         ring = inner.ring
         if not (steady_ring(ring, dtype, ones_column=True) and ring.num_tokens >= ring.window):
             return None
-        memory_turn = one_token_turn(self.period_turns(query, position_ids), dtype)
-        sink_turn = one_token_turn(edge, dtype)
-        if memory_turn is None or sink_turn is None or not in_place(inner.sums):
+        turns = self.compiled_step_turns(query, key, attention_mask, position_ids, edge)
+        if turns is None:
             return None
         slot = ring.next_slot
         stepped = run_compiled(
@@ -209,8 +204,7 @@ class GatedLinearAttention(LinearAttention):
             inner.log_offset,
             slot_index(slot, ring.keys.shape[2], ring.keys.device),
             slot_index(slot - ring.sinks, ring.keys.shape[2], ring.keys.device),
-            *memory_turn,
-            *sink_turn,
+            *turns,
             float(scaling),
             self.sinks,
         )
