@@ -46,6 +46,7 @@ PLANS = {
              options={"short_conv": 4, "output_gate": True}),
         dict(period=8),
     ),
+    "hybrid, feature dimensions 8 / 12 by layer": (HYBRID, dict(layer_dims=[8, 12], period=8, edge=True)),
     "gla hybrid, period and edge sinks": (GLA, dict(period=8, edge=True)),
     "gla hybrid, no sinks": ({**GLA, "sinks": 0}, dict()),
 }  # fmt: skip
@@ -55,6 +56,10 @@ def converted(name: str, seed: int = 0):
     plan_settings, extra = PLANS[name]
     model = build_tiny_model("llama", seed=seed)
     plan = plan_for(model, **plan_settings)
+    for layer, dim in zip(
+        plan.layers, extra.get("layer_dims", ()), strict=False
+    ):  # an allocation's dimensions
+        layer.feature_dim = dim
     if "head_dims" in extra:
         for layer in plan.layers:
             layer.head_feature_dims = list(extra["head_dims"])
@@ -197,7 +202,8 @@ def test_a_ring_made_from_a_full_window_hides_no_slot():
 @pytest.mark.parametrize(
     "name, compiled_steps",  # a hybrid's first step puts the prefill's window in the ring layout (eagerly)
     [("hybrid, period and edge sinks", 9), ("gla hybrid, period and edge sinks", 9),
-     ("linear, short convolution and output gate", 10)],
+     ("linear, short convolution and output gate", 10),
+     ("hybrid, feature dimensions 8 / 12 by layer", 9)],  # one kernel per shape
 )  # fmt: skip
 def test_the_compiled_kernel_decodes_as_the_full_forward(monkeypatch, name, compiled_steps):
     """torch.compile for real: the generated kernels, with the rings written in place."""
