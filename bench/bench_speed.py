@@ -21,6 +21,9 @@ the teacher of the same run:
   steps where they have one (``dofla.convert.set_compiled_steps``: one generated kernel per step instead of
   its few dozen operators; the first step, untimed, compiles); the teacher keeps its own eager step, whose
   attention is already one fused SDPA call;
+- "teacher compiled (static cache)" (asked for by name; decode rows only): the teacher's whole decoding step
+  under ``torch.compile`` over transformers' StaticCache of random keys and values (two untimed steps
+  first, the first compiling), the reference a compiled student's rows ask for;
 - "teacher (KV written in place)" (asked for by name; decode rows only): the teacher decoding from the same
   synthetic cache held in dofla's ``GrowingKVLayer`` (the kept softmax layers' cache layer of a partly
   converted student) instead of transformers' ``DynamicLayer``, which copies its whole cache at each step.
@@ -138,6 +141,10 @@ AttentionInterface.register(NO_ATTENTION_IMPLEMENTATION, no_attention)
 # written in place, not concatenated onto a copy of the cache); decode rows only. What a student gains over
 # it is what linearising gains, apart from the cache's implementation.
 TEACHER_IN_PLACE = "teacher (KV written in place)"
+# Not a student either: the teacher's whole decoding step compiled by torch.compile over transformers'
+# StaticCache (what a user compiling the teacher would run); decode rows only. The reference for the
+# compiled steps' rows.
+TEACHER_COMPILED = "teacher compiled (static cache)"
 COMPILED_SUFFIX = " (compiled steps)"
 
 
@@ -150,7 +157,8 @@ def known_model(name: str) -> bool:
     return name in PSEUDO_MODELS or base_student(name) in STUDENTS
 
 
-PSEUDO_MODELS = (NO_ATTENTION, TEACHER_IN_PLACE)
+PSEUDO_MODELS = (NO_ATTENTION, TEACHER_IN_PLACE, TEACHER_COMPILED)
+TEACHERS = (TEACHER, TEACHER_IN_PLACE, TEACHER_COMPILED)
 
 
 def in_place_kv(cache):
@@ -167,6 +175,44 @@ def in_place_kv(cache):
             growing.keys, growing.values = layer.keys, layer.values
             cache.layers[index] = growing
     return cache
+
+
+def time_compiled_teacher_decode(model, batch: int, context: int, steps: int) -> dict:
+    """The teacher's whole decoding step compiled (``torch.compile`` of its forward, fixed shapes) over
+    transformers' StaticCache holding ``context`` random keys and values per layer (as ``synthetic_kv_cache``)
+    with room for the steps: two untimed greedy steps (the first compiles), then ``steps`` timed ones."""
+    from transformers import StaticCache
+
+    from dofla.evaluation.speed import cache_bytes
+
+    cache = StaticCache(config=model.config, max_cache_len=context + steps + 2)
+    for index, layer in enumerate(synthetic_kv_cache(model, batch, context).layers):
+        cache.update(layer.keys, layer.values, index)
+    forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+    device = next(model.parameters()).device
+    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    position = context
+
+    def step(token):
+        nonlocal position
+        where = torch.tensor([position], device=device)
+        logits = forward(input_ids=token, past_key_values=cache, use_cache=True, cache_position=where).logits
+        position += 1
+        return logits[:, -1].argmax(-1, keepdim=True)
+
+    with torch.no_grad():
+        for _ in range(2):
+            token = step(token)
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = step(token)
+        seconds = time.perf_counter() - start
+    return {
+        "tokens_per_second": batch * steps / seconds,
+        "seconds_per_step": seconds / steps,
+        "steps": steps,
+        "cache_bytes": cache_bytes(cache),
+    }
 
 
 def student_plan(model, name: str, feature_dim: int, window: int):
@@ -225,7 +271,7 @@ def row_settings(args, name: str = TEACHER) -> list[tuple[str, int, int]]:
     if name == NO_ATTENTION:
         return prefill
     decode = [("decode", batch, context) for batch in args.batches for context in args.contexts]
-    return decode if name == TEACHER_IN_PLACE else prefill + decode
+    return decode if name in (TEACHER_IN_PLACE, TEACHER_COMPILED) else prefill + decode
 
 
 def prefill_phase(chunk: int) -> str:
@@ -247,7 +293,7 @@ def phase_chunk(phase: str) -> int | None:
 def measure_row(model, name: str, phase: str, batch: int, context: int, args, log) -> dict:
     """One prefill or decode row of one model (teacher or converted student); a setting that does not fit
     in memory gives a row with ``error="memory"`` and one line in the log."""
-    is_teacher, is_prefill = name in (TEACHER, TEACHER_IN_PLACE), phase.startswith("prefill")
+    is_teacher, is_prefill = name in TEACHERS, phase.startswith("prefill")
     what = f"{name} {phase} batch {batch} context {context}"
     base = dict(model=name, phase=phase, batch=batch, context=context)
     if is_prefill:
@@ -263,6 +309,8 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
         with PeakMemory() as peak:
             if is_prefill:
                 result = time_prefill(model, batch, context, chunk_size=phase_chunk(phase))
+            elif name == TEACHER_COMPILED:
+                result = time_compiled_teacher_decode(model, batch, context, args.steps or 16)
             else:
                 if is_teacher:
                     cache = synthetic_kv_cache(model, batch, context)
@@ -308,6 +356,9 @@ def prepared_model(model, name: str, args, log):
     if name == TEACHER_IN_PLACE:
         log(f"{TEACHER_IN_PLACE}: softmax SDPA, dofla's GrowingKVLayer in every layer")
         return model
+    if name == TEACHER_COMPILED:
+        log(f"{TEACHER_COMPILED}: softmax SDPA, StaticCache, the decoding step under torch.compile")
+        return model
     if name == NO_ATTENTION:
         log(f"{NO_ATTENTION}: the teacher with its attention replaced by zeros")
         model.set_attn_implementation(NO_ATTENTION_IMPLEMENTATION)
@@ -334,7 +385,7 @@ def measure_in_process(model, name: str, args, log) -> list[dict]:
     finally:
         if name == NO_ATTENTION:
             model.set_attn_implementation(previous)
-        elif name not in (TEACHER, TEACHER_IN_PLACE):
+        elif name not in TEACHERS:
             unconvert(model)
 
 

@@ -1073,3 +1073,20 @@ def test_bench_compiled_kernel_times_the_step_eager_and_compiled(monkeypatch, ca
     printed = capsys.readouterr().out
     assert "| eager (the plain function) |" in printed and "| compiled |" in printed
     assert len(kernel_calls) == 1 + 2 * 30  # one first call, then the 30 layers hot and after a sweep
+
+
+def test_bench_speed_compiled_teacher_times_decode_rows_from_a_static_cache(tmp_path, monkeypatch):
+    """The compiled teacher's row: decode rows only, timed over the steps asked for, its step the teacher's
+    forward over a StaticCache (here uncompiled: compiling takes seconds)."""
+    bench = bench_script("bench_speed")
+    monkeypatch.setattr(bench.torch, "compile", lambda function, **options: function)
+    arguments = ["--tiny", "--contexts", "32", "--batches", "1", "--steps", "2", "--isolate", "none"]
+    arguments += ["--cells", bench.TEACHER_COMPILED, "--decode-only"]
+    assert bench.main([*arguments, "--out", str(tmp_path), "--plot", str(tmp_path / "s.png")]) == 0
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    assert sorted((r["model"], r["phase"]) for r in rows) == [
+        ("teacher", "decode"),
+        (bench.TEACHER_COMPILED, "decode"),
+    ]
+    compiled_row = next(r for r in rows if r["model"] == bench.TEACHER_COMPILED)
+    assert compiled_row["tokens_per_second"] > 0 and compiled_row["steps"] == 2
