@@ -124,6 +124,15 @@ SECTIONS = [
         "with its own eager step (its attention one SDPA call). Target: decode at 4k and batch 1 >= 1.3x.",
     ),
     (
+        "Compiled decoding steps at 4k, batch 1, a later run, against the teacher compiled whole too (CPU, medians of 3 rounds)",
+        "bench/results/speed_compiled_teacher_4k.md",
+        "The `teacher compiled (static cache)` row is the teacher's whole decoding step under torch.compile "
+        "over transformers' StaticCache: no faster than the eager teacher here. The students' rows are "
+        "4-17% slower than in the run above with the same code: on this machine a whole-model figure at 4k "
+        "and batch 1 moves by more than the compiled steps gain (docs/results/speed/README.md, sixteenth "
+        "pass).",
+    ),
+    (
         "Compiled decoding steps at 16k, batch 1 and 8: the gated-delta and gla recipes' cells eager and compiled (CPU, one round)",
         "bench/results/speed_compiled_16k.md",
         "The same comparison at 16k with this version of the kernels (one round: no gain beyond a round's "
