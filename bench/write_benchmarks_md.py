@@ -133,6 +133,12 @@ SECTIONS = [
         "pass).",
     ),
     (
+        "Compiled decoding steps at 4k, batch 1: eager and compiled side by side over 5 interleaved rounds (CPU)",
+        "bench/results/speed_compiled_4k_r5.md",
+        "The `gated-delta` and `gla` recipes' cells, eager and through their compiled steps, with the "
+        "teacher, round by round.",
+    ),
+    (
         "Compiled decoding steps at 16k, batch 1 and 8: the gated-delta and gla recipes' cells eager and compiled (CPU, one round)",
         "bench/results/speed_compiled_16k.md",
         "The same comparison at 16k with this version of the kernels (one round: no gain beyond a round's "

@@ -10,7 +10,7 @@ The steps take the steady state only (the window full, every sink kept, no slot 
 autograd); the cells run their usual eager step otherwise, and wherever compiling fails (no C++ compiler,
 say): once, with a warning, and never again in the process. Enabled per model by
 :func:`dofla.convert.set_compiled_steps` (``dofla generate --compile``); the first step of each shape
-compiles (about ten seconds on two cores; inductor keeps the code on disk for the next process).
+compiles (seconds on two cores; inductor keeps the code on disk for the next process).
 """
 
 from __future__ import annotations
@@ -56,11 +56,16 @@ def run_compiled(function: Callable, *args, **kwargs):
         _FAILED.add(function)
         _COMPILED.pop(function, None)
         warnings.warn(
-            f"dofla: compiling the decoding step failed ({type(error).__name__}: {str(error).splitlines()[0]}); "
+            f"dofla: compiling the decoding step failed ({type(error).__name__}: {_first_line(error)}); "
             "decoding goes on with the eager step.",
             stacklevel=2,
         )
         return None
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else "no message"
 
 
 def _compile_failure(error: Exception) -> bool:
@@ -87,7 +92,7 @@ _SLOTS: dict[tuple[int, torch.device], tuple[Tensor, ...]] = {}
 def product(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` (broadcast batches) as a sum of products: compiled, it becomes loops fused with the
     operators around it, where a small matrix product would be a library call of its own (at decoding's sizes
-    the call costs more than the arithmetic; measured twice as fast a step)."""
+    the call costs more than the arithmetic)."""
     return (a[..., :, :, None] * b[..., None, :, :]).sum(-2)
 
 
