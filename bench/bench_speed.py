@@ -183,36 +183,19 @@ def time_compiled_teacher_decode(model, batch: int, context: int, steps: int) ->
     with room for the steps: two untimed greedy steps (the first compiles), then ``steps`` timed ones."""
     from transformers import StaticCache
 
-    from dofla.evaluation.speed import cache_bytes
-
     cache = StaticCache(config=model.config, max_cache_len=context + steps + 2)
     for index, layer in enumerate(synthetic_kv_cache(model, batch, context).layers):
         cache.update(layer.keys, layer.values, index)
-    forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+    compiled_forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
     device = next(model.parameters()).device
-    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    position = context
+    position = [context]
 
-    def step(token):
-        nonlocal position
-        where = torch.tensor([position], device=device)
-        logits = forward(input_ids=token, past_key_values=cache, use_cache=True, cache_position=where).logits
-        position += 1
-        return logits[:, -1].argmax(-1, keepdim=True)
+    def forward(**inputs):  # the static cache's next slot, as generate passes it
+        where = torch.tensor(position, device=device)
+        position[0] += 1
+        return compiled_forward(**inputs, cache_position=where)
 
-    with torch.no_grad():
-        for _ in range(2):
-            token = step(token)
-        start = time.perf_counter()
-        for _ in range(steps):
-            token = step(token)
-        seconds = time.perf_counter() - start
-    return {
-        "tokens_per_second": batch * steps / seconds,
-        "seconds_per_step": seconds / steps,
-        "steps": steps,
-        "cache_bytes": cache_bytes(cache),
-    }
+    return time_decode(model, cache, batch, steps=steps, warm_up_steps=2, forward=forward)
 
 
 def student_plan(model, name: str, feature_dim: int, window: int):
@@ -321,10 +304,14 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
                         context, max(128, 2 * STUDENTS[base_student(name)][0].get("window", args.window))
                     )
                     cache = student_cache_at(model, batch, context, fill_tokens=fill)
-                if name.endswith(COMPILED_SUFFIX):  # untimed: the window into its ring, the kernel compiled
-                    time_decode(model, cache, batch, steps=2)
                 result = time_decode(
-                    model, cache, batch, steps=args.steps or None, target_seconds=args.seconds_per_row
+                    model,
+                    cache,
+                    batch,
+                    steps=args.steps or None,
+                    target_seconds=args.seconds_per_row,
+                    # untimed, compiled steps: the window into its ring, the kernel compiled
+                    warm_up_steps=3 if name.endswith(COMPILED_SUFFIX) else 1,
                 )
                 del cache
     except (RuntimeError, MemoryError) as error:

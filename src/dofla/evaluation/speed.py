@@ -299,19 +299,25 @@ def time_decode(
     steps: int | None = None,
     target_seconds: float = 4.0,
     max_steps: int = 64,
+    warm_up_steps: int = 1,
+    forward=None,
 ) -> dict[str, float]:
-    """Greedy decode steps from ``cache``: one warm-up step, then ``steps`` timed steps (or as many as fit
-    in about ``target_seconds``, at least 2). Returns tokens/s, seconds per step, steps and cache bytes."""
+    """Greedy decode steps from ``cache``: ``warm_up_steps`` untimed steps, then ``steps`` timed steps (or as
+    many as fit in about ``target_seconds`` at the last warm-up step's pace, at least 2). ``forward``: what
+    runs a step (keyword arguments ``input_ids``, ``past_key_values``, ``use_cache``; the model by default).
+    Returns tokens/s, seconds per step, steps and cache bytes."""
     device = next(model.parameters()).device
     token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+    forward = model if forward is None else forward
 
     def step(token):
-        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = forward(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
         return logits.argmax(-1, keepdim=True)
 
-    start = time.perf_counter()
-    token = step(token)
-    _synchronize(device)
+    for _ in range(max(1, warm_up_steps)):
+        start = time.perf_counter()
+        token = step(token)
+        _synchronize(device)
     warm_up = time.perf_counter() - start
     if steps is None:
         steps = int(min(max_steps, max(2, target_seconds // max(warm_up, 1e-6))))
