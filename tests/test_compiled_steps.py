@@ -238,3 +238,11 @@ def test_the_generate_command_with_compile_prints_the_eager_continuation(tmp_pat
     assert main([*arguments, "--max-new-tokens", "12", "--compile"]) == 0
     assert capsys.readouterr().out == eager
     assert eager_kernel  # the continuation went past the window's first fill
+
+
+def test_the_generate_command_refuses_compile_on_a_gpu_in_one_sentence(monkeypatch, tmp_path, capsys):
+    from dofla.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine: the default device
+    assert main(["generate", str(tmp_path / "not-loaded"), "--prompt", "Hi", "--compile"]) == 1
+    assert "on a GPU use --graph" in capsys.readouterr().err

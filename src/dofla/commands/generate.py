@@ -81,6 +81,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_device_and_dtype(args)
     if args.compile and args.graph:
         raise DoflaError("--compile is the CPU's compiled step and --graph the GPU's CUDA graph; give one.")
+    if args.compile:
+        import torch
+
+        on_cuda = str(args.device).startswith("cuda") if args.device else torch.cuda.is_available()
+        if on_cuda:
+            raise DoflaError("--compile compiles the CPU's decoding steps; on a GPU use --graph instead.")
     if args.graph:
         import torch
 
