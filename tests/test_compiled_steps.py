@@ -16,8 +16,8 @@ import torch
 from test_edge_sinks import assert_left_padded_batch_generates_each_prompt_alone
 from test_position_period import decode_logits, tokens
 
+import dofla.attention as attention_module
 import dofla.cells.delta as delta_cells
-import dofla.cells.gated as gated_cells
 from dofla.convert import (
     convert,
     plan_for,
@@ -49,6 +49,8 @@ PLANS = {
     "hybrid, feature dimensions 8 / 12 by layer": (HYBRID, dict(layer_dims=[8, 12], period=8, edge=True)),
     "gla hybrid, period and edge sinks": (GLA, dict(period=8, edge=True)),
     "gla hybrid, no sinks": ({**GLA, "sinks": 0}, dict()),
+    "linear hybrid (LoLCATs), period and edge sinks": ({**GLA, "cell": "linear"}, dict(period=8, edge=True)),
+    "linear hybrid (LoLCATs), no sinks": ({**GLA, "cell": "linear", "sinks": 0}, dict()),
 }  # fmt: skip
 
 
@@ -85,8 +87,8 @@ def eager_kernel(monkeypatch):
         calls.append(function.__name__)
         return function(*args, **kwargs)
 
-    for cells in (delta_cells, gated_cells):
-        monkeypatch.setattr(cells, "run_compiled", run)
+    for module in (delta_cells, attention_module):
+        monkeypatch.setattr(module, "run_compiled", run)
     return calls
 
 
@@ -203,7 +205,8 @@ def test_a_ring_made_from_a_full_window_hides_no_slot():
     "name, compiled_steps",  # a hybrid's first step puts the prefill's window in the ring layout (eagerly)
     [("hybrid, period and edge sinks", 9), ("gla hybrid, period and edge sinks", 9),
      ("linear, short convolution and output gate", 10),
-     ("hybrid, feature dimensions 8 / 12 by layer", 9)],  # one kernel per shape
+     ("hybrid, feature dimensions 8 / 12 by layer", 9),  # one kernel per shape
+     ("linear hybrid (LoLCATs), period and edge sinks", 9)],
 )  # fmt: skip
 def test_the_compiled_kernel_decodes_as_the_full_forward(monkeypatch, name, compiled_steps):
     """torch.compile for real: the generated kernels, with the rings written in place."""

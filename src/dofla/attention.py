@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +19,7 @@ from dofla.config import LayerPlan
 from dofla.derived import DerivedTensor
 from dofla.errors import DoflaError
 from dofla.feature_maps import FEATURE_MAPS, build_feature_map
+from dofla.feature_maps.learned import HedgehogFeatures
 from dofla.ops import (
     chunked_hybrid_attention,
     chunked_linear_attention,
@@ -28,7 +30,14 @@ from dofla.ops import (
     recurrent_linear_attention,
 )
 from dofla.ops.chunked import choose_chunk_size
-from dofla.ops.compiled import one_token_turn
+from dofla.ops.compiled import (
+    hedgehog_window_step,
+    in_place,
+    one_token_turn,
+    run_compiled,
+    slot_index,
+    steady_ring,
+)
 from dofla.ops.decode import RingHybridState, hybrid_decode_step
 from dofla.ops.recurrent import linear_decode_step
 from dofla.ops.state import HybridState, LinearState
@@ -501,8 +510,64 @@ class LinearAttention(nn.Module):
     ) -> tuple[Tensor, object] | None:
         """A decoding step of one token through the cell's compiled kernel (:mod:`dofla.ops.compiled`), as
         ``_decode_step`` gives it: output (B, 1, H, Dv) and the new state; None where the cell has none or the
-        state is not in its steady state (the eager step runs then)."""
-        return None
+        state is not in its steady state (the eager step runs then). Here the ``linear`` cell's hybrid step
+        over Hedgehog features (``hedgehog_compiled_step``)."""
+        stepped = self.hedgehog_compiled_step(
+            query, key, value, attention_mask, state, scaling, position_ids, edge, None
+        )
+        return None if stepped is None else stepped[:2]
+
+    def hedgehog_compiled_step(
+        self, query, key, value, attention_mask, state, scaling, position_ids, edge, decay
+    ) -> tuple[Tensor, RingHybridState, Tensor | None] | None:
+        """The hybrid step over Hedgehog features sharing one normalisation with the window
+        (``dofla.ops.compiled.hedgehog_window_step``) on a ring ``state`` in its steady state (the window full,
+        every sink kept), without head-wise dimensions: output (B, 1, H, Dv), the new state and the new
+        running log decay; ``decay`` (log_decay_total (B, Hs), gate weight, gate bias) for a cell with
+        forgetting, else None. None where the step cannot run compiled."""
+        dtype = query.dtype
+        if (
+            not isinstance(state, RingHybridState)
+            or type(self.feature_map) is not HedgehogFeatures
+            or self.feature_map.has_headwise_dims
+            or not self._has_decode_step(state)
+            or not state.sums.dtype == state.key_features.dtype == key.dtype == value.dtype == dtype
+            or not in_place(state.sums)
+        ):
+            return None
+        ring = state.ring
+        if not (steady_ring(ring, dtype, ones_column=True) and ring.num_tokens >= ring.window):
+            return None
+        turns = self.compiled_step_turns(query, key, attention_mask, position_ids, edge)
+        if turns is None:
+            return None
+        slot = ring.next_slot
+        stepped = run_compiled(
+            hedgehog_window_step,
+            query,
+            key,
+            value,
+            None if decay is None else decay[0],
+            self.feature_map.signed_weight(dtype),
+            *((None, None) if decay is None else decay[1:]),
+            self.window_factor_logit,
+            ring.keys,
+            ring.values,
+            state.key_features,
+            state.key_log_scales,
+            state.sums,
+            state.log_offset,
+            slot_index(slot, ring.keys.shape[2], ring.keys.device),
+            slot_index(slot - ring.sinks, ring.keys.shape[2], ring.keys.device),
+            *turns,
+            float(scaling),
+            self.sinks,
+        )
+        if stepped is None:
+            return None
+        output, total, log_offset = stepped
+        ring.num_tokens += 1
+        return output, replace(state, log_offset=log_offset), total  # the sums updated in place
 
     def _attend(
         self,

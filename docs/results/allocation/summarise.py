@@ -1,4 +1,5 @@
 """Summarise every finished cell of /work/runs-alloc/grid with dofla.frontier.summarise."""
+
 import json
 from pathlib import Path
 

@@ -17,7 +17,7 @@ Initialisation starts close to "remember": ``w = 0`` and the biases give the hea
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,15 +26,6 @@ from torch import Tensor, nn
 from dofla.attention import LinearAttention, state_dtype
 from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
-from dofla.feature_maps.learned import HedgehogFeatures
-from dofla.ops.compiled import (
-    gla_window_step,
-    in_place,
-    run_compiled,
-    slot_index,
-    steady_ring,
-)
-from dofla.ops.decode import RingHybridState
 from dofla.ops.state import BatchedState
 
 DEFAULT_DECAY_MEMORY = (128.0, 2048.0)
@@ -165,54 +156,18 @@ class GatedLinearAttention(LinearAttention):
         return output, GatedState(inner, total)
 
     def _compiled_step(self, query, key, value, attention_mask, state, scaling, position_ids, edge):
-        """``_decode_step`` through ``dofla.ops.compiled.gla_window_step``: a hybrid layer over Hedgehog
-        features (no head-wise dimensions), key/value heads as state heads, on the CPU without autograd, its
-        window in the ring layout, full and with every sink kept (the steady state)."""
-        inner = state.inner if isinstance(state, GatedState) else None
-        dtype = query.dtype
-        if (
-            not isinstance(inner, RingHybridState)
-            or type(self.feature_map) is not HedgehogFeatures
-            or self.feature_map.has_headwise_dims
-            or not self._has_decode_step(inner)
-            or not inner.sums.dtype == inner.key_features.dtype == key.dtype == value.dtype == dtype
-            or not in_place(inner.sums)
-        ):
+        """``_decode_step`` through the compiled hybrid step over Hedgehog features with this cell's decay
+        (``LinearAttention.hedgehog_compiled_step``)."""
+        if not isinstance(state, GatedState):
             return None
-        ring = inner.ring
-        if not (steady_ring(ring, dtype, ones_column=True) and ring.num_tokens >= ring.window):
-            return None
-        turns = self.compiled_step_turns(query, key, attention_mask, position_ids, edge)
-        if turns is None:
-            return None
-        slot = ring.next_slot
-        stepped = run_compiled(
-            gla_window_step,
-            query,
-            key,
-            value,
-            state.log_decay_total,
-            self.feature_map.signed_weight(dtype),
-            self.decay.weight,
-            self.decay.bias,
-            self.window_factor_logit,
-            ring.keys,
-            ring.values,
-            inner.key_features,
-            inner.key_log_scales,
-            inner.sums,
-            inner.log_offset,
-            slot_index(slot, ring.keys.shape[2], ring.keys.device),
-            slot_index(slot - ring.sinks, ring.keys.shape[2], ring.keys.device),
-            *turns,
-            float(scaling),
-            self.sinks,
+        decay = (state.log_decay_total, self.decay.weight, self.decay.bias)
+        stepped = self.hedgehog_compiled_step(
+            query, key, value, attention_mask, state.inner, scaling, position_ids, edge, decay
         )
         if stepped is None:
             return None
-        output, total, log_offset = stepped
-        ring.num_tokens += 1
-        return output, GatedState(replace(inner, log_offset=log_offset), total)  # sums updated in place
+        output, inner, total = stepped
+        return output, GatedState(inner, total)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)

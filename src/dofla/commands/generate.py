@@ -49,8 +49,8 @@ def register(subparsers) -> None:
         "--compile",
         action="store_true",
         help="decode through each converted layer's compiled step where its cell has one (the CPU; the "
-        "gated_delta cell with projection keys, as the gated-delta recipes, and the gla cell with a window over "
-        "Hedgehog features, as the gla recipe): one generated kernel per step "
+        "gated_delta cell with projection keys, as the gated-delta recipes, and the gla and linear cells with a "
+        "window over Hedgehog features, as the gla and lolcats recipes): one generated kernel per step "
         "instead of a few dozen operators; the first steps compile it (seconds; kept on disk by torch)",
     )
     add_position_arguments(parser)

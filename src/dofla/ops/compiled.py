@@ -230,14 +230,14 @@ def gated_delta_window_step(
     return output.reshape(batch, 1, heads, -1), tail
 
 
-def gla_window_step(
+def hedgehog_window_step(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    log_decay_total: Tensor,
+    log_decay_total: Tensor | None,
     signed_weight: Tensor,
-    decay_weight: Tensor,
-    decay_bias: Tensor,
+    decay_weight: Tensor | None,
+    decay_bias: Tensor | None,
     mix_logit: Tensor,
     ring_keys: Tensor,
     ring_values: Tensor,
@@ -254,16 +254,17 @@ def gla_window_step(
     scaling: float,
     sinks: int,
     eps: float = 1e-6,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One token of the gated linear attention sharing its normalisation with the window's softmax over
-    Hedgehog features (``GatedLinearAttention``'s hybrid step, its window full and every sink kept, as
-    ``dofla.ops.decode.hybrid_decode_step`` gives it): returns the output (B, 1, H, Dv), the new running log
-    decay (B, Hs) and the sums' new log offset; the sums, the ring and the window's key features and log
-    scales are updated in place.
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """One token of linear attention over Hedgehog features sharing its normalisation with the window's
+    softmax, with forgetting (the ``gla`` cell) or without (the ``linear`` cell): the hybrid step of
+    ``dofla.ops.decode.hybrid_decode_step``, its window full and every sink kept. Returns the output
+    (B, 1, H, Dv), the new running log decay (B, Hs) (None without forgetting) and the sums' new log offset;
+    the sums, the ring and the window's key features and log scales are updated in place.
 
-    query (B, H, 1, D), key and value (B, Hs, 1, D); ``log_decay_total`` A (B, Hs) before the token; the map's
-    columns interleaved with their negations (Hs, D, F) (phi = softmax over each pair's sign, then over the
-    F/2 columns); the decay gate's weight (Hs, Dv) and bias (Hs,); gamma = sigmoid(``mix_logit`` (H,)); the
+    query (B, H, 1, D), key and value (B, Hs, 1, D); the map's columns interleaved with their negations
+    (Hs, D, F) (phi = softmax over each pair's sign, then over the F/2 columns); with forgetting,
+    ``log_decay_total`` A (B, Hs) before the token and the decay gate's weight (Hs, Dv) and bias (Hs,) (the
+    key's log scale is then -A_t), else all three None (log scale 0); gamma = sigmoid(``mix_logit`` (H,)); the
     ring's keys (B, Hs, S + W, D) and values with their column of ones (B, Hs, S + W, Dv + 1); the window
     slots' key features (B, Hs, W, F) and log scales (B, Hs, W); the sums (B, Hs, F, Dv + 1) of the keys
     that left the window, relative to ``log_offset`` (B, Hs); ``slot`` the ring slot this token takes and
@@ -278,9 +279,12 @@ def gla_window_step(
     projection = product(_turned(both, memory_cos, memory_sin), signed_weight)  # (B, Hs, G + 1, F)
     features = torch.softmax(projection.unflatten(-1, (-1, 2)), dim=-2).flatten(-2)
     values = value[:, :, 0]  # (B, Hs, Dv)
-    gate = (values * decay_weight).sum(-1) * values.shape[-1] ** -0.5 + decay_bias
-    total = log_decay_total + torch.nn.functional.logsigmoid(gate)  # (B, Hs): A_t
-    log_scale = -total  # the key's log scale s_t - A_t (Hedgehog's s_t = 0)
+    if decay_weight is None:
+        total, log_scale = None, torch.zeros_like(log_offset)  # Hedgehog's log scale s_t = 0
+    else:
+        gate = (values * decay_weight).sum(-1) * values.shape[-1] ** -0.5 + decay_bias
+        total = log_decay_total + torch.nn.functional.logsigmoid(gate)  # (B, Hs): A_t
+        log_scale = -total  # the key's log scale s_t - A_t
     # the oldest window key joins the sums (read before this token overwrites its slots)
     leaving_scale = key_log_scales.index_select(2, oldest)[:, :, 0]  # (B, Hs)
     new_offset = torch.maximum(log_offset, leaving_scale)
