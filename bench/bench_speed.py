@@ -104,6 +104,9 @@ STUDENTS = {
     # gated-delta cell with 4 layers kept as softmax, spread evenly here: which layers does not change the
     # speed)
     "gated-delta recipe": (plan_for_arguments("gated-delta"), None),
+    # the same with layers alternating 32 and 96 features (mean 64, as an allocation): what a non-uniform
+    # allocation costs its decoding step (compiled: one kernel per dimension)
+    "gated-delta recipe 32/96": (plan_for_arguments("gated-delta"), (32, 96)),
     # the gla recipe (the demo's cell): gla over Hedgehog features sharing one normalisation with a window
     # of 64 and 4 sinks
     "gla recipe": (plan_for_arguments("gla"), None),
