@@ -139,6 +139,12 @@ SECTIONS = [
         "teacher, round by round.",
     ),
     (
+        "Compiled decoding steps with a non-uniform allocation (layers alternating 32 and 96 features) at 4k, batch 1 (CPU, 3 rounds, a busy machine)",
+        "bench/results/speed_compiled_nonuniform_4k.md",
+        "The gated-delta recipe's cell uniform (64) and alternating 32/96, eager and compiled; every row's "
+        "spread is 15-25% here, too wide to resolve the 5% the DoF target asks.",
+    ),
+    (
         "Compiled decoding steps at 16k, batch 1 and 8: the gated-delta and gla recipes' cells eager and compiled (CPU, one round)",
         "bench/results/speed_compiled_16k.md",
         "The same comparison at 16k with this version of the kernels (one round: no gain beyond a round's "
