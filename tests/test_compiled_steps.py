@@ -249,3 +249,22 @@ def test_the_generate_command_refuses_compile_on_a_gpu_in_one_sentence(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine: the default device
     assert main(["generate", str(tmp_path / "not-loaded"), "--prompt", "Hi", "--compile"]) == 1
     assert "on a GPU use --graph" in capsys.readouterr().err
+
+
+def test_decoding_in_inference_mode_takes_the_compiled_step(eager_kernel):
+    from transformers import DynamicCache
+
+    model = converted("hybrid, period and edge sinks")
+    set_compiled_steps(model, True)
+    ids = tokens(30)
+    with torch.no_grad():
+        full = model(ids).logits
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        pieces = [model(ids[:, :20], past_key_values=cache, use_cache=True).logits]
+        for position in range(20, 30):
+            pieces.append(
+                model(ids[:, position : position + 1], past_key_values=cache, use_cache=True).logits
+            )
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
+    assert len(eager_kernel) == 9 * len(students(model))

@@ -383,3 +383,38 @@ def test_edge_turns_are_computed_once_per_positions_tensor_and_again_when_it_cha
     assert moved is not first and not torch.equal(moved.cos, first.cos)
     assert edge_turns(positions.clone(), 20, 9, frequencies, torch.float32) is not moved  # another tensor
     assert edge_turns(torch.arange(9)[None], 9, 9, frequencies, torch.float32) is None  # none past the edge
+
+
+def test_turns_of_positions_made_in_inference_mode_are_kept_and_computed_again_when_they_change():
+    """Inference tensors keep no version counter: the kept turns compare the positions themselves."""
+    from dofla.rotary import edge_turns
+
+    frequencies = torch.tensor([1.0, 0.1, 0.01])
+    with torch.inference_mode():
+        positions = torch.arange(20)[None]
+        first = edge_turns(positions, 20, 9, frequencies, torch.float32)
+        assert edge_turns(positions, 20, 9, frequencies, torch.float32) is first
+        positions += 1  # changed in place: computed again
+        moved = edge_turns(positions, 20, 9, frequencies, torch.float32)
+        assert moved is not first and not torch.equal(moved.cos, first.cos)
+
+
+@pytest.mark.parametrize("name", ["gla", "gated_delta"])
+def test_decoding_in_inference_mode_with_edge_sinks_and_a_period_equals_the_full_forward(name):
+    from transformers import DynamicCache
+
+    from dofla.convert import set_position_period
+
+    model = converted(HYBRID_PLANS[name])
+    set_position_period(model, 8)
+    ids = tokens(26)
+    with torch.no_grad():
+        full = model(ids).logits
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        pieces = [model(ids[:, :11], past_key_values=cache, use_cache=True).logits]
+        for position in range(11, ids.shape[1]):
+            pieces.append(
+                model(ids[:, position : position + 1], past_key_values=cache, use_cache=True).logits
+            )
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)

@@ -190,15 +190,27 @@ def kept_turns(purpose: str, position_ids: Tensor, key: tuple, compute):
     """``compute()`` (turns of the tokens at ``position_ids``, or None), kept on the CPU for the same
     ``position_ids`` tensor (unchanged since) and ``key``: every layer of a forward reads the one positions
     tensor, so a decoding step computes its turns once instead of once per layer. Not on other devices (a
-    CUDA graph must compute them in every replay)."""
+    CUDA graph must compute them in every replay). A tensor made in inference mode keeps no version counter:
+    its positions are compared with a copy kept beside the turns instead."""
     if position_ids.device.type != "cpu":
         return compute()
-    key = (*key, position_ids._version)
+    inference = position_ids.is_inference()
+    key = (*key, None if inference else position_ids._version)
     kept = _KEPT_TURNS.get(purpose)
-    if kept is not None and kept[0]() is position_ids and kept[1] == key:
+    if (
+        kept is not None
+        and kept[0]() is position_ids
+        and kept[1] == key
+        and (not inference or torch.equal(kept[3], position_ids))
+    ):
         return kept[2]
     turns = compute()
-    _KEPT_TURNS[purpose] = (weakref.ref(position_ids), key, turns)
+    _KEPT_TURNS[purpose] = (
+        weakref.ref(position_ids),
+        key,
+        turns,
+        position_ids.clone() if inference else None,
+    )
     return turns
 
 
