@@ -26,8 +26,12 @@ class DerivedTensor:
     def get(self, parameters: Sequence[Tensor], build: Callable[[], Any], *extra_key) -> Any:
         """``build()``'s value, rebuilt when a parameter changed (another tensor, storage or version), when
         ``extra_key`` (a dtype, say) differs from the kept one's, or when autograd tracks a parameter (then
-        the value is not kept)."""
+        the value is not kept), or when a parameter was made in inference mode (it keeps no version counter,
+        so the value is not kept either)."""
         tracked = torch.is_grad_enabled() and any(parameter.requires_grad for parameter in parameters)
+        if any(parameter.is_inference() for parameter in parameters):
+            self._entry = None
+            return build()
         state = tuple((parameter.data_ptr(), parameter._version) for parameter in parameters)
         entry = self._entry
         if (
