@@ -1,6 +1,5 @@
 """Write docs/results/allocation/curves_allocation.md from the measured error curves: each layer's curve, the
 measured allocation at mean budget 32, and the K = 3 softmax layers chosen uniformly and by measured error."""
-
 import sys
 from pathlib import Path
 
@@ -19,8 +18,7 @@ lines = [
     f"Criterion `{curves.criterion}`, fitted dimensions {curves.dims}, measured in {curves.seconds:.0f} s.",
     "",
     f"Measured allocation at mean budget 32 (sum {sum(measured.layer_dims)} = 32 x {len(layers)}): "
-    + " ".join(str(d) for d in measured.layer_dims)
-    + ".",
+    + " ".join(str(d) for d in measured.layer_dims) + ".",
     "",
     f"K = 3 softmax layers: uniform {uniform}, measured {chosen}.",
     "",
@@ -33,8 +31,7 @@ lines = [
 ]
 for layer, row in zip(layers, curves.errors):
     lines.append(
-        f"| {layer} | "
-        + " | ".join(f"{value:.4g}" for value in row)
+        f"| {layer} | " + " | ".join(f"{value:.4g}" for value in row)
         + f" | {curves.error(layer, 32):.4g} | {measured.layer_dims[layer]} |"
     )
 write_text_atomic(out, "\n".join(lines) + "\n")

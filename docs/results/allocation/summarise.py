@@ -1,5 +1,4 @@
 """Summarise every finished cell of /work/runs-alloc/grid with dofla.frontier.summarise."""
-
 import json
 from pathlib import Path
 

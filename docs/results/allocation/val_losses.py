@@ -1,6 +1,5 @@
 """Write val_losses.md: each grid cell's held-out attention-transfer loss after distillation (the last
 ``val_loss`` record of OUT/cells/NAME/distill/log.jsonl, written by dofla.distill.trainer)."""
-
 import json
 import sys
 from pathlib import Path
