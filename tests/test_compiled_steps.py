@@ -252,40 +252,25 @@ def test_the_generate_command_refuses_compile_on_a_gpu_in_one_sentence(monkeypat
 
 
 def test_decoding_in_inference_mode_takes_the_compiled_step(eager_kernel):
-    from transformers import DynamicCache
-
     model = converted("hybrid, period and edge sinks")
     set_compiled_steps(model, True)
     ids = tokens(30)
     with torch.no_grad():
         full = model(ids).logits
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        pieces = [model(ids[:, :20], past_key_values=cache, use_cache=True).logits]
-        for position in range(20, 30):
-            pieces.append(
-                model(ids[:, position : position + 1], past_key_values=cache, use_cache=True).logits
-            )
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
+    logits = decode_logits(model, ids, prefill=20, mode=torch.inference_mode)
+    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
     assert len(eager_kernel) == 9 * len(students(model))
 
 
 @pytest.mark.parametrize("compiled_steps", [False, True])
 def test_a_model_converted_in_inference_mode_decodes_as_its_full_forward(compiled_steps, eager_kernel):
     """Parameters made in inference mode keep no version counter: what is derived from them is rebuilt."""
-    from transformers import DynamicCache
-
     with torch.inference_mode():
         model = converted("gla hybrid, period and edge sinks")
         set_compiled_steps(model, compiled_steps)
         ids = tokens(30)
         full = model(ids).logits
-        assert students(model)[0].decay.weight.is_inference()
-        cache = DynamicCache(config=model.config)
-        pieces = [model(ids[:, :20], past_key_values=cache, use_cache=True).logits]
-        for position in range(20, 30):
-            pieces.append(
-                model(ids[:, position : position + 1], past_key_values=cache, use_cache=True).logits
-            )
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
+    assert students(model)[0].decay.weight.is_inference()
+    logits = decode_logits(model, ids, prefill=20, mode=torch.inference_mode)
+    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
     assert len(eager_kernel) == (9 * len(students(model)) if compiled_steps else 0)

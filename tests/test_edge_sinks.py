@@ -401,8 +401,6 @@ def test_turns_of_positions_made_in_inference_mode_are_kept_and_computed_again_w
 
 @pytest.mark.parametrize("name", ["gla", "gated_delta"])
 def test_decoding_in_inference_mode_with_edge_sinks_and_a_period_equals_the_full_forward(name):
-    from transformers import DynamicCache
-
     from dofla.convert import set_position_period
 
     model = converted(HYBRID_PLANS[name])
@@ -410,11 +408,5 @@ def test_decoding_in_inference_mode_with_edge_sinks_and_a_period_equals_the_full
     ids = tokens(26)
     with torch.no_grad():
         full = model(ids).logits
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        pieces = [model(ids[:, :11], past_key_values=cache, use_cache=True).logits]
-        for position in range(11, ids.shape[1]):
-            pieces.append(
-                model(ids[:, position : position + 1], past_key_values=cache, use_cache=True).logits
-            )
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
+    logits = decode_logits(model, ids, prefill=11, mode=torch.inference_mode)
+    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)

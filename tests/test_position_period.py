@@ -129,9 +129,10 @@ def test_a_model_without_a_window_equals_itself_at_wrapped_positions(plan_name):
     torch.testing.assert_close(with_period[:, :16], true_positions[:, :16], rtol=1e-5, atol=1e-5)
 
 
-def decode_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+def decode_logits(model, ids: torch.Tensor, prefill: int, mode=torch.no_grad) -> torch.Tensor:
+    """Logits of a prefill of ``prefill`` tokens then one token per call, under ``mode`` (no autograd)."""
     cache = DynamicCache(config=model.config)
-    with torch.no_grad():
+    with mode():
         pieces = [model(ids[:, :prefill], past_key_values=cache, use_cache=True).logits]
         for position in range(prefill, ids.shape[1]):
             pieces.append(

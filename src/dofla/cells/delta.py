@@ -504,25 +504,20 @@ class GatedDeltaAttention(LinearAttention):
 
     def _step_gates(self, values: Tensor) -> tuple[Tensor, Tensor]:
         """One token's decay a = sigmoid(decay logit) and write strength b (B, Hs) from its values
-        (B, Hs, Dv), both in one product with the two gates' weights stacked, as ``TokenGate.logits``
-        computes them."""
+        (B, Hs, Dv), both in one product with the two gates' weights stacked (kept between calls without
+        autograd until a gate changes), as ``TokenGate.logits`` computes them."""
         dtype = torch.promote_types(values.dtype, torch.float32)
-        weight, bias = self._step_gate_weights(dtype, values.shape[-1])
-        both = torch.sigmoid(torch.baddbmm(bias, values.to(dtype).transpose(0, 1), weight))  # (Hs, B, 2)
-        return both[..., 0].T, both[..., 1].T
-
-    def _step_gate_weights(self, dtype: torch.dtype, value_dim: int) -> tuple[Tensor, Tensor]:
-        """The two gates' weights stacked (Hs, Dv, 2), scaled by 1/sqrt(Dv), and biases (Hs, 1, 2) in
-        ``dtype``, kept between calls without autograd until a gate changes."""
         gates = (self.decay, self.write)
 
         def build() -> tuple[Tensor, Tensor]:
             weight = torch.stack([gate.weight for gate in gates], dim=-1).to(dtype)  # (Hs, Dv, 2)
             bias = torch.stack([gate.bias for gate in gates], dim=-1).to(dtype)[:, None, :]  # (Hs, 1, 2)
-            return weight * value_dim**-0.5, bias
+            return weight * values.shape[-1] ** -0.5, bias
 
         parameters = [parameter for gate in gates for parameter in (gate.weight, gate.bias)]
-        return self._kept_step_gates.get(parameters, build, dtype, value_dim)
+        weight, bias = self._kept_step_gates.get(parameters, build, dtype, values.shape[-1])
+        both = torch.sigmoid(torch.baddbmm(bias, values.to(dtype).transpose(0, 1), weight))  # (Hs, B, 2)
+        return both[..., 0].T, both[..., 1].T
 
     def _compiled_step(self, query, key, value, attention_mask, state, scaling, position_ids, edge):
         """``_decode_step`` through ``dofla.ops.compiled.gated_delta_window_step``: the projection map, the

@@ -24,7 +24,7 @@ from torch import Tensor
 from dofla.ops.decode import RingWindow
 from dofla.rotary import rotate_by
 
-_COMPILED: dict[Callable, Callable | None] = {}
+_COMPILED: dict[Callable, Callable] = {}
 _FAILED: set[Callable] = set()
 # inductor's options: the generated wrapper in C++ too (a call costs microseconds, not tens of them)
 COMPILE_OPTIONS = {"cpp_wrapper": True}
