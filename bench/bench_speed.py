@@ -17,6 +17,10 @@ the teacher of the same run:
   its attention replaced by zeros and everything else its own (projections, norms, MLP, cache writes).
   No student that keeps the teacher's projections and MLP prefills faster, so its ratio is the ceiling of
   every student's prefill ratio on the machine.
+- "no attention (decode bound)" (asked for by name; decode rows only): the same model decoding with a cache
+  that keeps nothing (it counts the context's tokens for the positions and drops each step's keys and
+  values), so a step is the teacher's projections, norms, MLP and output head alone: the ceiling of every
+  student's decode ratio on the machine.
 - any student's name followed by " (compiled steps)": that student decoding through its cells' compiled
   steps where they have one (``dofla.convert.set_compiled_steps``: one generated kernel per step instead of
   its few dozen operators; the first step, untimed, compiles); the teacher keeps its own eager step, whose
@@ -52,7 +56,8 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from dofla.convert import (
     convert,
@@ -130,6 +135,8 @@ DEFAULT_STUDENTS = (
 )
 # Not a student: the teacher attending to nothing (see the module docstring); prefill rows only.
 NO_ATTENTION = "no attention (prefill bound)"
+NO_ATTENTION_DECODE = "no attention (decode bound)"
+NO_ATTENTION_MODELS = (NO_ATTENTION, NO_ATTENTION_DECODE)
 NO_ATTENTION_IMPLEMENTATION = "bench_no_attention"
 
 
@@ -160,8 +167,31 @@ def known_model(name: str) -> bool:
     return name in PSEUDO_MODELS or base_student(name) in STUDENTS
 
 
-PSEUDO_MODELS = (NO_ATTENTION, TEACHER_IN_PLACE, TEACHER_COMPILED)
+PSEUDO_MODELS = (NO_ATTENTION, NO_ATTENTION_DECODE, TEACHER_IN_PLACE, TEACHER_COMPILED)
 TEACHERS = (TEACHER, TEACHER_IN_PLACE, TEACHER_COMPILED)
+
+
+class CountingLayer(DynamicLayer):
+    """A cache layer that keeps no keys or values: it counts the tokens it is given (from ``tokens`` already
+    seen) and hands each call's keys and values back (for a model whose attention reads none of them)."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__()
+        self.tokens = tokens
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.tokens += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+
+def counting_cache(model, context: int) -> DynamicCache:
+    """A cache whose layers are ``CountingLayer``s at ``context`` tokens (the decode-bound row's)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [CountingLayer(context) for _ in cache.layers]
+    return cache
 
 
 def in_place_kv(cache):
@@ -257,7 +287,7 @@ def row_settings(args, name: str = TEACHER) -> list[tuple[str, int, int]]:
     if name == NO_ATTENTION:
         return prefill
     decode = [("decode", batch, context) for batch in args.batches for context in args.contexts]
-    return decode if name in (TEACHER_IN_PLACE, TEACHER_COMPILED) else prefill + decode
+    return decode if name in (NO_ATTENTION_DECODE, TEACHER_IN_PLACE, TEACHER_COMPILED) else prefill + decode
 
 
 def prefill_phase(chunk: int) -> str:
@@ -298,7 +328,9 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
             elif name == TEACHER_COMPILED:
                 result = time_compiled_teacher_decode(model, batch, context, args.steps or 16)
             else:
-                if is_teacher:
+                if name == NO_ATTENTION_DECODE:
+                    cache = counting_cache(model, context)
+                elif is_teacher:
                     cache = synthetic_kv_cache(model, batch, context)
                     if name == TEACHER_IN_PLACE:
                         cache = in_place_kv(cache)
@@ -349,8 +381,8 @@ def prepared_model(model, name: str, args, log):
     if name == TEACHER_COMPILED:
         log(f"{TEACHER_COMPILED}: softmax SDPA, StaticCache, the decoding step under torch.compile")
         return model
-    if name == NO_ATTENTION:
-        log(f"{NO_ATTENTION}: the teacher with its attention replaced by zeros")
+    if name in NO_ATTENTION_MODELS:
+        log(f"{name}: the teacher with its attention replaced by zeros")
         model.set_attn_implementation(NO_ATTENTION_IMPLEMENTATION)
         return model
     plan = student_plan(model, name, args.feature_dim, args.window)
@@ -373,7 +405,7 @@ def measure_in_process(model, name: str, args, log) -> list[dict]:
         warm_up(model, args)
         return [measure_row(model, name, *setting, args, log) for setting in row_settings(args, name)]
     finally:
-        if name == NO_ATTENTION:
+        if name in NO_ATTENTION_MODELS:
             model.set_attn_implementation(previous)
         elif name not in TEACHERS:
             unconvert(model)
@@ -549,7 +581,7 @@ def tables(rows: list[dict], models: list[str], args) -> str:
                 )
                 if row is None or row.get(key) is None:
                     cells.append("-")
-                elif key == "cache_bytes" and model != TEACHER and teacher and teacher.get(key):
+                elif key == "cache_bytes" and model != TEACHER and teacher and teacher.get(key) and row[key]:
                     cells.append(f"{_mib(row[key])} ({teacher[key] / row[key]:.0f}x)")
                 else:
                     cells.append(_mib(row[key]))

@@ -205,6 +205,34 @@ def test_bench_speed_no_attention_bound_is_the_teacher_attending_to_nothing_in_p
     assert torch.allclose(last_logits(tokens), before)
 
 
+def test_bench_speed_decode_bound_attends_to_nothing_and_keeps_nothing_in_decode_rows_only(tmp_path):
+    bench = bench_script("bench_speed")
+    arguments = ["--tiny", "--contexts", "32,64", "--batches", "1,2", "--steps", "2", "--isolate", "none"]
+    arguments += ["--prefill-chunks", "0", "--cells", bench.NO_ATTENTION_DECODE]
+    assert bench.main([*arguments, "--out", str(tmp_path), "--plot", str(tmp_path / "s.png")]) == 0
+    rows = [r for r in json.loads((tmp_path / "speed.json").read_text())["rows"] if r["model"] != "teacher"]
+    assert sorted((r["phase"], r["batch"], r["context"]) for r in rows) == [
+        ("decode", batch, context) for batch in (1, 2) for context in (32, 64)
+    ]
+    assert all(r["tokens_per_second"] > 0 and r["cache_bytes"] == 0 for r in rows)
+
+    # its cache counts the tokens (positions go on) and keeps no keys; a step's logits are the no-attention
+    # model's on the same tokens
+    model = bench.build_model(argparse.Namespace(tiny=True, contexts=[32], teacher=None))
+    previous = model.config._attn_implementation
+    bench.prepared_model(model, bench.NO_ATTENTION_DECODE, None, lambda message: None)
+    cache = bench.counting_cache(model, 20)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        stepped = [
+            model(input_ids=tokens[:, i : i + 1], past_key_values=cache).logits[:, -1] for i in range(3)
+        ]
+        whole = model(input_ids=tokens).logits
+    assert cache.get_seq_length() == 23 and all(layer.keys is None for layer in cache.layers)
+    torch.testing.assert_close(torch.stack(stepped, 1), whole)
+    model.set_attn_implementation(previous)
+
+
 def test_bench_speed_in_place_teacher_decodes_as_the_teacher_in_decode_rows_only(tmp_path):
     from transformers import DynamicCache
 
