@@ -9,6 +9,10 @@ The machine may be busy: each timing is the median over ``--rounds`` rounds of `
 ``--prefill N`` times one uncached prefill of N tokens instead (the chunked form, no autograd, as
 ``generate()``'s prefill and evaluation run it): microseconds and aten operators per prefill.
 
+``--allocation A,B`` times each cell with A and with B features and at their mean (A + B) / 2, and gives the
+mean of the A and B times against the mean dimension's: what a layer-wise allocation alternating A and B costs
+against the uniform (``fix``) one at the same mean dimension (a step's cost is additive over layers).
+
 ``--against SRC`` compares with another checkout's ``src`` folder (e.g. an exported older commit): the two
 run in alternating subprocesses, ``--runs`` times each, and the table gives the medians of both.
 
@@ -16,6 +20,7 @@ run in alternating subprocesses, ``--runs`` times each, and the table gives the 
     python bench/bench_layer_step.py --cells "gla+window,gated_delta+window" --against /tmp/before/src
     python bench/bench_layer_step.py --cells "gated_delta conv8" --prefill 16384 --threads 2 --rounds 3
     python bench/bench_layer_step.py --cells "gated_delta+window,gated_delta conv8 gate" --window 128 --compiled
+    python bench/bench_layer_step.py --cells "gated_delta+window" --window 128 --allocation 32,96 --compiled
 """
 
 from __future__ import annotations
@@ -142,6 +147,49 @@ def run_here(args) -> list[dict]:
     return [measure(name, args) for name in args.cells]
 
 
+def allocation_rows(args) -> list[dict]:
+    """Per cell, the times at each dimension of ``args.allocation`` and at their mean, measured interleaved
+    (``--rounds`` rounds, each at every dimension in turn), and the ratio of the allocation's mean time to the
+    mean dimension's."""
+    torch.set_num_threads(args.threads)
+    low, high = args.allocation
+    middle = (low + high) // 2
+    rows = []
+    for name in args.cells:
+        times = {low: [], middle: [], high: []}
+        for _ in range(args.rounds):
+            for dimension in times:
+                one_round = argparse.Namespace(**{**vars(args), "feature_dim": dimension, "rounds": 1})
+                times[dimension].append(measure(name, one_round)["us"])
+        medians = {dimension: statistics.median(values) for dimension, values in times.items()}
+        mixed = (medians[low] + medians[high]) / 2
+        rows.append(dict(cell=name, dims=(low, middle, high), us=medians, ratio=mixed / medians[middle]))
+    return rows
+
+
+def allocation_table(args, argv: list[str]) -> str:
+    low, high = args.allocation
+    middle = (low + high) // 2
+    unit = "prefill" if args.prefill else "step"
+    lines = [
+        f"command: {' '.join(['bench_layer_step.py', *argv])}",
+        f"machine: {platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), float32",
+        "",
+        f"per-layer {_what(args)}, B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, window "
+        f"{args.window}{', compiled steps' if args.compiled else ''}; median of {args.rounds} interleaved rounds",
+        "",
+        f"| cell | F={low} µs | F={high} µs | mean of the two | F={middle} µs | {low}/{high} against {middle} |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in allocation_rows(args):
+        us = row["us"]
+        lines.append(
+            f"| {row['cell']} | {us[low]:.1f} | {us[high]:.1f} | {(us[low] + us[high]) / 2:.1f} | "
+            f"{us[middle]:.1f} | {row['ratio']:.3f}x |"
+        )
+    return "\n".join(lines) + f"\n\n(µs per {unit})"
+
+
 def run_in(source: str, args, argv: list[str]) -> list[dict]:
     """This script in a subprocess with ``source`` first on the path; its rows."""
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join([source, os.environ.get("PYTHONPATH", "")]))
@@ -210,12 +258,28 @@ def main(argv=None) -> int:
         action="store_true",
         help="decode through the cells' compiled steps where they have one (dofla.ops.compiled)",
     )
+    parser.add_argument(
+        "--allocation",
+        default=None,
+        help="A,B: each cell at A and B features and at their mean; the allocation's cost against uniform",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     args.cells = [name.strip() for name in args.cells.split(",") if name.strip()]
     unknown = [name for name in args.cells if name not in CELLS]
     if unknown:
         parser.error(f"unknown cell {unknown[0]!r}; known: {', '.join(CELLS)}")
+    if args.allocation is not None:
+        try:
+            args.allocation = tuple(int(item) for item in args.allocation.split(","))
+        except ValueError:
+            args.allocation = ()
+        if len(args.allocation) != 2 or min(args.allocation) < 1 or sum(args.allocation) % 2:
+            parser.error("--allocation takes two positive dimensions with an even sum, e.g. 32,96")
+        if args.against:
+            parser.error("--allocation and --against do not go together; run them apart")
+        print(allocation_table(args, argv))
+        return 0
     if args.against:
         print(compare(args, argv))
         return 0

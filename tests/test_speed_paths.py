@@ -941,6 +941,28 @@ def test_layer_step_bench_prints_every_cell_alone_and_against_a_checkout(capsys,
     assert "prefill of 10 tokens" in printed and "| gated_delta conv8 |" in printed
 
 
+def test_layer_step_bench_allocation_times_both_dimensions_and_their_mean(capsys, one_thread, monkeypatch):
+    """--allocation A,B: each cell at A, B and (A + B) / 2 features, the ratio of the A/B mean to the mean's."""
+    bench = bench_script("bench_layer_step")
+    tiny = ["--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--window", "4", "--fill", "6"]
+    tiny += ["--steps", "2", "--rounds", "2", "--cells", "gated_delta+window"]
+    seen = []
+    real_measure = bench.measure
+
+    def measure(name, args):
+        seen.append(args.feature_dim)
+        return dict(real_measure(name, args), us=float(args.feature_dim))  # time = dimension: ratio 1
+
+    monkeypatch.setattr(bench, "measure", measure)
+    assert bench.main([*tiny, "--allocation", "4,12"]) == 0
+    assert seen == [4, 8, 12, 4, 8, 12]  # interleaved rounds
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| gated_delta")]
+    assert row == ["| gated_delta+window | 4.0 | 12.0 | 8.0 | 8.0 | 1.000x |"]
+    with pytest.raises(SystemExit):
+        bench.main([*tiny, "--allocation", "4,9"])  # no whole mean dimension
+    assert "even sum" in capsys.readouterr().err
+
+
 def test_bench_speed_repeats_take_each_rows_median_sample_and_print_the_spread(tmp_path, capsys, monkeypatch):
     bench = bench_script("bench_speed")
     real_run = subprocess.run
