@@ -152,6 +152,23 @@ SECTIONS = [
         "`bench/results/speed_compiled_16k_first.md`). Target: decode at 16k and batch 8 >= 10x.",
     ),
     (
+        "The decode ceiling at 4k, batch 1: the teacher with no attention at all, beside the window alone and the recipes' cells (CPU, medians of 3 rounds)",
+        "bench/results/speed_decode_bound_4k.md",
+        "The `no attention (decode bound)` row is the teacher decoding with its attention replaced by zeros "
+        "and a cache that keeps nothing: its projections, norms, MLP and output head alone, the most any "
+        "student keeping them can reach. The `window 128+4` row is the `gated-delta` recipe's window and "
+        "sinks without the memory. Target: decode at 4k and batch 1 >= 1.3x.",
+    ),
+    (
+        "What a layer-wise allocation costs a layer: 32 and 96 features against 64 (one layer, CPU, 1 thread)",
+        "bench/results/layer_allocation.md",
+        "`python bench/bench_layer_step.py --cells ... --window 128 --allocation 32,96` (decode eager, decode "
+        "through the compiled steps with `--compiled`, prefill of 4,096 tokens with `--prefill 4096`; commands "
+        "in the file): one layer at 32, at 96 and at 64 features, interleaved rounds; the mean of the 32 and "
+        "96 times against the 64 time is what an allocation alternating 32 and 96 costs against the uniform "
+        "one at the same mean dimension (a model's step is the sum of its layers'). Target: within 5%.",
+    ),
+    (
         "Graph decoding on one H200: the pure-linear recipe's decoding step replayed from a CUDA graph (bf16)",
         "bench/results/gpu_h200_graph_decode_s32.md",
         "`bench/bench_generation.py --graph` through `bash bench/gpu_run.sh` on a lent H200 (random weights of "
