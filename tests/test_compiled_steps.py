@@ -227,20 +227,37 @@ def test_the_compiled_kernel_decodes_as_the_full_forward(monkeypatch, name, comp
     assert not compiled_ops._FAILED
 
 
-def test_the_generate_command_with_compile_prints_the_eager_continuation(tmp_path, capsys, eager_kernel):
+def test_the_generate_command_with_compile_prints_the_eager_continuation(
+    tmp_path, capsys, eager_kernel, monkeypatch
+):
+    """Greedy: the whole step compiled (for real: one program); sampling, or a prompt shorter than the
+    window and sinks: each layer's compiled step (run eagerly here). The same text as eager decoding."""
+    import dofla.graph_decode as graph_decode
     from dofla.cli import main
     from dofla.convert import save_converted
     from dofla.models import build_tiny_tokenizer
 
+    wholes = []
+    real_compiled_method = graph_decode.compiled_method
+    monkeypatch.setattr(
+        graph_decode, "compiled_method", lambda *a: wholes.append(a) or real_compiled_method(*a)
+    )
     model = converted("hybrid, period and edge sinks")
     save_converted(model, tmp_path / "out", tokenizer=build_tiny_tokenizer())
-    arguments = ["generate", str(tmp_path / "out"), "--prompt", "The cat sat on the mat and the dog"]
-    assert main([*arguments, "--max-new-tokens", "12"]) == 0
-    eager = capsys.readouterr().out
-    assert not eager_kernel
-    assert main([*arguments, "--max-new-tokens", "12", "--compile"]) == 0
-    assert capsys.readouterr().out == eager
-    assert eager_kernel  # the continuation went past the window's first fill
+    for prompt in ("The cat sat on the mat and the dog", "The cat"):
+        arguments = ["generate", str(tmp_path / "out"), "--prompt", prompt, "--max-new-tokens", "12"]
+        for sampling in ([], ["--sample", "--seed", "3"]):
+            assert main([*arguments, *sampling]) == 0
+            eager = capsys.readouterr().out
+            assert not eager_kernel and not wholes
+            assert main([*arguments, *sampling, "--compile"]) == 0
+            assert capsys.readouterr().out == eager
+            whole = (
+                not sampling and len(build_tiny_tokenizer()(prompt)["input_ids"]) >= 9
+            )  # window 6 + 3 sinks
+            assert len(wholes) == int(whole) and bool(eager_kernel) != whole, (prompt, sampling)
+            wholes.clear()
+            eager_kernel.clear()
 
 
 def test_the_generate_command_refuses_compile_on_a_gpu_in_one_sentence(monkeypatch, tmp_path, capsys):

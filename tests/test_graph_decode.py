@@ -5,6 +5,8 @@ step."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -45,11 +47,16 @@ def eager_decode(model, prompt: torch.Tensor, steps: int) -> tuple[list[torch.Te
     return logits, cache
 
 
-def frozen_decode(model, prompt: torch.Tensor, steps: int, graph: bool, eager_steps: int = 0):
+def frozen_decode(
+    model, prompt: torch.Tensor, steps: int, graph: bool, eager_steps: int = 0, compiled=False, room=None
+):
     """Decoding through a CapturedDecoder (after ``eager_steps`` ordinary steps): the logits of every step."""
     logits, cache = eager_decode(model, prompt, eager_steps)
     steps -= eager_steps
-    decoder = CapturedDecoder(model, cache, prompt.shape[0], prompt.shape[1] + eager_steps, graph=graph)
+    position = prompt.shape[1] + eager_steps
+    decoder = CapturedDecoder(
+        model, cache, prompt.shape[0], position, graph=graph, compiled=compiled, steps=room
+    )
     for _ in range(steps):
         logits.append(decoder.step(logits[-1].argmax(-1, keepdim=True)).clone())
     decoder.finish()
@@ -205,6 +212,78 @@ def test_generate_greedy_continues_the_prompt_as_greedy_decoding_does(partly):
     logits, _ = eager_decode(model, prompt, steps=4)
     expected = torch.cat([prompt, *(step.argmax(-1, keepdim=True) for step in logits)], dim=1)
     assert torch.equal(generate_greedy(model, prompt, 5, graph=False), expected)
+
+
+COMPILED_CASES = {
+    # every option of a hybrid layer's step: window and sinks seen from the edge, a position period crossed
+    "gated_delta hybrid, period, edge": ("llama", "gated_delta", "hybrid", 13),
+    "gla hybrid": ("llama", "gla", "hybrid", None),
+    "linear, absolute positions": ("gpt2", "linear", "linear", None),
+}
+
+
+@pytest.mark.parametrize("case", COMPILED_CASES)
+def test_the_compiled_whole_step_gives_ordinary_decodings_logits(case):
+    """CapturedDecoder(compiled=True): the whole step compiled for real (one program) decodes as ordinary
+    decoding does, and the cache continues after it."""
+    from dofla.convert import set_position_period, set_sinks_at_edge
+
+    family, cell, kind, period = COMPILED_CASES[case]
+    model = converted(family, cell, kind=kind)
+    if period:
+        set_position_period(model, period)
+    if kind == "hybrid" and family == "llama":
+        set_sinks_at_edge(model, True)
+    prompt = prompt_of()
+    expected, expected_cache = eager_decode(model, prompt, steps=5)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, cache = frozen_decode(model, prompt, steps=5, graph=False, compiled=True)
+    assert not [warning for warning in caught if "dofla" in str(warning.message)]  # compiled, not eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1  # one program, no breaks
+    for step, (actual, reference) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(actual, reference, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+    token = expected[-1].argmax(-1, keepdim=True)
+    with torch.no_grad():
+        after = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        reference = model(input_ids=token, past_key_values=expected_cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(after, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_the_compiled_whole_step_holds_kept_softmax_layers():
+    model = partly_converted("llama", 0)
+    prompt = prompt_of()
+    expected, _ = eager_decode(model, prompt, steps=5)
+    got, _ = frozen_decode(model, prompt, steps=5, graph=False, compiled=True, room=8)
+    for step, (actual, reference) in enumerate(zip(got, expected, strict=True)):
+        torch.testing.assert_close(actual, reference, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+
+
+def test_a_whole_step_that_cannot_compile_warns_once_and_decodes_eagerly(monkeypatch):
+    import dofla.ops.compiled as compiled_ops
+
+    def failing_compile(function, **options):
+        def run(*args, **kwargs):
+            from torch._inductor.exc import InvalidCxxCompiler
+
+            raise InvalidCxxCompiler()  # what inductor raises on a machine without a C++ compiler
+
+        return run
+
+    monkeypatch.setattr(compiled_ops.torch, "compile", failing_compile)
+    monkeypatch.setattr(compiled_ops, "_FAILED", set())
+    model = converted("llama", "gated_delta", kind="hybrid")
+    prompt = prompt_of()
+    expected, _ = eager_decode(model, prompt, steps=4)
+    with pytest.warns(UserWarning, match="compiling the whole decoding step failed") as caught:
+        got, _ = frozen_decode(model, prompt, steps=4, graph=False, compiled=True)
+        again, _ = frozen_decode(model, prompt, steps=4, graph=False, compiled=True)  # not tried again
+    assert sum("whole decoding step" in str(warning.message) for warning in caught) == 1
+    for actual, reference in zip([*got, *again], [*expected, *expected], strict=True):
+        torch.testing.assert_close(actual, reference, rtol=1e-5, atol=1e-5)
+    with pytest.raises(DoflaError, match="not both"):
+        CapturedDecoder(model, DynamicCache(config=model.config), 2, 11, graph=True, compiled=True)
 
 
 def test_models_a_graph_cannot_hold_are_refused_with_the_reason():

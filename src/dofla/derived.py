@@ -27,7 +27,10 @@ class DerivedTensor:
         """``build()``'s value, rebuilt when a parameter changed (another tensor, storage or version), when
         ``extra_key`` (a dtype, say) differs from the kept one's, or when autograd tracks a parameter (then
         the value is not kept), or when a parameter was made in inference mode (it keeps no version counter,
-        so the value is not kept either)."""
+        so the value is not kept either), and under ``torch.compile`` (a compiled step builds it in every call;
+        its version counters are not traced)."""
+        if torch.compiler.is_compiling():
+            return build()
         tracked = torch.is_grad_enabled() and any(parameter.requires_grad for parameter in parameters)
         if any(parameter.is_inference() for parameter in parameters):
             self._entry = None

@@ -17,7 +17,11 @@ window decode in their general recurrent form here (``LinearAttention.graph_step
 keeps its write position in Python, which a graph would freeze. The Python part of the model's step (the
 cache's token counters, mask sizes) runs once, at capture; a layer's step reads nothing of it, which the
 CPU tests check by replaying the step with that Python state frozen as a graph freezes it
-(:class:`CapturedDecoder` with ``graph=False``). Off CUDA the decoder runs that same frozen step eagerly.
+(:class:`CapturedDecoder` with ``graph=False``). Off CUDA the decoder runs that same frozen step eagerly, or,
+with ``compiled=True`` (the CPU's ``dofla generate --compile``), as one program that ``torch.compile`` traces
+once: the whole model's step (projections, norms, MLP and every layer's attention step) as one generated
+C++ function, where the eager step costs each of its few hundred operators a Python dispatch whose code and
+data the MLP's weights have pushed out of the CPU's caches since the step before.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import Tensor
 from dofla.cache import GrowingKVLayer, RecurrentCacheLayer, self_attention_cache
 from dofla.dispatch import SOFTMAX_OVERRIDE_ATTRIBUTE, teacher_attention
 from dofla.errors import DoflaError
+from dofla.ops.compiled import compiled_method
 
 WARM_UP_STEPS = 2  # eager steps on a side stream before capture (CUDA's libraries allocate their workspaces)
 
@@ -74,6 +79,17 @@ def check_graph_decodable(model) -> tuple[list, list[tuple[int, object]]]:
             )
         kept.append((index, module))
     return [module for _, module in sorted(converted.items())], kept
+
+
+def frozen_step_fits(model, prompt_length: int) -> bool:
+    """Whether a :class:`CapturedDecoder` takes ``model`` after a prompt of ``prompt_length`` tokens: a
+    converted model whose kept softmax layers attend to every token (:func:`check_graph_decodable`) and
+    whose windows (with their sinks) the prompt fills, so that the states have their final sizes."""
+    try:
+        modules, _ = check_graph_decodable(model)
+    except DoflaError:
+        return False
+    return all(prompt_length >= module.window + module.sinks for module in modules if module.kind == "hybrid")
 
 
 def capturable_layers(
@@ -128,7 +144,8 @@ class CapturedDecoder:
     prompt's length). ``step(tokens)`` takes the (B, 1) next tokens and returns the (B, vocab) logits of the
     token after them; with a graph the returned tensor is the graph's own output, overwritten by the next
     step (use it, or clone it, first). ``finish()`` hands the cache back to ordinary use, states and token
-    counts up to date.
+    counts up to date. ``compiled=True`` (without a graph): the step runs as one ``torch.compile``d program
+    (traced at the first step: seconds; where compiling fails, one warning and the step runs eagerly).
     """
 
     def __init__(
@@ -140,13 +157,18 @@ class CapturedDecoder:
         *,
         graph: bool | None = None,
         steps: int | None = None,
+        compiled: bool = False,
     ) -> None:
+        if compiled and graph:
+            raise DoflaError("a decoder replays a CUDA graph or runs a compiled step, not both; pick one.")
         self.model, self.cache = model, cache
         self.students, self.layers, self.kept = capturable_layers(model, cache)
         device = next(model.parameters()).device
         self.graph_wanted = device.type == "cuda" if graph is None else bool(graph)
         if self.graph_wanted and device.type != "cuda":
             raise DoflaError("a CUDA graph needs the model on a CUDA device; use graph=False elsewhere.")
+        # the step as one compiled program (None: eager or a graph)
+        self.compiled_body = compiled_method(self._body, "the whole decoding step") if compiled else None
         if self.kept and (steps is None or int(steps) < 1):
             raise DoflaError(
                 "this model keeps softmax layers, whose keys a graph writes into buffers of fixed size; "
@@ -225,7 +247,7 @@ class CapturedDecoder:
         self.tokens.copy_(tokens)
         self.steps += 1
         if self.graph is None:
-            return self._body()
+            return self._body() if self.compiled_body is None else self.compiled_body()
         self.graph.replay()
         return self.logits
 
@@ -252,11 +274,13 @@ def generate_greedy(
     prefill_chunk: int | None = None,
     eos_token_id: int | None = None,
     on_tokens: Callable[[Tensor], None] | None = None,
+    compiled: bool = False,
 ) -> Tensor:
     """Greedy continuation of ``input_ids`` (B, T) by up to ``max_new_tokens`` tokens, decoding through a
     :class:`CapturedDecoder` (a CUDA graph on CUDA): (B, T + new) token ids. ``prefill_chunk``: prefill in
     pieces of that many tokens; ``eos_token_id``: stop once every row has produced it; ``on_tokens``: called
-    with the prompt, then with each new (B, 1) token (a transformers streamer's ``put``)."""
+    with the prompt, then with each new (B, 1) token (a transformers streamer's ``put``); ``compiled``: without
+    a graph, the decoder's step as one compiled program (:class:`CapturedDecoder`)."""
     from transformers import DynamicCache
 
     from dofla.evaluation.speed import prefill
@@ -275,7 +299,13 @@ def generate_greedy(
                 break
         if decoder is None:
             decoder = CapturedDecoder(
-                model, cache, input_ids.shape[0], input_ids.shape[1], graph=graph, steps=max_new_tokens - 1
+                model,
+                cache,
+                input_ids.shape[0],
+                input_ids.shape[1],
+                graph=graph,
+                steps=max_new_tokens - 1,
+                compiled=compiled,
             )
         token = decoder.step(token).argmax(-1, keepdim=True)
         if eos_token_id is not None:  # a row that has ended repeats its end

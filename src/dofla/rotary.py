@@ -147,6 +147,12 @@ class Turns:
         return _one_token_product(keys, self.key_matrix)
 
 
+def host_side(tensor: Tensor) -> bool:
+    """Whether Python may look at ``tensor``'s values and keep things between calls: on the CPU, outside
+    ``torch.compile`` (which traces a step once for every call, as a CUDA graph captures one)."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _one_token_product(x: Tensor, matrix: Tensor) -> Tensor:
     """x (B, H, N, D) times ``matrix`` (D, D), or per batch row (B, D, D): one ``mm`` or ``bmm``."""
     if matrix.dim() == 2:  # one position for the whole batch: one product over every row
@@ -174,7 +180,7 @@ def _turns(angles: Tensor, dtype: torch.dtype, dim: int | None) -> Turns:
     the CPU (where the turns are kept for every layer, :func:`kept_turns`; elsewhere each layer would build
     its matrix)."""
     cos, sin = turns_of(angles, dtype)
-    if dim is None or angles.shape[2] != 1 or angles.device.type != "cpu":
+    if dim is None or angles.shape[2] != 1 or not host_side(angles):
         return Turns(cos, sin)
     matrix = turn_matrix(cos, sin, dim)
     if matrix.shape[0] == 1:
@@ -189,10 +195,10 @@ _KEPT_TURNS: dict[str, tuple] = {}
 def kept_turns(purpose: str, position_ids: Tensor, key: tuple, compute):
     """``compute()`` (turns of the tokens at ``position_ids``, or None), kept on the CPU for the same
     ``position_ids`` tensor (unchanged since) and ``key``: every layer of a forward reads the one positions
-    tensor, so a decoding step computes its turns once instead of once per layer. Not on other devices (a
-    CUDA graph must compute them in every replay). A tensor made in inference mode keeps no version counter:
+    tensor, so a decoding step computes its turns once instead of once per layer. Not on other devices nor
+    under ``torch.compile`` (a CUDA graph or a compiled step must compute them in every call: ``host_side``). A tensor made in inference mode keeps no version counter:
     its positions are compared with a copy kept beside the turns instead."""
-    if position_ids.device.type != "cpu":
+    if not host_side(position_ids):
         return compute()
     inference = position_ids.is_inference()
     key = (*key, None if inference else position_ids._version)
@@ -228,12 +234,12 @@ def edge_turns(
     dim: int | None = None,
 ) -> Turns | None:
     """The turns that take the last ``length`` tokens of ``position_ids`` (B, T') or (T',) back to position
-    min(p, edge) (with ``dim``, the head size, one token's also as a matrix); None on the CPU where no token
-    is past the edge (nothing to turn). Kept per positions tensor on the CPU (:func:`kept_turns`)."""
+    min(p, edge) (with ``dim``, the head size, one token's also as a matrix); None on the CPU (outside
+    ``torch.compile``) where no token is past the edge (nothing to turn). Kept per positions tensor on the CPU (:func:`kept_turns`)."""
 
     def compute():
         positions = _last(position_ids, length)
-        if positions.device.type == "cpu" and int(positions.max()) < edge:
+        if host_side(positions) and int(positions.max()) < edge:
             return None
         shift = (positions.clamp(max=edge) - positions).to(torch.float32)  # (B, T) <= 0
         return _turns(shift[:, None, :, None] * frequencies, dtype, dim)
@@ -250,12 +256,12 @@ def period_turns(
     dim: int | None = None,
 ) -> Turns | None:
     """The turns that take the last ``length`` tokens of ``position_ids`` back to their positions modulo
-    ``period`` (:func:`wrap_angles`; with ``dim`` one token's also as a matrix); None on the CPU where every
-    position is below the period. Kept per positions tensor on the CPU (:func:`kept_turns`)."""
+    ``period`` (:func:`wrap_angles`; with ``dim`` one token's also as a matrix); None on the CPU (outside
+    ``torch.compile``) where every position is below the period. Kept per positions tensor on the CPU (:func:`kept_turns`)."""
 
     def compute():
         positions = _last(position_ids, length)
-        if positions.device.type == "cpu" and int(positions.max()) < period:
+        if host_side(positions) and int(positions.max()) < period:
             return None
         return _turns(wrap_angles(positions, period, frequencies), dtype, dim)
 

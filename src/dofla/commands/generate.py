@@ -48,10 +48,12 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="decode through each converted layer's compiled step where its cell has one (the CPU; the "
-        "gated_delta cell with projection keys, as the gated-delta recipes, and the gla and linear cells with a "
-        "window over Hedgehog features, as the gla and lolcats recipes): one generated kernel per step "
-        "instead of a few dozen operators; the first steps compile it (seconds; kept on disk by torch)",
+        help="the CPU's compiled decoding: greedy, the whole decoding step (every layer, the MLP and the "
+        "output head) as one program compiled by torch.compile, where the model allows it (prompts at least "
+        "as long as the window and sinks, layers kept as softmax attending to every token); otherwise, and "
+        "with --sample, each converted layer's step as one compiled kernel where its cell has one (the "
+        "gated_delta cell with projection keys, the gla and linear cells with a window over Hedgehog "
+        "features). The first step compiles (seconds, kept on disk by torch): for long generations",
     )
     add_position_arguments(parser)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
@@ -140,7 +142,12 @@ def run(args: argparse.Namespace) -> int:
     device = next(model.parameters()).device
     inputs = tokenizer(args.prompt, return_tensors="pt").to(device)
     streamer = TextStreamer(tokenizer, skip_special_tokens=True)
-    if args.graph:
+    whole_step = False
+    if args.compile and not args.sample:
+        from dofla.graph_decode import frozen_step_fits
+
+        whole_step = frozen_step_fits(model, inputs["input_ids"].shape[1])
+    if args.graph or whole_step:
         from dofla.graph_decode import generate_greedy
 
         generate_greedy(
@@ -150,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk or None,
             eos_token_id=tokenizer.eos_token_id,
             on_tokens=streamer.put,
+            compiled=whole_step,
         )
         streamer.end()
         return 0

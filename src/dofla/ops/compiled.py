@@ -53,14 +53,41 @@ def run_compiled(function: Callable, *args, **kwargs):
     except Exception as error:  # noqa: BLE001 - any backend failure (compiler missing, codegen): fall back
         if not _compile_failure(error):
             raise
-        _FAILED.add(function)
         _COMPILED.pop(function, None)
-        warnings.warn(
-            f"dofla: compiling the decoding step failed ({type(error).__name__}: {_first_line(error)}); "
-            "decoding goes on with the eager step.",
-            stacklevel=2,
-        )
+        _give_up(function, error, "the decoding step")
         return None
+
+
+def compiled_method(method: Callable, what: str) -> Callable:
+    """The bound ``method`` compiled whole (``torch.compile``, one program: its first call traces and
+    compiles it): a callable that runs it compiled and, once compiling has failed (one warning, naming
+    ``what``; never tried again in this process), runs the method itself."""
+    function = getattr(method, "__func__", method)
+    kernel = None if function in _FAILED else torch.compile(method, fullgraph=True, options=COMPILE_OPTIONS)
+
+    def run(*args, **kwargs):
+        nonlocal kernel
+        if kernel is not None:
+            try:
+                return kernel(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - see run_compiled
+                if not _compile_failure(error):
+                    raise
+                kernel = None
+                _give_up(function, error, what)
+        return method(*args, **kwargs)
+
+    return run
+
+
+def _give_up(function: Callable, error: Exception, what: str) -> None:
+    """Never compile ``function`` again in this process; say so once."""
+    _FAILED.add(function)
+    warnings.warn(
+        f"dofla: compiling {what} failed ({type(error).__name__}: {_first_line(error)}); decoding goes on "
+        "eagerly.",
+        stacklevel=3,
+    )
 
 
 def _first_line(error: Exception) -> str:
