@@ -25,6 +25,10 @@ the teacher of the same run:
   steps where they have one (``dofla.convert.set_compiled_steps``: one generated kernel per step instead of
   its few dozen operators; the first step, untimed, compiles); the teacher keeps its own eager step, whose
   attention is already one fused SDPA call;
+- any student's name followed by " (compiled whole step)" (decode rows only): that student's whole decoding
+  step (every layer, the MLP and the output head) as one ``torch.compile`` program, through
+  ``dofla.graph_decode.CapturedDecoder(compiled=True)`` as ``dofla generate --compile`` decodes greedily (the
+  first untimed step traces and compiles it);
 - "teacher compiled (static cache)" (asked for by name; decode rows only): the teacher's whole decoding step
   under ``torch.compile`` over transformers' StaticCache of random keys and values (two untimed steps
   first, the first compiling), the reference a compiled student's rows ask for;
@@ -156,11 +160,14 @@ TEACHER_IN_PLACE = "teacher (KV written in place)"
 # compiled steps' rows.
 TEACHER_COMPILED = "teacher compiled (static cache)"
 COMPILED_SUFFIX = " (compiled steps)"
+# decode rows: the student's whole decoding step as one torch.compile program (dofla.graph_decode's
+# CapturedDecoder(compiled=True), what `dofla generate --compile` runs for greedy decoding)
+WHOLE_SUFFIX = " (compiled whole step)"
 
 
 def base_student(name: str) -> str:
     """The student a row's name measures (without the compiled steps' suffix)."""
-    return name.removesuffix(COMPILED_SUFFIX)
+    return name.removesuffix(COMPILED_SUFFIX).removesuffix(WHOLE_SUFFIX)
 
 
 def known_model(name: str) -> bool:
@@ -231,6 +238,22 @@ def time_compiled_teacher_decode(model, batch: int, context: int, steps: int) ->
     return time_decode(model, cache, batch, steps=steps, warm_up_steps=2, forward=forward)
 
 
+def whole_step_forward(model, cache, batch: int, context: int, steps: int):
+    """A decoder running the student's whole step compiled (``CapturedDecoder(compiled=True)``) from
+    ``cache`` at ``context`` tokens, with room for the warm-up and timed ``steps`` in layers kept as softmax,
+    and a ``time_decode`` forward that steps it."""
+    from types import SimpleNamespace
+
+    from dofla.graph_decode import CapturedDecoder
+
+    decoder = CapturedDecoder(model, cache, batch, context, compiled=True, steps=steps + 8)
+
+    def forward(input_ids, **ignored):
+        return SimpleNamespace(logits=decoder.step(input_ids)[:, None])
+
+    return decoder, forward
+
+
 def student_plan(model, name: str, feature_dim: int, window: int):
     options, alternating = STUDENTS[base_student(name)]
     options = dict(options)
@@ -287,7 +310,10 @@ def row_settings(args, name: str = TEACHER) -> list[tuple[str, int, int]]:
     if name == NO_ATTENTION:
         return prefill
     decode = [("decode", batch, context) for batch in args.batches for context in args.contexts]
-    return decode if name in (NO_ATTENTION_DECODE, TEACHER_IN_PLACE, TEACHER_COMPILED) else prefill + decode
+    decode_only = name in (NO_ATTENTION_DECODE, TEACHER_IN_PLACE, TEACHER_COMPILED) or name.endswith(
+        WHOLE_SUFFIX
+    )
+    return decode if decode_only else prefill + decode
 
 
 def prefill_phase(chunk: int) -> str:
@@ -339,6 +365,9 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
                         context, max(128, 2 * STUDENTS[base_student(name)][0].get("window", args.window))
                     )
                     cache = student_cache_at(model, batch, context, fill_tokens=fill)
+                decoder, forward = None, None
+                if name.endswith(WHOLE_SUFFIX):
+                    decoder, forward = whole_step_forward(model, cache, batch, context, args.steps or 64)
                 result = time_decode(
                     model,
                     cache,
@@ -346,9 +375,12 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
                     steps=args.steps or None,
                     target_seconds=args.seconds_per_row,
                     # untimed, compiled steps: the window into its ring, the kernel compiled
-                    warm_up_steps=3 if name.endswith(COMPILED_SUFFIX) else 1,
+                    warm_up_steps=3 if name.endswith((COMPILED_SUFFIX, WHOLE_SUFFIX)) else 1,
+                    forward=forward,
                 )
-                del cache
+                if decoder is not None:
+                    decoder.finish()
+                del cache, decoder
     except (RuntimeError, MemoryError) as error:
         if not out_of_memory(error):
             raise
@@ -691,7 +723,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cells",
         default=",".join([TEACHER_IN_PLACE, *DEFAULT_STUDENTS]),
-        help=f"students: {', '.join(STUDENTS)} (each also as 'NAME{COMPILED_SUFFIX}'); or "
+        help=f"students: {', '.join(STUDENTS)} (each also as 'NAME{COMPILED_SUFFIX}' or 'NAME{WHOLE_SUFFIX}', "
+        "decode rows); or "
         f"{' or '.join(map(repr, PSEUDO_MODELS))}",
     )
     parser.add_argument("--feature-dim", type=int, default=64)

@@ -1111,6 +1111,36 @@ def test_bench_speed_measures_a_student_through_its_compiled_steps_in_decode_row
     assert "unknown student 'linear (compiled)'" in capsys.readouterr().err
 
 
+def test_bench_speed_decodes_a_student_through_its_compiled_whole_step_in_decode_rows_only(
+    tmp_path, monkeypatch
+):
+    import dofla.graph_decode as graph_decode
+
+    decoders = []
+    real = graph_decode.CapturedDecoder
+
+    def spy(*args, **kwargs):
+        decoders.append(
+            real(*args, **{**kwargs, "compiled": False})
+        )  # eagerly (compiling: test_graph_decode)
+        assert kwargs["compiled"] is True
+        return decoders[-1]
+
+    monkeypatch.setattr(graph_decode, "CapturedDecoder", spy)
+    bench = bench_script("bench_speed")
+    name = "gated-delta-retrieval recipe" + bench.WHOLE_SUFFIX  # kept softmax layers too
+    arguments = ["--tiny", "--contexts", "256", "--batches", "1,2", "--steps", "2", "--isolate", "none"]
+    arguments += ["--cells", name, "--position-period", "64", "--sinks-at-edge", "--prefill-chunks", "0"]
+    assert bench.main([*arguments, "--out", str(tmp_path), "--plot", str(tmp_path / "s.png")]) == 0
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    assert sorted((r["model"], r["phase"], r["batch"]) for r in rows if r["model"] == name) == [
+        (name, "decode", 1),
+        (name, "decode", 2),
+    ]
+    assert len(decoders) == 2 and all(decoder.steps == 3 + 2 for decoder in decoders)  # warm-up + timed
+    assert all(r["tokens_per_second"] > 0 for r in rows)
+
+
 def test_bench_compiled_kernel_times_the_step_eager_and_compiled(monkeypatch, capsys):
     bench = bench_script("bench_compiled_kernel")
     kernel_calls = []
