@@ -240,13 +240,15 @@ def time_compiled_teacher_decode(model, batch: int, context: int, steps: int) ->
 
 def whole_step_forward(model, cache, batch: int, context: int, steps: int):
     """A decoder running the student's whole step compiled (``CapturedDecoder(compiled=True)``) from
-    ``cache`` at ``context`` tokens, with room for the warm-up and timed ``steps`` in layers kept as softmax,
+    ``cache`` at ``context`` tokens after one ordinary step (as ``generate_greedy`` decodes), with room for the warm-up and timed ``steps`` in layers kept as softmax,
     and a ``time_decode`` forward that steps it."""
     from types import SimpleNamespace
 
     from dofla.graph_decode import CapturedDecoder
 
-    decoder = CapturedDecoder(model, cache, batch, context, compiled=True, steps=steps + 8)
+    with torch.no_grad():  # one ordinary step first, as generate_greedy takes: windows into their rings
+        model(input_ids=torch.zeros(batch, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+    decoder = CapturedDecoder(model, cache, batch, context + 1, compiled=True, steps=steps + 8)
 
     def forward(input_ids, **ignored):
         return SimpleNamespace(logits=decoder.step(input_ids)[:, None])

@@ -255,7 +255,8 @@ def test_the_generate_command_with_compile_prints_the_eager_continuation(
             whole = (
                 not sampling and len(build_tiny_tokenizer()(prompt)["input_ids"]) >= 9
             )  # window 6 + 3 sinks
-            assert len(wholes) == int(whole) and bool(eager_kernel) != whole, (prompt, sampling)
+            assert len(wholes) == int(whole), (prompt, sampling)
+            assert whole or eager_kernel  # each layer's compiled step (the whole step traces it in)
             wholes.clear()
             eager_kernel.clear()
 

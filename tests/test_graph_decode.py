@@ -224,8 +224,9 @@ COMPILED_CASES = {
 
 @pytest.mark.parametrize("case", COMPILED_CASES)
 def test_the_compiled_whole_step_gives_ordinary_decodings_logits(case):
-    """CapturedDecoder(compiled=True): the whole step compiled for real (one program) decodes as ordinary
-    decoding does, and the cache continues after it."""
+    """CapturedDecoder(compiled=True): the whole step compiled for real (one program, the windows' rings
+    held with their slot on the device) decodes as ordinary decoding does, and the cache continues after
+    it."""
     from dofla.convert import set_position_period, set_sinks_at_edge
 
     family, cell, kind, period = COMPILED_CASES[case]
@@ -235,13 +236,21 @@ def test_the_compiled_whole_step_gives_ordinary_decodings_logits(case):
     if kind == "hybrid" and family == "llama":
         set_sinks_at_edge(model, True)
     prompt = prompt_of()
-    expected, expected_cache = eager_decode(model, prompt, steps=5)
+    expected, expected_cache = eager_decode(model, prompt, steps=6)
+    # one ordinary step first, as generate_greedy takes: the windows are rings the whole step holds as such
+    got, cache = eager_decode(model, prompt, steps=1)
+    decoder = CapturedDecoder(model, cache, prompt.shape[0], prompt.shape[1] + 1, graph=False, compiled=True)
+    rings = [student.frozen_slot is not None for student in students(model).values()]
+    assert all(rings) == (kind == "hybrid") and any(rings) == (kind == "hybrid")
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, cache = frozen_decode(model, prompt, steps=5, graph=False, compiled=True)
+        for _ in range(5):
+            got.append(decoder.step(got[-1].argmax(-1, keepdim=True)).clone())
+    decoder.finish()
     assert not [warning for warning in caught if "dofla" in str(warning.message)]  # compiled, not eager
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1  # one program, no breaks
+    assert all(student.frozen_slot is None for student in students(model).values())
     for step, (actual, reference) in enumerate(zip(got, expected, strict=True)):
         torch.testing.assert_close(actual, reference, rtol=1e-4, atol=1e-4, msg=f"step {step}")
     token = expected[-1].argmax(-1, keepdim=True)
@@ -251,7 +260,9 @@ def test_the_compiled_whole_step_gives_ordinary_decodings_logits(case):
     torch.testing.assert_close(after, reference, rtol=1e-4, atol=1e-4)
 
 
-def test_the_compiled_whole_step_holds_kept_softmax_layers():
+def test_the_compiled_whole_step_holds_kept_softmax_layers_and_windows_in_their_general_form():
+    """Straight after a prefill (no ordinary step) the windows are in their general form: the whole step
+    compiles that form, beside a layer kept as softmax."""
     model = partly_converted("llama", 0)
     prompt = prompt_of()
     expected, _ = eager_decode(model, prompt, steps=5)

@@ -131,6 +131,9 @@ class LinearAttention(nn.Module):
         self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.decode_tokens = int(options.pop("decode_tokens", DEFAULT_DECODE_TOKENS))
         self.graph_step = False  # set by dofla.graph_decode while a step is captured or replayed
+        # set by dofla.graph_decode while a compiled whole step holds this layer's window as a ring: the next
+        # slot as a tensor (1,) the step advances, since the ring's token count is frozen there
+        self.frozen_slot: Tensor | None = None
         # decoding steps through one compiled kernel where the cell has one (dofla.ops.compiled; set by
         # dofla.convert.set_compiled_steps)
         self.compiled_steps = False
@@ -397,11 +400,16 @@ class LinearAttention(nn.Module):
         # lives in Python) gives way to the general recurrent form (dofla.graph_decode)
         edge = self.edge_sink_turns(query, position_ids, state)
         fast_step = form is None and state is not None and length == 1
-        if fast_step and self.compiled_steps and not self.graph_step:
+        if fast_step and (self.frozen_slot is not None or (self.compiled_steps and not self.graph_step)):
             step = self._compiled_step(query, key, value, attention_mask, state, scaling, position_ids, edge)
             if step is not None:
                 output, cache_layer.state = step
                 return output
+            if self.frozen_slot is not None:  # the eager ring step would read the frozen count
+                raise DoflaError(
+                    f"layer {self.layer_index}: its window cannot take its compiled step in the whole compiled "
+                    "step (padding, autograd or a state that changed); decode without --compile."
+                )
         feature_query, feature_key = self._wrapped(query, key, position_ids)
         wrapped = feature_query is not query
         if self.kind == "linear":  # no window: the whole layer reads the wrapped q and k
@@ -505,6 +513,28 @@ class LinearAttention(nn.Module):
         sink_turn = one_token_turn(edge, query.dtype)
         return None if memory_turn is None or sink_turn is None else (*memory_turn, *sink_turn)
 
+    def compiled_step_ready(self, state, dtype: torch.dtype) -> bool:
+        """Whether ``state`` (a cache layer's, after a decoding step) is one this cell's compiled step takes
+        in ``dtype`` whatever the token (its steady state; the call's own conditions apart): here the
+        ``linear`` cell's hybrid ring over Hedgehog features."""
+        return self.hedgehog_compiled_ready(state, dtype)
+
+    def ring_slot(self, ring, offset: int = 0) -> Tensor:
+        """The ring's next write slot plus ``offset`` as a (1,) int64 tensor for a compiled step: from the
+        frozen slot under a compiled whole step, else from the ring's own count (``slot_index``)."""
+        if self.frozen_slot is not None:
+            return self.frozen_slot + offset if offset else self.frozen_slot
+        return slot_index(ring.next_slot + offset, ring.keys.shape[2], ring.keys.device)
+
+    def ring_stepped(self, ring) -> None:
+        """After a compiled step wrote ``ring``'s next slot: its token count moves on, or, under a compiled
+        whole step (the count frozen), the frozen slot does, in place."""
+        if self.frozen_slot is None:
+            ring.num_tokens += 1
+            return
+        slot = self.frozen_slot
+        slot.copy_(torch.remainder(slot - ring.sinks + 1, ring.window) + ring.sinks)
+
     def _compiled_step(
         self, query, key, value, attention_mask, state, scaling, position_ids, edge
     ) -> tuple[Tensor, object] | None:
@@ -526,22 +556,12 @@ class LinearAttention(nn.Module):
         running log decay; ``decay`` (log_decay_total (B, Hs), gate weight, gate bias) for a cell with
         forgetting, else None. None where the step cannot run compiled."""
         dtype = query.dtype
-        if (
-            not isinstance(state, RingHybridState)
-            or type(self.feature_map) is not HedgehogFeatures
-            or self.feature_map.has_headwise_dims
-            or not self._has_decode_step(state)
-            or not state.sums.dtype == state.key_features.dtype == key.dtype == value.dtype == dtype
-            or not in_place(state.sums)
-        ):
+        if not (key.dtype == value.dtype == dtype and self.hedgehog_compiled_ready(state, dtype)):
             return None
         ring = state.ring
-        if not (steady_ring(ring, dtype, ones_column=True) and ring.num_tokens >= ring.window):
-            return None
         turns = self.compiled_step_turns(query, key, attention_mask, position_ids, edge)
         if turns is None:
             return None
-        slot = ring.next_slot
         stepped = run_compiled(
             hedgehog_window_step,
             query,
@@ -557,8 +577,8 @@ class LinearAttention(nn.Module):
             state.key_log_scales,
             state.sums,
             state.log_offset,
-            slot_index(slot, ring.keys.shape[2], ring.keys.device),
-            slot_index(slot - ring.sinks, ring.keys.shape[2], ring.keys.device),
+            self.ring_slot(ring),
+            self.ring_slot(ring, -ring.sinks),  # the slot among the window's key features
             *turns,
             float(scaling),
             self.sinks,
@@ -566,8 +586,25 @@ class LinearAttention(nn.Module):
         if stepped is None:
             return None
         output, total, log_offset = stepped
-        ring.num_tokens += 1
+        self.ring_stepped(ring)
         return output, replace(state, log_offset=log_offset), total  # the sums updated in place
+
+    def hedgehog_compiled_ready(self, state, dtype: torch.dtype) -> bool:
+        """Whether the hybrid ring ``state`` over Hedgehog features takes ``hedgehog_compiled_step`` in
+        ``dtype``: no head-wise dimensions, the window full with every sink kept, state heads = key/value
+        heads."""
+        if (
+            not isinstance(state, RingHybridState)
+            or type(self.feature_map) is not HedgehogFeatures
+            or self.feature_map.has_headwise_dims
+            or self.state_heads != self.num_kv_heads
+            or not self._has_decode_step(state)
+            or not state.sums.dtype == state.key_features.dtype == dtype
+            or not in_place(state.sums)
+        ):
+            return False
+        ring = state.ring
+        return steady_ring(ring, dtype, ones_column=True) and ring.num_tokens >= ring.window
 
     def _attend(
         self,

@@ -36,6 +36,7 @@ from dofla.cache import GrowingKVLayer, RecurrentCacheLayer, self_attention_cach
 from dofla.dispatch import SOFTMAX_OVERRIDE_ATTRIBUTE, teacher_attention
 from dofla.errors import DoflaError
 from dofla.ops.compiled import compiled_method
+from dofla.ops.decode import RingWindow
 
 WARM_UP_STEPS = 2  # eager steps on a side stream before capture (CUDA's libraries allocate their workspaces)
 
@@ -52,6 +53,19 @@ def _advanced(state, steps: int):
         elif is_dataclass(value):
             changes[item.name] = _advanced(value, steps)
     return replace(state, **changes)
+
+
+def _ring_of(state):
+    """The ``RingWindow`` a layer's state holds (nested states searched), or None."""
+    if isinstance(state, RingWindow):
+        return state
+    if not is_dataclass(state):
+        return None
+    for item in fields(state):
+        found = _ring_of(getattr(state, item.name))
+        if found is not None:
+            return found
+    return None
 
 
 def check_graph_decodable(model) -> tuple[list, list[tuple[int, object]]]:
@@ -180,10 +194,17 @@ class CapturedDecoder:
         self.overrides = [getattr(module, SOFTMAX_OVERRIDE_ATTRIBUTE, None) for module, _ in self.kept]
         for (module, _), count in zip(self.kept, self.counts, strict=True):
             setattr(module, SOFTMAX_OVERRIDE_ATTRIBUTE, _attend_up_to(count))
-        for student in self.students:  # windows step in their general form (see the module docstring)
+        dtype = next(model.parameters()).dtype
+        for student, layer in zip(self.students, self.layers, strict=True):
+            # windows step in their general form (see the module docstring), or, compiled, as the rings of
+            # earlier steps where their cell's compiled step takes them
             student.graph_step = True
-        for layer in self.layers:  # ring buffers of earlier steps back in order
-            state = layer.state.general_layout()
+            ring = _ring_of(layer.state) if compiled else None
+            if ring is not None and student.compiled_step_ready(layer.state, dtype):
+                student.frozen_slot = torch.tensor([ring.next_slot], device=ring.keys.device)
+                state = layer.state
+            else:
+                state = layer.state.general_layout()
             if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in state._tensors()):
                 state = state._map(torch.clone)  # a prefill under inference_mode: buffers the step may write
             layer.state = state
@@ -217,7 +238,8 @@ class CapturedDecoder:
                 "the window); decode without a graph, or give a longer prompt."
             )
         for buffer, value in zip(self.buffers, new, strict=True):
-            buffer.copy_(value)
+            if value is not buffer:  # a ring and its memory are written in place
+                buffer.copy_(value)
         self.positions.add_(1)
         return logits
 
@@ -257,7 +279,7 @@ class CapturedDecoder:
         for layer, (count, state) in zip(self.layers, self.frozen, strict=True):
             layer.num_tokens, layer.state = count + self.steps, _advanced(state, self.steps)
         for student in self.students:
-            student.graph_step = False
+            student.graph_step, student.frozen_slot = False, None
         for (module, layer), override in zip(self.kept, self.overrides, strict=True):
             layer.release_from_graph()
             setattr(module, SOFTMAX_OVERRIDE_ATTRIBUTE, override)
@@ -292,22 +314,29 @@ def generate_greedy(
     tokens, decoder = [token], None
     emit(token)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    position = input_ids.shape[1]
     for _ in range(max_new_tokens - 1):
         if eos_token_id is not None:
             finished |= token[:, 0] == eos_token_id
             if bool(finished.all()):
                 break
-        if decoder is None:
-            decoder = CapturedDecoder(
-                model,
-                cache,
-                input_ids.shape[0],
-                input_ids.shape[1],
-                graph=graph,
-                steps=max_new_tokens - 1,
-                compiled=compiled,
-            )
-        token = decoder.step(token).argmax(-1, keepdim=True)
+        if compiled and position == input_ids.shape[1]:
+            # one ordinary step first: windows into the rings the compiled whole step holds them as
+            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        else:
+            if decoder is None:
+                decoder = CapturedDecoder(
+                    model,
+                    cache,
+                    input_ids.shape[0],
+                    position,
+                    graph=graph,
+                    steps=max_new_tokens - 1,
+                    compiled=compiled,
+                )
+            logits = decoder.step(token)
+        position += 1
+        token = logits.argmax(-1, keepdim=True)
         if eos_token_id is not None:  # a row that has ended repeats its end
             token = token.masked_fill(finished[:, None], eos_token_id)
         tokens.append(token)

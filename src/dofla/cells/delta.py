@@ -60,7 +60,6 @@ from dofla.ops.compiled import (
     gated_delta_window_step,
     in_place,
     run_compiled,
-    slot_index,
     steady_ring,
 )
 from dofla.ops.decode import RingWindow, ring_window, ring_window_step
@@ -519,21 +518,20 @@ class GatedDeltaAttention(LinearAttention):
         both = torch.sigmoid(torch.baddbmm(bias, values.to(dtype).transpose(0, 1), weight))  # (Hs, B, 2)
         return both[..., 0].T, both[..., 1].T
 
-    def _compiled_step(self, query, key, value, attention_mask, state, scaling, position_ids, edge):
-        """``_decode_step`` through ``dofla.ops.compiled.gated_delta_window_step``: the projection map, the
-        fixed mix, key/value heads as state heads, on the CPU without autograd, and with a window only once
-        it is full with every sink kept (its steady state)."""
+    def _compiled_parts(self, state, dtype: torch.dtype) -> tuple | None:
+        """(memory state, convolution tail or None, ring or None) of ``state`` where the compiled step takes
+        it in ``dtype``: the projection map, the fixed mix, and a window only once it is a ring, full with
+        every sink kept (its steady state); None otherwise."""
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
         tail = None
         if type(memory_state) is ConvDeltaState:
             memory_state, tail = memory_state.memory, memory_state.tail
-        dtype = query.dtype
         if (
             self.adaptive_mix
             or type(self.feature_map) is not ProjectionFeatures
             or type(memory_state) is not DeltaState
             or (tail is not None) != bool(self.short_conv)
-            or not memory_state.kv.dtype == key.dtype == value.dtype == dtype
+            or memory_state.kv.dtype != dtype
             or not in_place(memory_state.kv)
             or (self.kind == "hybrid") != isinstance(state, DeltaHybridState)
         ):
@@ -541,6 +539,20 @@ class GatedDeltaAttention(LinearAttention):
         ring = state.window if self.kind == "hybrid" else None
         if ring is not None and not (_takes_window_step(self, ring, dtype) and steady_ring(ring, dtype)):
             return None
+        return memory_state, tail, ring
+
+    def compiled_step_ready(self, state, dtype: torch.dtype) -> bool:
+        return self.state_heads == self.num_kv_heads and self._compiled_parts(state, dtype) is not None
+
+    def _compiled_step(self, query, key, value, attention_mask, state, scaling, position_ids, edge):
+        """``_decode_step`` through ``dofla.ops.compiled.gated_delta_window_step``: the projection map, the
+        fixed mix, key/value heads as state heads, on the CPU without autograd, and with a window only once
+        it is full with every sink kept (its steady state)."""
+        dtype = query.dtype
+        parts = None if not key.dtype == value.dtype == dtype else self._compiled_parts(state, dtype)
+        if parts is None:
+            return None
+        memory_state, tail, ring = parts
         turns = self.compiled_step_turns(query, key, attention_mask, position_ids, edge)
         if turns is None:
             return None
@@ -559,7 +571,7 @@ class GatedDeltaAttention(LinearAttention):
             self.window_factor_logit if ring is not None else None,
             None if ring is None else ring.keys,
             None if ring is None else ring.values,
-            None if ring is None else slot_index(ring.next_slot, ring.keys.shape[2], ring.keys.device),
+            None if ring is None else self.ring_slot(ring),
             *turns,
             feature_map.feature_mask if feature_map.has_headwise_dims else None,
             tail,
@@ -577,7 +589,7 @@ class GatedDeltaAttention(LinearAttention):
             new_memory = ConvDeltaState(new_memory, tail)
         if ring is None:
             return output, new_memory
-        ring.num_tokens += 1
+        self.ring_stepped(ring)
         return output, DeltaHybridState(window=ring, delta=new_memory)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:

@@ -155,6 +155,9 @@ class GatedLinearAttention(LinearAttention):
         output, inner = self._state_step(state.inner, query, key, features, values, decayed, scaling, edge)
         return output, GatedState(inner, total)
 
+    def compiled_step_ready(self, state, dtype: torch.dtype) -> bool:
+        return isinstance(state, GatedState) and self.hedgehog_compiled_ready(state.inner, dtype)
+
     def _compiled_step(self, query, key, value, attention_mask, state, scaling, position_ids, edge):
         """``_decode_step`` through the compiled hybrid step over Hedgehog features with this cell's decay
         (``LinearAttention.hedgehog_compiled_step``)."""

@@ -26,8 +26,12 @@ from dofla.rotary import rotate_by
 
 _COMPILED: dict[Callable, Callable] = {}
 _FAILED: set[Callable] = set()
-# inductor's options: the generated wrapper in C++ too (a call costs microseconds, not tens of them)
+# inductor's options for one layer's step: the generated wrapper in C++ too (a call costs microseconds, not
+# tens of them)
 COMPILE_OPTIONS = {"cpp_wrapper": True}
+# and for a whole model's step: its wrapper in Python (in C++ it is one large file that g++ -O3 takes
+# minutes over; the Python wrapper's calls, one per fused kernel, cost far less than the eager operators)
+WHOLE_COMPILE_OPTIONS: dict = {}
 
 
 def compiled(function: Callable) -> Callable | None:
@@ -44,7 +48,10 @@ def compiled(function: Callable) -> Callable | None:
 
 def run_compiled(function: Callable, *args, **kwargs):
     """``function(*args, **kwargs)`` through its compiled kernel; None (nothing run) where it cannot compile,
-    with one warning per function."""
+    with one warning per function. Inside a program ``torch.compile`` is tracing (a compiled whole step),
+    ``function`` itself, traced into that program."""
+    if torch.compiler.is_compiling():
+        return function(*args, **kwargs)
     kernel = compiled(function)
     if kernel is None:
         return None
@@ -63,7 +70,9 @@ def compiled_method(method: Callable, what: str) -> Callable:
     compiles it): a callable that runs it compiled and, once compiling has failed (one warning, naming
     ``what``; never tried again in this process), runs the method itself."""
     function = getattr(method, "__func__", method)
-    kernel = None if function in _FAILED else torch.compile(method, fullgraph=True, options=COMPILE_OPTIONS)
+    kernel = None
+    if function not in _FAILED:
+        kernel = torch.compile(method, fullgraph=True, options=WHOLE_COMPILE_OPTIONS)
 
     def run(*args, **kwargs):
         nonlocal kernel
@@ -125,7 +134,10 @@ def product(a: Tensor, b: Tensor) -> Tensor:
 
 def in_place(tensor: Tensor) -> bool:
     """Whether a state's buffer may be updated in place here (as ``dofla.ops.decode`` updates its rings):
-    not one made in inference mode while this is not."""
+    not one made in inference mode while this is not (under ``torch.compile``, which cannot ask, the
+    compiled whole step's buffers, which ``dofla.graph_decode.CapturedDecoder`` makes so)."""
+    if torch.compiler.is_compiling():
+        return True
     return not (tensor.is_inference() and not torch.is_inference_mode_enabled())
 
 
