@@ -160,6 +160,15 @@ SECTIONS = [
         "sinks without the memory. Target: decode at 4k and batch 1 >= 1.3x.",
     ),
     (
+        "The whole decoding step compiled at 4k, batch 1: each recipe's cell through one torch.compile program (CPU, medians of 3 rounds)",
+        "bench/results/speed_whole_step_4k.md",
+        "A row named `NAME (compiled whole step)` decodes through `dofla.graph_decode.CapturedDecoder(..., "
+        "compiled=True)`, as `dofla generate --compile` decodes greedily: the student's whole step (every "
+        "layer, the MLP and the output head) as one program, the windows held as rings. Beside it the eager "
+        "student, its per-layer compiled steps and the eager no-attention model. Target: decode at 4k and "
+        "batch 1 >= 1.3x.",
+    ),
+    (
         "What a layer-wise allocation costs a layer: 32 and 96 features against 64 (one layer, CPU, 1 thread)",
         "bench/results/layer_allocation.md",
         "`python bench/bench_layer_step.py --cells ... --window 128 --allocation 32,96` (decode eager, decode "
