@@ -295,7 +295,7 @@ def test_linearize_options_are_checked_before_loading(tmp_path, capsys, argument
         (["generate", NOT_LOADED, "--prompt", "Hi", "--graph", "--compile"], "give one"),
         (
             ["generate", NOT_LOADED, "--prompt", "Hi", "--graph", "--device", "cpu"],
-            "--graph needs a CUDA GPU",
+            "--graph needs a CUDA GPU (it replays a CUDA graph); on a CPU use --compile",
         ),
     ],
 )

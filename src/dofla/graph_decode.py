@@ -19,9 +19,11 @@ cache's token counters, mask sizes) runs once, at capture; a layer's step reads 
 CPU tests check by replaying the step with that Python state frozen as a graph freezes it
 (:class:`CapturedDecoder` with ``graph=False``). Off CUDA the decoder runs that same frozen step eagerly, or,
 with ``compiled=True`` (the CPU's ``dofla generate --compile``), as one program that ``torch.compile`` traces
-once: the whole model's step (projections, norms, MLP and every layer's attention step) as one generated
-C++ function, where the eager step costs each of its few hundred operators a Python dispatch whose code and
-data the MLP's weights have pushed out of the CPU's caches since the step before.
+once: the whole model's step (projections, norms, MLP and every layer's attention step) as generated C++
+kernels called in turn, where the eager step costs each of its few hundred operators a Python dispatch whose
+code and data the MLP's weights have pushed out of the CPU's caches since the step before. There a layer
+whose cell has a compiled step (``dofla.ops.compiled``) keeps its window as the ring an ordinary step left,
+its next slot a tensor the program advances (``LinearAttention.frozen_slot``).
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ class CapturedDecoder:
     token after them; with a graph the returned tensor is the graph's own output, overwritten by the next
     step (use it, or clone it, first). ``finish()`` hands the cache back to ordinary use, states and token
     counts up to date. ``compiled=True`` (without a graph): the step runs as one ``torch.compile``d program
-    (traced at the first step: seconds; where compiling fails, one warning and the step runs eagerly).
+    (traced and compiled at the first step: about a minute for SmolLM2-135M on 2 cores, less with inductor's
+    disk cache; where compiling fails, one warning and the step runs eagerly).
     """
 
     def __init__(

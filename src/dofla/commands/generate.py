@@ -96,7 +96,9 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise DoflaError("--graph decodes greedily; drop --sample, or --graph to sample.")
         on_cuda = str(args.device).startswith("cuda") if args.device else torch.cuda.is_available()
         if not on_cuda:
-            raise DoflaError("--graph needs a CUDA GPU (it replays a CUDA graph); drop it on this machine.")
+            raise DoflaError(
+                "--graph needs a CUDA GPU (it replays a CUDA graph); on a CPU use --compile instead."
+            )
 
 
 def read_prompt_file(path: str) -> str:
