@@ -169,6 +169,20 @@ SECTIONS = [
         "batch 1 >= 1.3x.",
     ),
     (
+        "The whole decoding step compiled at 4k, batch 1, a second run (CPU, medians of 3 rounds)",
+        "bench/results/speed_whole_step_4k_r2.md",
+        "The `gated-delta` and `gla` recipes' cells through the compiled whole step, run again right after "
+        "the 16k run below. Target: decode at 4k and batch 1 >= 1.3x.",
+    ),
+    (
+        "The whole decoding step compiled at 4k and 16k, batch 1 and 8, beside the teacher compiled whole (CPU, one round)",
+        "bench/results/speed_whole_step_16k.md",
+        "The same students through the compiled whole step, with the teacher both ways: eager (DynamicCache, "
+        "which copies its cache at each step) and compiled whole over a static cache (`teacher compiled "
+        "(static cache)`, faster than the eager teacher at 16k and batch 8, slower elsewhere). Targets: decode "
+        "at 16k and batch 8 >= 10x, at 4k and batch 1 >= 1.3x.",
+    ),
+    (
         "What a layer-wise allocation costs a layer: 32 and 96 features against 64 (one layer, CPU, 1 thread)",
         "bench/results/layer_allocation.md",
         "`python bench/bench_layer_step.py --cells ... --window 128 --allocation 32,96` (decode eager, decode "
