@@ -84,7 +84,8 @@ def eager_kernel(monkeypatch):
     calls = []
 
     def run(function, *args, **kwargs):
-        calls.append(function.__name__)
+        if not torch.compiler.is_compiling():  # traced into a compiled whole step: not a call of its own
+            calls.append(function.__name__)
         return function(*args, **kwargs)
 
     for module in (delta_cells, attention_module):
@@ -255,8 +256,7 @@ def test_the_generate_command_with_compile_prints_the_eager_continuation(
             whole = (
                 not sampling and len(build_tiny_tokenizer()(prompt)["input_ids"]) >= 9
             )  # window 6 + 3 sinks
-            assert len(wholes) == int(whole), (prompt, sampling)
-            assert whole or eager_kernel  # each layer's compiled step (the whole step traces it in)
+            assert len(wholes) == int(whole) and bool(eager_kernel) != whole, (prompt, sampling)
             wholes.clear()
             eager_kernel.clear()
 
