@@ -97,15 +97,15 @@ def check_graph_decodable(model) -> tuple[list, list[tuple[int, object]]]:
     return [module for _, module in sorted(converted.items())], kept
 
 
-def frozen_step_fits(model, prompt_length: int) -> bool:
-    """Whether a :class:`CapturedDecoder` takes ``model`` after a prompt of ``prompt_length`` tokens: a
-    converted model whose kept softmax layers attend to every token (:func:`check_graph_decodable`) and
-    whose windows (with their sinks) the prompt fills, so that the states have their final sizes."""
+def frozen_step_length(model) -> int | None:
+    """The tokens after which a :class:`CapturedDecoder` takes ``model``: those that fill its windows and
+    their sinks, so that every state has its final size (0 without windows); None where no decoder takes it
+    (not converted, or a kept softmax layer with a sliding window: :func:`check_graph_decodable`)."""
     try:
         modules, _ = check_graph_decodable(model)
     except DoflaError:
-        return False
-    return all(prompt_length >= module.window + module.sinks for module in modules if module.kind == "hybrid")
+        return None
+    return max([module.window + module.sinks for module in modules if module.kind == "hybrid"], default=0)
 
 
 def capturable_layers(
@@ -305,7 +305,8 @@ def generate_greedy(
     :class:`CapturedDecoder` (a CUDA graph on CUDA): (B, T + new) token ids. ``prefill_chunk``: prefill in
     pieces of that many tokens; ``eos_token_id``: stop once every row has produced it; ``on_tokens``: called
     with the prompt, then with each new (B, 1) token (a transformers streamer's ``put``); ``compiled``: without
-    a graph, the decoder's step as one compiled program (:class:`CapturedDecoder`)."""
+    a graph, the decoder's step as one compiled program (:class:`CapturedDecoder`), after ordinary steps
+    until the windows are full (:func:`frozen_step_length`; at least one, which makes them rings)."""
     from transformers import DynamicCache
 
     from dofla.evaluation.speed import prefill
@@ -318,13 +319,14 @@ def generate_greedy(
     emit(token)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     position = input_ids.shape[1]
+    # compiled: ordinary steps until the windows are full, then the frozen step (at least one: rings)
+    ordinary_until = max(position + 1, frozen_step_length(model) or 0) if compiled else position
     for _ in range(max_new_tokens - 1):
         if eos_token_id is not None:
             finished |= token[:, 0] == eos_token_id
             if bool(finished.all()):
                 break
-        if compiled and position == input_ids.shape[1]:
-            # one ordinary step first: windows into the rings the compiled whole step holds them as
+        if position < ordinary_until:
             logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
         else:
             if decoder is None:

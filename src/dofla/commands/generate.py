@@ -49,9 +49,9 @@ def register(subparsers) -> None:
         "--compile",
         action="store_true",
         help="the CPU's compiled decoding: greedy, the whole decoding step (every layer, the MLP and the "
-        "output head) as one program compiled by torch.compile, where the model allows it (prompts at least "
-        "as long as the window and sinks, layers kept as softmax attending to every token); otherwise, and "
-        "with --sample, each converted layer's step as one compiled kernel where its cell has one (the "
+        "output head) as one program compiled by torch.compile once the windows are full (ordinary steps "
+        "until then), where the model allows it (layers kept as softmax attending to every token); "
+        "otherwise, and with --sample, each converted layer's step as one compiled kernel where its cell has one (the "
         "gated_delta cell with projection keys, the gla and linear cells with a window over Hedgehog "
         "features). The first step compiles (seconds, kept on disk by torch): for long generations",
     )
@@ -146,9 +146,9 @@ def run(args: argparse.Namespace) -> int:
     streamer = TextStreamer(tokenizer, skip_special_tokens=True)
     whole_step = False
     if args.compile and not args.sample:
-        from dofla.graph_decode import frozen_step_fits
+        from dofla.graph_decode import frozen_step_length
 
-        whole_step = frozen_step_fits(model, inputs["input_ids"].shape[1])
+        whole_step = frozen_step_length(model) is not None
     if args.graph or whole_step:
         from dofla.graph_decode import generate_greedy
 
