@@ -272,6 +272,44 @@ def test_the_compiled_whole_step_holds_kept_softmax_layers_and_windows_in_their_
         torch.testing.assert_close(actual, reference, rtol=1e-4, atol=1e-4, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("cell", ["gla", "gated_delta", "linear"])
+def test_compiled_greedy_generation_waits_for_full_rings_after_a_short_prompt(cell, monkeypatch):
+    """A prompt shorter than the window: ordinary steps until every ring hides no slot, then the frozen step
+    holds them all as rings (their slots advanced on the device); the tokens are ordinary greedy decoding's.
+    The program and the step functions run eagerly here (compiled for real above)."""
+    import dofla.attention as attention_module
+    import dofla.cells.delta as delta_cells
+    import dofla.graph_decode as graph_decode
+
+    monkeypatch.setattr(graph_decode, "compiled_method", lambda method, what: method)
+    for module in (attention_module, delta_cells):
+        monkeypatch.setattr(module, "run_compiled", lambda function, *a, **k: function(*a, **k))
+    built = []
+    real_init = CapturedDecoder.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.append((args[3], sum(student.frozen_slot is not None for student in self.students)))
+
+    monkeypatch.setattr(CapturedDecoder, "__init__", init)
+    model = converted("llama", cell, kind="hybrid")
+    if cell == "linear":  # the linear cell's compiled step is its Hedgehog hybrid's
+        model = build_tiny_model("llama", seed=0)
+        plan = plan_for(
+            model, kind="hybrid", feature_dim=8, window=4, sinks=2, cell="linear", feature_map="hedgehog"
+        )
+        convert(model, plan)
+        model.eval()
+    prompt = prompt_of(length=3)
+    expected, _ = eager_decode(model, prompt, steps=13)
+    tokens = generate_greedy(model, prompt, 14, compiled=True)
+    wanted = torch.cat([prompt, *(logits.argmax(-1, keepdim=True) for logits in expected)], dim=1)
+    assert torch.equal(tokens, wanted)
+    layers = len(students(model))
+    assert len(built) == 1 and built[0][1] == layers  # every window held as a ring
+    assert 4 + 2 <= built[0][0] <= 3 + 1 + 4 + 2  # after the window's and sinks' fill, within a window more
+
+
 def test_a_whole_step_that_cannot_compile_warns_once_and_decodes_eagerly(monkeypatch):
     import dofla.ops.compiled as compiled_ops
 

@@ -97,6 +97,26 @@ def check_graph_decodable(model) -> tuple[list, list[tuple[int, object]]]:
     return [module for _, module in sorted(converted.items())], kept
 
 
+def students_of(model) -> list:
+    """The converted layers of ``model`` that hold a window (hybrid)."""
+    from dofla.convert import students
+
+    return [module for module in students(model).values() if module.kind == "hybrid"]
+
+
+def rings_ready(model, cache) -> bool:
+    """Whether every window of ``model`` holds, in ``cache``, a ring its cell's compiled step takes
+    (``compiled_step_ready``: full, no slot hidden), so that a compiled frozen step keeps them all (a cell
+    without a compiled step never does: ``generate_greedy`` waits for it a window at most)."""
+    layers = self_attention_cache(cache).layers
+    dtype = next(model.parameters()).dtype
+    for module in students_of(model):
+        state = layers[module.layer_index].state if module.layer_index < len(layers) else None
+        if not module.compiled_step_ready(state, dtype):
+            return False
+    return True
+
+
 def frozen_step_length(model) -> int | None:
     """The tokens after which a :class:`CapturedDecoder` takes ``model``: those that fill its windows and
     their sinks, so that every state has its final size (0 without windows); None where no decoder takes it
@@ -319,14 +339,19 @@ def generate_greedy(
     emit(token)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     position = input_ids.shape[1]
-    # compiled: ordinary steps until the windows are full, then the frozen step (at least one: rings)
+    # compiled: ordinary steps until the windows are full and, where their cells have a compiled step, their
+    # rings hide no slot (at most a window more), then the frozen step; at least one ordinary step (rings)
     ordinary_until = max(position + 1, frozen_step_length(model) or 0) if compiled else position
+    ordinary_at_most = position + 1 + max((m.window + m.sinks for m in students_of(model)), default=0)
     for _ in range(max_new_tokens - 1):
         if eos_token_id is not None:
             finished |= token[:, 0] == eos_token_id
             if bool(finished.all()):
                 break
-        if position < ordinary_until:
+        ordinary = position < ordinary_until
+        if compiled and decoder is None and not ordinary and position < ordinary_at_most:
+            ordinary = not rings_ready(model, cache)
+        if ordinary:
             logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
         else:
             if decoder is None:
