@@ -196,8 +196,9 @@ def kept_turns(purpose: str, position_ids: Tensor, key: tuple, compute):
     """``compute()`` (turns of the tokens at ``position_ids``, or None), kept on the CPU for the same
     ``position_ids`` tensor (unchanged since) and ``key``: every layer of a forward reads the one positions
     tensor, so a decoding step computes its turns once instead of once per layer. Not on other devices nor
-    under ``torch.compile`` (a CUDA graph or a compiled step must compute them in every call: ``host_side``). A tensor made in inference mode keeps no version counter:
-    its positions are compared with a copy kept beside the turns instead."""
+    under ``torch.compile`` (a CUDA graph or a compiled step must compute them in every call: ``host_side``).
+    A tensor made in inference mode keeps no version counter: its positions are compared with a copy kept
+    beside the turns instead."""
     if not host_side(position_ids):
         return compute()
     inference = position_ids.is_inference()
@@ -235,7 +236,8 @@ def edge_turns(
 ) -> Turns | None:
     """The turns that take the last ``length`` tokens of ``position_ids`` (B, T') or (T',) back to position
     min(p, edge) (with ``dim``, the head size, one token's also as a matrix); None on the CPU (outside
-    ``torch.compile``) where no token is past the edge (nothing to turn). Kept per positions tensor on the CPU (:func:`kept_turns`)."""
+    ``torch.compile``) where no token is past the edge (nothing to turn). Kept per positions tensor on the
+    CPU (:func:`kept_turns`)."""
 
     def compute():
         positions = _last(position_ids, length)
@@ -257,7 +259,8 @@ def period_turns(
 ) -> Turns | None:
     """The turns that take the last ``length`` tokens of ``position_ids`` back to their positions modulo
     ``period`` (:func:`wrap_angles`; with ``dim`` one token's also as a matrix); None on the CPU (outside
-    ``torch.compile``) where every position is below the period. Kept per positions tensor on the CPU (:func:`kept_turns`)."""
+    ``torch.compile``) where every position is below the period. Kept per positions tensor on the CPU
+    (:func:`kept_turns`)."""
 
     def compute():
         positions = _last(position_ids, length)

@@ -51,9 +51,10 @@ def register(subparsers) -> None:
         help="the CPU's compiled decoding: greedy, the whole decoding step (every layer, the MLP and the "
         "output head) as one program compiled by torch.compile once the windows are full (ordinary steps "
         "until then), where the model allows it (layers kept as softmax attending to every token); "
-        "otherwise, and with --sample, each converted layer's step as one compiled kernel where its cell has one (the "
-        "gated_delta cell with projection keys, the gla and linear cells with a window over Hedgehog "
-        "features). The first step compiles (seconds, kept on disk by torch): for long generations",
+        "otherwise, and with --sample, each converted layer's step as one compiled kernel where its cell "
+        "has one (the gated_delta cell with projection keys, the gla and linear cells with a window over "
+        "Hedgehog features). Compiling takes minutes the first time and seconds once torch has cached it on "
+        "disk: for long generations",
     )
     add_position_arguments(parser)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
