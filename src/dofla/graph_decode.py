@@ -122,10 +122,10 @@ def frozen_step_length(model) -> int | None:
     their sinks, so that every state has its final size (0 without windows); None where no decoder takes it
     (not converted, or a kept softmax layer with a sliding window: :func:`check_graph_decodable`)."""
     try:
-        modules, _ = check_graph_decodable(model)
+        check_graph_decodable(model)
     except DoflaError:
         return None
-    return max([module.window + module.sinks for module in modules if module.kind == "hybrid"], default=0)
+    return max((module.window + module.sinks for module in students_of(model)), default=0)
 
 
 def capturable_layers(
@@ -341,8 +341,9 @@ def generate_greedy(
     position = input_ids.shape[1]
     # compiled: ordinary steps until the windows are full and, where their cells have a compiled step, their
     # rings hide no slot (at most a window more), then the frozen step; at least one ordinary step (rings)
-    ordinary_until = max(position + 1, frozen_step_length(model) or 0) if compiled else position
-    ordinary_at_most = position + 1 + max((m.window + m.sinks for m in students_of(model)), default=0)
+    fill = (frozen_step_length(model) or 0) if compiled else 0
+    ordinary_until = max(position + 1, fill) if compiled else position
+    ordinary_at_most = position + 1 + fill
     for _ in range(max_new_tokens - 1):
         if eos_token_id is not None:
             finished |= token[:, 0] == eos_token_id
