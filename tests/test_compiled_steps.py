@@ -107,14 +107,17 @@ def test_decoding_through_the_step_function_equals_the_full_forward(name, eager_
     assert len(eager_kernel) == (30 - 4 - window) * len(students(model))
 
 
-def test_a_full_window_takes_the_compiled_step_from_the_second_token_after_the_prefill(eager_kernel):
-    """The first step puts the prefill's window in the ring layout (eagerly); the others are compiled."""
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_full_window_takes_the_compiled_step_from_the_second_token_after_the_prefill(eager_kernel, mode):
+    """The first step puts the prefill's window in the ring layout (eagerly); the others are compiled, in
+    inference mode too."""
     model = converted("hybrid, period and edge sinks")
     set_compiled_steps(model, True)
     ids = tokens(30)
     with torch.no_grad():
         full = model(ids).logits
-    torch.testing.assert_close(decode_logits(model, ids, prefill=20), full, rtol=1e-4, atol=1e-4)
+    logits = decode_logits(model, ids, prefill=20, mode=mode)
+    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
     assert len(eager_kernel) == 9 * len(students(model))
 
 
@@ -265,17 +268,6 @@ def test_the_generate_command_refuses_compile_on_a_gpu_in_one_sentence(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine: the default device
     assert main(["generate", str(tmp_path / "not-loaded"), "--prompt", "Hi", "--compile"]) == 1
     assert "on a GPU use --graph" in capsys.readouterr().err
-
-
-def test_decoding_in_inference_mode_takes_the_compiled_step(eager_kernel):
-    model = converted("hybrid, period and edge sinks")
-    set_compiled_steps(model, True)
-    ids = tokens(30)
-    with torch.no_grad():
-        full = model(ids).logits
-    logits = decode_logits(model, ids, prefill=20, mode=torch.inference_mode)
-    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
-    assert len(eager_kernel) == 9 * len(students(model))
 
 
 @pytest.mark.parametrize("compiled_steps", [False, True])
