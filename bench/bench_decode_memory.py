@@ -2,8 +2,9 @@
 
 For each context length the state is built by a real chunked prefill, then one token is decoded.
 Reported per layer (B=1, H=9, Hk=3, head size 64, F=64, float32 by default):
-- state bytes: what must be kept between steps (linear: kv + normalizer + offset; hybrid: that plus the
-  last `window` keys, values, key features and log scales; softmax: the K and V cache);
+- state bytes: the tensor storage kept between steps (``dofla.cache.held_bytes``: a view holds its whole
+  storage; linear: kv + normalizer + offset; hybrid: that plus the last `window` keys, values, key features
+  and log scales; softmax: the K and V cache);
 - step allocations: bytes allocated by the step itself (torch profiler, CPU), the transient memory a
   step needs on top of the state (an upper bound of its peak: freed buffers are not subtracted).
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from dofla.cache import held_bytes
 from dofla.feature_maps import build_feature_map
 from dofla.ops import (
     chunked_hybrid_attention,
@@ -34,10 +36,6 @@ def allocated_bytes(function, *arguments) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         function(*arguments)
     return sum(max(event.self_cpu_memory_usage, 0) for event in profiler.key_averages())
-
-
-def tensor_bytes(*tensors) -> int:
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 def main(argv=None) -> int:
@@ -101,11 +99,11 @@ def main(argv=None) -> int:
             rows.append(
                 (
                     context,
-                    new_linear.nbytes(),
+                    held_bytes(new_linear),
                     allocated_bytes(linear_step, *step, linear_state),
-                    new_hybrid.nbytes(),
+                    held_bytes(new_hybrid),
                     allocated_bytes(hybrid_step, *step, hybrid_state),
-                    tensor_bytes(*new_cache),
+                    held_bytes(new_cache),
                     allocated_bytes(softmax_step, *step, cache),
                 )
             )

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from dofla.cache import GrowingKVLayer, RecurrentCacheLayer, recurrent_cache_bytes
+from dofla.cache import GrowingKVLayer, RecurrentCacheLayer, held_bytes, recurrent_cache_bytes
 from dofla.config import LayerPlan
 from dofla.convert import convert, plan_for, unconvert
 from dofla.errors import DoflaError
@@ -93,6 +93,31 @@ def test_cache_memory_is_constant_for_linear_layers_and_bounded_for_hybrid():
     linear_state = cache.layers[0].state
     assert linear_state.kv.shape == (1, 2, 8, 16)  # (B, Hkv, F, Dv): per key/value head
     assert cache.layers[1].state.general_layout().keys.shape[2] == 4  # only the window's keys
+
+
+def test_held_bytes_counts_each_storage_whole_and_once():
+    tensor = torch.zeros(4, 100)
+    assert held_bytes(tensor[:, :0]) == 1600  # a zero-length slice keeps its whole storage alive
+    assert held_bytes(tensor, tensor[1:2], [tensor.t()], {"a": tensor}) == 1600
+    assert held_bytes(tensor, torch.zeros(3)) == 1612
+
+
+@pytest.mark.parametrize("plan_name", ["linear", "hybrid", "gated_delta", "mixed"])
+def test_the_cache_holds_only_the_state_after_a_prefill_and_after_generate(plan_name):
+    model = tiny_model("llama")
+    convert(model, PLANS[plan_name](model))
+    prompt = torch.randint(1, VOCAB, (1, 200), generator=torch.Generator().manual_seed(5))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt, past_key_values=cache, use_cache=True)
+        generated = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    for held in (cache, generated.past_key_values):
+        state = recurrent_cache_bytes(held)
+        kept = sum(layer.nbytes() for layer in held.layers if isinstance(layer, GrowingKVLayer))
+        assert state > 0 and held_bytes(held) == state + kept
 
 
 def test_mixed_plan_keeps_softmax_cache_for_softmax_layers():

@@ -11,8 +11,10 @@ made (``DynamicCache``, or the self-attention half of an ``EncoderDecoderCache``
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer, EncoderDecoderCache, StaticLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, EncoderDecoderCache, StaticLayer
 
 from dofla.errors import DoflaError
 from dofla.ops import HybridState, LinearState
@@ -37,8 +39,9 @@ class RecurrentCacheLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states[:, :, :0]  # (B, Hkv, 0, D): holds no memory
-        self.values = value_states[:, :, :0]
+        # (B, Hkv, 0, D) of their own: a slice of the prefill's keys would keep all their storage alive
+        self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[3]))
+        self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[3]))
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -291,3 +294,37 @@ def recurrent_cache_bytes(cache) -> int:
     """Bytes held by the recurrent states of a cache's converted layers."""
     cache = self_attention_cache(cache)
     return sum(layer.nbytes() for layer in cache.layers if isinstance(layer, RecurrentCacheLayer))
+
+
+def held_bytes(*objects) -> int:
+    """Bytes of tensor storage that ``objects`` keep alive: a transformers cache (every layer: keys, values,
+    buffers, recurrent states), a cache layer, a state or tensors.
+
+    Each distinct untyped storage reachable from them counts once and whole: a view (a slice, a zero-length
+    tensor cut from a prefill's keys) holds its whole storage, which is what a user's memory pays.
+    """
+    storages: dict[tuple, int] = {}
+    visited: set[int] = set()
+
+    def visit(item) -> None:
+        if id(item) in visited:
+            return
+        visited.add(id(item))
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            storages[(item.device, storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        elif isinstance(item, (list, tuple)):
+            for element in item:
+                visit(element)
+        elif isinstance(item, dict):
+            for element in item.values():
+                visit(element)
+        elif (dataclasses.is_dataclass(item) and not isinstance(item, type)) or isinstance(
+            item, (Cache, CacheLayerMixin)
+        ):
+            for element in vars(item).values():
+                visit(element)
+
+    for item in objects:
+        visit(item)
+    return sum(storages.values())

@@ -1,7 +1,7 @@
 """Prefill and decode throughput and cache memory, for a teacher and a converted model alike.
 
-Timing lives only in benchmarks (``bench/``), never in pass/fail tests; the cache size is exact
-(bytes of the tensors the cache holds) and is what tests may check.
+Timing lives only in benchmarks (``bench/``), never in pass/fail tests; the cache size is exact (the
+tensor storage the cache keeps alive, :func:`dofla.cache.held_bytes`) and is what tests may check.
 """
 
 from __future__ import annotations
@@ -13,19 +13,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-
-def cache_bytes(cache) -> int:
-    """Bytes held by a transformers cache: keys/values of softmax layers (a converted model's kept layers with
-    their spare room) and states of linear layers."""
-    from dofla.cache import GrowingKVLayer, RecurrentCacheLayer, self_attention_cache
-
-    total = 0
-    for layer in self_attention_cache(cache).layers:
-        if isinstance(layer, (RecurrentCacheLayer, GrowingKVLayer)):
-            total += layer.nbytes()
-        else:
-            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values) if t is not None)
-    return total
+from dofla.cache import held_bytes
 
 
 def _synchronize(device: torch.device) -> None:
@@ -74,7 +62,7 @@ def measure_generation(
         logits = prefill(model, prompt, cache)  # only the last position's logits, (B, vocab)
         _synchronize(device)
         prefill_seconds = time.perf_counter() - start
-        bytes_after_prefill = cache_bytes(cache)
+        bytes_after_prefill = held_bytes(cache)
         start = time.perf_counter()
         decoder = CapturedDecoder(model, cache, batch_size, context, steps=new_tokens) if graph else None
         _synchronize(device)
@@ -97,7 +85,7 @@ def measure_generation(
             "prefill_tokens_per_second": batch_size * context / prefill_seconds,
             "decode_tokens_per_second": batch_size * new_tokens / decode_seconds,
             "cache_bytes_after_prefill": bytes_after_prefill,
-            "cache_bytes_after_decode": cache_bytes(cache),
+            "cache_bytes_after_decode": held_bytes(cache),
         }
         if decoder is not None:
             row["capture_seconds"] = capture_seconds
@@ -286,7 +274,7 @@ def time_prefill(
     return {
         "seconds": seconds,
         "tokens_per_second": batch_size * context / seconds,
-        "cache_bytes": cache_bytes(cache),
+        "cache_bytes": held_bytes(cache),
     }
 
 
@@ -330,5 +318,5 @@ def time_decode(
         "tokens_per_second": batch_size * steps / seconds,
         "seconds_per_step": seconds / steps,
         "steps": steps,
-        "cache_bytes": cache_bytes(cache),
+        "cache_bytes": held_bytes(cache),
     }
