@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from dofla.attention import LinearAttention, key_mask_from_attention_mask
 from dofla.cells.gated import DEFAULT_DECAY_MEMORY, TokenGate, initial_gate_logits
+from dofla.cells.recall_cache import check_recall_call, recall_budget, window_with_recall_cache
 from dofla.cells.registry import register_cell
 from dofla.derived import DerivedTensor
 from dofla.errors import DoflaError
@@ -63,6 +64,7 @@ from dofla.ops.compiled import (
     steady_ring,
 )
 from dofla.ops.decode import RingWindow, ring_window, ring_window_step
+from dofla.ops.recall_cache import RecallCache
 from dofla.ops.state import BatchedState
 
 DEFAULT_BETA = 0.5
@@ -117,6 +119,7 @@ class DeltaHybridState(BatchedState):
 
     window: WindowState | RingWindow
     delta: DeltaState | ConvDeltaState
+    recall: RecallCache | None = None  # the recall cache's kept tokens (option recall_cache)
 
     @property
     def num_tokens(self) -> int:
@@ -187,7 +190,7 @@ class GatedDeltaAttention(LinearAttention):
     from the token's value scales the memory's read-out (default false).
     """
 
-    CELL_OPTIONS = ("decay_memory", "beta", "mix", "mix_lr", "short_conv", "output_gate")
+    CELL_OPTIONS = ("decay_memory", "beta", "mix", "mix_lr", "short_conv", "output_gate", "recall_cache")
     requires_nonnegative_features = False
     default_window_factor = DEFAULT_DELTA_WINDOW_FACTOR
 
@@ -213,6 +216,7 @@ class GatedDeltaAttention(LinearAttention):
                 "hybrid (a window)."
             )
         self.adaptive_mix = mix == "adaptive"
+        self.recall_budget = recall_budget(self, self.cell_options)  # dofla.cells.recall_cache; 0: none
         self.mix_lr = float(self.cell_options.get("mix_lr", 1.0))
         if not self.mix_lr > 0:
             raise DoflaError(f"layer {self.layer_index}: mix_lr must be positive, got {self.mix_lr}.")
@@ -286,7 +290,9 @@ class GatedDeltaAttention(LinearAttention):
             return memory, new_memory
         output = parts["gamma"] * parts["window"].to(memory.dtype) + (1 - parts["gamma"]) * memory
         new_state = (
-            None if new_memory is None else DeltaHybridState(window=parts["window_state"], delta=new_memory)
+            None
+            if new_memory is None
+            else DeltaHybridState(window=parts["window_state"], delta=new_memory, recall=parts.get("recall"))
         )
         return output.to(values.dtype), new_state
 
@@ -352,7 +358,28 @@ class GatedDeltaAttention(LinearAttention):
             return parts
         window_state = state.window if isinstance(state, DeltaHybridState) else None
         keys = self._state_heads_view(key)  # (B, Hs, T, D)
-        if self.adaptive_mix or need_lse:
+        recall = None
+        if self.recall_budget:  # the recall cache joins the window's softmax (dofla.cells.recall_cache)
+            check_recall_call(self, key_mask)
+            window, lse, new_window, recall = window_with_recall_cache(
+                self,
+                form,
+                query,
+                keys,
+                values,
+                k,
+                log_decay,
+                beta,
+                memory_state,
+                window_state,
+                state.recall if isinstance(state, DeltaHybridState) else None,
+                scaling,
+                sink_query,
+                lambda return_lse: _window_part(
+                    self, form, query, keys, values, key_mask, scaling, window_state, return_lse, sink_query
+                ),
+            )
+        elif self.adaptive_mix or need_lse:
             window, lse, new_window = _window_part(
                 self,
                 form,
@@ -374,7 +401,14 @@ class GatedDeltaAttention(LinearAttention):
             gamma = torch.sigmoid(self.window_share_logits(lse, values))[..., None].to(memory.dtype)
         else:
             gamma = self.window_factor().to(memory.dtype).view(1, -1, 1, 1)  # (1, H, 1, 1)
-        return dict(parts, window=window.to(memory.dtype), lse=lse, window_state=new_window, gamma=gamma)
+        return dict(
+            parts,
+            window=window.to(memory.dtype),
+            lse=lse,
+            window_state=new_window,
+            gamma=gamma,
+            recall=recall,
+        )
 
     def _convolve(self, q_features, k_features, values, tail, key_mask):
         """The short convolution (option ``short_conv``) over this call's tokens, continuing ``tail``
@@ -448,6 +482,8 @@ class GatedDeltaAttention(LinearAttention):
         (``dofla.ops.decode``) mixed in per head."""
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
         if self.kind == "hybrid" and not isinstance(state, DeltaHybridState):
+            return None
+        if self.recall_budget:  # the recall cache steps through the recurrent form
             return None
         tail = None
         if isinstance(memory_state, ConvDeltaState):
@@ -528,6 +564,7 @@ class GatedDeltaAttention(LinearAttention):
             memory_state, tail = memory_state.memory, memory_state.tail
         if (
             self.adaptive_mix
+            or self.recall_budget
             or type(self.feature_map) is not ProjectionFeatures
             or type(memory_state) is not DeltaState
             or (tail is not None) != bool(self.short_conv)

@@ -1,0 +1,140 @@
+"""The recall cache of a gated-delta hybrid layer (option ``recall_cache``: slots per state head): the tokens
+its memory recalls worst, kept beside the window and read in the window's softmax (:mod:`dofla.ops.recall_cache`).
+
+The memory scores each token as it leaves the window by reading itself at the token's key (one more read of
+the memory per token, without gradients: the score only selects); the window's softmax then runs over its
+keys, its sinks and the kept tokens. The mix with the memory's read-out is the cell's, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dofla.errors import DoflaError
+from dofla.ops import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from dofla.ops.recall_cache import (
+    RecallCache,
+    leaving_tokens,
+    merge_softmax_parts,
+    recall_cache_attention,
+    recall_cache_window_attention,
+    recall_errors,
+    recall_scores_naive,
+)
+
+
+def recall_budget(cell, options: dict) -> int:
+    """The ``recall_cache`` option checked: a whole number of slots per state head (0: no cache)."""
+    budget = options.get("recall_cache", 0)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise DoflaError(
+            f"layer {cell.layer_index}: recall_cache is the number of tokens kept per head beside the window, "
+            f"a whole number >= 1 (0: none); got {budget!r}."
+        )
+    if budget and cell.kind != "hybrid":
+        raise DoflaError(
+            f"layer {cell.layer_index}: recall_cache reads in the window's softmax; it needs kind hybrid."
+        )
+    if budget and options.get("short_conv", 0):
+        raise DoflaError(
+            f"layer {cell.layer_index}: recall_cache scores tokens by the memory's recall of their own key and "
+            "value; use it without short_conv."
+        )
+    return int(budget)
+
+
+def check_recall_call(cell, key_mask: Tensor | None) -> None:
+    """A call the recall cache can take: no padding and no position period (both would change which key
+    the memory holds for a token)."""
+    if key_mask is not None:
+        raise DoflaError(
+            f"layer {cell.layer_index}: the recall cache takes unpadded sequences; run one sequence per batch "
+            "row without padding."
+        )
+    if cell.position_period is not None:
+        raise DoflaError(
+            f"layer {cell.layer_index}: the recall cache does not take a position period; drop it."
+        )
+
+
+def window_with_recall_cache(
+    cell,
+    form: str,
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    memory_keys: Tensor,
+    log_decay: Tensor,
+    beta: Tensor,
+    memory_state,
+    window_state,
+    cache: RecallCache | None,
+    scaling: float,
+    sink_query: Tensor | None,
+    window_part,
+) -> tuple[Tensor, Tensor, object, RecallCache | None]:
+    """The window's softmax with the recall cache in ``form``: query (B, H, T, D), keys (B, Hs, T, D) and
+    values (B, Hs, T, Dv) of this call, memory_keys (B, Hs, T, K) the memory's unit-norm keys, log_decay and
+    beta (B, Hs, T) its gates, memory_state / window_state / cache: the layer's before the call (None at the
+    start); ``window_part(return_lse=True)`` runs the window alone. Returns out (B, H, T, Dv), lse (B, H, T),
+    the new window state and the new cache (None for the naive form)."""
+    budget = cell.recall_budget
+    if form == "naive":
+        if sink_query is not None:
+            raise DoflaError(
+                "the recall cache's naive form scores the sinks with the query itself; use chunked."
+            )
+        token_scores = recall_scores_naive(
+            memory_keys, values, log_decay, beta, window=cell.window, sinks=cell.sinks
+        )
+        out, lse = recall_cache_window_attention(
+            query,
+            keys,
+            values,
+            token_scores,
+            scaling=scaling,
+            window=cell.window,
+            sinks=cell.sinks,
+            budget=budget,
+            softcap=cell.softcap,
+            return_lse=True,
+        )
+        return out, lse, None, None
+    window, window_lse, new_window = window_part(return_lse=True)
+    leaving_key, leaving_value, positions, valid = leaving_tokens(
+        keys, values, window_state, cell.window, cell.sinks
+    )
+    with torch.no_grad():  # the score only selects
+        features, _ = cell.feature_map(leaving_key, is_query=False)
+        reads = F.normalize(features, dim=-1)
+        if form == "recurrent":
+            recalled, _ = recurrent_gated_delta_rule(
+                reads, memory_keys, values, log_decay, beta, state=memory_state
+            )
+        else:
+            recalled = chunked_gated_delta_rule(
+                reads,
+                memory_keys,
+                values,
+                log_decay,
+                beta,
+                chunk_size=cell.chunk_size_for("delta", reads.shape[2]),
+                initial_state=memory_state,
+            )
+        scores = recall_errors(recalled, leaving_value, valid)
+    cache = RecallCache.empty(keys, values, budget) if cache is None else cache
+    kept, kept_lse, cache = recall_cache_attention(
+        query,
+        leaving_key,
+        leaving_value,
+        scores,
+        positions,
+        cache,
+        scaling=scaling,
+        softcap=cell.softcap,
+        chunk_size=1 if form == "recurrent" else 64,
+    )
+    out, lse = merge_softmax_parts(window.to(kept.dtype), window_lse.to(kept.dtype), kept, kept_lse)
+    return out, lse, new_window, cache

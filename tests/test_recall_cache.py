@@ -1,0 +1,257 @@
+"""The recall cache (dofla.ops.recall_cache): its fast form against the references, forward and gradients,
+whatever the chunking and however a sequence is split into calls."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dofla.ops import chunked_gated_delta_rule, chunked_window_attention
+from dofla.ops.recall_cache import (
+    RecallCache,
+    leaving_tokens,
+    merge_softmax_parts,
+    recall_cache_attention,
+    recall_cache_window_attention,
+    recall_errors,
+    recall_scores_naive,
+)
+
+WINDOW, SINKS, BUDGET, LENGTH = 5, 2, 3, 23
+
+
+def draw(seed=0, batch=2, heads=4, kv_heads=2, length=LENGTH, head_dim=4, value_dim=3):
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    return dict(
+        query=normal(batch, heads, length, head_dim).requires_grad_(),
+        key=normal(batch, kv_heads, length, head_dim).requires_grad_(),
+        value=normal(batch, kv_heads, length, value_dim).requires_grad_(),
+        log_decay=F.logsigmoid(normal(batch, kv_heads, length) + 3),
+        beta=torch.sigmoid(normal(batch, kv_heads, length)),
+    )
+
+
+def fast_scores(key, value, log_decay, beta, window_state=None, memory_state=None):
+    """Step-indexed recall errors: the chunked delta rule read at each leaving token's key."""
+    keys = F.normalize(key, dim=-1)
+    before = None if window_state is None else window_state
+    leaving_key, leaving_value, positions, valid = leaving_tokens(key, value, before, WINDOW, SINKS)
+    recalled, memory = chunked_gated_delta_rule(
+        F.normalize(leaving_key, dim=-1),
+        keys,
+        value,
+        log_decay,
+        beta,
+        chunk_size=4,
+        initial_state=memory_state,
+        return_state=True,
+    )
+    return leaving_key, leaving_value, positions, recall_errors(recalled, leaving_value, valid), memory
+
+
+def test_recall_errors_match_the_token_loop():
+    inputs = draw()
+    _, _, positions, scores, _ = fast_scores(
+        inputs["key"], inputs["value"], inputs["log_decay"], inputs["beta"]
+    )
+    reference = recall_scores_naive(
+        F.normalize(inputs["key"], dim=-1),
+        inputs["value"],
+        inputs["log_decay"],
+        inputs["beta"],
+        window=WINDOW,
+        sinks=SINKS,
+    )
+    steps = positions >= SINKS
+    assert steps.sum() == LENGTH - WINDOW - SINKS
+    torch.testing.assert_close(scores[..., steps], reference[..., positions[steps]], rtol=1e-6, atol=1e-6)
+    assert torch.isinf(scores[..., ~steps]).all()
+
+
+def fast_window_with_cache(
+    query, key, value, scores, leaving_key, leaving_value, positions, chunk_size, state=None
+):
+    window_state, cache = (None, None) if state is None else state
+    window, lse, new_window = chunked_window_attention(
+        query,
+        key,
+        value,
+        scaling=0.5,
+        window=WINDOW,
+        sinks=SINKS,
+        chunk_size=4,
+        initial_state=window_state,
+        return_state=True,
+        return_lse=True,
+    )
+    cache = RecallCache.empty(key, value, BUDGET) if cache is None else cache
+    kept, kept_lse, cache = recall_cache_attention(
+        query, leaving_key, leaving_value, scores, positions, cache, scaling=0.5, chunk_size=chunk_size
+    )
+    out, _ = merge_softmax_parts(window, lse, kept, kept_lse)
+    return out, (new_window, cache)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+def test_window_with_cache_matches_the_dense_reference(chunk_size):
+    inputs = draw(seed=1)
+    query, key, value = inputs["query"], inputs["key"], inputs["value"]
+    leaving_key, leaving_value, positions, scores, _ = fast_scores(
+        key, value, inputs["log_decay"], inputs["beta"]
+    )
+    token_scores = torch.full_like(scores, float("-inf"))
+    steps = positions >= SINKS
+    token_scores[..., positions[steps]] = scores[..., steps]
+    reference = recall_cache_window_attention(
+        query, key, value, token_scores, scaling=0.5, window=WINDOW, sinks=SINKS, budget=BUDGET
+    )
+    fast, _ = fast_window_with_cache(
+        query, key, value, scores, leaving_key, leaving_value, positions, chunk_size
+    )
+    torch.testing.assert_close(fast, reference, rtol=1e-10, atol=1e-10)
+    weight = torch.linspace(-1, 1, reference.numel(), dtype=torch.float64).view_as(reference)
+    expected = torch.autograd.grad((reference * weight).sum(), (query, key, value))
+    got = torch.autograd.grad((fast * weight).sum(), (query, key, value))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    # the cache changes the output: without it the window alone differs
+    window_only = chunked_window_attention(query, key, value, scaling=0.5, window=WINDOW, sinks=SINKS)
+    assert (window_only - reference).abs().max() > 1e-3
+
+
+def test_two_calls_equal_one():
+    inputs = draw(seed=2)
+    query, key, value, log_decay, beta = (
+        inputs[name].detach() for name in ("query", "key", "value", "log_decay", "beta")
+    )
+    *leaving, scores, _ = fast_scores(key, value, log_decay, beta)
+    whole, _ = fast_window_with_cache(query, key, value, scores, *leaving[:2], leaving[2], chunk_size=4)
+    split = 13
+    parts = []
+    state, memory = None, None
+    for start, stop in ((0, split), (split, LENGTH)):
+        piece = [tensor[:, :, start:stop] for tensor in (query, key, value, log_decay, beta)]
+        *leaving, scores, memory = fast_scores(
+            piece[1], piece[2], piece[3], piece[4], None if state is None else state[0], memory
+        )
+        out, state = fast_window_with_cache(
+            piece[0], piece[1], piece[2], scores, *leaving[:2], leaving[2], 4, state
+        )
+        parts.append(out)
+    torch.testing.assert_close(torch.cat(parts, dim=2), whole, rtol=1e-10, atol=1e-10)
+    assert state[1].scores.isfinite().sum() == state[1].scores.numel()  # every slot filled by then
+
+
+# --- the gated-delta cell with the recall cache (dofla.cells.recall_cache) ---
+
+from helpers import assert_student_forms_agree  # noqa: E402
+
+from dofla.cache import RecurrentCacheLayer  # noqa: E402
+from dofla.cells import build_student  # noqa: E402
+from dofla.config import LayerPlan  # noqa: E402
+from dofla.errors import DoflaError  # noqa: E402
+
+CELL_SHAPE = dict(layer_index=1, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)
+
+
+def recall_cell(budget=3, **options):
+    plan = LayerPlan(
+        kind="hybrid",
+        cell="gated_delta",
+        feature_map="projection",
+        feature_dim=6,
+        window=4,
+        sinks=2,
+        options={"chunk_size": 4, "recall_cache": budget, **options},
+    )
+    torch.manual_seed(0)
+    student = build_student(plan, **CELL_SHAPE).double()
+    with torch.no_grad():
+        for parameter in student.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+        student.decay.bias.fill_(1.0)
+    return student
+
+
+def cell_inputs(length=17, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(heads):
+        return torch.randn(2, heads, length, 8, generator=generator, dtype=torch.float64).requires_grad_()
+
+    return normal(4), normal(2), normal(2)
+
+
+@pytest.mark.parametrize("options", [{}, {"mix": "adaptive"}, {"output_gate": True}])
+def test_cell_forms_agree_with_the_recall_cache(options):
+    student = recall_cell(**options)
+    output, _ = assert_student_forms_agree(student, *cell_inputs())
+    without = recall_cell(budget=0, **options)
+    without.load_state_dict(student.state_dict())
+    assert (without(*cell_inputs(), form="naive") - output).abs().max() > 1e-4  # the cache is read
+
+
+def test_cell_prefill_then_decode_equals_one_pass():
+    student = recall_cell()
+    query, key, value = (tensor.detach() for tensor in cell_inputs(length=19))
+    full = student(query, key, value)
+    layer, pieces = RecurrentCacheLayer(), []
+    for start, stop in ((0, 9), (9, 10), (10, 11), (11, 14), (14, 19)):
+        layer.update(key[:, :, start:stop], value[:, :, start:stop])
+        student.pending_cache_layer = layer
+        pieces.append(student(query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop]))
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-12)
+    kept = layer.state.recall
+    assert kept.keys.shape == (2, 2, 3, 8) and bool(kept.scores.isfinite().all())
+    assert layer.nbytes() >= kept.nbytes()
+
+
+@pytest.mark.parametrize(
+    "kind, options, message",
+    [
+        ("hybrid", {"recall_cache": -1}, "whole number"),
+        ("hybrid", {"recall_cache": 2.5}, "whole number"),
+        ("linear", {"recall_cache": 4}, "needs kind hybrid"),
+        ("hybrid", {"recall_cache": 4, "short_conv": 3}, "without short_conv"),
+    ],
+)
+def test_bad_recall_budgets_are_refused(kind, options, message):
+    plan = LayerPlan(kind=kind, cell="gated_delta", feature_map="projection", window=4, options=options)
+    with pytest.raises(DoflaError, match=message):
+        build_student(plan, **CELL_SHAPE)
+
+
+def test_a_converted_model_with_the_recall_cache_decodes_as_it_runs_whole():
+    from transformers import DynamicCache
+
+    from dofla.convert import convert, plan_for
+    from dofla.models import build_tiny_model
+
+    model = build_tiny_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8, seed=0)
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    options = {"recall_cache": 3, "window_factor": 0.9}
+    convert(
+        model,
+        plan_for(
+            model,
+            kind="hybrid",
+            cell="gated_delta",
+            feature_map="projection",
+            feature_dim=8,
+            window=4,
+            sinks=2,
+            options=options,
+        ),
+    )
+    with torch.no_grad():
+        full = model(tokens).logits
+        cache = DynamicCache(config=model.config)
+        pieces = [model(tokens[:, :11], past_key_values=cache, use_cache=True).logits]
+        for position in range(11, tokens.shape[1]):
+            pieces.append(
+                model(tokens[:, position : position + 1], past_key_values=cache, use_cache=True).logits
+            )
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
