@@ -185,6 +185,24 @@ def test_lolcats_recipe_runs_hybrid_output_mse_then_lora(tmp_path):
     assert summary["lora_teacher_ppl"] is None
 
 
+def test_a_window_only_plan_skips_attention_transfer_and_trains_its_lora_stage(tmp_path):
+    changes = dict(
+        plan=dict(kind="hybrid", window=8, sinks=2),
+        student=dict(cell="window"),
+        distill=dict(loss="output_mse"),
+        lora=dict(enabled=True, tokens=4 * LENGTH * 4),
+    )
+    result = linearize(config(tmp_path, **changes), teacher=tiny_teacher(), sequences=sequences())
+    summary = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert summary["distill_steps"] == 0 and summary["distill_tokens"] == 0
+    report = result.report_path.read_text()
+    assert "- No attention transfer: the students have no trainable parameters" in report
+    assert "- LoRA stage: 512 tokens" in report
+    # the LoRA stage trained the window baseline: the student is no longer the untrained window + sinks row
+    untrained = summary["long_context"]["by_length"][str(LENGTH)]["models"]["window+sinks2"]["perplexity"]
+    assert result.student_ppl != pytest.approx(untrained, rel=1e-4)
+
+
 def test_lora_baseline_is_reported_and_leaves_the_student_unchanged(tmp_path):
     changes = dict(recipe="lolcats", lora=dict(tokens=4 * LENGTH * 4))
     plain = linearize(config(tmp_path / "a", **changes), teacher=tiny_teacher(), sequences=sequences())

@@ -566,8 +566,14 @@ def distill_stage(config: LinearizeConfig, model, data: RunData, out_dir: Path, 
     teacher-state ``stores`` (train, heldout) where given) in its own run folder, then every block's
     students are sent to the other ranks. Returns the :class:`~dofla.distill.trainer.DistillResult`."""
     from dofla.convert import students
-    from dofla.distill.trainer import distill
+    from dofla.distill.trainer import DistillResult, distill
 
+    if not any(
+        parameter.requires_grad for student in students(model).values() for parameter in student.parameters()
+    ):
+        # a window-only plan: each student is the teacher's own softmax over a window and sinks; nothing to
+        # transfer, and the LoRA stage (if any) is what trains the model
+        return DistillResult(steps=0, tokens=0, seconds=0.0)
     rank, processes = distributed.rank_and_world_size()
     settings = config.distill_config()
     if not layer_sharding(config):

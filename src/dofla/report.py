@@ -133,9 +133,14 @@ def _stages_lines(summary: dict, config: LinearizeConfig) -> list[str]:
         f"- Source: {summary['data_source']}.",
         f"- Sequence length {config.data.seq_len}; {summary['train_sequences']} training sequences, "
         f"{summary['heldout_sequences']} held-out sequences (split off before training, never trained on).",
-        f"- Distillation: {summary['distill_tokens']} tokens in {summary['distill_steps']} steps "
-        f"(loss `{config.distill.loss}`, skipped non-finite steps: {summary['skipped_steps']}, "
-        f"stopped early: {summary['stopped_early']}).",
+        (
+            f"- Distillation: {summary['distill_tokens']} tokens in {summary['distill_steps']} steps "
+            f"(loss `{config.distill.loss}`, skipped non-finite steps: {summary['skipped_steps']}, "
+            f"stopped early: {summary['stopped_early']})."
+            if summary["distill_steps"]
+            else "- No attention transfer: the students have no trainable parameters (the teacher's own "
+            "softmax over a window and sinks)."
+        ),
         *_curriculum_lines(summary.get("distill_stages") or []),
         (
             f"- LoRA stage: {lora.tokens} tokens, rank {lora.rank}, alpha {lora.alpha}, "
