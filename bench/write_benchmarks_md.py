@@ -29,6 +29,8 @@ class Benchmark:
     # Headings (their starts) whose sections are quoted, with the lines before the first heading;
     # empty: the whole file.
     parts: tuple[str, ...] = ()
+    # Whether the lines before the first heading (the run's command and machine) are quoted with the parts.
+    preamble: bool = True
 
 
 DECODE_B1 = "### Decode, batch 1"
@@ -120,6 +122,7 @@ LATEST = [
         "DynamicCache, no graph; a graph-captured teacher was not measured). The file also holds the GPU "
         "test logs and a prefill profile.",
         ("#### gen_linear_b1_graph.log", "### Call 4"),
+        preamble=False,
     ),
     Benchmark(
         "The recipes' cells on one H200 with fla's kernels: prefill, decode without a graph, training (bf16)",
@@ -278,8 +281,9 @@ HISTORY = [
 ]
 
 
-def quote(text: str, parts: tuple[str, ...]) -> list[str]:
-    """The lines before the first heading and the sections whose headings start with one of `parts`."""
+def quote(text: str, parts: tuple[str, ...], preamble: bool = True) -> list[str]:
+    """The lines before the first heading (with `preamble`) and the sections whose headings start with one
+    of `parts`."""
     lines = text.strip().splitlines()
     if not parts:
         return lines
@@ -294,7 +298,7 @@ def quote(text: str, parts: tuple[str, ...]) -> list[str]:
                 level = 0
             if not level and line.startswith(parts):
                 level = line_level
-        if not seen_heading or level:
+        if (preamble and not seen_heading) or level:
             kept.append(line)
     return kept
 
@@ -317,7 +321,7 @@ def benchmarks_md() -> str:
             out.append(f"_Not measured yet: `{bench.path}` is missing._\n")
             continue
         out.append(f"Source: [`{bench.path}`]({bench.path})\n")
-        lines = quote(path.read_text(), bench.parts)
+        lines = quote(path.read_text(), bench.parts, bench.preamble)
         # Demote the file's headings below this one; plain lines get a markdown line break.
         lines = ["###" + line.lstrip("#") if line.startswith("#") else line for line in lines]
         out.append(
