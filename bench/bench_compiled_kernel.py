@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from dofla.ops.compiled import compiled, gated_delta_window_step
+from dofla.ops.compiled import compiled
+from dofla.ops.delta.step import gated_delta_window_step
 
 
 def layer_inputs(generator: torch.Generator, batch: int) -> list:

@@ -6,7 +6,7 @@ inputs of a teacher's attention shape (default SmolLM2-135M: 9 query heads, 3 ke
 feature size 64), float32, batch 1, at each length and chunk size, alternating the sizes within each
 repeat so that a busy machine slows them alike; the minimum over repeats counts. Writes
 ``results/chunk_sizes.json`` (every time and the choice) and prints a markdown table and the rows of
-``dofla.ops.chunked.CHUNK_SIZES`` that the choice gives (the library's table is copied from a run).
+``dofla.ops.chunk_sizes.CHUNK_SIZES`` that the choice gives (the library's table is copied from a run).
 
     python bench/sweep_chunk_size.py                      # 1k, 4k, 16k tokens; chunks 16-128; 1 thread
     python bench/sweep_chunk_size.py --lengths 2048 --ops linear --repeats 5

@@ -29,8 +29,9 @@ from dofla.convert import (
 from dofla.errors import DoflaError
 from dofla.models import build_tiny_model
 from dofla.ops import compiled as compiled_ops
-from dofla.ops.decode import ring_window
+from dofla.ops.delta.step import gated_delta_window_step
 from dofla.ops.state import WindowState
+from dofla.ops.window.step import ring_window
 
 HYBRID = dict(kind="hybrid", cell="gated_delta", feature_map="projection", feature_dim=8, window=6, sinks=3)
 GLA = dict(kind="hybrid", cell="gla", feature_map="hedgehog", feature_dim=8, window=6, sinks=3)
@@ -177,7 +178,7 @@ def test_an_error_of_the_inputs_is_not_swallowed(monkeypatch):
 
     monkeypatch.setattr(compiled_ops.torch, "compile", lambda function, **kwargs: wrong)
     with pytest.raises(ValueError, match="bad shapes"):
-        compiled_ops.run_compiled(compiled_ops.gated_delta_window_step)
+        compiled_ops.run_compiled(gated_delta_window_step)
 
 
 def test_set_compiled_steps_needs_a_converted_model():

@@ -29,8 +29,9 @@ from dofla.ops import (
     recurrent_window_attention,
     window_attention,
 )
-from dofla.ops.decode import hybrid_decode_step, ring_window, ring_window_step
+from dofla.ops.hybrid.step import hybrid_decode_step
 from dofla.ops.state import WindowState
+from dofla.ops.window.step import ring_window, ring_window_step
 
 WINDOW_NAMES = ("query", "key", "v", "sink_query")
 EDGE_HYBRID_NAMES = (*HYBRID_NAMES, "sink_query")

@@ -9,7 +9,7 @@ import torch
 from dofla.distill import losses
 from dofla.distill.losses import direct_loss, kernel_loss, output_mse_loss
 from dofla.errors import DoflaError
-from dofla.ops.naive import hybrid_attention, linear_attention
+from dofla.ops import hybrid_attention, linear_attention
 
 B, H, HKV, T, D, F_DIM = 2, 4, 2, 11, 8, 6
 SCALING = D**-0.5

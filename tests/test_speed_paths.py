@@ -16,7 +16,7 @@ import pytest
 import torch
 from ops_helpers import LINEAR_NAMES, assert_chunked_linear_matches_naive, make_inputs, relative_error
 
-import dofla.ops.chunked as chunked_module
+import dofla.ops.linear.chunked as chunked_module
 from dofla import attention
 from dofla.attention import LinearAttention
 from dofla.cache import RecurrentCacheLayer
@@ -629,7 +629,7 @@ def test_fused_window_attention_after_padding_keeps_one_mask_per_row(sinks, retu
     """The fused path shares one mask between the (batch, head) rows only where they see alike; after a
     left-padded first call the rows' absent keys and sink positions differ, and each row keeps its own."""
     from dofla.ops import chunked_window_attention
-    from dofla.ops.chunked import _rows_alike
+    from dofla.ops.window.chunked import _rows_alike
 
     generator = torch.Generator().manual_seed(5)
     query, key, value = (
@@ -660,7 +660,7 @@ def test_fused_window_log_sum_exp_without_gradients_matches_the_blocked_path(
     """``return_lse`` without gradients to track takes the fused kernel's entry point that returns the
     log-sum-exp; with them, the blocked path (the fused kernel gives no gradient for it)."""
     from dofla.ops import chunked_window_attention
-    from dofla.ops.chunked import takes_fused_lse
+    from dofla.ops.window.chunked import takes_fused_lse
 
     generator = torch.Generator().manual_seed(4)
     query, key, value = (
@@ -691,7 +691,7 @@ def test_fused_window_log_sum_exp_without_gradients_matches_the_blocked_path(
 def test_chunk_size_comes_from_the_measured_table_unless_the_plan_sets_one(
     tmp_path, capsys, one_thread, monkeypatch
 ):
-    from dofla.ops.chunked import CHUNK_SIZES, choose_chunk_size
+    from dofla.ops.chunk_sizes import CHUNK_SIZES, choose_chunk_size
 
     for op, rows in CHUNK_SIZES.items():
         lengths = [length for length, _ in rows]
@@ -783,14 +783,15 @@ def test_greedy_generate_of_the_recipe_cell_takes_the_hybrid_step_and_equals_ful
 
 @pytest.mark.parametrize("prefill, window, sinks", [(2, 3, 2), (0, 4, 2), (1, 3, 3), (5, 3, 0)])
 def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill, window, sinks):
-    """Many steps of the ring-buffer decode ops (``dofla.ops.decode``) without autograd, the buffers
+    """Many steps of the ring-buffer decode ops (``dofla.ops.window.step``) without autograd, the buffers
     updated in place and the ring wrapping around several times, sinks filling during the steps or before:
     outputs against the recurrent form over all tokens and the naive form, the final state (put back in
     order) against the recurrent form's; the hybrid with key log scales, the window alone."""
     from dofla.ops import hybrid_attention, recurrent_window_attention, window_attention
-    from dofla.ops.decode import hybrid_decode_step, ring_window, ring_window_step
-    from dofla.ops.recurrent import empty_hybrid_state, recurrent_hybrid_attention
+    from dofla.ops.hybrid.recurrent import empty_hybrid_state, recurrent_hybrid_attention
+    from dofla.ops.hybrid.step import hybrid_decode_step
     from dofla.ops.state import WindowState
+    from dofla.ops.window.step import ring_window, ring_window_step
 
     length, group = 13, 2
     inputs = {
@@ -883,7 +884,7 @@ def test_ring_layout_round_trip_keeps_padded_keys_sinks_and_a_partial_window():
     """A general hybrid state (left-padded rows, sinks, window not yet full in one call and wrapped in the
     other) put in the decoding layout and back is the same state, exactly."""
     from dofla.ops import chunked_hybrid_attention
-    from dofla.ops.decode import ring_hybrid_state
+    from dofla.ops.hybrid.step import ring_hybrid_state
 
     for length in (5, 11):  # window 7: partial, then wrapped
         inputs = make_inputs(2, 4, 2, length, 5, log_scale_std=1.0, seed=5)

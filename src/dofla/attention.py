@@ -29,18 +29,13 @@ from dofla.ops import (
     recurrent_hybrid_attention,
     recurrent_linear_attention,
 )
-from dofla.ops.chunked import choose_chunk_size
-from dofla.ops.compiled import (
-    hedgehog_window_step,
-    in_place,
-    one_token_turn,
-    run_compiled,
-    slot_index,
-    steady_ring,
-)
-from dofla.ops.decode import RingHybridState, hybrid_decode_step
-from dofla.ops.recurrent import linear_decode_step
+from dofla.ops.chunk_sizes import choose_chunk_size
+from dofla.ops.compiled import run_compiled
+from dofla.ops.hybrid.step import RingHybridState, hedgehog_window_step, hybrid_decode_step
+from dofla.ops.linear.step import linear_decode_step
 from dofla.ops.state import HybridState, LinearState
+from dofla.ops.steps import in_place, one_token_turn, slot_index
+from dofla.ops.window.step import steady_ring
 from dofla.rotary import Turns, edge_turns, period_turns
 
 FORMS = ("naive", "chunked", "recurrent")
@@ -90,7 +85,7 @@ class LinearAttention(nn.Module):
     per key/value head (H / Hkv times smaller); otherwise one per query head, keys and values repeated.
     Module options in ``plan.options`` (the rest goes to the feature map): ``window_factor`` (initial
     gamma of hybrid layers, default 0.1), ``chunk_size`` (default: per op and length from
-    ``dofla.ops.chunked.CHUNK_SIZES``), ``decode_tokens`` (default 4).
+    ``dofla.ops.chunk_sizes.CHUNK_SIZES``), ``decode_tokens`` (default 4).
     A feature map that takes a ``seed`` gets the layer index unless the plan gives one, so layers draw
     different random features.
     """
@@ -316,7 +311,7 @@ class LinearAttention(nn.Module):
         return query.view(query.shape[0], self.state_heads, -1, self.head_dim)
 
     def step_sinks(self, query: Tensor, edge: Turns | None) -> dict:
-        """How a ring step (``dofla.ops.decode``) scores the sinks of one token's query (B, H, 1, D) whose
+        """How a ring step (``dofla.ops.window.step``) scores the sinks of one token's query (B, H, 1, D) whose
         sinks are seen from the window's edge by the turn ``edge`` (None: at their true positions, nothing
         to pass): the sink keys turned the opposite way where the turn is one product (the queries then
         score every slot in the one fused softmax), else the turned queries."""
@@ -551,7 +546,7 @@ class LinearAttention(nn.Module):
         self, query, key, value, attention_mask, state, scaling, position_ids, edge, decay
     ) -> tuple[Tensor, RingHybridState, Tensor | None] | None:
         """The hybrid step over Hedgehog features sharing one normalisation with the window
-        (``dofla.ops.compiled.hedgehog_window_step``) on a ring ``state`` in its steady state (the window full,
+        (``dofla.ops.hybrid.step.hedgehog_window_step``) on a ring ``state`` in its steady state (the window full,
         every sink kept), without head-wise dimensions: output (B, 1, H, Dv), the new state and the new
         running log decay; ``decay`` (log_decay_total (B, Hs), gate weight, gate bias) for a cell with
         forgetting, else None. None where the step cannot run compiled."""

@@ -5,7 +5,7 @@ function and attend over what it returns. For a converted layer :class:`Recurren
 the new keys/values (so nothing grows), counts the tokens it has seen (so position ids and masks stay
 right: it answers ``get_seq_length`` / ``get_mask_sizes`` exactly like a ``DynamicLayer``), and keeps the
 student's state (``LinearState`` or ``HybridState``, or a decoding step's ring-buffer layout of one, see
-:mod:`dofla.ops.decode`), which :class:`dofla.attention.LinearAttention` reads and replaces. :func:`attach_cache_layer` swaps these layers into whatever cache ``generate()`` or the user
+:mod:`dofla.ops.window.step`), which :class:`dofla.attention.LinearAttention` reads and replaces. :func:`attach_cache_layer` swaps these layers into whatever cache ``generate()`` or the user
 made (``DynamicCache``, or the self-attention half of an ``EncoderDecoderCache`` for GPT-2).
 """
 

@@ -38,7 +38,7 @@ from dofla.cache import GrowingKVLayer, RecurrentCacheLayer, self_attention_cach
 from dofla.dispatch import SOFTMAX_OVERRIDE_ATTRIBUTE, teacher_attention
 from dofla.errors import DoflaError
 from dofla.ops.compiled import compiled_method
-from dofla.ops.decode import RingWindow
+from dofla.ops.window.step import RingWindow
 
 WARM_UP_STEPS = 2  # eager steps on a side stream before capture (CUDA's libraries allocate their workspaces)
 

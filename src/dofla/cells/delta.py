@@ -57,15 +57,12 @@ from dofla.ops import (
     update_delta_state,
     window_attention,
 )
-from dofla.ops.compiled import (
-    gated_delta_window_step,
-    in_place,
-    run_compiled,
-    steady_ring,
-)
-from dofla.ops.decode import RingWindow, ring_window, ring_window_step
+from dofla.ops.compiled import run_compiled
+from dofla.ops.delta.step import gated_delta_window_step
 from dofla.ops.recall_cache import RecallCache
 from dofla.ops.state import BatchedState
+from dofla.ops.steps import in_place
+from dofla.ops.window.step import RingWindow, ring_window, ring_window_step, steady_ring
 
 DEFAULT_BETA = 0.5
 MIXES = ("fixed", "adaptive")  # how a hybrid layer mixes window and memory (option ``mix``)
@@ -479,7 +476,7 @@ class GatedDeltaAttention(LinearAttention):
     def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None):
         """One token (see ``LinearAttention._decode_step``): queries and key normalised together, the two
         gates from the value, one delta-rule update and one read; with a window, its ring step
-        (``dofla.ops.decode``) mixed in per head."""
+        (``dofla.ops.window.step``) mixed in per head."""
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
         if self.kind == "hybrid" and not isinstance(state, DeltaHybridState):
             return None
@@ -582,7 +579,7 @@ class GatedDeltaAttention(LinearAttention):
         return self.state_heads == self.num_kv_heads and self._compiled_parts(state, dtype) is not None
 
     def _compiled_step(self, query, key, value, attention_mask, state, scaling, position_ids, edge):
-        """``_decode_step`` through ``dofla.ops.compiled.gated_delta_window_step``: the projection map, the
+        """``_decode_step`` through ``dofla.ops.delta.step.gated_delta_window_step``: the projection map, the
         fixed mix, key/value heads as state heads, on the CPU without autograd, and with a window only once
         it is full with every sink kept (its steady state)."""
         dtype = query.dtype
@@ -672,7 +669,7 @@ class WindowAttention(LinearAttention):
         return _window_part(self, form, query, keys, values, key_mask, scaling, state, sink_query=sink_query)
 
     def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None):
-        """One token (see ``LinearAttention._decode_step``): the window's ring step (``dofla.ops.decode``),
+        """One token (see ``LinearAttention._decode_step``): the window's ring step (``dofla.ops.window.step``),
         sinks included, without soft-capping."""
         exact = query.dtype in (torch.float32, torch.float64)  # the general form computes in these
         if not exact or value.dtype != query.dtype or not _takes_window_step(self, state, query.dtype):

@@ -2,7 +2,7 @@
 
 Which kernel is compared. For query i and causal keys j <= i the teacher's attention row is
 ``P_ij = softmax_j(scaling * q_i.k_j)``. The student's row is its own attention weights normalised per
-row, ``A_ij = a_ij / sum_j a_ij``, with ``a_ij`` exactly the weights of :mod:`dofla.ops.naive`:
+row, ``A_ij = a_ij / sum_j a_ij``, with ``a_ij`` exactly the weights of :mod:`dofla.ops`:
 ``phi(q_i).phi(k_j) exp(s_j)`` for linear layers (s = the key log scale; the query's own factor cancels),
 and for hybrid layers the window softmax part weighted by gamma plus the linear part weighted by 1 - gamma.
 Both kernels are thus normalised per query row, so the L2 loss and the cross-entropy compare the same
@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dofla.errors import DoflaError
 from dofla.ops._checks import soft_cap
-from dofla.ops.chunked import takes_fused_lse
+from dofla.ops.window.chunked import takes_fused_lse
 from dofla.registry import Registry
 
 SCOPES = ("kernel", "layer", "model")

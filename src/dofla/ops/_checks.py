@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dofla.errors import DoflaError
+from dofla.ops.state import DeltaState
 
 
 def check_linear_inputs(q_features: Tensor, k_features: Tensor, v: Tensor, k_log_scale: Tensor | None) -> int:
@@ -189,3 +191,38 @@ def mask_absent_keys(
 def stack_tokens(outputs: list[Tensor]) -> Tensor:
     """Per-token outputs (B, Hk, G, Dv) of a token loop -> (B, Hk, G, T, Dv); one token (decoding) needs no copy."""
     return outputs[0].unsqueeze(3) if len(outputs) == 1 else torch.stack(outputs, dim=3)
+
+
+def prepare_delta_inputs(q, k, v, log_decay, beta, key_mask, normalize_keys):
+    """Checks, compute dtype, optional key normalisation and masking of absent keys (a = 1, beta = 0).
+
+    Returns group H // Hk, q, k, v, log_decay, beta, all in the compute dtype.
+    """
+    group = check_delta_inputs(q, k, v, log_decay, beta)
+    dtype = compute_dtype(q, k, v, log_decay, beta)
+    q, k, v, log_decay, beta = (tensor.to(dtype) for tensor in (q, k, v, log_decay, beta))
+    if normalize_keys:
+        k = F.normalize(k, dim=-1, eps=1e-6)
+    if key_mask is not None:
+        absent = ~check_key_mask(key_mask, k.shape[0], k.shape[2])[:, None, :]  # (B, 1, T)
+        log_decay, beta = log_decay.masked_fill(absent, 0.0), beta.masked_fill(absent, 0.0)
+        k, v = k.masked_fill(absent[..., None], 0.0), v.masked_fill(absent[..., None], 0.0)
+    return group, q, k, v, log_decay, beta
+
+
+def initial_delta_kv(state: DeltaState | None, k: Tensor, value_dim: int) -> Tensor:
+    """(B, Hk, K, Dv) in k's dtype: the state's memory, or zeros."""
+    batch, num_kv_heads, _, key_dim = k.shape
+    if state is None:
+        return k.new_zeros(batch, num_kv_heads, key_dim, value_dim)
+    if tuple(state.kv.shape) != (batch, num_kv_heads, key_dim, value_dim):
+        raise DoflaError(
+            f"the delta state {tuple(state.kv.shape)} does not fit (batch, kv heads, key dim, value dim) = "
+            f"{(batch, num_kv_heads, key_dim, value_dim)}; continue with the state of the same layer."
+        )
+    return state.kv.to(k.dtype)
+
+
+def expand_kv_heads(tensor: Tensor | None, group: int) -> Tensor | None:
+    """(B, Hk, ...) -> (B, H, ...): query head h reads key/value head h // group."""
+    return None if tensor is None else tensor.repeat_interleave(group, dim=1)

@@ -4,7 +4,7 @@ What dispatches where. On a CUDA tensor in float32, bfloat16 or float16, with ``
 importable and the environment variable ``DOFLA_FLA`` not set to ``0``, the chunked form (training and
 prefill) of the cells runs its linear part on fla's kernels:
 
-- ``linear`` and ``gla`` (alone or hybrid): ``linear_attention_sums`` of :mod:`dofla.ops.chunked` becomes
+- ``linear`` and ``gla`` (alone or hybrid): ``linear_attention_sums`` of :mod:`dofla.ops.linear.chunked` becomes
   one call of fla's simple GLA kernel (``fla.ops.simple_gla.chunk_simple_gla``); the window's softmax,
   the sinks and the shared normalisation stay dofla's PyTorch code, unchanged.
 - ``gated_delta`` (alone or hybrid): the memory of :func:`dofla.ops.chunked_gated_delta_rule` becomes one
@@ -163,7 +163,7 @@ def kernel_linear_attention_sums(
     *,
     kernel: SimpleGLAKernel,
 ) -> tuple[Tensor, Tensor, LinearState]:
-    """``dofla.ops.chunked.linear_attention_sums`` computed by one call of a simple GLA ``kernel``.
+    """``dofla.ops.linear.chunked.linear_attention_sums`` computed by one call of a simple GLA ``kernel``.
 
     Same arguments and results: q (B, Hk, G, T, F), k (B, Hk, T, F), v (B, Hk, T, Dv), log_scale (B, Hk, T)
     or None, all in the compute dtype; returns numerator (B, Hk, G, T, Dv) and denominator (B, Hk, G, T)

@@ -77,7 +77,7 @@ class BatchedState:
         return sum(tensor.numel() * tensor.element_size() for tensor in self._tensors())
 
     def general_layout(self) -> Self:
-        """This state as every form reads it: the ring buffers of decoding steps (``dofla.ops.decode``), which
+        """This state as every form reads it: the ring buffers of decoding steps (``dofla.ops.window.step``), which
         override this, put back in order (copies); a state without nested states is returned as it is."""
         nested = {
             item.name: getattr(self, item.name)

@@ -13,6 +13,7 @@ read a ring state back through ``BatchedState.general_layout`` (the cells call i
 Ring buffers are updated in place when autograd is off (generation), so a ring state is consumed by the step
 it is given to: keep ``state.general_layout()`` (a copy) to reuse one. With autograd on, a step copies the
 buffers first, so its gradients are those of the general recurrent form.
+
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dofla.ops.chunked import takes_fused_lse
-from dofla.ops.state import BatchedState, HybridState, LinearState, WindowState
+from dofla.ops.state import BatchedState, WindowState
+from dofla.ops.steps import in_place
+from dofla.ops.window.chunked import takes_fused_lse
 
 NEGATIVE_INFINITY = float("-inf")
 
 
-def _ring_slots(ordered: Tensor, tokens: int, window: int, fill: float) -> Tensor:
+def ring_slots(ordered: Tensor, tokens: int, window: int, fill: float) -> Tensor:
     """(B, Hk, L, ...) the last L = min(tokens, window) entries in order -> (B, Hk, window, ...) with token t's
     entry in slot t % window and ``fill`` in the empty slots."""
     length = ordered.shape[2]
@@ -37,13 +39,13 @@ def _ring_slots(ordered: Tensor, tokens: int, window: int, fill: float) -> Tenso
     return torch.cat([ordered, padding], dim=2).roll((tokens - length) % window, dims=2)
 
 
-def _ordered_slots(slots: Tensor, tokens: int, window: int) -> Tensor:
-    """The inverse of ``_ring_slots``: (B, Hk, window, ...) -> (B, Hk, L, ...) oldest first (a copy)."""
+def ordered_slots(slots: Tensor, tokens: int, window: int) -> Tensor:
+    """The inverse of ``ring_slots``: (B, Hk, window, ...) -> (B, Hk, L, ...) oldest first (a copy)."""
     length = min(tokens, window)
     return slots.roll(-((tokens - length) % window), dims=2)[:, :, :length].clone()
 
 
-def _visible_bias(visible: Tensor, dtype: torch.dtype) -> Tensor:
+def visible_bias(visible: Tensor, dtype: torch.dtype) -> Tensor:
     """visible (B, Hk, L) bool -> additive score bias (B, Hk, 1, L): 0 where visible, -inf elsewhere."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(
         ~visible, NEGATIVE_INFINITY
@@ -84,10 +86,10 @@ class RingWindow(BatchedState):
     def general_layout(self) -> WindowState:
         """The ``WindowState`` this ring holds (copies)."""
         sinks, tokens, window = self.sinks, self.num_tokens, self.window
-        present = _ordered_slots(self.bias[:, :, 0, sinks:] == 0, tokens, window)  # (B, Hk, L)
+        present = ordered_slots(self.bias[:, :, 0, sinks:] == 0, tokens, window)  # (B, Hk, L)
         return WindowState(
-            keys=_ordered_slots(self.keys[:, :, sinks:], tokens, window),
-            values=_ordered_slots(self.values[:, :, sinks:, : self.value_dim], tokens, window),
+            keys=ordered_slots(self.keys[:, :, sinks:], tokens, window),
+            values=ordered_slots(self.values[:, :, sinks:, : self.value_dim], tokens, window),
             key_present=present,
             sink_keys=self.keys[:, :, :sinks].clone(),
             sink_values=self.values[:, :, :sinks, : self.value_dim].clone(),
@@ -103,16 +105,16 @@ def ring_window(state: WindowState, tokens: int, *, ones_column: bool = False) -
     window, sinks = state.window, state.sinks
     dtype = state.keys.dtype
     filled = torch.arange(sinks, device=state.keys.device) < state.sink_count[..., None]  # (B, Hk, S)
-    window_bias = _ring_slots(
-        _visible_bias(state.key_present, dtype)[:, :, 0], tokens, window, NEGATIVE_INFINITY
+    window_bias = ring_slots(
+        visible_bias(state.key_present, dtype)[:, :, 0], tokens, window, NEGATIVE_INFINITY
     )
-    values = torch.cat([state.sink_values, _ring_slots(state.values, tokens, window, 0.0)], dim=2)
+    values = torch.cat([state.sink_values, ring_slots(state.values, tokens, window, 0.0)], dim=2)
     if ones_column:  # in every slot, empty ones included: a key written there later keeps it
         values = F.pad(values, (0, 1), value=1.0)
     return RingWindow(
-        keys=torch.cat([state.sink_keys, _ring_slots(state.keys, tokens, window, 0.0)], dim=2),
+        keys=torch.cat([state.sink_keys, ring_slots(state.keys, tokens, window, 0.0)], dim=2),
         values=values,
-        bias=torch.cat([_visible_bias(filled, dtype)[:, :, 0], window_bias], dim=2)[:, :, None],
+        bias=torch.cat([visible_bias(filled, dtype)[:, :, 0], window_bias], dim=2)[:, :, None],
         sink_count=state.sink_count.clone(),
         window=window,
         value_dim=state.values.shape[-1],
@@ -123,7 +125,7 @@ def ring_window(state: WindowState, tokens: int, *, ones_column: bool = False) -
     )
 
 
-def _owned(state: BatchedState, buffer: Tensor) -> BatchedState:
+def owned_state(state: BatchedState, buffer: Tensor) -> BatchedState:
     """The state a step may update in place: itself without autograd (generation), else a copy (with
     autograd, or when its buffers, ``buffer`` one of them, were made in inference mode and this is not)."""
     made_in_inference = buffer.is_inference() and not torch.is_inference_mode_enabled()
@@ -206,7 +208,7 @@ def ring_window_step(
     same buffers, updated in place without autograd); with ``return_lse`` (out, lse, ring), lse (B, Hk, G)
     the log-sum-exp of the queries' softmax scores. ``sink_key_turn`` instead of ``sink_queries``: the sinks
     scored by the queries against their keys turned by it (``sink_seen_keys``), in the fused softmax."""
-    ring = _owned(ring, ring.keys)
+    ring = owned_state(ring, ring.keys)
     write_key(ring, key, value)
     ring.num_tokens += 1
     own_sink_scores = sink_queries is not None and ring.sinks > 0
@@ -227,136 +229,15 @@ def ring_window_step(
     return (out, lse.view(queries.shape[:3]), ring) if return_lse else (out, ring)
 
 
-@dataclass
-class RingHybridState(BatchedState):
-    """``HybridState`` in the decoding layout: the window and sinks as a ``RingWindow`` (values with a column of
-    ones), the window slots' key features and log scales, and the linear sums of the keys that left.
-
-    sums: (B, Hk, F, Dv + 1) the linear state's kv with its normalizer as the last column (one product reads
-    both); log_offset: (B, Hk) as in ``LinearState``.
-    key_features: (B, Hk, W, F), key_log_scales: (B, Hk, W) of the window slots (-inf: empty, absent, sink).
-    """
-
-    ring: RingWindow
-    key_features: Tensor
-    key_log_scales: Tensor
-    sums: Tensor
-    log_offset: Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return self.ring.num_tokens
-
-    @property
-    def window(self) -> int:
-        return self.ring.window
-
-    @property
-    def sinks(self) -> int:
-        return self.ring.sinks
-
-    def general_layout(self) -> HybridState:
-        """The ``HybridState`` this holds (copies)."""
-        window_state, window = self.ring.general_layout(), self.ring.window
-        tokens = self.num_tokens
-        linear = LinearState(
-            kv=self.sums[..., :-1].clone(),
-            normalizer=self.sums[..., -1].clone(),
-            log_offset=self.log_offset.clone(),
-            num_tokens=max(0, tokens - window),
-        )
-        return HybridState(
-            linear=linear,
-            keys=window_state.keys,
-            values=window_state.values,
-            key_features=_ordered_slots(self.key_features, tokens, window),
-            key_log_scales=_ordered_slots(self.key_log_scales, tokens, window),
-            sink_keys=window_state.sink_keys,
-            sink_values=window_state.sink_values,
-            sink_count=window_state.sink_count,
-            window=window,
-        )
-
-
-def ring_hybrid_state(state: HybridState) -> RingHybridState:
-    """A general hybrid state in the decoding layout (new buffers)."""
-    tokens, window = state.num_tokens, state.window
-    linear = state.linear
-    return RingHybridState(
-        ring=ring_window(state.window_state(), tokens, ones_column=True),
-        key_features=_ring_slots(state.key_features, tokens, window, 0.0),
-        key_log_scales=_ring_slots(state.key_log_scales, tokens, window, NEGATIVE_INFINITY),
-        sums=torch.cat([linear.kv, linear.normalizer.unsqueeze(-1)], dim=-1),
-        log_offset=linear.log_offset.clone(),
+def steady_ring(ring, dtype: torch.dtype, *, ones_column: bool = False) -> bool:
+    """Whether a window (a ``RingWindow``) is in the steady state the compiled steps take: every slot
+    visible (the window full, each sink kept, no slot hidden), in ``dtype``, its values with a column of
+    ones where ``ones_column`` (the shared normalisation's), updatable in place."""
+    return (
+        isinstance(ring, RingWindow)
+        and ring.keys.dtype == ring.values.dtype == dtype
+        and ring.sinks_full
+        and ring.num_tokens >= ring.hidden_until
+        and ring.values.shape[-1] == ring.value_dim + int(ones_column)
+        and in_place(ring.keys)
     )
-
-
-def _absorb_oldest_key(state: RingHybridState, source: RingHybridState) -> None:
-    """The key in the ring's next slot (the oldest, the window being full) joins the linear sums, in place:
-    ``update_linear_state`` on the (kv | normalizer) sums, its value's column of ones giving the normalizer.
-    The key is read from ``source``: ``state`` itself without autograd, else the state before its copy
-    (autograd keeps what it reads, and the new key overwrites the slot in ``state``)."""
-    slot = state.ring.next_slot
-    old = slot - state.ring.sinks
-    scale = source.key_log_scales[:, :, old]  # (B, Hk): -inf for sinks and absent keys
-    log_offset = torch.maximum(state.log_offset, scale)
-    # exp_relative of the old offset and of the key against the new one, sharing its clamp
-    finite_offset = log_offset.clamp_min(torch.finfo(log_offset.dtype).min)
-    decay = torch.exp(state.log_offset - finite_offset)  # (B, Hk) <= 1
-    weight = torch.exp(scale - finite_offset).unsqueeze(-1)  # (B, Hk, 1)
-    weighted_key = source.key_features[:, :, old] * weight  # (B, Hk, F)
-    value = source.ring.values[:, :, slot]  # (B, Hk, Dv + 1): its last column, 1, adds to the normalizer
-    state.sums.mul_(decay[..., None, None]).addcmul_(weighted_key.unsqueeze(-1), value.unsqueeze(-2))
-    state.log_offset = log_offset
-
-
-def hybrid_decode_step(
-    state: HybridState | RingHybridState,
-    queries: Tensor,
-    q_features: Tensor,
-    key: Tensor,
-    k_features: Tensor,
-    value: Tensor,
-    log_scale: Tensor,
-    window_factor: Tensor,
-    *,
-    scaling: float,
-    eps: float = 1e-6,
-    sink_queries: Tensor | None = None,
-    sink_key_turn=None,
-) -> tuple[Tensor, RingHybridState]:
-    """One present token of ``recurrent_hybrid_attention`` (sinks included, no soft-capping) on the ring
-    layout: queries (B, Hk, G, D), q_features (B, Hk, G, F), key (B, Hk, D), k_features (B, Hk, F),
-    value (B, Hk, Dv), log_scale (B, Hk) finite, window_factor (Hk, G, 1), sink_queries (B, Hk, G, D) or
-    None (the queries that score the sinks; or ``sink_key_turn``, see ``ring_window_step``); every tensor
-    and the state's buffers in one dtype -> out
-    (B, Hk, G, Dv) and the state after the token (a general ``HybridState`` is converted first; a ring
-    state's buffers are updated in place without autograd)."""
-    source = ring_hybrid_state(state) if isinstance(state, HybridState) else state
-    state = _owned(source, source.sums)
-    ring = state.ring
-    batch, heads, group, _ = queries.shape
-    if ring.num_tokens >= ring.window:  # the oldest key leaves the window and joins the linear sums
-        _absorb_oldest_key(state, source)
-    old = ring.next_slot - ring.sinks
-    is_sink = write_key(ring, key, value)
-    state.key_features[:, :, old] = k_features
-    if is_sink is None:
-        state.key_log_scales[:, :, old] = log_scale
-    else:  # a sink never reaches the linear state
-        state.key_log_scales[:, :, old] = log_scale.masked_fill(is_sink, NEGATIVE_INFINITY)
-    ring.num_tokens += 1
-
-    keys = sink_seen_keys(ring, sink_key_turn)
-    scores = window_scores(ring, queries, scaling, sink_queries, keys)  # (B * Hk, G, S + W)
-    # the new key is visible (in the window or as a sink): every max is finite
-    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
-    # (B * Hk, G, Dv + 1): numerators, then denominators (the values' column of ones)
-    window_sums = torch.bmm(weights, ring.values.flatten(0, 1))
-    linear_sums = torch.bmm(q_features.flatten(0, 1), state.sums.flatten(0, 1))  # relative to the offset
-    sums = torch.lerp(
-        linear_sums.view(batch, heads, group, -1),
-        window_sums.view(batch, heads, group, -1),
-        window_factor,
-    )  # (B, Hk, G, Dv + 1)
-    return sums[..., :-1] / (sums[..., -1:] + eps), state

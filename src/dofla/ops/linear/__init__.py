@@ -1,0 +1,14 @@
+"""Linear attention: naive reference, chunked form, recurrent form and one-token step."""
+
+from dofla.ops.linear.chunked import chunked_linear_attention
+from dofla.ops.linear.naive import linear_attention
+from dofla.ops.linear.recurrent import recurrent_linear_attention
+from dofla.ops.linear.step import linear_decode_step, update_linear_state
+
+__all__ = [
+    "chunked_linear_attention",
+    "linear_attention",
+    "linear_decode_step",
+    "recurrent_linear_attention",
+    "update_linear_state",
+]

@@ -1,0 +1,51 @@
+"""Linear attention's recurrent form (decoding), one token at a time; semantics in ``dofla.ops``."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from dofla.ops._checks import (
+    check_linear_inputs,
+    compute_dtype,
+    mask_absent_keys,
+    stack_tokens,
+)
+from dofla.ops.linear.step import linear_decode_step, log_scale_or_zeros
+from dofla.ops.state import LinearState
+
+
+def recurrent_linear_attention(
+    q_features: Tensor,
+    k_features: Tensor,
+    v: Tensor,
+    *,
+    k_log_scale: Tensor | None = None,
+    state: LinearState | None = None,
+    key_mask: Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[Tensor, LinearState]:
+    """Causal linear attention token by token.
+
+    q_features (B, H, T, F), k_features (B, Hk, T, F), v (B, Hk, T, Dv), k_log_scale (B, Hk, T) or None;
+    state from an earlier call (recurrent or chunked with return_state=True) or None.
+    key_mask (B, T) bool, True for real tokens: absent keys take no part (see ``dofla.ops``).
+    Returns out (B, H, T, Dv) in v's dtype and the state after the T tokens (float32, or float64 inputs).
+    """
+    group = check_linear_inputs(q_features, k_features, v, k_log_scale)
+    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
+    dtype = compute_dtype(q_features, k_features, v, k_log_scale)
+    batch, num_heads, length, feature_dim = q_features.shape
+    num_kv_heads, value_dim = k_features.shape[1], v.shape[-1]
+    if state is None:
+        state = LinearState.empty(batch, num_kv_heads, feature_dim, value_dim, q_features.device, dtype)
+    q = q_features.to(dtype).view(batch, num_kv_heads, group, length, feature_dim)  # (B, Hk, G, T, F)
+    k, values = k_features.to(dtype), v.to(dtype)
+    log_scale = log_scale_or_zeros(k_log_scale, k_features, dtype)  # (B, Hk, T)
+    outputs = []
+    for t in range(length):
+        output, state = linear_decode_step(
+            state, q[:, :, :, t], k[:, :, t], values[:, :, t], log_scale[:, :, t], eps
+        )
+        outputs.append(output)  # (B, Hk, G, Dv)
+    out = stack_tokens(outputs).reshape(batch, num_heads, length, value_dim)
+    return out.to(v.dtype), state
