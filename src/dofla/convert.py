@@ -36,7 +36,7 @@ from dofla import dispatch
 from dofla.attention import LinearAttention
 from dofla.auto import DoflaConfig, converted_class
 from dofla.cache import attach_cache_layer, attach_kv_layer
-from dofla.cells import build_student
+from dofla.cells import build_student, cell_class
 from dofla.config import ConversionPlan
 from dofla.dof import make_plan
 from dofla.errors import DoflaError
@@ -66,8 +66,7 @@ class Architecture:
 
     def student_for(self, layer_plan, index: int) -> LinearAttention:
         """The student for layer ``index`` as ``layer_plan`` says, on the device of that layer's attention."""
-        student = build_student(
-            layer_plan,
+        shape = dict(
             layer_index=index,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
@@ -75,7 +74,13 @@ class Architecture:
             scaling=self.scalings[index],
             softcap=self.softcaps[index],
         )
-        parameter = next(self.attention_modules[index].parameters(), None)
+        module = self.attention_modules[index]
+        # a cell with projections of its own starts from the teacher's (dofla.cells.gated_delta_net)
+        from_teacher = getattr(cell_class(layer_plan.cell), "from_teacher_attention", None)
+        if from_teacher is not None:
+            return from_teacher(layer_plan, module, **shape)
+        student = build_student(layer_plan, **shape)
+        parameter = next(module.parameters(), None)
         return student.to(parameter.device) if parameter is not None else student
 
 
@@ -143,6 +148,8 @@ def _before_attention(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Give the student this call's cache layer, swapping a RecurrentCacheLayer into the cache if needed."""
     student = getattr(module, STUDENT_PREFIX)
     student.pending_cache_layer = None
+    if getattr(student, "reads_hidden_states", False):  # a cell with its own projections
+        student.pending_hidden_states = args[0] if args else kwargs.get("hidden_states")
     if dispatch.is_teacher_forced():  # the teacher's softmax runs and needs its ordinary cache layer
         return
     cache = _attention_cache_argument(module, args, kwargs)
@@ -160,7 +167,10 @@ def _before_kept_attention(module: nn.Module, args: tuple, kwargs: dict) -> None
 
 
 def _after_attention(module: nn.Module, args: tuple, output) -> None:
-    getattr(module, STUDENT_PREFIX).pending_cache_layer = None
+    student = getattr(module, STUDENT_PREFIX)
+    student.pending_cache_layer = None
+    if getattr(student, "reads_hidden_states", False):
+        student.pending_hidden_states = None
 
 
 def is_converted(model: nn.Module) -> bool:

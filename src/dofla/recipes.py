@@ -106,6 +106,20 @@ RECIPES.add(
         lora=dict(enabled=True, lr=3e-3, kl_weight=1.0, train_students=True),
     ),
 )
+# the students that run where models are served: every layer Qwen3.5's gated delta net (the gated_delta_net
+# cell: no window, no softmax anywhere), trained with the gated-delta-linear schedule above (1,024-token
+# attention transfer, then LoRA that trains the converted layers too); `dofla export` writes the result as a
+# standard qwen3_5_text checkpoint (Llama, Qwen2, Qwen3 and Mistral teachers)
+RECIPES.add(
+    "portable",
+    dict(
+        plan=dict(kind="linear", allocation="fix", sinks=0),
+        student=dict(cell="gated_delta_net"),
+        data=dict(seq_len=1024),
+        distill=dict(loss="output_mse"),
+        lora=dict(enabled=True, lr=3e-3, kl_weight=1.0, train_students=True),
+    ),
+)
 # LoLCATs' shared normalisation with forgetting (gla): the demo's cell
 RECIPES.add("gla", long_context_recipe("gla", "hedgehog", {"window_factor": 0.999}))
 

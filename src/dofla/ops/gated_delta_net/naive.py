@@ -1,0 +1,48 @@
+"""The reference: the convolution written as its sum per token and the delta rule's literal token loop
+(``dofla.ops.delta.gated_delta_rule``). Tests only."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dofla.ops.delta import gated_delta_rule
+from dofla.ops.gated_delta_net.common import (
+    GatedDeltaNetShape,
+    check_inputs,
+    compute_dtype,
+    delta_rule_inputs,
+    masked_inputs,
+)
+
+
+def gated_delta_net(
+    mixed: Tensor,
+    conv_weight: Tensor,
+    log_decay: Tensor,
+    beta: Tensor,
+    shape: GatedDeltaNetShape,
+    *,
+    key_mask: Tensor | None = None,
+) -> Tensor:
+    """mixed (B, T, C) projected q, k, v; conv_weight (C, W); log_decay (B, T, Hv) <= 0; beta (B, T, Hv) in
+    (0, 1); key_mask (B, T) or None. Returns the read-out (B, T, Hv, Dv) in mixed's dtype."""
+    check_inputs(mixed, conv_weight, log_decay, beta, shape)
+    mixed, log_decay, beta = masked_inputs(mixed, log_decay, beta, key_mask)
+    dtype = compute_dtype(mixed)
+    width, length = conv_weight.shape[1], mixed.shape[1]
+    inputs, weight = mixed.to(dtype), conv_weight.to(dtype)
+    # token t sees inputs t - W + 1 .. t, tap i weighting input t - W + 1 + i (zeros before the first)
+    convolved = []
+    for t in range(length):
+        total = torch.zeros_like(inputs[:, 0])
+        for tap in range(width):
+            source = t - width + 1 + tap
+            if source >= 0:
+                total = total + weight[:, tap] * inputs[:, source]
+        convolved.append(total)
+    query, key, value = delta_rule_inputs(torch.stack(convolved, dim=1), shape)
+    out = gated_delta_rule(
+        query, key, value, log_decay.transpose(1, 2), beta.transpose(1, 2).to(dtype), key_mask=key_mask
+    )
+    return out.transpose(1, 2).to(mixed.dtype)  # (B, T, Hv, Dv)
