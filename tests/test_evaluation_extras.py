@@ -161,8 +161,9 @@ def test_passkey_answer_ends_with_five_digits_or_the_end_of_a_number():
 def test_prefill_in_pieces_equals_one_forward(kind, cell, sinks):
     from transformers import DynamicCache
 
+    from dofla.cache import held_bytes
     from dofla.convert import convert, plan_for
-    from dofla.evaluation.speed import cache_bytes, prefill
+    from dofla.evaluation.speed import prefill
 
     torch.manual_seed(0)
     model = small_llama().eval()
@@ -174,7 +175,7 @@ def test_prefill_in_pieces_equals_one_forward(kind, cell, sinks):
     with torch.no_grad():
         assert torch.allclose(expected, model(ids).logits[:, -1], atol=1e-5)
     torch.testing.assert_close(prefill(model, ids, pieces, chunk_size=5), expected, atol=1e-5, rtol=1e-5)
-    assert cache_bytes(pieces) == cache_bytes(whole) and pieces.get_seq_length() == 23
+    assert held_bytes(pieces) == held_bytes(whole) and pieces.get_seq_length() == 23
     # the next token continues both caches alike
     token = expected.argmax(-1, keepdim=True)
     with torch.no_grad():

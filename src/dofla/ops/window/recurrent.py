@@ -32,11 +32,12 @@ def advance_window(
         present = present & ~is_sink
     else:  # no sink bookkeeping: a decoding step's cost is its number of small operators
         is_sink, sinks = torch.zeros_like(present), (state.sink_keys, state.sink_values, state.sink_count)
-    keys = torch.cat([state.keys, key.to(state.keys.dtype)], dim=2)  # (B, Hk, L + 1, D)
-    values = torch.cat([state.values, value.to(state.values.dtype)], dim=2)
-    key_present = torch.cat([state.key_present, present], dim=2)
-    if keys.shape[2] > state.window:
-        keys, values, key_present = keys[:, :, 1:], values[:, :, 1:], key_present[:, :, 1:]
+    # a full window drops its oldest key before joining the new one: a slice after the join would keep the
+    # storage of one key more than the window alive
+    drop = 1 if state.keys.shape[2] + 1 > state.window else 0
+    keys = torch.cat([state.keys[:, :, drop:], key.to(state.keys.dtype)], dim=2)  # (B, Hk, min(L + 1, w), D)
+    values = torch.cat([state.values[:, :, drop:], value.to(state.values.dtype)], dim=2)
+    key_present = torch.cat([state.key_present[:, :, drop:], present], dim=2)
     new_state = WindowState(keys, values, key_present, *sinks, state.window, state.num_tokens + 1)
     return new_state, is_sink
 
