@@ -20,7 +20,15 @@ from typing import Any
 
 from dofla.errors import DoflaError
 
-_TEMPORARY = re.compile(r"^\..+\.dofla-(\d+)-[^/]+$")
+# exactly what :func:`temporary_prefix` and ``tempfile.mkstemp``/``mkdtemp`` make: 8 random characters, then
+# dofla's suffix; a user's file like ``.notes.dofla-99999-v1.txt`` is not one
+_TEMPORARY = re.compile(r"^\..+\.dofla-(\d+)-[a-z0-9_]{8}\.(tmp|old)$")
+TEMPORARY_SUFFIXES = (".tmp", ".old")
+
+
+def is_temporary_name(name: str) -> bool:
+    """Whether ``name`` is one of dofla's temporary files or folders (see :func:`temporary_prefix`)."""
+    return _TEMPORARY.match(name) is not None
 
 
 def _current_umask() -> int:
@@ -33,7 +41,8 @@ _UMASK = _current_umask()
 
 
 def temporary_prefix(name: str) -> str:
-    """'.NAME.dofla-PID-': the start of this process's temporary files and folders for ``name``."""
+    """'.NAME.dofla-PID-': the start of this process's temporary files and folders for ``name``, which
+    ``tempfile`` completes with 8 random characters and a suffix of :data:`TEMPORARY_SUFFIXES`."""
     return f".{name}.dofla-{os.getpid()}-"
 
 

@@ -15,13 +15,13 @@ import fnmatch
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from dofla.errors import DoflaError
-from dofla.io import remove_stale_temporaries, write_json_atomic
+from dofla.io import is_temporary_name, remove_stale_temporaries, write_json_atomic
 
 MARKER_FILE = ".dofla"
 LOCK_SUFFIX = ".dofla-lock"
@@ -48,7 +48,7 @@ def write_marker(folder: str | Path, kind: str, **fields: Any) -> Path:
 
 def _is_dofla_bookkeeping(name: str) -> bool:
     """The marker, lock files and temporaries dofla leaves beside or inside its outputs."""
-    return name == MARKER_FILE or name.endswith(LOCK_SUFFIX) or ".dofla-" in name
+    return name == MARKER_FILE or name.endswith(LOCK_SUFFIX) or is_temporary_name(name)
 
 
 def user_entries(folder: str | Path) -> list[str]:
@@ -127,25 +127,89 @@ def claim_output_folder(path: str | Path, kind: str) -> Path:
     return path
 
 
-def check_output_file(path: str | Path, option: str) -> Path:
-    """Refuse, before any work, an output file that cannot be written (a folder, under a file, read-only)."""
+def check_output_file(
+    path: str | Path,
+    option: str,
+    *,
+    inputs: Iterable[str | Path | None] = (),
+    overwrite: bool = False,
+    ours: Callable[[Path], bool] | None = None,
+) -> Path:
+    """Refuse, before any work, an output file dofla must not write; returns it resolved. Creates nothing.
+
+    Refused: a folder; a path under a file; an unwritable place; an input (``inputs``) or a file inside an
+    input folder (the teacher's, the converted model's); an existing file without ``overwrite``, and with it
+    one that ``ours`` does not recognise as written by dofla.
+    """
     path = Path(path).expanduser().resolve()
     if path.is_dir():
         raise DoflaError(f"{option} {path} is a folder; give a file name.")
+    for source in _input_paths(inputs):
+        if source == path:
+            raise DoflaError(
+                f"{option} {path} is an input of this command; dofla never writes over its inputs: choose "
+                "another path."
+            )
+        if source in path.parents:
+            raise DoflaError(
+                f"{option} {path} lies in the input {source}; dofla never writes into its inputs: choose "
+                "another path."
+            )
     existing = path.parent
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
         raise DoflaError(f"{option} {path} lies under {existing}, which is a file; choose another path.")
+    if path.exists() or path.is_symlink():
+        if not overwrite:
+            raise DoflaError(
+                f"{option} {path} already exists; choose a new path, or pass --overwrite to replace dofla's "
+                "own earlier file."
+            )
+        if path.is_symlink() or not path.is_file() or (ours is not None and not ours(path)):
+            raise DoflaError(
+                f"{option} {path} was not written by dofla, so --overwrite leaves it alone; choose another path."
+            )
     writable = os.access(path, os.W_OK) if path.exists() else os.access(existing, os.W_OK | os.X_OK)
     if not writable:
         raise DoflaError(f"{option} {path} is not writable by you; choose another path.")
     return path
 
 
+def is_dofla_json(path: Path) -> bool:
+    """A JSON object dofla wrote (``{"made_by": "dofla", ...}``, as the results of `dofla evaluate --json`)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("made_by") == "dofla"
+
+
+def is_matplotlib_figure(path: Path) -> bool:
+    """A PNG, PDF or SVG figure matplotlib drew (it signs each in the file's first or last bytes)."""
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(65536)
+            stream.seek(max(0, path.stat().st_size - 65536))
+            tail = stream.read()
+    except OSError:
+        return False
+    return b"matplotlib" in head.lower() or b"matplotlib" in tail.lower()
+
+
+def _matches(relative: str, pattern: str) -> bool:
+    """Whether the '/'-separated ``relative`` path is ``pattern`` or lies in a folder ``pattern`` names,
+    segment by segment: a ``*`` never crosses a '/' (``*.png`` is not ``photos/holiday.png``)."""
+    parts, wanted = relative.split("/"), pattern.split("/")
+    return len(parts) >= len(wanted) and all(
+        fnmatch.fnmatchcase(part, item) for part, item in zip(parts, wanted, strict=False)
+    )
+
+
 def remove_known_files(folder: str | Path, patterns: Iterable[str]) -> None:
-    """Delete the files under ``folder`` whose relative path matches one of ``patterns`` (fnmatch, '/'
-    separated), then the folders this left empty. Every other file stays, so nothing dofla did not write goes.
+    """Delete the files under ``folder`` whose relative path matches one of ``patterns`` (fnmatch per '/'
+    separated segment; a pattern naming a folder covers what it holds), then the folders this left empty.
+    Every other file stays, so nothing dofla did not write goes.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -156,7 +220,7 @@ def remove_known_files(folder: str | Path, patterns: Iterable[str]) -> None:
         here = Path(root)
         for name in files:
             relative = (here / name).relative_to(folder).as_posix()
-            if any(fnmatch.fnmatchcase(relative, pattern) for pattern in patterns):
+            if any(_matches(relative, pattern) for pattern in patterns):
                 (here / name).unlink(missing_ok=True)
                 emptied.add(here)
         for name in directories:

@@ -17,7 +17,16 @@ from dofla.commands._common import (
 )
 
 DOF_KIND = "dof report"  # the kind in the marker of the output folder (dofla.outputs)
-DOF_FILES = ("plan.json", "dof.json", "dof.md", "*.png", "error_curves*.json")
+DOF_FILES = (  # what `dofla dof` writes, and all that --overwrite removes (never a file of the user's)
+    "plan.json",
+    "dof.json",
+    "dof.md",
+    "dims_per_layer.png",
+    "measure_vs_lambda.png",
+    "eigenvalue_decay.png",
+    "error_curves.json",
+    "error_curves-*.json",
+)
 
 
 def register(subparsers) -> None:
@@ -64,6 +73,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dofla import dof, outputs
+    from dofla.data import check_data_path
     from dofla.errors import DoflaError
 
     lambdas = [dof.parse_lambda(text) for text in (args.lambdas or ["2^-4"])]
@@ -80,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     check_at_least("--num-points", args.num_points, 2)
     check_at_least("--min-dim", args.min_dim, 1)
     check_at_least("--keep-softmax", args.keep_softmax, 0)
+    check_data_path(args.data)
     check_device_and_dtype(args)
     out = outputs.check_output_folder(args.out, DOF_KIND, inputs=[args.model, args.data])
     if out.is_dir() and outputs.user_entries(out) and not args.overwrite:

@@ -122,6 +122,11 @@ def register(subparsers) -> None:
         "--json", dest="json_out", default=None, help="also write the results to this JSON file"
     )
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace dofla's own earlier --json results and --plot figure (other files are never replaced)",
+    )
+    parser.add_argument(
         "--any-teacher",
         action="store_true",
         help="compare with --teacher even if it is not the model the folder was converted from",
@@ -144,6 +149,8 @@ def _depths(text: str) -> list[float]:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Every option is checked before a model is loaded; sets args.length_list, sink_list, passkey_list."""
+    from dofla import outputs
+    from dofla.data import check_data_path
     from dofla.errors import DoflaError
     from dofla.outputs import check_output_file
 
@@ -172,6 +179,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DoflaError(f"--num-fewshot must be 0 or more, got {args.num_fewshot}.")
     if args.threads is not None and args.threads < 1:
         raise DoflaError(f"--threads must be at least 1, got {args.threads}.")
+    if args.threads is not None and args.threads > (os.cpu_count() or 1):
+        raise DoflaError(
+            f"--threads {args.threads} is more than this machine's {os.cpu_count() or 1} CPU threads; give at "
+            "most that many."
+        )
     if args.limit is not None and args.limit < 1:
         raise DoflaError(f"--limit must be at least 1, got {args.limit}.")
     if not (args.data or args.task_list or args.passkey_list):
@@ -187,10 +199,32 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise DoflaError("--plot draws the held-out loss by position, which needs --data.")
         if Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
             raise DoflaError(f"--plot {args.plot} must end in {', '.join(PLOT_SUFFIXES)}.")
-        check_output_file(args.plot, "--plot")
+    inputs = [args.converted, args.teacher or _named_teacher(args.converted), args.data, args.tasks_dir]
+    if args.plot is not None:
+        check_output_file(
+            args.plot, "--plot", inputs=inputs, overwrite=args.overwrite, ours=outputs.is_matplotlib_figure
+        )
     if args.json_out is not None:
-        check_output_file(args.json_out, "--json")
+        check_output_file(
+            args.json_out, "--json", inputs=inputs, overwrite=args.overwrite, ours=outputs.is_dofla_json
+        )
+        if args.plot is not None and Path(args.plot).resolve() == Path(args.json_out).resolve():
+            raise DoflaError("--plot and --json name the same file; give each its own.")
+    check_data_path(args.data)
     check_device_and_dtype(args)
+
+
+def _named_teacher(converted: str) -> str | None:
+    """The teacher a converted folder names (an input --json and --plot must not write into), if it can be
+    read; a damaged folder is reported when it is loaded."""
+    from dofla.convert import read_record
+    from dofla.errors import DoflaError
+
+    try:
+        teacher = read_record(converted).get("teacher")
+    except (DoflaError, OSError):
+        return None
+    return teacher if isinstance(teacher, str) else None
 
 
 def busy_cpu_hint(threads: int, load_average: float, cores: int) -> str | None:
@@ -265,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
         for length in args.length_list:
             span_placements(1, length, 1.0, gap=window)
 
-    results: dict = {"window": window, "sinks": args.sink_list}
+    results: dict = {"made_by": "dofla", "window": window, "sinks": args.sink_list}
     if texts is not None:
         results["data"] = {"path": str(args.data), "skip_texts": args.skip_texts, "texts": len(texts)}
     if texts is not None:

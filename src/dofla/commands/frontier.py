@@ -8,6 +8,8 @@ import sys
 
 from dofla.commands._common import add_device_arguments, integer_list
 
+FRONTIER_KIND = "frontier grid"  # the kind in the marker of the grid's folder (dofla.outputs)
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -59,6 +61,8 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dofla import outputs
+    from dofla.data import check_data_path
     from dofla.frontier import FrontierConfig, run_frontier
     from dofla.run_config import merge, read_settings, token_count
 
@@ -96,6 +100,13 @@ def run(args: argparse.Namespace) -> int:
         command="dofla frontier " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
     )
     config.validate()
-    summary = run_frontier(config)
+    check_data_path(settings.get("data", {}).get("path"))
+    # a folder of the user's, an input's or another command's is refused now, before the teacher loads
+    out = outputs.check_output_folder(
+        args.out, FRONTIER_KIND, inputs=[args.model, settings.get("data", {}).get("path"), args.config]
+    )
+    with outputs.output_lock(out):
+        outputs.claim_output_folder(out, FRONTIER_KIND)
+        summary = run_frontier(config)
     print(f"dofla frontier: {len(summary['rows'])} cells finished; see {args.out}/frontier.md")
     return 0
