@@ -44,11 +44,16 @@ def option(
     choices: Callable[[], Mapping] | None = None,
     tokens: bool = False,
     cli: bool = True,
+    saved: bool = True,
 ) -> Any:
     """A config field. flag: its command-line flag when not ``--field-name`` (no dashes: a positional);
     minimum: the smallest value (of each item, for a list); choices: the registry its value is a name in;
-    tokens: a token count that may be written like 2M or 500k; cli: False for fields without a flag."""
-    metadata = dict(help=help, flag=flag, minimum=minimum, choices=choices, tokens=tokens, cli=cli)
+    tokens: a token count that may be written like 2M or 500k; cli: False for fields without a flag;
+    saved: False for what one invocation asks (``--resume``, ``--overwrite``), which a config file never
+    records nor sets."""
+    metadata = dict(
+        help=help, flag=flag, minimum=minimum, choices=choices, tokens=tokens, cli=cli, saved=saved
+    )
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -338,11 +343,12 @@ class LinearizeConfig:
     out_dir: str = option(help="output folder (model/, report.md, checkpoints)", flag="--out")
     recipe: str | None = option(None, "preset recipe (see README)", choices=_recipes)
     seed: int = option(0, "seed of sampling, splitting, initialisation and training")
-    resume: bool = option(False, "continue an interrupted run in --out")
+    resume: bool = option(False, "continue an interrupted run in --out (command line only)", saved=False)
     overwrite: bool = option(
         False,
         "replace dofla's own earlier run (model, report, checkpoints) in --out (files dofla did not write are "
-        "never touched)",
+        "never touched; command line only: a config file never sets it)",
+        saved=False,
     )
     progress: bool = option(True, "progress bars")
     command: str | None = option(None, "the command line recorded in the report", cli=False)
@@ -373,13 +379,14 @@ class LinearizeConfig:
         return config
 
     def to_dict(self) -> dict[str, Any]:
-        """Every setting, nested by section (what config.toml and result.json hold)."""
+        """Every setting of the run, nested by section (what config.toml and result.json hold); not what
+        one invocation asked (``resume``, ``overwrite``)."""
         data = {}
         for item in fields(self):
             value = getattr(self, item.name)
             if item.name in SECTIONS:
                 data[item.name] = {sub.name: copy.deepcopy(getattr(value, sub.name)) for sub in fields(value)}
-            elif item.metadata.get("config", True):
+            elif item.metadata.get("config", True) and item.metadata.get("saved", True):
                 data[item.name] = copy.deepcopy(value)
         return data
 
@@ -431,6 +438,7 @@ class LinearizeConfig:
     def validate(self) -> None:
         """Everything that can be checked before a model is loaded, in one sentence each."""
         from dofla.config import LayerPlan, check_feature_budget
+        from dofla.data import check_data_path
         from dofla.distill.curriculum import check_length_schedule
         from dofla.distill.losses import check_kernel_loss
         from dofla.models.loading import resolve_device, resolve_dtype
@@ -449,6 +457,7 @@ class LinearizeConfig:
                 "(N > 0), or leave it off."
             )
         check_length_schedule(self.distill.length_schedule, self.data.seq_len)
+        check_data_path(self.data.path)
         if not 0 < self.data.heldout_fraction < 1:
             raise DoflaError(f"the held-out fraction must lie in (0, 1), got {self.data.heldout_fraction}.")
         if self.data.recall_fraction > 1:
@@ -748,15 +757,23 @@ def save_config(config: LinearizeConfig, path: str | Path) -> Path:
 
 
 def read_settings(path: str | Path) -> dict[str, Any]:
-    """The settings a TOML file holds, as a nested dict (not yet resolved)."""
+    """The settings a TOML file holds, as a nested dict (not yet resolved), without what only a command line
+    asks (``resume``, ``overwrite``: a config saved by an older dofla may hold them; reusing it for another
+    run must never discard that run)."""
     path = Path(path)
+    if path.is_dir():
+        raise DoflaError(
+            f"the config file {path} is a folder; give the TOML file (e.g. {path / CONFIG_FILE})."
+        )
     try:
         with open(path, "rb") as stream:
-            return tomllib.load(stream)
+            settings = tomllib.load(stream)
     except OSError as error:
         raise DoflaError(f"cannot read the config file {path}: {error.strerror or error}.") from error
-    except tomllib.TOMLDecodeError as error:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise DoflaError(f"the config file {path} is not valid TOML: {error}.") from error
+    unsaved = [setting.key for setting in settings_of() if not setting.field.metadata.get("saved", True)]
+    return {key: value for key, value in settings.items() if key not in unsaved}
 
 
 def load_config(path: str | Path, **changes: Any) -> LinearizeConfig:
