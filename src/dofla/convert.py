@@ -646,7 +646,14 @@ def _teacher_config(path: Path, plan: ConversionPlan):
     it became one) the teacher's config itself."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise DoflaError(
+            f"{path / 'config.json'} is missing or damaged ({first}); the folder is incomplete: save the model "
+            "again."
+        ) from None
     if not isinstance(config, DoflaConfig):
         return config
     if config.plan and ConversionPlan.from_dict(config.plan).to_dict() != plan.to_dict():
@@ -665,8 +672,11 @@ def load_converted(path: str | Path, *, teacher=None, dtype=None, device=None):
     (a model, a spec for ``dofla.models.load_teacher``, or the recorded one), whose weights must have the
     fingerprint recorded at saving time.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dofla.models.loading import check_finite_weights
 
     path = Path(path)
     record = read_record(path)
@@ -691,7 +701,15 @@ def load_converted(path: str | Path, *, teacher=None, dtype=None, device=None):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     convert(model, plan)
     expected = {name for name in model.state_dict() if (_is_student_key(name) or not record["student_only"])}
-    tensors = load_file(str(weights_file))
+    try:
+        tensors = load_file(str(weights_file))
+    except (SafetensorError, OSError) as error:
+        raise DoflaError(
+            f"{weights_file} is corrupt or truncated ({error}); the folder is damaged: save the model again."
+        ) from None
+    check_finite_weights(
+        tensors.items(), str(weights_file), "the folder is damaged: convert or train the model again"
+    )
     for alias, original in record.get("tied_weights", {}).items():
         if original in tensors and alias in expected:
             tensors[alias] = tensors[original]

@@ -127,18 +127,44 @@ def _read_saved_dataset(folder: Path) -> list[str]:
     return [str(text) for text in dataset["text"]]
 
 
-def load_texts(path: str | Path) -> list[str]:
-    """Documents from a text file, JSONL/JSON file or folder (see the module docstring for formats)."""
+def check_data_path(path: str | Path | None, option: str = "--data") -> None:
+    """Refuse, before any work, a data path that is empty (an unset shell variable: it would name the current
+    folder), missing, or neither a file nor a folder (a FIFO or device would block or never end). None: no
+    data given."""
+    if path is None:
+        return
+    if not str(path).strip():
+        raise DoflaError(
+            f"{option} is empty (an unset shell variable?); give a .txt, .jsonl or .json file or a folder, or "
+            f"leave {option} out."
+        )
     path = Path(path).expanduser()
     if not path.exists():
         raise DoflaError(f"data path {path} does not exist; pass a .txt, .jsonl or .json file or a folder.")
+    if not (path.is_file() or path.is_dir()):
+        raise DoflaError(
+            f"data path {path} is neither a file nor a folder (a pipe or device); save the text to a file."
+        )
+
+
+def load_texts(path: str | Path) -> list[str]:
+    """Documents from a text file, JSONL/JSON file or folder (see the module docstring for formats); texts
+    that are empty or only white space are left out, and data holding no text at all is refused."""
+    check_data_path(path)
+    texts = [text for text in _read_texts(Path(path).expanduser()) if text.strip()]
+    if not texts:
+        raise DoflaError(f"{path} holds no text (every record is empty); give a file with text in it.")
+    return texts
+
+
+def _read_texts(path: Path) -> list[str]:
     if path.is_dir():
         if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
             return _read_saved_dataset(path)
         files = sorted(item for item in path.iterdir() if item.is_file() and item.suffix in TEXT_SUFFIXES)
         if not files:
             raise DoflaError(f"the folder {path} holds no .txt, .jsonl or .json files; put the text there.")
-        return [text for item in files for text in load_texts(item)]
+        return [text for item in files for text in _read_texts(item)]
     readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".json": _read_json}
     if path.suffix not in readers:
         raise DoflaError(f"data file {path} has suffix {path.suffix!r}; use .txt, .jsonl or .json.")

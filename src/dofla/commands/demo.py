@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.resume:
             print(f"continuing the demo run in {args.out} (pass --overwrite to start over)")
         config.resume = True
-    if args.data:
+    if args.data is not None:  # '' too: refused, not read as the current folder
         config.data.path = args.data
     result = linearize(config)
     print(f"\nreport: {result.report_path}")

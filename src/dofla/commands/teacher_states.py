@@ -78,6 +78,7 @@ def parse_boundaries(text: str, option: str = "--boundaries") -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from dofla import outputs
+    from dofla.data import check_data_path
     from dofla.errors import DoflaError
 
     boundaries = parse_boundaries(args.boundaries)
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         raise DoflaError(
             f"--heldout-fraction must lie strictly between 0 and 1, got {args.heldout_fraction}."
         )
+    check_data_path(args.data)
     check_device_and_dtype(args)
     out = outputs.check_output_folder(args.out, STATES_KIND, inputs=[args.model, args.data])
     with outputs.output_lock(out):

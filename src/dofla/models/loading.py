@@ -107,6 +107,16 @@ def _damage_advice(where: str) -> str:
     return "re-download or re-save the model"
 
 
+def check_finite_weights(named_tensors, where: str, advice: str) -> None:
+    """Refuse weights holding NaN or infinite values, naming the first such tensor (a damaged file: a model
+    computing on it gives NaN everywhere, silently or far later). ``named_tensors``: (name, tensor) pairs."""
+    for name, tensor in named_tensors:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise DoflaError(
+                f"the weights in {where} hold NaN or infinite values (first in {name}); {advice}."
+            )
+
+
 def _from_pretrained(load, where: str, **kwargs):
     """Run a transformers loader, turning its failures on bad files into one sentence."""
     from safetensors import SafetensorError
@@ -271,15 +281,18 @@ def load_teacher(
         model, tokenizer, folder, fresh = _load_gguf_cached(embedded_gguf_path(spec), spec, torch_dtype)
         how = "de-quantised now and cached" if fresh else "cached"
         source = f"embedded {spec} ({_EMBEDDED[spec][1]}, {how} as {folder})"
+        where = folder
     elif path.is_file() and path.suffix == ".gguf":
         name = f"{path.stem}-{path.stat().st_size}-{path.stat().st_mtime_ns}"  # a changed file is re-cached
         model, tokenizer, folder, fresh = _load_gguf_cached(path, name, torch_dtype)
         how = "de-quantised now and cached" if fresh else "cached"
         source = f"gguf file {path} ({how} as {folder})"
+        where = folder
     elif path.is_dir():
         _check_config(path)
         model, tokenizer = _load_folder(path, torch_dtype)
         source = f"folder {path}"
+        where = path
     elif path.exists():
         raise DoflaError(f"{path} is a file but not a .gguf; pass a model folder, a .gguf file or a hub id.")
     elif not _is_hub_id(spec):
@@ -289,6 +302,10 @@ def load_teacher(
     else:
         model, tokenizer = _load_from_hub(spec, torch_dtype)
         source = f"hub {spec}"
+        where = spec
+    check_finite_weights(
+        model.named_parameters(), str(where), f"the teacher is damaged: {_damage_advice(str(where))}"
+    )
     adapter = get_adapter(model)
     if attn_implementation:
         model.set_attn_implementation(attn_implementation)
