@@ -100,7 +100,7 @@ def test_convert_never_deletes_or_replaces_what_dofla_did_not_write(world, tmp_p
     assert "holds files dofla did not write (notes.txt)" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "mine"
     (out / "notes.txt").unlink()
-    stale = tmp_path / f".model.dofla-{dead_pid()}-x1.tmp"  # a save killed halfway
+    stale = tmp_path / f".model.dofla-{dead_pid()}-x1abcdef.tmp"  # a save killed halfway
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(bytes(1000))
     assert main([*convert_to, str(out), "--overwrite"]) == 0
@@ -124,8 +124,8 @@ def test_a_run_folder_is_never_discarded_silently(world, tmp_path, capsys, monke
     assert "pass only one" in capsys.readouterr().err
 
     pid = dead_pid()  # leftovers of a run killed while saving its model and a checkpoint
-    (out / f".model.dofla-{pid}-ab.tmp").mkdir()
-    (out / "distill" / "checkpoints" / f".step-00000004.dofla-{pid}-cd.tmp").mkdir()
+    (out / f".model.dofla-{pid}-ab_12345.tmp").mkdir()
+    (out / "distill" / "checkpoints" / f".step-00000004.dofla-{pid}-cd_12345.tmp").mkdir()
     assert main([*run, "--out", str(out), "--overwrite", "--seed", "1"]) == 0
     capsys.readouterr()
     assert (out / "notes.txt").read_text() == "my notes on this run"
@@ -455,3 +455,188 @@ def test_the_demo_continues_its_own_interrupted_run_and_says_so(tmp_path, capsys
     assert f"continuing the demo run in {out} (pass --overwrite to start over)" in capsys.readouterr().out
     assert main(["demo", "--out", str(out), "--overwrite"]) == 1
     assert seen == [(False, False), (True, False), (False, True)]
+
+
+# ------------------------------------------------------------ 10. one output policy, inputs never written
+
+
+def test_evaluate_never_writes_over_an_input_or_a_file_it_did_not_write(world, tmp_path, capsys):
+    evaluate = ["evaluate", str(world["converted"]), "--data", str(world["text"]), "--lengths", "16"]
+    evaluate += ["--sequences", "2", "--error-sequences", "0", "--sinks", "0"]
+    before = {name: listing(world[name]) for name in ("teacher", "converted")}
+    text = world["text"].read_bytes()
+    for target, message in (
+        (world["teacher"] / "config.json", f"lies in the input {world['teacher']}"),
+        (world["converted"] / "config.json", f"lies in the input {world['converted']}"),
+        (world["text"], "is an input of this command"),
+    ):
+        assert main([*evaluate, "--json", str(target), "--overwrite"]) == 1
+        assert message in capsys.readouterr().err
+    assert main([*evaluate, "--plot", str(world["teacher"] / "loss.png")]) == 1
+    assert f"lies in the input {world['teacher']}" in capsys.readouterr().err
+    assert {name: listing(world[name]) for name in ("teacher", "converted")} == before
+    assert world["text"].read_bytes() == text
+
+    mine, figure = tmp_path / "mine.json", tmp_path / "figure.png"
+    mine.write_text('{"my": "numbers"}')
+    figure.write_bytes(b"\x89PNG my holiday photo")
+    for option, path in (("--json", mine), ("--plot", figure)):
+        assert main([*evaluate, option, str(path)]) == 1
+        assert "already exists; choose a new path, or pass --overwrite" in capsys.readouterr().err
+        assert main([*evaluate, option, str(path), "--overwrite"]) == 1
+        assert "was not written by dofla, so --overwrite leaves it alone" in capsys.readouterr().err
+    assert mine.read_text() == '{"my": "numbers"}' and figure.read_bytes() == b"\x89PNG my holiday photo"
+
+    results, plot = tmp_path / "results.json", tmp_path / "loss.png"
+    assert main([*evaluate, "--json", str(results), "--plot", str(plot)]) == 0
+    capsys.readouterr()
+    assert (
+        main([*evaluate, "--json", str(results), "--plot", str(plot)]) == 1
+    )  # its own: only with --overwrite
+    assert "already exists" in capsys.readouterr().err
+    assert main([*evaluate, "--json", str(results), "--plot", str(plot), "--overwrite"]) == 0
+    assert json.loads(results.read_text())["made_by"] == "dofla"
+
+
+def test_dof_overwrite_removes_only_its_own_files(world, tmp_path, capsys, monkeypatch):
+    from dofla.outputs import remove_known_files
+
+    out = tmp_path / "dof"
+    dof = ["dof", str(world["teacher"]), "--data", str(world["text"]), "--out", str(out), "--sequences", "1"]
+    dof += ["--seq-len", "16", "--num-points", "16", "--budget", "4"]
+    assert main(dof) == 0
+    capsys.readouterr()
+    (out / "my_figure.png").write_bytes(b"mine")
+    (out / "photos").mkdir()
+    (out / "photos" / "holiday.png").write_bytes(b"mine too")
+    assert main([*dof, "--overwrite"]) == 0
+    assert (out / "my_figure.png").read_bytes() == b"mine"
+    assert (out / "photos" / "holiday.png").read_bytes() == b"mine too"
+    assert (out / "plan.json").is_file() and (out / "dims_per_layer.png").is_file()
+
+    (tmp_path / "a" / "deep").mkdir(parents=True)  # a pattern's * never crosses a folder
+    for name in ("a/x.png", "a/deep/y.png", "a/deep/keep.txt", "a/checkpoints/step-1/w.bin"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    remove_known_files(tmp_path / "a", ["*.png", "checkpoints/*"])  # a folder pattern covers what it holds
+    left = sorted(path.relative_to(tmp_path).as_posix() for path in (tmp_path / "a").rglob("*"))
+    assert left == ["a/deep", "a/deep/keep.txt", "a/deep/y.png"]
+
+
+def test_frontier_writes_only_into_its_own_marked_and_locked_folder(world, tmp_path, capsys, monkeypatch):
+    import dofla.frontier
+    from dofla.outputs import read_marker
+
+    ran = []
+    monkeypatch.setattr(dofla.frontier, "run_frontier", lambda config: ran.append(config) or {"rows": []})
+    frontier = ["frontier", str(world["teacher"]), "--data", str(world["text"]), "--out"]
+    thesis = tmp_path / "thesis"
+    thesis.mkdir()
+    (thesis / "thesis.txt").write_text("three years")
+    (thesis / "frontier.md").write_text("my notes")
+    assert main([*frontier, str(thesis)]) == 1
+    assert "already holds files dofla did not write (frontier.md, thesis.txt)" in capsys.readouterr().err
+    assert main([*frontier, str(world["teacher"])]) == 1
+    assert "is an input of this command" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main([*frontier, str(blocker)]) == 1
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert main([*frontier, str(world["converted"])]) == 1  # another command's output
+    assert "holds a dofla converted model output, not a frontier grid" in capsys.readouterr().err
+    assert not ran  # all refused before the teacher would load
+
+    grid = tmp_path / "grid"
+    assert main([*frontier, str(grid)]) == 0 and len(ran) == 1
+    assert read_marker(grid)["kind"] == "frontier grid"
+    assert main([*frontier, str(grid)]) == 0  # its own grid is continued
+    assert (thesis / "frontier.md").read_text() == "my notes"
+
+
+def test_a_reused_run_config_never_discards_the_other_run(world, tmp_path, capsys):
+    from dofla.run_config import CONFIG_FILE, LinearizeConfig, load_config, save_config
+
+    config = LinearizeConfig.from_dict(dict(out_dir="A", overwrite=True))
+    save_config(config, tmp_path / CONFIG_FILE)
+    saved = (tmp_path / CONFIG_FILE).read_text()
+    assert "overwrite" not in saved and "resume" not in saved
+    (tmp_path / "old.toml").write_text('out_dir = "A"\noverwrite = true\nresume = true\n')  # an older save
+    reused = load_config(tmp_path / "old.toml", out_dir="B")
+    assert (reused.overwrite, reused.resume) == (False, False)
+
+    run = ["linearize", str(world["teacher"]), "--data", str(world["text"]), *RUN, "--tokens", "128"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main([*run, "--out", str(first), "--overwrite"]) == 0
+    assert main([*run, "--out", str(second), "--seed", "1"]) == 0
+    capsys.readouterr()
+    model = listing(second / "model")
+    assert main(["linearize", "--config", str(first / CONFIG_FILE), "--out", str(second)]) == 1
+    assert "holds an earlier run" in capsys.readouterr().err
+    assert listing(second / "model") == model
+
+
+def test_only_dofla_temporaries_are_removed_as_stale(tmp_path):
+    from dofla.io import remove_stale_temporaries, write_text_atomic
+
+    pid = dead_pid()
+    notes = tmp_path / f".notes.dofla-{pid}-v1.txt"
+    notes.write_text("my notes")
+    stale = tmp_path / f".notes.dofla-{pid}-abc_1234.tmp"
+    stale.write_text("half")
+    remove_stale_temporaries(tmp_path)
+    assert notes.read_text() == "my notes" and not stale.exists()
+    write_text_atomic(tmp_path / "notes", "new")
+    assert notes.read_text() == "my notes"
+
+
+# --------------------------------------------------------------------- 11. no silently wrong results
+
+
+def test_empty_data_paths_and_empty_texts_are_refused(world, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(world["root"])  # a folder holding text.txt, which an empty --data would read
+    run = ["linearize", NOT_LOADED, *RUN, "--tokens", "128", "--out", str(tmp_path / "run")]
+    assert main([*run, "--data", ""]) == 1
+    assert "--data is empty (an unset shell variable?)" in capsys.readouterr().err
+    for command in (
+        ["dof", NOT_LOADED, "--out", str(tmp_path / "dof")],
+        ["evaluate", NOT_LOADED, "--passkey", "64"],
+        ["teacher-states", NOT_LOADED, "--boundaries", "1", "--out", str(tmp_path / "states")],
+    ):
+        assert main([*command, "--data", ""]) == 1
+        assert "--data is empty" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n' * 1000 + '{"text": "   "}\n')
+    assert main(["linearize", str(world["teacher"]), *run[2:], "--data", str(empty)]) == 1
+    assert f"{empty} holds no text (every record is empty)" in capsys.readouterr().err
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "pipe.txt")
+        assert main([*run, "--data", str(tmp_path / "pipe.txt")]) == 1
+        assert "is neither a file nor a folder" in capsys.readouterr().err
+
+
+def test_nan_weights_are_named_when_a_teacher_or_a_converted_model_loads(world, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    damaged = tmp_path / "converted"
+    shutil.copytree(world["converted"], damaged)
+    weights = damaged / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = next(key for key in sorted(tensors) if "feature_map" in key or "student" in key)
+    tensors[name] = tensors[name].clone().fill_(float("nan"))
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    assert main(["generate", str(damaged), "--prompt", "Hi"]) == 1
+    error = capsys.readouterr().err
+    assert f"hold NaN or infinite values (first in {name})" in error and "convert or train" in error
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(world["teacher"], teacher)
+    weights = next(teacher.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone().fill_(float("nan"))
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    run = ["linearize", str(teacher), "--data", str(world["text"]), *RUN, "--tokens", "128"]
+    for command in (["info", str(teacher)], [*run, "--out", str(tmp_path / "run")]):
+        assert main(command) == 1
+        error = capsys.readouterr().err
+        assert "NaN or infinite values (first in" in error and "the teacher is damaged" in error
