@@ -31,16 +31,19 @@ def mixed_plan(model):
     return plan
 
 
+def every_layer(**arguments):
+    """A uniform plan over every layer, the teacher's own sliding-window layers too (mistral's, gemma's)."""
+    return lambda model: plan_for(model, feature_dim=8, convert_windowed=True, **arguments)
+
+
 PLANS = {
-    "linear": lambda model: plan_for(model, kind="linear", feature_map="learnable_prf", feature_dim=8),
-    "hybrid": lambda model: plan_for(model, kind="hybrid", feature_map="hedgehog", feature_dim=8, window=4),
+    "linear": every_layer(kind="linear", feature_map="learnable_prf"),
+    "hybrid": every_layer(kind="hybrid", feature_map="hedgehog", window=4),
     "mixed": mixed_plan,
-    "gla": lambda model: plan_for(model, kind="linear", cell="gla", feature_map="hedgehog", feature_dim=8),
-    "gla_hybrid": lambda model: plan_for(
-        model, kind="hybrid", cell="gla", feature_map="learnable_prf", feature_dim=8, window=4, sinks=2
-    ),
-    "gated_delta": lambda model: plan_for(
-        model, kind="hybrid", cell="gated_delta", feature_map="projection", feature_dim=8, window=4, sinks=2
+    "gla": every_layer(kind="linear", cell="gla", feature_map="hedgehog"),
+    "gla_hybrid": every_layer(kind="hybrid", cell="gla", feature_map="learnable_prf", window=4, sinks=2),
+    "gated_delta": every_layer(
+        kind="hybrid", cell="gated_delta", feature_map="projection", window=4, sinks=2
     ),
 }
 

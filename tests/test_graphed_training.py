@@ -48,7 +48,7 @@ IDS = [f"{family}-{arguments['kind']}-{arguments['cell']}-{loss}" for family, ar
 def converted(family: str, arguments: dict, seed: int = 0):
     torch.manual_seed(seed)
     model = build_tiny_model(family)
-    convert(model, plan_for(model, feature_dim=8, **arguments))
+    convert(model, plan_for(model, feature_dim=8, convert_windowed=True, **arguments))
     return model, teacher_forcing.freeze_teacher(model)
 
 

@@ -33,7 +33,7 @@ def three_layer_converted(family: str = "llama", seed: int = 0):
         for name, parameter in model.named_parameters():
             if name.endswith(("q_proj.weight", "c_attn.weight", "query_key_value.weight")):
                 parameter.mul_(4.0)
-    convert(model, plan_for(model, feature_dim=8))
+    convert(model, plan_for(model, feature_dim=8, convert_windowed=True))  # the windowed layers too
     return model
 
 

@@ -106,18 +106,31 @@ def test_position_period_off_or_refused_where_the_teacher_has_no_rotary(tmp_path
 
 
 def test_sinks_at_edge_by_default_where_a_hybrid_plan_has_sinks_and_the_teacher_one_fixed_rotary(tmp_path):
+    from dofla.convert import plan_for
     from dofla.models import build_tiny_model
     from dofla.pipeline import resolve_sinks_at_edge
 
     hybrid = dict(kind="hybrid", window=8, sinks=2)
-    llama, gpt2 = build_tiny_model("llama"), build_tiny_model("gpt2")
-    assert resolve_sinks_at_edge(config(tmp_path, plan=hybrid), llama)
-    assert not resolve_sinks_at_edge(
-        config(tmp_path, plan=hybrid), gpt2
-    )  # learned positions: nothing to turn
-    assert not resolve_sinks_at_edge(config(tmp_path, plan=dict(hybrid, sinks=0)), llama)
-    assert not resolve_sinks_at_edge(config(tmp_path, plan=dict(kind="linear")), llama)
-    assert not resolve_sinks_at_edge(config(tmp_path, plan=dict(hybrid, sinks_at_edge=False)), llama)
+    llama, gpt2, mistral = build_tiny_model("llama"), build_tiny_model("gpt2"), build_tiny_model("mistral")
+
+    def resolved(plan: dict, model) -> bool:
+        return resolve_sinks_at_edge(
+            config(tmp_path, plan=plan), model, plan_for(model, convert_windowed=True)
+        )
+
+    assert resolved(hybrid, llama)
+    assert not resolved(hybrid, gpt2)  # learned positions: nothing to turn
+    assert not resolved(dict(hybrid, sinks=0), llama)
+    assert not resolved(dict(kind="linear"), llama)
+    assert not resolved(dict(hybrid, sinks_at_edge=False), llama)
+    # the teacher's own sliding-window layers converted: their masked attention has no edge-sink baseline
+    assert not resolved(hybrid, mistral)
+    with pytest.raises(DoflaError, match="--sinks-at-edge is measured on unmasked, uncapped attention"):
+        resolved(dict(hybrid, sinks_at_edge=True), mistral)
+    gemma2 = build_tiny_model("gemma2")  # soft-capped attention
+    assert not resolved(hybrid, gemma2)
+    with pytest.raises(DoflaError, match="soft-caps its attention"):
+        resolved(dict(hybrid, sinks_at_edge=True), gemma2)
 
 
 def test_sinks_at_edge_trains_saves_and_reports_the_edge_baselines_beside_the_student(tmp_path):

@@ -314,6 +314,7 @@ NEW_SINCE = {
     "evaluate.recall": True,
     "evaluate.edge_sinks": False,
     "plan.sinks_at_edge": None,
+    "plan.convert_windowed": False,
 }  # options added later, at defaults
 
 

@@ -141,6 +141,26 @@ class ConversionPlan:
     def converted_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if layer.kind != "softmax"]
 
+    @property
+    def kept_windowed_layers(self) -> list[int]:
+        """The teacher's own sliding-window layers the plan leaves as they are (a bounded cache already)."""
+        windowed = self.metadata.get("teacher_windowed_layers") or []
+        return [int(i) for i in windowed if self.layers[int(i)].kind == "softmax"]
+
+    def layer_reasons(self) -> list[str]:
+        """Per layer, what the plan does with it and why (reports and ``dofla info`` show it)."""
+        windowed = {int(i) for i in self.metadata.get("teacher_windowed_layers") or []}
+        own = f"the teacher's own sliding window of {self.metadata.get('teacher_window')} tokens"
+        reasons = []
+        for index, layer in enumerate(self.layers):
+            if layer.kind != "softmax":
+                reasons.append(f"converted ({own})" if index in windowed else "converted (full attention)")
+            elif index in windowed:
+                reasons.append(f"kept: {own}, a bounded cache")
+            else:
+                reasons.append("kept: full softmax")
+        return reasons
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

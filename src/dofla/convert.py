@@ -113,9 +113,10 @@ def plan_for(
     options: dict[str, Any] | None = None,
     cell: str = "linear",
     sinks: int = 0,
+    convert_windowed: bool = False,
 ) -> ConversionPlan:
-    """A plan giving every layer in ``layers`` (default all) the same kind, cell, map and dimension: the
-    ``fix`` allocation of :func:`dofla.dof.make_plan`."""
+    """A plan giving every layer in ``layers`` the same kind, cell, map and dimension: the ``fix`` allocation
+    of :func:`dofla.dof.make_plan` (default layers: those whose cache grows, all with ``convert_windowed``)."""
     return make_plan(
         model,
         budget=int(feature_dim),
@@ -128,6 +129,7 @@ def plan_for(
         options=options,
         cell=cell,
         sinks=sinks,
+        convert_windowed=convert_windowed,
         metadata={"made_by": "plan_for"},
     )
 
@@ -714,6 +716,7 @@ def load_converted(path: str | Path, *, teacher=None, dtype=None, device=None):
         if original in tensors and alias in expected:
             tensors[alias] = tensors[original]
     _load_state_strictly(model, tensors, expected, weights_file)
+    model.tie_weights()  # tied embeddings (Gemma's) are one parameter again, as in the teacher
     if not record["student_only"] and teacher_fingerprint(model) != record["teacher_fingerprint"]:
         raise DoflaError(
             f"the teacher weights in {weights_file} do not match their recorded fingerprint; save again."

@@ -366,6 +366,26 @@ def parse_tokens(text: str | int) -> int:
     return tokens
 
 
+def row_start_token(model, tokenizer) -> int | None:
+    """The token every packed row starts with: the tokenizer's beginning-of-sequence token where the
+    teacher's family reads every sequence from one (Gemma), else None (rows are plain text)."""
+    from dofla.models import get_adapter
+
+    if tokenizer is None or not get_adapter(model).family.needs_bos:
+        return None
+    return getattr(tokenizer, "bos_token_id", None)
+
+
+def start_rows(rows: torch.Tensor, token: int | None) -> torch.Tensor:
+    """Rows (N, T) whose first token is ``token`` (a copy; the text's first token of each row gives way, so
+    every length stays as it was); None: the rows as they are."""
+    if token is None or rows.numel() == 0:
+        return rows
+    started = rows.clone()
+    started[:, 0] = int(token)
+    return started
+
+
 def context_length(model) -> int | None:
     """The longest sequence the model's config allows, if it says."""
     config = model.config.get_text_config(decoder=True)

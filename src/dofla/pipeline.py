@@ -25,7 +25,6 @@ from dofla.distill.sharding import (
     check_layer_sharding,
     check_processes,
     checked_layer_stores,
-    layer_count,
     layer_sharding,
     rank_run_dir,
 )
@@ -148,7 +147,7 @@ def run_stages(
     timings.lap("load teacher")
     check_teacher_for_run(config, teacher, tokenizer, sequences)
     if layer_sharding(config):  # the layers the plan will convert, before the data and the plan
-        check_layer_sharding(config, config.plan.layers or range(layer_count(teacher)), processes)
+        check_layer_sharding(config, layers_to_convert(config, teacher), processes)
     teacher_weights = teacher_fingerprint(teacher) if config.lora.enabled else None  # LoRA changes them
     data = prepare_data(config, teacher, tokenizer, sequences, out_dir / "data_cache")
     stores = checked_layer_stores(config, teacher, data) if config.distill.teacher_states else None
@@ -163,7 +162,9 @@ def run_stages(
         )
         timings.lap("LoRA baseline (teacher)")
     plan = shared_plan(config, teacher, data.train)
-    plan.sinks_at_edge = resolve_sinks_at_edge(config, teacher)  # convert applies it: they train with it
+    plan.sinks_at_edge = resolve_sinks_at_edge(
+        config, teacher, plan
+    )  # convert applies it: they train with it
     timings.lap("plan (DoF estimate)" if "measure" in plan.metadata else "plan")
     # The unconverted teacher, for the side-by-side evaluation: conversion works in place and LoRA merges
     # into the shared projections, so the teacher cannot be recovered from the student afterwards.
@@ -344,7 +345,14 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
     sequences (N, T): rows given by the caller; else the text of ``data.path`` (or sampled from the
     teacher, cached in ``cache_dir``) packed into the longest evaluation length it fills twice.
     """
-    from dofla.data import context_length, cut_rows, pack_rows, split_train_heldout
+    from dofla.data import (
+        context_length,
+        cut_rows,
+        pack_rows,
+        row_start_token,
+        split_train_heldout,
+        start_rows,
+    )
     from dofla.distill.curriculum import check_schedule_context
 
     seq_len = config.data.seq_len
@@ -369,10 +377,13 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
             raise DoflaError(
                 f"the given sequences have {sequences.shape[1]} tokens, fewer than --seq-len {seq_len}."
             )
+    token = row_start_token(model, tokenizer)  # every row starts with it where the family needs one (Gemma)
     train_rows, heldout_rows = split_train_heldout(sequences, config.data.heldout_fraction, config.seed)
     heldout_rows = heldout_rows[: config.data.heldout_sequences]
     heldout_by_length = {
-        length: cut_rows(heldout_rows, length) for length in lengths if length <= sequences.shape[1]
+        length: start_rows(cut_rows(heldout_rows, length), token)
+        for length in lengths
+        if length <= sequences.shape[1]
     }
     skipped = [length for length in lengths if length not in heldout_by_length]
     if skipped:
@@ -382,11 +393,11 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
             stacklevel=2,
         )
     shorter_train = {
-        length: with_recall(config, cut_rows(train_rows, length))
+        length: start_rows(with_recall(config, cut_rows(train_rows, length)), token)
         for length, _ in config.distill.length_schedule or ()
         if length < seq_len
     }
-    train = with_recall(config, cut_rows(train_rows, seq_len))
+    train = start_rows(with_recall(config, cut_rows(train_rows, seq_len)), token)
     lora_length = lora_seq_len(config)
     lora_train = None
     if config.lora.enabled and lora_length != seq_len:
@@ -396,7 +407,7 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
                 "longest of --seq-len and --eval-lengths the data fills twice); add it to --eval-lengths or "
                 "give more text."
             )
-        lora_train = with_recall(config, cut_rows(train_rows, lora_length))
+        lora_train = start_rows(with_recall(config, cut_rows(train_rows, lora_length)), token)
     if config.data.recall_fraction > 0:
         source += (
             f"; {config.data.recall_fraction:.0%} of the training rows repeat a span of their own text "
@@ -410,19 +421,40 @@ def trained_length(config: LinearizeConfig) -> int:
     return max(config.data.seq_len, lora_seq_len(config) if config.lora.enabled else 0)
 
 
-def resolve_sinks_at_edge(config: LinearizeConfig, model) -> bool:
+def resolve_sinks_at_edge(config: LinearizeConfig, model, plan: ConversionPlan) -> bool:
     """Whether the run's hybrid windows see their sinks from the window's edge: ``plan.sinks_at_edge`` where
     given, else on for a hybrid plan with sinks where the teacher has one rotary embedding with fixed
     frequencies (measured on the constant-memory recipe trained at 1,024 tokens: 1.26x the teacher at 8,192
     against 1.41x, the only setting that beat the no-training window cache there; equal or better at every
-    shorter length)."""
+    shorter length) and the edge-sink baselines can run (:func:`edge_sinks_obstacle`; refused when asked
+    for where they cannot)."""
     from dofla.rotary import fixed_rotary_frequencies
 
+    obstacle = edge_sinks_obstacle(model, plan)
     chosen = config.plan.sinks_at_edge
+    if chosen and obstacle:
+        raise DoflaError(
+            f"--sinks-at-edge is measured on unmasked, uncapped attention, and {obstacle}; leave --sinks-at-edge "
+            "off for this teacher."
+        )
     if chosen is not None:
         return bool(chosen)
     hybrid = config.plan.kind == "hybrid" and config.plan.sinks > 0
-    return hybrid and fixed_rotary_frequencies(model) is not None
+    return hybrid and obstacle is None and fixed_rotary_frequencies(model) is not None
+
+
+def edge_sinks_obstacle(model, plan: ConversionPlan) -> str | None:
+    """What keeps the edge-sink window baselines from running beside ``plan``'s students (None: nothing):
+    soft-capped attention (Gemma 2), or converted layers that keep the teacher's own sliding-window mask."""
+    from dofla.models import get_adapter
+
+    adapter = get_adapter(model)
+    if any(adapter.attention_softcap(module) for module in adapter.attention_modules(model)):
+        return "this teacher soft-caps its attention scores"
+    windowed = sorted(set(plan.metadata.get("teacher_windowed_layers") or []) & set(plan.converted_layers))
+    if windowed:
+        return f"the plan converts layers {windowed}, which keep the teacher's own sliding window"
+    return None
 
 
 def apply_position_period(config: LinearizeConfig, model) -> None:
@@ -461,12 +493,15 @@ def with_recall(config: LinearizeConfig, rows: torch.Tensor) -> torch.Tensor:
 
 def lora_rows(config: LinearizeConfig, tokenizer, train: torch.Tensor) -> torch.Tensor:
     """The LoRA stage's rows: the training rows with ``lora.needle_fraction`` of them stating facts that
-    their last tokens ask for, more than the window back (:func:`dofla.data.insert_needles`)."""
+    their last tokens ask for, more than the window back (:func:`dofla.data.insert_needles`); a row's
+    first token (the beginning-of-sequence token where the family needs one) stays."""
     from dofla.data import insert_needles
 
-    return insert_needles(
+    needled = insert_needles(
         train, tokenizer, config.lora.needle_fraction, gap=recall_gap(config), seed=config.seed
     )
+    needled[:, 0] = train[:, 0]
+    return needled
 
 
 def evaluation_lengths(config: LinearizeConfig, limit: int | None) -> list[int]:
@@ -523,6 +558,17 @@ def plan_options(config: LinearizeConfig) -> dict:
         sinks=plan.sinks,
         share_kv_heads=not plan.per_query_head,
         options=dict(config.student.cell_options),
+        convert_windowed=plan.convert_windowed,
+    )
+
+
+def layers_to_convert(config: LinearizeConfig, model) -> list[int]:
+    """The layers the plan converts: ``plan.layers``, else those whose cache grows (all with
+    ``plan.convert_windowed``)."""
+    from dofla.models import get_adapter
+
+    return get_adapter(model).layers_to_convert(
+        config.plan.layers, convert_windowed=config.plan.convert_windowed
     )
 
 

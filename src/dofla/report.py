@@ -23,11 +23,14 @@ if TYPE_CHECKING:
 
 
 def plan_table(plan) -> list[dict]:
-    """One row per layer of a :class:`~dofla.config.ConversionPlan`: kind, feature map and dimensions."""
+    """One row per layer of a :class:`~dofla.config.ConversionPlan`: kind, feature map, dimensions, and what
+    the plan does with the layer and why (``attention``)."""
+    reasons = plan.layer_reasons()
     return [
         dict(
             layer=index,
             kind=layer.kind,
+            attention=reasons[index],
             feature_map=layer.feature_map if layer.kind != "softmax" else "",
             feature_dim=layer.feature_dim if layer.kind != "softmax" else 0,
             head_feature_dims=layer.head_feature_dims,
@@ -77,6 +80,7 @@ def run_summary(
         ),
         converted_layers=converted_layers,
         feature_dims=[row["feature_dim"] for row in table],
+        layer_attention=[row["attention"] for row in table],
         position_period=position_period,
         sinks_at_edge=sinks_at_edge,
         timings=timings,
@@ -207,6 +211,9 @@ def _plan_lines(result: LinearizeResult, summary: dict, config: LinearizeConfig)
 
     plan = config.plan
     mean_error = summary.get("mean_attention_error")
+    kept = [
+        row["layer"] for row in result.plan_table if row.get("attention", "").startswith("kept: the teacher")
+    ]
     lines = [
         f"Allocation `{plan.allocation}`"
         + (f" (measure `{plan.measure}`)" if ALLOCATIONS[plan.allocation].needs_measure else "")
@@ -222,6 +229,12 @@ def _plan_lines(result: LinearizeResult, summary: dict, config: LinearizeConfig)
             "`window+sinks…@edge` baselines beside them."
             if summary.get("sinks_at_edge")
             else ""
+        )
+        + (
+            f" Layers {kept} already attend to the teacher's own sliding window (a bounded cache) and are kept "
+            "as they are; `--convert-windowed` converts them too."
+            if kept
+            else ""
         ),
         "",
         "Held-out layer loss: the distillation loss on held-out data. Attention error: "
@@ -230,8 +243,9 @@ def _plan_lines(result: LinearizeResult, summary: dict, config: LinearizeConfig)
         "held-out sequences after all training stages"
         + (f" (mean over layers {mean_error:.4f})." if mean_error is not None else "."),
         "",
-        "| layer | kind | feature map | feature dim | per-head dims | held-out layer loss | attention error |",
-        "|---|---|---|---|---|---|---|",
+        "| layer | kind | attention | feature map | feature dim | per-head dims | held-out layer loss | "
+        "attention error |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     layer_losses = summary["val_layer_losses"]
     errors = summary.get("attention_errors", {})
@@ -239,7 +253,8 @@ def _plan_lines(result: LinearizeResult, summary: dict, config: LinearizeConfig)
         loss = layer_losses.get(str(row["layer"]))
         error = errors.get(str(row["layer"]), {}).get("relative_error")
         lines.append(
-            f"| {row['layer']} | {row['kind']} | {row['feature_map']} | {row['feature_dim']} | "
+            f"| {row['layer']} | {row['kind']} | {row.get('attention', '')} | {row['feature_map']} | "
+            f"{row['feature_dim']} | "
             f"{row['head_feature_dims'] or ''} | {'' if loss is None else f'{loss:.4g}'} | "
             f"{'' if error is None else f'{error:.4f}'} |"
         )

@@ -156,7 +156,17 @@ class PlanSettings:
         "distinct memories for the query heads of a group)",
         flag="--per-query-head",
     )
-    layers: list[int] | None = option(None, "comma-separated layers to convert (default: all)", minimum=0)
+    layers: list[int] | None = option(
+        None,
+        "comma-separated layers to convert (default: every layer whose cache grows; the teacher's own "
+        "sliding-window layers stay as they are unless --convert-windowed)",
+        minimum=0,
+    )
+    convert_windowed: bool = option(
+        False,
+        "without --layers, convert the teacher's own sliding-window layers too (by default they keep their "
+        "bounded cache and only the full-attention layers are converted)",
+    )
     keep_softmax: int = option(0, "layers left as full softmax, chosen by --softmax-choice", minimum=0)
     softmax_choice: str = option(
         "dof",

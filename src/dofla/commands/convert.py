@@ -37,6 +37,12 @@ def register(subparsers) -> None:
         "--layers", default=None, help="uniform plan: comma-separated layer indices to convert (default: all)"
     )
     parser.add_argument(
+        "--convert-windowed",
+        action="store_true",
+        help="uniform plan without --layers: convert the teacher's own sliding-window layers too (by default "
+        "they keep their bounded cache)",
+    )
+    parser.add_argument(
         "--per-query-head",
         action="store_true",
         help="uniform plan: one feature map and state per query head instead of per key/value head",
@@ -104,6 +110,7 @@ def _convert_and_save(args: argparse.Namespace, plan, layers) -> int:
             layers=layers,
             window=args.window,
             share_kv_heads=not args.per_query_head,
+            convert_windowed=args.convert_windowed,
         )
     convert(model, plan)
     out = save_converted(

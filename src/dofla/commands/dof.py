@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
     from dofla import dof, outputs
-    from dofla.data import load_texts, pack_token_sequences, sample_teacher_texts
+    from dofla.data import load_texts, pack_token_sequences, row_start_token, sample_teacher_texts, start_rows
     from dofla.errors import DoflaError
     from dofla.io import write_json_atomic, write_text_atomic
     from dofla.models import load_teacher
@@ -133,6 +133,7 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
         )
         source = "text sampled from the teacher (cached)"
     sequences = pack_token_sequences(teacher.tokenizer, texts, args.seq_len)
+    sequences = start_rows(sequences, row_start_token(teacher.model, teacher.tokenizer))  # Gemma's <bos>
     if sequences.shape[0] < args.sequences:
         raise DoflaError(
             f"the calibration data gives {sequences.shape[0]} sequences of {args.seq_len} tokens, "
@@ -150,7 +151,9 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
         progress=True,
         kernel_spectra=True,  # for eigenvalue_decay.png
     )
-    options = dict(budget=args.budget, minimum=args.min_dim, keep_softmax=args.keep_softmax)
+    # the teacher's own sliding-window layers keep their bounded cache: the plan converts the others
+    layers = teacher.adapter.layers_to_convert()
+    options = dict(budget=args.budget, minimum=args.min_dim, keep_softmax=args.keep_softmax, layers=layers)
     curves = None
     if dof.ALLOCATIONS[args.allocation].needs_curves or args.softmax_choice == "measured":
         from dofla.dof.error_curves import settings_for
@@ -163,7 +166,7 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
         from dofla.evaluation.window_baseline import window_costs
 
         note("measuring what cutting each layer alone to the plan's 64-token window costs (KL per token)")
-        window_cost = window_costs(teacher.model, batches, window=64)
+        window_cost = window_costs(teacher.model, batches, window=64, layers=layers)
     plan = dof.make_plan(
         teacher.model,
         estimate,

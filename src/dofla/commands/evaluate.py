@@ -303,7 +303,10 @@ def run(args: argparse.Namespace) -> int:
     if texts is not None:
         results["data"] = {"path": str(args.data), "skip_texts": args.skip_texts, "texts": len(texts)}
     if texts is not None:
-        sequences = long_context.pack_by_length(tokenizer, texts, args.length_list, args.sequences)
+        from dofla.data import row_start_token
+
+        start = row_start_token(teacher, tokenizer)  # Gemma reads every row from its <bos>
+        sequences = long_context.pack_by_length(tokenizer, texts, args.length_list, args.sequences, start)
         for length, packed in sequences.items():
             if len(packed) < args.sequences:
                 _progress(

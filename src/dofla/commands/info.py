@@ -53,6 +53,31 @@ def _rotary_text(adapter) -> str:
     return "yes" if adapter.rotary_fraction == 1.0 else f"yes, on {adapter.rotary_fraction:.0%} of each head"
 
 
+def _layer_list(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def conversion_text(adapter) -> str:
+    """Which layers a plan converts by default, and why the others stay."""
+    windowed = adapter.windowed_layers()
+    if not windowed:
+        return "every layer (full attention)"
+    if len(windowed) == adapter.num_layers:
+        return "none: every layer keeps its own sliding window (--convert-windowed converts them)"
+    growing = [index for index in range(adapter.num_layers) if index not in set(windowed)]
+    return (
+        f"layers {_layer_list(growing)} (full attention); {_layer_list(windowed)} keep their own sliding "
+        "window (--convert-windowed converts them too)"
+    )
+
+
 def summary(teacher) -> dict:
     adapter = teacher.adapter
     return {
@@ -70,6 +95,7 @@ def summary(teacher) -> dict:
         "attention scaling": adapter.attention_scaling(0, teacher.model),
         "sliding window": adapter.sliding_window or "none",
         "attention per layer": compress_kinds(adapter.layer_kinds),
+        "converted by default": conversion_text(adapter),
         "dtype": str(next(teacher.model.parameters()).dtype).removeprefix("torch."),
     }
 

@@ -470,9 +470,11 @@ def allocate_all(
     lam: float | None = None,
     share_kv_heads: bool = True,
     curves: ErrorCurves | None = None,
+    layers: Sequence[int] | None = None,
 ) -> dict[str, Allocation]:
-    """Every registered allocation for one estimate, by name (rules bounded by the head size are left out
-    when the budget exceeds it, rules that need measured error curves when no ``curves`` are given)."""
+    """Every registered allocation for one estimate over ``layers`` (default all), by name (rules bounded by
+    the head size are left out when the budget exceeds it, rules that need measured error curves when no
+    ``curves`` are given)."""
     layer_values = estimate_result.layer_measure(lam)
     head_values = map_head_measure(estimate_result.head_measure(lam), adapter.num_kv_heads, share_kv_heads)
     options = dict(
@@ -482,6 +484,7 @@ def allocate_all(
         head_measure=head_values,
         softmax_choice="dof",
         curves=curves,
+        layers=layers,
     )
     return {
         name: allocate_feature_dims(layer_values, budget=budget, variant=name, **options)
@@ -517,11 +520,14 @@ def make_plan(
     curves: ErrorCurves | None = None,
     window_cost: Sequence[float] | None = None,
     recall_order: Sequence[int] | None = None,
+    convert_windowed: bool = False,
 ) -> ConversionPlan:
     """The conversion plan for ``model``: from a DoF estimate (allocated here by ``variant``), a ready
     allocation, or nothing (a ``variant`` that needs no measure, e.g. ``fix``).
 
-    layers: the layers to convert (default all); options: the feature map's own options; cell and sinks: the
+    layers: the layers to convert (default: those whose cache grows, every layer with ``convert_windowed``;
+    the teacher's own sliding-window layers stay as they are, see
+    :meth:`~dofla.models.adapters.ArchitectureAdapter.layers_to_convert`); options: the feature map's own options; cell and sinks: the
     student cell (:mod:`dofla.cells`) and its attention-sink tokens; ``metadata`` is merged into what the
     plan records about its allocation. maximum, keep_softmax, softmax_choice, curves (measured error
     curves, for ``variant="measured"`` and ``softmax_choice="measured"``), window_cost (for
@@ -531,6 +537,7 @@ def make_plan(
     from dofla.models import get_adapter
 
     adapter = get_adapter(model)
+    layers = adapter.layers_to_convert(layers, convert_windowed=convert_windowed)
     if isinstance(estimate_or_allocation, Allocation):
         allocation = estimate_or_allocation
         recorded = {"allocation": allocation.variant, "budget": allocation.budget}
@@ -591,6 +598,10 @@ def make_plan(
                     "embedded teacher it did not); use --allocation fix unless a held-out run says otherwise.",
                     stacklevel=2,
                 )
+    if adapter.windowed_layers():  # which of the teacher's own windows the plan keeps (reports say why)
+        recorded.update(
+            teacher_window=adapter.sliding_window, teacher_windowed_layers=adapter.windowed_layers()
+        )
     recorded.update(metadata or {})
     plan_layers = []
     for index in range(adapter.num_layers):
@@ -650,9 +661,14 @@ def measure_and_plan(
     """
     from dofla.dof.error_curves import cached_error_curves, settings_for
     from dofla.dof.estimation import estimate
+    from dofla.models import get_adapter
 
     rule = ALLOCATIONS[variant]
     choice = plan_options.get("softmax_choice")
+    # the layers to convert, resolved once: the measurements below take them too
+    plan_options["layers"] = get_adapter(model).layers_to_convert(
+        plan_options.get("layers"), convert_windowed=plan_options.pop("convert_windowed", False)
+    )
     wants_curves = rule.needs_curves or (plan_options.get("keep_softmax", 0) and choice == "measured")
     if wants_curves and plan_options.get("curves") is None:
         settings = settings_for(plan_options, **dict(curve_options or {}))

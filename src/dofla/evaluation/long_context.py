@@ -107,19 +107,22 @@ def check_context(model: torch.nn.Module, length: int, what: str = "a context") 
 
 
 def pack_by_length(
-    tokenizer, texts: Sequence[str], lengths: Sequence[int], sequences: int
+    tokenizer, texts: Sequence[str], lengths: Sequence[int], sequences: int, start_token: int | None = None
 ) -> dict[int, torch.Tensor]:
     """Held-out text packed at each length: ``{length: (N, length) token ids}``, at most ``sequences`` each.
 
     Each length packs the same text from its start (``dofla.data.pack_token_sequences``), so a longer
-    length reads the same tokens in fewer, longer sequences.
+    length reads the same tokens in fewer, longer sequences. ``start_token``: what every row starts with
+    (the beginning-of-sequence token where the teacher's family needs one, :func:`dofla.data.row_start_token`).
     """
-    from dofla.data import pack_token_sequences
+    from dofla.data import pack_token_sequences, start_rows
 
     if sequences < 1:
         raise DoflaError(f"the number of sequences must be at least 1, got {sequences}.")
     return {
-        int(length): pack_token_sequences(tokenizer, list(texts), int(length))[:sequences]
+        int(length): start_rows(
+            pack_token_sequences(tokenizer, list(texts), int(length))[:sequences], start_token
+        )
         for length in lengths
     }
 

@@ -331,9 +331,14 @@ def baseline_notes(student: torch.nn.Module | None, window: int) -> list[str]:
     layers = baseline_layers(student)
     if layers is not None:
         kept = sorted(set(range(len(plan.layers))) - set(layers))
+        windowed = [layer for layer in kept if layer in set(plan.kept_windowed_layers)]
+        full = [layer for layer in kept if layer not in set(windowed)]
+        parts = ([f"layers {full} keep their full softmax"] if full else []) + (
+            [f"layers {windowed} keep the teacher's own sliding window"] if windowed else []
+        )
         notes.append(
-            f"the window baselines restrict only the {len(layers)} layers the student converted; layers "
-            f"{kept} keep their full softmax, as in the student."
+            f"the window baselines restrict only the {len(layers)} layers the student converted; "
+            f"{' and '.join(parts)}, as in the student."
         )
     if not any(layer.kind == "hybrid" for layer in plan.layers):
         notes.append(

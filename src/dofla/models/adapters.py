@@ -23,7 +23,9 @@ class Family:
     layers_path: the decoder-layer list from the model's root; attention_attribute: the attention module
     inside each decoder layer; lora_targets: the attention's projection modules (q/k/v/o or fused) by name
     suffix; cache_argument: the keyword the attention forward takes its cache under; softcap_attribute:
-    the attention module's logit soft-capping attribute (None where the family has none).
+    the attention module's logit soft-capping attribute (None where the family has none); needs_bos: the
+    family's models read every sequence from a beginning-of-sequence token (Gemma's do: without it every
+    figure is off), so every row dofla packs starts with one.
     """
 
     name: str
@@ -33,9 +35,10 @@ class Family:
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     cache_argument: str = "past_key_values"
     softcap_attribute: str | None = None
+    needs_bos: bool = False
 
 
-_GEMMA = dict(softcap_attribute="attn_logit_softcapping")
+_GEMMA = dict(softcap_attribute="attn_logit_softcapping", needs_bos=True)
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama", "model.layers", "self_attn", True),
     "qwen2": Family("Qwen2", "model.layers", "self_attn", True),
@@ -127,6 +130,28 @@ class ArchitectureAdapter:
             if getattr(module, "scaling", None) is not None:
                 return float(module.scaling)
         return self.default_scalings[layer_index]
+
+    def windowed_layers(self) -> list[int]:
+        """The layers whose own attention sees only the last ``sliding_window`` keys: a bounded cache."""
+        return [index for index, kind in enumerate(self.layer_kinds) if kind == "sliding"]
+
+    def layers_to_convert(self, layers=None, *, convert_windowed: bool = False) -> list[int]:
+        """The layers a plan converts: ``layers`` where given, else every layer whose cache grows with the
+        context (full attention), or every layer with ``convert_windowed``. The teacher's own sliding-window
+        layers already keep a bounded cache, so by default they stay as they are. A teacher with nothing
+        to convert gets a DoflaError."""
+        if layers is not None:
+            return sorted({int(index) for index in layers})
+        if convert_windowed:
+            return list(range(self.num_layers))
+        growing = [index for index, kind in enumerate(self.layer_kinds) if kind != "sliding"]
+        if not growing:
+            raise DoflaError(
+                f"every layer of this {self.family.name} teacher already attends to a sliding window of "
+                f"{self.sliding_window} tokens (a bounded cache), so there is nothing to convert; pass "
+                "--convert-windowed (convert_windowed=True) to convert them all, or --layers to choose some."
+            )
+        return growing
 
     @staticmethod
     def parameter_count(model: nn.Module) -> int:
