@@ -28,7 +28,8 @@ from dofla import dispatch
 from dofla.convert import convert, plan_for
 from dofla.distill.graphed import LayerLossGraphs
 from dofla.distill.losses import layerwise_loss_names
-from dofla.distill.teacher_forcing import autocast_for, freeze_teacher, teacher_forced_step
+from dofla.distill.teacher_forcing import freeze_teacher, teacher_forced_step
+from dofla.models.surgery import autocast_for
 from dofla.recipes import RECIPES
 
 SMOLLM2_135M = dict(

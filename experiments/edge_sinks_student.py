@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 from sink_positions import length_table, perplexities  # experiments/, beside this script
 
-from dofla.convert import load_converted, set_position_period, set_sinks_at_edge, students
+from dofla.convert import set_position_period, set_sinks_at_edge
+from dofla.loading import load_converted
 from dofla.models import load_teacher
+from dofla.models.surgery import students
 
 
 def main() -> None:

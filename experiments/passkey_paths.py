@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 
 from dofla.commands._common import integer_list
-from dofla.convert import load_converted, students
 from dofla.evaluation.passkey import passkey_retrieval
 from dofla.evaluation.window_baseline import window_restricted
 from dofla.io import write_json_atomic, write_text_atomic
+from dofla.loading import load_converted
+from dofla.models.surgery import students
 
 VARIANTS = ("as saved", "softmax layers cut", "memories off", "both")
 WINDOW_ONLY_LOGIT = 40.0  # sigmoid(40) is 1 in float32: the memory's share is exactly 0

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from dofla.commands._common import integer_list
-from dofla.convert import load_converted
 from dofla.evaluation.recall import recall_beyond_window, recall_markdown
 from dofla.io import write_text_atomic
+from dofla.loading import load_converted
 from dofla.models import load_teacher
 from dofla.pipeline import DEFAULT_BASELINE_SINKS, prepare_data
 from dofla.run_config import CONFIG_FILE, load_config

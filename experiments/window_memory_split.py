@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from dofla import dispatch
-from dofla.convert import load_converted
 from dofla.distill.losses import causal_log_sum_exp
 from dofla.evaluation.recall import repeated_rows
 from dofla.io import write_text_atomic
+from dofla.loading import load_converted
 from dofla.models import load_teacher
 from dofla.pipeline import prepare_data
 from dofla.run_config import CONFIG_FILE, load_config

@@ -12,10 +12,12 @@ from test_save_load import trained_a_little
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 import dofla  # noqa: F401  (registers the "dofla" model type)
-from dofla.auto import ConvertedModel, DoflaConfig, DoflaForCausalLM
-from dofla.convert import convert, load_converted, save_converted, unconvert
+from dofla.auto import DoflaForCausalLM
+from dofla.convert import convert, unconvert
 from dofla.errors import DoflaError
+from dofla.loading import load_converted
 from dofla.models import build_tiny_tokenizer
+from dofla.saving import ConvertedModel, DoflaConfig, save_converted
 
 
 def tokens(seed=0):

@@ -9,9 +9,11 @@ from helpers import assert_student_forms_agree
 from dofla.cache import RecurrentCacheLayer
 from dofla.cells import CELLS, GatedDeltaAttention, GatedLinearAttention, build_student
 from dofla.config import LayerPlan
-from dofla.convert import convert, load_converted, plan_for, save_converted
+from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
+from dofla.loading import load_converted
 from dofla.models import build_tiny_model
+from dofla.saving import save_converted
 
 B, H, HKV, D = 2, 4, 2, 8
 SHAPE = dict(layer_index=1, num_heads=H, num_kv_heads=HKV, head_dim=D, scaling=D**-0.5)

@@ -18,16 +18,10 @@ from test_position_period import decode_logits, tokens
 
 import dofla.attention as attention_module
 import dofla.cells.delta as delta_cells
-from dofla.convert import (
-    convert,
-    plan_for,
-    set_compiled_steps,
-    set_position_period,
-    set_sinks_at_edge,
-    students,
-)
+from dofla.convert import convert, plan_for, set_compiled_steps, set_position_period, set_sinks_at_edge
 from dofla.errors import DoflaError
 from dofla.models import build_tiny_model
+from dofla.models.surgery import students
 from dofla.ops import compiled as compiled_ops
 from dofla.ops.delta.step import gated_delta_window_step
 from dofla.ops.state import WindowState
@@ -239,8 +233,8 @@ def test_the_generate_command_with_compile_prints_the_eager_continuation(
     window fills; sampling: each layer's compiled step (run eagerly here). The same text as eager decoding."""
     import dofla.graph_decode as graph_decode
     from dofla.cli import main
-    from dofla.convert import save_converted
     from dofla.models import build_tiny_tokenizer
+    from dofla.saving import save_converted
 
     wholes = []
     real_compiled_method = graph_decode.compiled_method

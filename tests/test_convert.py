@@ -11,8 +11,9 @@ from transformers import DynamicCache
 from dofla import dispatch
 from dofla.attention import LinearAttention
 from dofla.config import ConversionPlan, LayerPlan
-from dofla.convert import architecture, convert, plan_for, students, unconvert
+from dofla.convert import convert, plan_for, unconvert
 from dofla.errors import DoflaError
+from dofla.models.surgery import architecture, students
 
 
 def tokens(batch=2, length=12, seed=0):

@@ -10,9 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import dofla.distill.teacher_forcing as teacher_forcing
-from dofla.convert import convert, plan_for, students
+from dofla.convert import convert, plan_for
 from dofla.distill.trainer import DistillConfig, batch_indices, distill, learning_rate_factor
 from dofla.errors import DoflaError
+from dofla.models.surgery import students
 
 VOCAB, LENGTH = 97, 24
 

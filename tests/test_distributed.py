@@ -28,7 +28,7 @@ class _Interrupted(Exception):
 
 
 def _student_weights(model) -> dict[str, torch.Tensor]:
-    from dofla.convert import students
+    from dofla.models.surgery import students
 
     return {
         f"{i}.{n}": p.detach().contiguous()
@@ -43,10 +43,10 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
     from test_distill import quick_config, tiny_converted, token_data
 
-    from dofla.convert import students
     from dofla.distill import distributed
     from dofla.distill.trainer import distill
     from dofla.errors import DoflaError
+    from dofla.models.surgery import students
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -169,9 +169,9 @@ def test_layer_sharded_training_equals_all_layers_at_once():
     independent under teacher forcing; clipping off, since a global norm would couple them)."""
     from test_distill import quick_config, tiny_converted, token_data
 
-    from dofla.convert import students
     from dofla.distill.trainer import distill
     from dofla.errors import DoflaError
+    from dofla.models.surgery import students
 
     config = quick_config(grad_clip=1e9)
     together = tiny_converted()

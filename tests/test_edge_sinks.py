@@ -17,10 +17,12 @@ from test_ops_cells import brute_force_window
 from test_position_period import decode_logits, record_decode_steps, rotate, tokens
 
 from dofla.config import ConversionPlan
-from dofla.convert import convert, load_converted, plan_for, save_converted, set_sinks_at_edge, students
+from dofla.convert import convert, plan_for, set_sinks_at_edge
 from dofla.errors import DoflaError
 from dofla.evaluation.window_baseline import window_restricted
+from dofla.loading import load_converted
 from dofla.models import build_tiny_model
+from dofla.models.surgery import students
 from dofla.ops import (
     chunked_hybrid_attention,
     chunked_window_attention,
@@ -32,6 +34,7 @@ from dofla.ops import (
 from dofla.ops.hybrid.step import hybrid_decode_step
 from dofla.ops.state import WindowState
 from dofla.ops.window.step import ring_window, ring_window_step
+from dofla.saving import save_converted
 
 WINDOW_NAMES = ("query", "key", "v", "sink_query")
 EDGE_HYBRID_NAMES = (*HYBRID_NAMES, "sink_query")

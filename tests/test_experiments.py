@@ -256,7 +256,7 @@ def test_recall_of_runs_scores_a_finished_run_on_its_own_held_out_rows(tiny, tmp
 
 
 def test_window_memory_split_reads_a_finished_gated_delta_run_layer_by_layer(tiny, tmp_path):
-    from dofla.convert import load_converted
+    from dofla.loading import load_converted
 
     run = tiny_run(
         tiny,
@@ -288,9 +288,10 @@ def test_window_memory_split_reads_a_finished_gated_delta_run_layer_by_layer(tin
 def test_passkey_paths_scores_a_run_four_ways_and_memories_off_is_the_window_alone(tiny, tmp_path):
     import torch
 
-    from dofla.convert import load_converted, students
     from dofla.evaluation.window_baseline import window_restricted
+    from dofla.loading import load_converted
     from dofla.models import load_teacher
+    from dofla.models.surgery import students
 
     run = tiny_run(
         tiny,

@@ -12,11 +12,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from dofla.convert import convert, plan_for, students
+from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
 from dofla.evaluation.speed import prefill
 from dofla.graph_decode import CapturedDecoder, generate_greedy
 from dofla.models import build_tiny_model
+from dofla.models.surgery import students
 from dofla.models.tiny import TINY_VOCAB
 
 PLANS = {
@@ -178,7 +179,7 @@ def test_a_prompt_prefilled_in_inference_mode_decodes_under_the_frozen_step(part
 
 
 def model_attention(model, index: int):
-    from dofla.convert import architecture
+    from dofla.models.surgery import architecture
 
     return architecture(model).attention_modules[index]
 

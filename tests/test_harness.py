@@ -13,10 +13,11 @@ import pytest
 from test_save_load import trained_a_little
 
 from dofla.cli import main
-from dofla.convert import convert, plan_for, save_converted
+from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
 from dofla.evaluation import harness
 from dofla.models import build_tiny_model, build_tiny_tokenizer
+from dofla.saving import save_converted
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 BUILTIN_TASKS = Path(lm_eval.__file__).parent / "tasks"
@@ -109,7 +110,7 @@ def test_dofla_evaluate_gives_lm_evals_own_numbers(folders, tmp_path):
 
 def test_per_document_log_likelihoods_equal_and_students_differ(folders):
     tasks_dir, teacher, converted = folders
-    from dofla.convert import load_converted
+    from dofla.loading import load_converted
 
     student, tokenizer, _ = load_converted(converted)
     _, ours = harness.evaluate_tasks(

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from dofla import dispatch
-from dofla.convert import convert, plan_for, students
+from dofla.convert import convert, plan_for
 from dofla.distill import hidden_store
 from dofla.distill.hidden_store import MANIFEST_FILE, TeacherStates, shard_name, write_teacher_states
 from dofla.distill.teacher_forcing import freeze_teacher, teacher_forced_step, teacher_forced_step_from_states
 from dofla.distill.trainer import DistillConfig, distill
 from dofla.errors import DoflaError
 from dofla.models import TINY_FAMILIES, build_tiny_model, get_adapter
+from dofla.models.surgery import students
 
 LENGTH = 12
 
@@ -222,8 +223,9 @@ def test_interrupted_or_damaged_writes_are_detected_and_resumed(tmp_path, monkey
 
 def test_teacher_states_command_writes_train_and_heldout_stores(tmp_path):
     from dofla.cli import main
-    from dofla.convert import load_converted, save_converted
+    from dofla.loading import load_converted
     from dofla.models import load_teacher, save_tiny_model_folder
+    from dofla.saving import save_converted
 
     folder = save_tiny_model_folder("llama", tmp_path / "tiny")
     text = tmp_path / "text.txt"

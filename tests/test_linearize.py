@@ -9,9 +9,11 @@ import pytest
 import torch
 from test_distill import VOCAB, tiny_converted
 
-from dofla.convert import load_converted, students, unconvert
+from dofla.convert import unconvert
 from dofla.data import parse_tokens, split_train_heldout
 from dofla.errors import DoflaError
+from dofla.loading import load_converted
+from dofla.models.surgery import students
 from dofla.pipeline import linearize, perplexity
 from dofla.recipes import demo_config
 from dofla.run_config import CONFIG_FILE, LinearizeConfig, LoraSettings, PlanSettings, load_config, merge

@@ -8,7 +8,7 @@ import torch
 from helpers import small_llama
 
 from dofla.cli import main
-from dofla.convert import convert, plan_for, save_converted
+from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
 from dofla.evaluation import logits as logits_module
 from dofla.evaluation.long_context import (
@@ -19,6 +19,7 @@ from dofla.evaluation.long_context import (
 )
 from dofla.evaluation.perplexity import perplexity
 from dofla.models import build_tiny_model, build_tiny_tokenizer, save_tiny_model_folder
+from dofla.saving import save_converted
 
 
 def _sequences(count, length, seed=0, vocabulary=64):

@@ -12,11 +12,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from dofla.convert import convert, load_converted, plan_for, save_converted, set_position_period, students
+from dofla.convert import convert, plan_for, set_position_period
 from dofla.errors import DoflaError
+from dofla.loading import load_converted
 from dofla.models import build_tiny_model
+from dofla.models.surgery import students
 from dofla.models.tiny import TINY_VOCAB
 from dofla.rotary import period_turns, rotary_frequencies, rotate_by, turns_of, wrap_angles
+from dofla.saving import save_converted
 
 LINEAR = dict(kind="linear", feature_map="learnable_prf", feature_dim=8)
 PLANS = {

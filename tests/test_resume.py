@@ -19,9 +19,9 @@ from safetensors.torch import load_file
 from test_distill import quick_config, tiny_converted, token_data
 
 import dofla.distill.checkpoint as checkpoint
-from dofla.convert import students
 from dofla.distill.trainer import distill
 from dofla.errors import DoflaError
+from dofla.models.surgery import students
 
 TESTS = Path(__file__).parent
 STEPS = 12

@@ -108,8 +108,9 @@ def test_cell_options_given_go_over_the_recipes_key_by_key():
 def test_per_query_head_gives_the_plan_one_state_per_query_head():
     import torch
 
-    from dofla.convert import convert, students
+    from dofla.convert import convert
     from dofla.models import build_tiny_model
+    from dofla.models.surgery import students
     from dofla.pipeline import make_plan, plan_options
 
     config = parse("--out", "o", "--recipe", "gated-delta", "--per-query-head")

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from dofla.cli import main
-from dofla.convert import PLAN_FILE, convert, plan_for, save_converted
+from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
 from dofla.models.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_model_folder
+from dofla.saving import PLAN_FILE, save_converted
 
 RUN = ["--allocation", "fix", "--budget", "4", "--seq-len", "32", "--eval-every", "1", "--no-progress"]
 

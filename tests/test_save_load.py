@@ -12,9 +12,11 @@ from safetensors.torch import load_file, save_file
 from test_generate import FAMILIES, PLANS, VOCAB, tiny_model
 
 from dofla.cli import main
-from dofla.convert import PLAN_FILE, convert, load_converted, plan_for, save_converted, teacher_fingerprint
+from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
+from dofla.loading import load_converted
 from dofla.models import build_tiny_tokenizer, save_tiny_model_folder
+from dofla.saving import PLAN_FILE, save_converted, teacher_fingerprint
 
 
 def tokens(seed=0):

@@ -3,22 +3,25 @@
 ``import dofla`` registers :class:`DoflaConfig` (``model_type`` ``"dofla"``) with ``AutoConfig`` and
 :class:`DoflaForCausalLM` with ``AutoModelForCausalLM``. A converted folder's ``config.json`` is a
 ``DoflaConfig``: the teacher's config (``base_config``) and the conversion plan (``plan``). Opening it runs
-:func:`dofla.convert.load_converted` (strict keys, teacher fingerprint) and returns the converted model: an
-instance of the teacher's own class (e.g. ``LlamaForCausalLM``) whose class gains :class:`ConvertedModel`,
+:func:`dofla.loading.load_converted` (strict keys, teacher fingerprint) and returns the converted model: an
+instance of the teacher's own class (e.g. ``LlamaForCausalLM``) whose class gains :class:`~dofla.saving.ConvertedModel`,
 so ``generate()`` works unchanged and ``save_pretrained`` writes a converted folder again.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from dofla.config import ConversionPlan
+from dofla.convert import convert
 from dofla.errors import DoflaError
+from dofla.loading import load_converted
+from dofla.saving import MODEL_TYPE, ConvertedModel, DoflaConfig, converted_class
 
-MODEL_TYPE = "dofla"
+__all__ = ["ConvertedModel", "DoflaConfig", "DoflaForCausalLM", "converted_class", "register"]
 
 # from_pretrained keyword arguments that do not change how a local converted folder is read; a value that
 # is None, False or "" is accepted for any other argument (lm-eval passes gguf_file=None and the like).
@@ -38,34 +41,6 @@ _IGNORED_ARGUMENTS = frozenset(
         "_from_auto",
     }
 )
-
-
-class DoflaConfig(PreTrainedConfig):
-    """A converted model's config: the teacher's config as a dict (``base_config``) and the plan (``plan``)."""
-
-    model_type = MODEL_TYPE
-
-    def __init__(self, base_config: dict | None = None, plan: dict | None = None, **kwargs):
-        self.base_config = dict(base_config or {})
-        self.plan = dict(plan or {})
-        super().__init__(**kwargs)
-
-    @classmethod
-    def for_model(cls, model: torch.nn.Module, plan) -> DoflaConfig:
-        """The config of ``model`` (a teacher's config) converted by ``plan`` (a ConversionPlan)."""
-        return cls(base_config=model.config.to_dict(), plan=plan.to_dict())
-
-    def teacher_config(self) -> PreTrainedConfig:
-        """The teacher's config, as its own config class (``LlamaConfig``...)."""
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-        model_type = self.base_config.get("model_type")
-        if model_type not in CONFIG_MAPPING:
-            raise DoflaError(
-                f"the converted model's base config has model_type {model_type!r}, which this transformers does "
-                "not know; the folder's config.json is damaged: save the model again."
-            )
-        return CONFIG_MAPPING[model_type].from_dict(self.base_config)
 
 
 def _dtype(value) -> torch.dtype | None:
@@ -100,7 +75,7 @@ def _device(device_map) -> str | None:
 class DoflaForCausalLM(PreTrainedModel):
     """The ``AutoModelForCausalLM`` entry for ``model_type`` "dofla": never instantiated itself.
 
-    ``from_pretrained(folder)`` returns :func:`dofla.convert.load_converted`'s model; ``_from_config``
+    ``from_pretrained(folder)`` returns :func:`dofla.loading.load_converted`'s model; ``_from_config``
     (``AutoModelForCausalLM.from_config``) builds the teacher's architecture from the config with fresh
     weights and converts it with the config's plan.
     """
@@ -115,8 +90,6 @@ class DoflaForCausalLM(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
-        from dofla.convert import load_converted
-
         path = Path(pretrained_model_name_or_path)
         if not path.is_dir():
             raise DoflaError(
@@ -146,54 +119,10 @@ class DoflaForCausalLM(PreTrainedModel):
 
     @classmethod
     def _from_config(cls, config: DoflaConfig, **kwargs):
-        from dofla.config import ConversionPlan
-        from dofla.convert import convert
-
         dtype = _dtype(kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None))
         model = AutoModelForCausalLM.from_config(config.teacher_config(), trust_remote_code=False, **kwargs)
         convert(model, ConversionPlan.from_dict(config.plan))
         return model.to(dtype) if dtype is not None else model
-
-
-class ConvertedModel:
-    """Mixed into the class of every converted transformers model by :func:`dofla.convert.convert`.
-
-    ``save_pretrained`` writes a converted folder (:func:`dofla.convert.save_converted`), which
-    ``AutoModelForCausalLM.from_pretrained`` opens again after ``import dofla``.
-    """
-
-    def save_pretrained(self, save_directory, is_main_process: bool = True, **kwargs: Any):
-        from dofla.convert import save_converted
-
-        if kwargs.get("push_to_hub"):
-            raise DoflaError("dofla saves converted models to a local folder only; push the folder yourself.")
-        if kwargs.get("state_dict") is not None:
-            raise DoflaError("save_pretrained of a converted model saves its own weights; drop state_dict.")
-        if not is_main_process:
-            return None
-        save_converted(
-            self,
-            save_directory,
-            overwrite=True,
-            teacher_weights=getattr(self, "dofla_teacher_weights", None),
-        )
-        return None
-
-
-_CONVERTED_CLASSES: dict[type, type] = {}
-
-
-def converted_class(base: type) -> type:
-    """``base`` with :class:`ConvertedModel` mixed in (one class per base, named ``Dofla<base name>``)."""
-    if issubclass(base, ConvertedModel):
-        return base
-    if base not in _CONVERTED_CLASSES:
-        _CONVERTED_CLASSES[base] = type(
-            f"Dofla{base.__name__}",
-            (ConvertedModel, base),
-            {"__module__": __name__, "__qualname__": f"Dofla{base.__name__}", "_dofla_base_class": base},
-        )
-    return _CONVERTED_CLASSES[base]
 
 
 def register() -> None:

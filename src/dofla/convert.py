@@ -1,105 +1,55 @@
-"""Convert a transformers model in place from a ConversionPlan; save and reload converted models.
+"""Convert a transformers model in place from a ConversionPlan (saving: :mod:`dofla.saving`, loading:
+:mod:`dofla.loading`).
 
 Conversion attaches a :class:`dofla.attention.LinearAttention` as ``dofla_student`` to each selected
 attention module and routes attention through :mod:`dofla.dispatch`; the teacher's projections, rotary
 and norms are reused by reference, so the same code serves every family. A forward pre-hook on each
 converted attention module swaps a :class:`dofla.cache.RecurrentCacheLayer` into the cache it is given
-(``generate()`` works unchanged) and hands that layer to the student for the call.
-
-Saved folder (``save_converted``): ``config.json`` (a :class:`dofla.auto.DoflaConfig`, ``model_type``
-"dofla": the teacher's config and the plan), ``model.safetensors`` (all weights; tied weights stored once),
-``dofla_plan.json`` (the plan, the teacher's fingerprint, the format), tokenizer files.
-``student_only=True`` writes ``student.safetensors`` with only the dofla parameters. After ``import dofla``
-the folder also opens with ``AutoModelForCausalLM.from_pretrained`` (see :mod:`dofla.auto`); a converted
-model's ``save_pretrained`` writes such a folder. Folders saved before config.json became a DoflaConfig
-(it held the teacher's config) still load here.
+(``generate()`` works unchanged) and hands that layer to the student for the call. The model's class gains
+:class:`dofla.saving.ConvertedModel`, so its ``save_pretrained`` writes a converted folder.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import inspect
-import json
-import os
-import shutil
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from dofla import dispatch
 from dofla.attention import LinearAttention
-from dofla.auto import DoflaConfig, converted_class
 from dofla.cache import attach_cache_layer, attach_kv_layer
 from dofla.cells import build_student, cell_class
 from dofla.config import ConversionPlan
 from dofla.dof import make_plan
 from dofla.errors import DoflaError
-from dofla.io import save_safetensors_atomic, to_json, write_text_atomic
 from dofla.models.adapters import CACHE_ARGUMENTS
+from dofla.models.surgery import Architecture, architecture, is_converted, students
+from dofla.saving import converted_class
 
-PLAN_FILE = "dofla_plan.json"
-WEIGHTS_FILE = "model.safetensors"
-STUDENT_WEIGHTS_FILE = "student.safetensors"
-SAVE_FORMAT = 1
 STUDENT_PREFIX = dispatch.STUDENT_ATTRIBUTE  # every dofla parameter name contains ".dofla_student."
 _HOOKS_ATTRIBUTE = "_dofla_hook_handles"
 
 
-@dataclass
-class Architecture:
-    """What conversion needs to know about a model: shape facts and its attention modules by layer."""
-
-    model_type: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    attention_modules: list[nn.Module]
-    scalings: list[float]
-    softcaps: list[float | None]  # the teacher's logit soft-capping per layer (Gemma 2 and 3)
-
-    def student_for(self, layer_plan, index: int) -> LinearAttention:
-        """The student for layer ``index`` as ``layer_plan`` says, on the device of that layer's attention."""
-        shape = dict(
-            layer_index=index,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            scaling=self.scalings[index],
-            softcap=self.softcaps[index],
-        )
-        module = self.attention_modules[index]
-        # a cell with projections of its own starts from the teacher's (dofla.cells.gated_delta_net)
-        from_teacher = getattr(cell_class(layer_plan.cell), "from_teacher_attention", None)
-        if from_teacher is not None:
-            return from_teacher(layer_plan, module, **shape)
-        student = build_student(layer_plan, **shape)
-        parameter = next(module.parameters(), None)
-        return student.to(parameter.device) if parameter is not None else student
-
-
-def architecture(model: nn.Module) -> Architecture:
-    """Architecture facts and attention modules, from ``dofla.models.get_adapter`` (one table for all)."""
-    from dofla.models import get_adapter
-
-    adapter = get_adapter(model)
-    modules = list(adapter.attention_modules(model))
-    return Architecture(
-        model_type=str(adapter.model_type),
-        num_layers=int(adapter.num_layers),
-        num_heads=int(adapter.num_heads),
-        num_kv_heads=int(adapter.num_kv_heads),
-        head_dim=int(adapter.head_dim),
-        attention_modules=modules,
-        scalings=[float(adapter.attention_scaling(index, model)) for index in range(len(modules))],
-        softcaps=[adapter.attention_softcap(module) for module in modules],
+def student_for(facts: Architecture, layer_plan, index: int) -> LinearAttention:
+    """The student for layer ``index`` as ``layer_plan`` says, on the device of that layer's attention."""
+    shape = dict(
+        layer_index=index,
+        num_heads=facts.num_heads,
+        num_kv_heads=facts.num_kv_heads,
+        head_dim=facts.head_dim,
+        scaling=facts.scalings[index],
+        softcap=facts.softcaps[index],
     )
+    module = facts.attention_modules[index]
+    # a cell with projections of its own starts from the teacher's (dofla.cells.gated_delta_net)
+    from_teacher = getattr(cell_class(layer_plan.cell), "from_teacher_attention", None)
+    if from_teacher is not None:
+        return from_teacher(layer_plan, module, **shape)
+    student = build_student(layer_plan, **shape)
+    parameter = next(module.parameters(), None)
+    return student.to(parameter.device) if parameter is not None else student
 
 
 def plan_for(
@@ -175,10 +125,6 @@ def _after_attention(module: nn.Module, args: tuple, output) -> None:
         student.pending_hidden_states = None
 
 
-def is_converted(model: nn.Module) -> bool:
-    return getattr(model, "dofla_plan", None) is not None
-
-
 def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
     """Convert ``model`` in place as ``plan`` says and return it.
 
@@ -203,7 +149,7 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
         )
     built: dict[int, LinearAttention] = {}
     for index in plan.converted_layers:
-        built[index] = facts.student_for(plan.layers[index], index)
+        built[index] = student_for(facts, plan.layers[index], index)
 
     dispatch.install(model)
     for index, student in built.items():
@@ -311,429 +257,3 @@ def unconvert(model: nn.Module) -> nn.Module:
     model.dofla_plan = None
     model.__class__ = getattr(type(model), "_dofla_base_class", type(model))
     return model
-
-
-def students(model: nn.Module) -> dict[int, LinearAttention]:
-    """The converted layers' students by layer index."""
-    return {module.layer_index: module for module in model.modules() if isinstance(module, LinearAttention)}
-
-
-# ---------------------------------------------------------------------------------------------------- saving
-
-
-def _is_student_key(name: str) -> bool:
-    return f".{STUDENT_PREFIX}." in f".{name}"
-
-
-def teacher_fingerprint(model: nn.Module) -> str:
-    """sha256 over the names, shapes and bfloat16-rounded values of the model's non-dofla tensors.
-
-    Values are rounded to bfloat16 before hashing, so the same teacher loaded in float32 or bfloat16 gives
-    the same fingerprint: it tells a different teacher apart, not a different precision.
-    """
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        if _is_student_key(name):
-            continue
-        digest.update(f"{name}:{tuple(tensor.shape)};".encode())
-        values = tensor.detach().to("cpu", torch.bfloat16).contiguous().reshape(-1)
-        digest.update(values.view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _deduplicated(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Drop tensors that share memory with an earlier one (tied embeddings); returns (tensors, aliases)."""
-    kept: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    for name, tensor in state.items():
-        identity = (
-            tensor.device,
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-        )
-        if tensor.numel() and identity in seen:
-            aliases[name] = seen[identity]
-            continue
-        seen[identity] = name
-        kept[name] = tensor
-    return kept, aliases
-
-
-MODEL_KIND = "converted model"  # the kind in the marker of a saved folder (dofla.outputs)
-
-
-def teacher_architecture(model: nn.Module) -> dict[str, Any]:
-    """The shape facts that tell teachers apart (recorded at saving time, compared by :func:`check_teacher`)."""
-    from dofla.models import get_adapter
-
-    adapter = get_adapter(model)
-    config = model.config.get_text_config(decoder=True)
-    return {
-        "model_type": str(adapter.model_type),
-        "num_layers": int(adapter.num_layers),
-        "num_heads": int(adapter.num_heads),
-        "num_kv_heads": int(adapter.num_kv_heads),
-        "head_dim": int(adapter.head_dim),
-        "hidden_size": int(adapter.hidden_size),
-        "vocab_size": int(getattr(config, "vocab_size", 0) or 0),
-    }
-
-
-def check_finite_model(
-    model: nn.Module, input_ids: torch.Tensor | None = None, what: str = "the model"
-) -> None:
-    """Refuse a model whose weights, or whose logits on ``input_ids`` (B, T), hold NaN or infinite values."""
-    for name, tensor in model.state_dict().items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise DoflaError(
-                f"{what} holds NaN or infinite values (first in {name}); it was not saved: lower the learning "
-                "rate and train again."
-            )
-    if input_ids is None or len(input_ids) == 0:
-        return
-    with torch.no_grad():
-        logits = model(input_ids=input_ids.to(next(model.parameters()).device), use_cache=False).logits
-    if not bool(torch.isfinite(logits).all()):
-        raise DoflaError(
-            f"{what} gives NaN or infinite logits on held-out text; it was not saved: lower the learning rate "
-            "(--lr, --lora-lr) and train again."
-        )
-
-
-def check_model_folder(out_dir: str | Path, *, overwrite: bool, inputs=()) -> Path:
-    """Refuse, before any work, a folder :func:`save_converted` must not write; returns it resolved.
-
-    It must be new, empty, or (with ``overwrite``) a converted model holding only the files dofla wrote;
-    see :func:`dofla.outputs.check_output_folder` for the rest (inputs, files, other dofla outputs).
-    """
-    from dofla import outputs
-
-    out_dir = outputs.check_output_folder(out_dir, MODEL_KIND, inputs=inputs)
-    if out_dir.is_dir() and outputs.user_entries(out_dir):
-        if not overwrite:
-            raise DoflaError(
-                f"{out_dir} already holds a converted model; pass --overwrite to replace it, or choose another "
-                "folder."
-            )
-        foreign = outputs.foreign_files(out_dir)
-        if foreign:
-            raise DoflaError(
-                f"{out_dir} holds files dofla did not write ({', '.join(foreign[:3])}); move them away and "
-                "save again."
-            )
-    return out_dir
-
-
-def save_converted(
-    model: nn.Module,
-    out_dir: str | Path,
-    *,
-    tokenizer=None,
-    extra_metadata: dict[str, Any] | None = None,
-    student_only: bool = False,
-    overwrite: bool = False,
-    teacher_weights: str | None = None,
-) -> Path:
-    """Write a converted model to ``out_dir`` atomically (a temporary sibling folder renamed into place).
-
-    extra_metadata goes into the saved plan's ``metadata`` (e.g. ``{"teacher": "smollm2-135m"}``, which
-    ``load_converted`` uses to find the teacher of a student-only folder). ``out_dir`` must be new, empty,
-    or (with ``overwrite``) a converted model saved by dofla holding only the files dofla wrote; it is
-    replaced only once the new folder is complete. A model with NaN or infinite values is refused.
-    teacher_weights: the teacher's :func:`teacher_fingerprint` before any training of its own weights (a
-    LoRA stage changes them); default: that of ``model``'s non-dofla weights.
-    """
-    from dofla import outputs
-    from dofla.io import remove_stale_temporaries, temporary_prefix
-
-    plan: ConversionPlan | None = getattr(model, "dofla_plan", None)
-    if plan is None:
-        raise DoflaError(
-            "this model is not converted; convert it with dofla.convert.convert(model, plan) first."
-        )
-    given, out_dir = Path(out_dir), check_model_folder(out_dir, overwrite=overwrite)
-    check_finite_model(model)
-    saved_plan = ConversionPlan.from_dict(plan.to_dict())
-    saved_plan.metadata = {**saved_plan.metadata, **(extra_metadata or {})}
-    state = model.state_dict()
-    tensors, aliases = _deduplicated(state)
-    if student_only:
-        tensors = {name: tensor for name, tensor in tensors.items() if _is_student_key(name)}
-        aliases = {}
-    fingerprint = teacher_fingerprint(model)
-    record = {
-        "format": SAVE_FORMAT,
-        "student_only": bool(student_only),
-        "weights": STUDENT_WEIGHTS_FILE if student_only else WEIGHTS_FILE,
-        "teacher_fingerprint": fingerprint,
-        "teacher": saved_plan.metadata.get("teacher") or getattr(model.config, "_name_or_path", "") or None,
-        "teacher_architecture": teacher_architecture(model),
-        "teacher_weights": teacher_weights or fingerprint,
-        "tied_weights": aliases,
-        "plan": saved_plan.to_dict(),
-    }
-    with outputs.output_lock(out_dir):
-        check_model_folder(out_dir, overwrite=overwrite)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(out_dir.parent, out_dir.name)
-        remove_stale_temporaries(out_dir)
-        temporary = Path(
-            tempfile.mkdtemp(prefix=temporary_prefix(out_dir.name), suffix=".tmp", dir=out_dir.parent)
-        )
-        umask = os.umask(0)
-        os.umask(umask)
-        try:
-            DoflaConfig.for_model(model, saved_plan).save_pretrained(temporary)
-            save_safetensors_atomic(tensors, temporary / record["weights"], metadata={"format": "pt"})
-            if tokenizer is not None:
-                tokenizer.save_pretrained(temporary)
-            write_text_atomic(temporary / PLAN_FILE, to_json(record, indent=2) + "\n")
-            outputs.write_marker(
-                temporary, MODEL_KIND, files=sorted(item.name for item in temporary.iterdir())
-            )
-            # temporary files and folders are private; the saved model gets ordinary permissions
-            for item in temporary.iterdir():
-                item.chmod(0o666 & ~umask)
-            temporary.chmod(0o777 & ~umask)
-            if (
-                out_dir.exists()
-            ):  # replace: move the old folder aside first so one complete folder always exists
-                old = Path(
-                    tempfile.mkdtemp(prefix=temporary_prefix(out_dir.name), suffix=".old", dir=out_dir.parent)
-                )
-                os.replace(out_dir, old / out_dir.name)
-                os.replace(temporary, out_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(temporary, out_dir)
-        except BaseException:
-            shutil.rmtree(temporary, ignore_errors=True)
-            raise
-    return given
-
-
-def read_record(path: str | Path) -> dict[str, Any]:
-    """The ``dofla_plan.json`` record of a converted folder (plan, fingerprint, format)."""
-    path = Path(path)
-    record_file = path / PLAN_FILE
-    if not record_file.is_file():
-        raise DoflaError(
-            f"{path} is not a converted dofla model (no {PLAN_FILE}); make one with `dofla convert`."
-        )
-    try:
-        record = json.loads(record_file.read_text(encoding="utf-8"))
-    except ValueError as error:  # invalid JSON or not UTF-8
-        raise DoflaError(f"{record_file} is not valid JSON ({error}); convert the model again.") from None
-    if not isinstance(record, dict) or "plan" not in record or record.get("format") != SAVE_FORMAT:
-        raise DoflaError(
-            f"{record_file} is not a dofla save of format {SAVE_FORMAT}; convert the model again with this dofla."
-        )
-    if record.get("weights") not in (WEIGHTS_FILE, STUDENT_WEIGHTS_FILE):  # never a path out of the folder
-        raise DoflaError(
-            f"{record_file} names the weights file {record.get('weights')!r}, which is neither {WEIGHTS_FILE} "
-            f"nor {STUDENT_WEIGHTS_FILE}; the folder is damaged: convert the model again."
-        )
-    return record
-
-
-def check_teacher(path: str | Path, teacher: nn.Module, student: nn.Module | None = None) -> None:
-    """Refuse a teacher that is not the one the converted folder ``path`` was made from, naming what differs.
-
-    The architecture recorded at saving time (or, for older folders, that of ``student``) is compared field
-    by field, then the teacher's weights fingerprint where one was recorded.
-    """
-    record = read_record(path)
-    recorded = record.get("teacher_architecture")
-    if recorded is None and student is not None:
-        recorded = teacher_architecture(student)
-    given = teacher_architecture(teacher)
-    named = record.get("teacher") or "the recorded one"
-    for field, value in (recorded or {}).items():
-        if given.get(field) != value:
-            raise DoflaError(
-                f"the teacher is not the model {path} was converted from: its {field} is {given.get(field)}, "
-                f"the recorded teacher's is {value}; pass that teacher ({named}) or --any-teacher to compare "
-                "anyway."
-            )
-    weights = record.get("teacher_weights")
-    if weights and teacher_fingerprint(teacher) != weights:
-        raise DoflaError(
-            f"the teacher is not the model {path} was converted from: same architecture but other weights "
-            f"(teacher_weights fingerprint differs); pass that teacher ({named}) or --any-teacher to compare "
-            "anyway."
-        )
-
-
-def _parse_dtype(dtype) -> torch.dtype | None:
-    """None keeps each stored tensor's dtype; anything else is read as ``load_teacher`` reads it."""
-    from dofla.models.loading import resolve_dtype
-
-    return None if dtype is None else resolve_dtype(dtype, torch.device("cpu"))
-
-
-def _load_state_strictly(model: nn.Module, tensors: dict[str, torch.Tensor], expected: set[str], where: Path):
-    """Load ``tensors`` into ``model``; any key missing from ``expected`` or not expected is an error.
-
-    Each tensor keeps its stored dtype (a bf16 teacher with float32 students reloads as it was saved).
-    """
-    missing = sorted(expected - set(tensors))
-    unexpected = sorted(set(tensors) - expected)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} ({', '.join(missing[:5])})")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} ({', '.join(unexpected[:5])})")
-        raise DoflaError(
-            f"{where} does not match the model built from its plan: {'; '.join(parts)}; "
-            "the folder is damaged or from another model, convert and save it again."
-        )
-    targets = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers(remove_duplicate=False))
-    for name, tensor in tensors.items():
-        if name in targets:
-            target = targets[name]
-        elif name in buffers:
-            target = buffers[name]
-        else:
-            raise DoflaError(f"{where}: {name} is neither a parameter nor a buffer of the model.")
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise DoflaError(
-                f"{where}: {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}; "
-                "the folder is from another model."
-            )
-        target.data = tensor.to(target.device)
-
-
-def _skipped_weight_initialisation():
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older transformers: initialise (slower, same result after loading)
-        return contextlib.nullcontext()
-    return no_init_weights()
-
-
-def _resolve_teacher(teacher, record: dict, dtype, device):
-    """A teacher model from a module, a spec string, or the folder's recorded teacher; plus its tokenizer."""
-    if isinstance(teacher, nn.Module):
-        return teacher, None
-    spec = teacher or record.get("teacher")
-    if not spec:
-        raise DoflaError("this student-only folder does not name its teacher; pass teacher=MODEL.")
-    from dofla.models import load_teacher
-
-    loaded = load_teacher(spec, dtype=dtype, device=device)
-    return loaded.model, loaded.tokenizer
-
-
-def saved_before_auto_config(path: str | Path) -> bool:
-    """Whether a converted folder's config.json is the teacher's own (saved before DoflaConfig): such a folder
-    loads with :func:`load_converted`, but ``AutoModelForCausalLM`` would open it as the plain teacher.
-    Re-save it with ``save_converted(*load_converted(path)[:2] ...)`` (see the README)."""
-    path = Path(path)
-    if not (path / PLAN_FILE).is_file():
-        return False
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("model_type") != DoflaConfig.model_type
-
-
-def _teacher_config(path: Path, plan: ConversionPlan):
-    """The teacher's config from a folder's config.json: a DoflaConfig's base config, or (folders saved before
-    it became one) the teacher's config itself."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise DoflaError(
-            f"{path / 'config.json'} is missing or damaged ({first}); the folder is incomplete: save the model "
-            "again."
-        ) from None
-    if not isinstance(config, DoflaConfig):
-        return config
-    if config.plan and ConversionPlan.from_dict(config.plan).to_dict() != plan.to_dict():
-        raise DoflaError(
-            f"{path / 'config.json'} and {path / PLAN_FILE} hold different plans; the folder is damaged or "
-            "mixed: save the model again."
-        )
-    return config.teacher_config()
-
-
-def load_converted(path: str | Path, *, teacher=None, dtype=None, device=None):
-    """Load a folder written by :func:`save_converted`. Returns (model, tokenizer or None, plan).
-
-    Full folders: the model is built from ``config.json`` (``from_config``, never remote code), converted
-    with the saved plan, and loaded with strict key checking. Student-only folders need the teacher
-    (a model, a spec for ``dofla.models.load_teacher``, or the recorded one), whose weights must have the
-    fingerprint recorded at saving time.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dofla.models.loading import check_finite_weights
-
-    path = Path(path)
-    record = read_record(path)
-    plan = ConversionPlan.from_dict(record["plan"])
-    torch_dtype = _parse_dtype(dtype)
-    weights_file = path / record["weights"]
-    if not weights_file.is_file():
-        raise DoflaError(f"{weights_file} is missing; the folder is incomplete, save the model again.")
-    tokenizer = None
-    if record["student_only"]:
-        model, tokenizer = _resolve_teacher(teacher, record, dtype, device)
-        if is_converted(model):
-            raise DoflaError("the teacher given is already converted; pass the plain teacher model.")
-        if teacher_fingerprint(model) != record["teacher_fingerprint"]:
-            raise DoflaError(
-                f"the teacher's weights differ from those {path} was trained on (fingerprint mismatch); "
-                f"load the teacher it names ({record.get('teacher') or 'unknown'})."
-            )
-    else:
-        config = _teacher_config(path, plan)
-        with _skipped_weight_initialisation():  # every weight is loaded below, under strict key checks
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-    convert(model, plan)
-    expected = {name for name in model.state_dict() if (_is_student_key(name) or not record["student_only"])}
-    try:
-        tensors = load_file(str(weights_file))
-    except (SafetensorError, OSError) as error:
-        raise DoflaError(
-            f"{weights_file} is corrupt or truncated ({error}); the folder is damaged: save the model again."
-        ) from None
-    check_finite_weights(
-        tensors.items(), str(weights_file), "the folder is damaged: convert or train the model again"
-    )
-    for alias, original in record.get("tied_weights", {}).items():
-        if original in tensors and alias in expected:
-            tensors[alias] = tensors[original]
-    _load_state_strictly(model, tensors, expected, weights_file)
-    model.tie_weights()  # tied embeddings (Gemma's) are one parameter again, as in the teacher
-    if not record["student_only"] and teacher_fingerprint(model) != record["teacher_fingerprint"]:
-        raise DoflaError(
-            f"the teacher weights in {weights_file} do not match their recorded fingerprint; save again."
-        )
-    if teacher is not None and not record["student_only"] and isinstance(teacher, nn.Module):
-        if teacher_fingerprint(teacher) != record["teacher_fingerprint"]:
-            raise DoflaError(
-                f"the teacher given is not the one {path} was converted from (fingerprint mismatch)."
-            )
-    if torch_dtype is not None or device is not None:
-        from dofla.models.loading import resolve_device
-
-        model.to(device=resolve_device(device) if device is not None else None, dtype=torch_dtype)
-    if tokenizer is None and any(
-        (path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
-    ):
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    model.dofla_teacher_weights = record.get("teacher_weights")  # kept by save_pretrained
-    model.eval()
-    return model, tokenizer, plan

@@ -157,8 +157,8 @@ def _softmax_layers(
 
 def _decode_measure(model_dir: Path, length: int, new_tokens: int) -> dict[str, float] | None:
     """Decode tokens/s after a prompt of ``length`` tokens and the cache bytes then, for a saved model folder."""
-    from dofla.convert import load_converted
     from dofla.evaluation.speed import measure_generation
+    from dofla.loading import load_converted
 
     if new_tokens <= 0:
         return None
@@ -169,9 +169,9 @@ def _decode_measure(model_dir: Path, length: int, new_tokens: int) -> dict[str, 
 
 def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progress: bool = True) -> dict:
     """Run every unfinished grid cell, then summarise all finished ones (see the module docstring)."""
-    from dofla.convert import architecture
     from dofla.distill.checkpoint import latest_checkpoint
     from dofla.evaluation.speed import measure_generation
+    from dofla.models.surgery import architecture
     from dofla.pipeline import linearize, plan_options
 
     out = Path(config.out_dir)

@@ -77,7 +77,7 @@ def check_graph_decodable(model) -> tuple[list, list[tuple[int, object]]]:
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    from dofla.convert import architecture, students
+    from dofla.models.surgery import architecture, students
 
     converted = students(model)
     if not converted:
@@ -99,7 +99,7 @@ def check_graph_decodable(model) -> tuple[list, list[tuple[int, object]]]:
 
 def students_of(model) -> list:
     """The converted layers of ``model`` that hold a window (hybrid)."""
-    from dofla.convert import students
+    from dofla.models.surgery import students
 
     return [module for module in students(model).values() if module.kind == "hybrid"]
 

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers  # noqa: F401  (the registration runs now, before lm-eval reads the folder)
 
-    from dofla.convert import saved_before_auto_config
+    from dofla.loading import saved_before_auto_config
 
     argv = sys.argv[1:] if argv is None else argv
     for folder in pretrained_folders(argv):

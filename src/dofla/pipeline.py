@@ -2,7 +2,7 @@
 
 ``linearize(config)`` runs every stage of a :class:`~dofla.run_config.LinearizeConfig` and writes into
 ``out_dir``: ``config.toml`` (the resolved settings), ``model/`` (the converted model,
-:func:`dofla.convert.save_converted`), ``distill/`` (config, JSONL log, checkpoints for ``resume``),
+:func:`dofla.saving.save_converted`), ``distill/`` (config, JSONL log, checkpoints for ``resume``),
 ``lora/`` (the LoRA stage's JSONL log and checkpoints for ``resume``),
 ``plan.json``, the plots, ``result.json`` and ``report.md`` (:mod:`dofla.report`). Held-out perplexity is
 measured on sequences split off before training and never trained on.
@@ -41,7 +41,7 @@ DEFAULT_BASELINE_SINKS = 4  # sink tokens of the window baseline when the studen
 
 @dataclass
 class LinearizeResult:
-    out_dir: Path  # the saved converted model (load with dofla.convert.load_converted)
+    out_dir: Path  # the saved converted model (load with dofla.loading.load_converted)
     report_path: Path
     teacher_ppl: float
     student_ppl: float
@@ -138,7 +138,9 @@ def run_stages(
     config: LinearizeConfig, out_dir: Path, *, teacher, tokenizer, sequences: torch.Tensor | None
 ) -> LinearizeResult | None:
     """The stages of :func:`linearize`, in its checked and locked ``out_dir`` (None on a helper rank)."""
-    from dofla.convert import check_finite_model, convert, save_converted, students, teacher_fingerprint
+    from dofla.convert import convert
+    from dofla.models.surgery import students
+    from dofla.saving import check_finite_model, save_converted, teacher_fingerprint
 
     timings = Timings()
     torch.manual_seed(config.seed)
@@ -263,8 +265,8 @@ def open_run_folder(config: LinearizeConfig) -> Path:
     wrote go), never silently; ``resume`` without a checkpoint is refused here, not after hours of work.
     """
     from dofla import outputs
-    from dofla.convert import MODEL_KIND
     from dofla.distill.trainer import check_run_folder, discard_run
+    from dofla.saving import MODEL_KIND
 
     out_dir = Path(config.out_dir)
     run_dir = out_dir / "distill"
@@ -611,8 +613,8 @@ def distill_stage(config: LinearizeConfig, model, data: RunData, out_dir: Path, 
     says under torchrun. Layer sharding: every rank trains its block of the converted layers (from the
     teacher-state ``stores`` (train, heldout) where given) in its own run folder, then every block's
     students are sent to the other ranks. Returns the :class:`~dofla.distill.trainer.DistillResult`."""
-    from dofla.convert import students
     from dofla.distill.trainer import DistillResult, distill
+    from dofla.models.surgery import students
 
     if not any(
         parameter.requires_grad for student in students(model).values() for parameter in student.parameters()

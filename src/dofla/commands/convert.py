@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             raise DoflaError(f"--window must be positive, got {args.window}.")
     check_device_and_dtype(args)
     from dofla import outputs
-    from dofla.convert import check_model_folder
+    from dofla.saving import check_model_folder
 
     out = check_model_folder(args.out, overwrite=args.overwrite, inputs=[args.model, args.plan])
     with outputs.output_lock(out):
@@ -96,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _convert_and_save(args: argparse.Namespace, plan, layers) -> int:
-    from dofla.convert import convert, plan_for, save_converted
+    from dofla.convert import convert, plan_for
     from dofla.models import load_teacher
+    from dofla.saving import save_converted
 
     teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
     model = teacher.model

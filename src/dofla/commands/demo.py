@@ -39,7 +39,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from dofla.convert import load_converted
+    from dofla.loading import load_converted
     from dofla.pipeline import linearize
     from dofla.recipes import demo_config
 

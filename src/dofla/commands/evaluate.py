@@ -249,7 +249,6 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     import torch
 
-    from dofla.convert import check_teacher, load_converted
     from dofla.data import load_texts, span_placements
     from dofla.errors import DoflaError
     from dofla.evaluation import harness, long_context
@@ -258,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
     from dofla.evaluation.recall import recall_beyond_window
     from dofla.evaluation.window_baseline import baseline_window
     from dofla.io import write_json_atomic
+    from dofla.loading import check_teacher, load_converted
     from dofla.models import load_teacher
     from dofla.models.loading import resolve_device
 
@@ -370,8 +370,8 @@ def _lm_eval_tasks(args, teacher_spec: str, teacher, student, tokenizer) -> dict
     """The tasks through lm-eval on both models, with the lm-eval command lines that give the same numbers."""
     import lm_eval
 
-    from dofla.convert import saved_before_auto_config
     from dofla.evaluation import harness
+    from dofla.loading import saved_before_auto_config
 
     options = {"limit": args.limit, "batch_size": args.batch_size, "num_fewshot": args.num_fewshot}
     parameter = next(teacher.parameters())

@@ -123,8 +123,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from dofla.convert import load_converted
     from dofla.errors import DoflaError
+    from dofla.loading import load_converted
 
     model, tokenizer, _ = load_converted(
         args.converted, teacher=args.teacher, dtype=args.dtype, device=args.device

@@ -3,7 +3,7 @@
 A process that trains only converted layers a..b needs, per batch, the teacher's hidden state entering
 layer a; everything after it is computed from there (layers are independent given the teacher's inputs).
 :func:`write_teacher_states` runs the teacher once over the training sequences and stores the hidden state
-entering each ``boundaries`` layer (captured by :func:`dofla.distill.teacher_forcing.hidden_states_entering`);
+entering each ``boundaries`` layer (captured by :func:`dofla.models.surgery.hidden_states_entering`);
 :class:`TeacherStates` reads rows back by sequence index (memory-mapped). Training from them is teacher
 forcing's business (:func:`dofla.distill.teacher_forcing.teacher_forced_step_from_states`).
 
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dofla.convert import teacher_fingerprint
-from dofla.distill.teacher_forcing import hidden_states_entering
 from dofla.errors import DoflaError
 from dofla.io import save_safetensors_atomic, write_text_atomic
+from dofla.models.surgery import hidden_states_entering
+from dofla.saving import teacher_fingerprint
 
 MANIFEST_FILE = "manifest.json"
 TOKENS_FILE = "tokens.safetensors"

@@ -33,9 +33,9 @@ from dofla.distill.checkpoint import (
 )
 from dofla.distill.losses import direct_loss
 from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
-from dofla.distill.teacher_forcing import autocast_for
 from dofla.distill.trainer import CHECKPOINT_FOLDER, LOG_FILE, batch_indices, learning_rate_factor
 from dofla.errors import DoflaError
+from dofla.models.surgery import autocast_for
 
 # settings that change neither the updates nor their order: a resumed stage may set them otherwise
 _NOT_IN_FINGERPRINT = ("progress", "tokens_per_forward", "checkpoint_every")
@@ -240,7 +240,7 @@ def train_lora(
 def lora_fingerprint(config: LoraConfig, model: nn.Module, train: torch.Tensor) -> str:
     """A hash of what determines the stage's result: its settings, the plan, the converted layers' weights
     as the stage starts (what attention transfer left) and the training rows."""
-    from dofla.convert import students
+    from dofla.models.surgery import students
 
     settings = {name: value for name, value in asdict(config).items() if name not in _NOT_IN_FINGERPRINT}
     digest = settings_digest(settings, getattr(model, "dofla_plan", None))
@@ -313,7 +313,7 @@ class _StageFiles:
 def _student_groups(model: nn.Module, config: LoraConfig) -> list[dict]:
     """The converted layers' AdamW groups at the LoRA learning rate (taken before LoRA freezes everything, so
     parameters a cell keeps fixed stay fixed); one sentence if there is nothing to train."""
-    from dofla.convert import students
+    from dofla.models.surgery import students
 
     groups = [
         dict(group, params=[parameter for parameter in group["params"] if parameter.requires_grad])

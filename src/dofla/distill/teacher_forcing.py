@@ -14,18 +14,15 @@ the states the store keeps.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-
 import torch
 from torch import nn
 
 from dofla import dispatch
-from dofla.convert import students as converted_students
 from dofla.distill.graphed import LayerLossGraphs
 from dofla.distill.losses import layer_loss
 from dofla.errors import DoflaError
-from dofla.models import get_adapter
+from dofla.models.surgery import autocast_for, starting_at_layer
+from dofla.models.surgery import students as converted_students
 
 
 class _AllLayersSeen(Exception):
@@ -51,14 +48,6 @@ def freeze_teacher(model: nn.Module, layers: list[int] | None = None) -> dict[in
         for parameter in student.parameters():
             parameter.requires_grad_(True)
     return students
-
-
-def autocast_for(device: torch.device, *, cache: bool = True):
-    """bf16 autocast on CUDA; CPUs (no bf16 units here) compute in float32. ``cache=False``: without
-    autocast's cache of cast weights, which CUDA graph capture needs."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache)
-    return nullcontext()
 
 
 def teacher_forced_step(
@@ -111,98 +100,6 @@ def teacher_forced_step(
         )
     values = torch.stack([losses[index].float() for index in sorted(losses)]).tolist()  # one read-back
     return dict(zip(sorted(losses), values, strict=True))
-
-
-# ------------------------------------------------------------------------------ hidden states between layers
-
-
-def _hidden_states_argument(args: tuple, kwargs: dict) -> torch.Tensor:
-    """The hidden states a decoder layer is called with (first positional argument or ``hidden_states=``)."""
-    return args[0] if args else kwargs["hidden_states"]
-
-
-class _BoundariesSeen(Exception):
-    """Raised before the last boundary layer runs: the rest of the teacher's forward is unused."""
-
-
-def hidden_states_entering(
-    model: nn.Module, input_ids: torch.Tensor, boundaries: list[int]
-) -> dict[int, torch.Tensor]:
-    """One teacher forward over input_ids (B, T) (converted layers run the teacher's softmax), stopped before
-    the last boundary layer: the hidden state entering each boundary layer, {layer: (B, T, hidden)}."""
-    layers = get_adapter(model).decoder_layer_list(model)
-    captured: dict[int, torch.Tensor] = {}
-    last = max(boundaries)
-
-    def hook_for(index: int):
-        def capture(module, args, kwargs):
-            captured[index] = _hidden_states_argument(args, kwargs).detach()
-            if index == last:
-                raise _BoundariesSeen
-
-        return capture
-
-    handles = [
-        layers[index].register_forward_pre_hook(hook_for(index), with_kwargs=True) for index in boundaries
-    ]
-    try:
-        with torch.no_grad(), dispatch.teacher_forced(), autocast_for(input_ids.device):
-            model(input_ids=input_ids, use_cache=False)
-    except _BoundariesSeen:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return captured
-
-
-# ------------------------------------------------------------------------------ starting from stored states
-
-
-class PassThroughLayer(nn.Module):
-    """Stands in for a decoder layer that is not run: returns the hidden states it is given.
-
-    transformers 5 decoder layers (all supported families) return the hidden-state tensor itself.
-    """
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return hidden_states
-
-
-@contextmanager
-def starting_at_layer(model: nn.Module, layer: int, hidden_states: torch.Tensor) -> Iterator[None]:
-    """Within this block the model's forward skips decoder layers below ``layer`` and feeds ``layer`` with
-    hidden_states (B, T, hidden) instead.
-
-    The embeddings still run (cheap), so position embeddings and attention masks come from the model's own
-    forward; the skipped layers are swapped for :class:`PassThroughLayer` and put back afterwards.
-    """
-    layers = get_adapter(model).decoder_layer_list(model)
-    if not 0 <= layer < len(layers):
-        raise DoflaError(f"layer {layer} does not exist: the model has layers 0..{len(layers) - 1}.")
-    originals = [layers[index] for index in range(layer)]
-
-    def swap_in(module, args, kwargs):
-        current = _hidden_states_argument(args, kwargs)
-        if current.shape != hidden_states.shape:
-            raise DoflaError(
-                f"the stored hidden states have shape {tuple(hidden_states.shape)} but layer {layer} receives "
-                f"{tuple(current.shape)}; give the token ids the states were computed for."
-            )
-        stored = hidden_states.to(current.device, current.dtype)
-        if args:
-            return (stored, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": stored}
-
-    handle = layers[layer].register_forward_pre_hook(swap_in, with_kwargs=True)
-    for index in range(layer):
-        layers[index] = PassThroughLayer()
-    try:
-        yield
-    finally:
-        handle.remove()
-        for index, original in enumerate(originals):
-            layers[index] = original
 
 
 def teacher_forced_step_from_states(

@@ -43,14 +43,10 @@ from dofla.distill.graphed import LayerLossGraphs
 from dofla.distill.hidden_store import TeacherStates, open_teacher_states
 from dofla.distill.losses import LOSSES, layerwise_loss_names
 from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
-from dofla.distill.teacher_forcing import (
-    autocast_for,
-    freeze_teacher,
-    teacher_forced_step,
-    teacher_forced_step_from_states,
-)
+from dofla.distill.teacher_forcing import freeze_teacher, teacher_forced_step, teacher_forced_step_from_states
 from dofla.errors import DoflaError
 from dofla.io import to_json, write_text_atomic
+from dofla.models.surgery import autocast_for
 from dofla.outputs import remove_known_files
 
 CONFIG_FILE = "distill_config.json"

@@ -362,7 +362,7 @@ def measure_error_curves(
 ) -> ErrorCurves:
     """Each layer's held-out error at each of ``settings.dims`` features, from short teacher-forced fits on
     calibration batches (B, T) of token ids (module docstring). The model is left as it was (unconverted)."""
-    from dofla.convert import architecture, is_converted
+    from dofla.models.surgery import architecture, is_converted
 
     settings = settings or CurveSettings()
     settings.validate()
@@ -472,7 +472,7 @@ def _build(settings: CurveSettings, facts, layer: int, dim: int):
 def _fit(settings: CurveSettings, facts, layer: int, dim: int, calls: list) -> torch.nn.Module:
     """A fresh student of ``layer`` at ``dim`` features after ``settings.steps`` AdamW steps on the fit calls."""
     from dofla.distill.losses import layer_loss
-    from dofla.distill.teacher_forcing import autocast_for
+    from dofla.models.surgery import autocast_for
 
     student = _build(settings, facts, layer, dim)
     groups = [group for group in student.parameter_groups(settings.lr) if group["params"]]
@@ -513,7 +513,7 @@ class _KlScorer:
     started at that layer from the teacher's hidden states entering it."""
 
     def __init__(self, model, heldout: torch.Tensor, layers: list[int]) -> None:
-        from dofla.distill.teacher_forcing import hidden_states_entering
+        from dofla.models.surgery import hidden_states_entering
 
         self.model = model
         self.device = next(model.parameters()).device
@@ -527,8 +527,8 @@ class _KlScorer:
     @torch.no_grad()
     def score(self, layer: int, student, layer_plan) -> float:
         from dofla.config import ConversionPlan, LayerPlan
-        from dofla.convert import architecture, convert, students, unconvert
-        from dofla.distill.teacher_forcing import starting_at_layer
+        from dofla.convert import convert, unconvert
+        from dofla.models.surgery import architecture, starting_at_layer, students
 
         facts = architecture(self.model)
         plan = ConversionPlan(
@@ -588,7 +588,7 @@ def cached_error_curves(
     :func:`curve_cache` folder, else measured; then written to ``folder`` (default: the innermost cache
     folder; none at all: not written) atomically as ``error_curves.json`` and ``error_curves-KEY.json`` (one
     file per key, so different settings do not overwrite each other)."""
-    from dofla.convert import architecture
+    from dofla.models.surgery import architecture
 
     settings.validate()
     target = cache_folder(folder)

@@ -278,7 +278,7 @@ def long_context_quality(
         raise DoflaError(f"the window must be at least 1 token, got {window}.")
     if not sequences_by_length:
         raise DoflaError("no lengths to evaluate; give held-out sequences for at least one length.")
-    from dofla.convert import is_converted
+    from dofla.models.surgery import is_converted
 
     if is_converted(teacher) or teacher is student:
         raise DoflaError("the teacher given is a converted model; pass the plain teacher, loaded on its own.")

@@ -365,9 +365,9 @@ def window_costs(
     the model must serve. Each layer's forward starts from the hidden states entering it (the layers below
     are unchanged), and the output head runs a few rows at a time (:mod:`dofla.evaluation.logits`).
     """
-    from dofla.distill.teacher_forcing import hidden_states_entering, starting_at_layer
     from dofla.evaluation.logits import final_hidden_states, kl_from_teacher, output_logits, row_chunks
     from dofla.models import get_adapter
+    from dofla.models.surgery import hidden_states_entering, starting_at_layer
 
     count = len(list(get_adapter(model).attention_modules(model)))
     chosen = list(range(count)) if layers is None else sorted({int(layer) for layer in layers})
