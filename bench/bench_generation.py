@@ -18,10 +18,11 @@ import sys
 import time
 
 import torch
+from timing import time_prefill
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from dofla.convert import convert, plan_for
-from dofla.evaluation.speed import measure_generation, random_prompt, time_prefill
+from dofla.evaluation.speed import measure_generation, random_prompt
 from dofla.recipes import RECIPES, plan_for_arguments
 
 LLAMA_SIZES = (
@@ -197,7 +198,7 @@ def profile_prefill(model, context: int, args, top: int = 15) -> str:
     time on a GPU, self CPU time otherwise) and the aten calls per layer: what the prefill spends its time on."""
     from torch.profiler import ProfilerActivity, profile
 
-    from dofla.evaluation.speed import prefill
+    from dofla.prefill import prefill
 
     device = next(model.parameters()).device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

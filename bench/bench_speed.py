@@ -60,6 +60,16 @@ import time
 from pathlib import Path
 
 import torch
+from timing import (
+    PeakMemory,
+    available_memory_bytes,
+    kv_cache_bytes,
+    release_freed_memory,
+    student_cache_at,
+    synthetic_kv_cache,
+    time_decode,
+    time_prefill,
+)
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -70,16 +80,6 @@ from dofla.convert import (
     set_position_period,
     set_sinks_at_edge,
     unconvert,
-)
-from dofla.evaluation.speed import (
-    PeakMemory,
-    available_memory_bytes,
-    kv_cache_bytes,
-    release_freed_memory,
-    student_cache_at,
-    synthetic_kv_cache,
-    time_decode,
-    time_prefill,
 )
 from dofla.recipes import plan_for_arguments
 

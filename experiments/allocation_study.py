@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dofla import dof
+from dofla import planning
 from dofla.convert import convert, unconvert
 from dofla.data import (
     load_texts,
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, allocation, measure in allocations([m for m in args.measures.split(",") if m]):
         started = time.perf_counter()
         calibration = list(train[: 2 * args.batch_size].split(args.batch_size))
-        plan = dof.measure_and_plan(
+        plan = planning.measure_and_plan(
             teacher,
             calibration,
             variant=allocation,

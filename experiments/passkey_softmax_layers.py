@@ -36,10 +36,10 @@ import torch
 from dofla.commands._common import integer_list
 from dofla.data import load_texts, pack_token_sequences
 from dofla.evaluation.passkey import DEFAULT_DEPTHS, build_prompt, passkey_retrieval
-from dofla.evaluation.recall import recall_layer_order
 from dofla.evaluation.window_baseline import window_restricted
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
+from dofla.planning.recall_order import recall_layer_order
 
 CALIBRATION_KEY = "80516"  # five digits; the trials draw their keys from the seed
 

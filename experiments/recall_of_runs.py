@@ -1,7 +1,7 @@
 """Recall beyond the window of finished `dofla linearize` runs, on each run's own held-out rows.
 
 For every run folder given (holding ``config.toml`` and ``model/``), the run's held-out rows are made
-again from its config exactly as the run made them (``dofla.pipeline.prepare_data``: same text, packing,
+again from its config exactly as the run made them (``dofla.run_data.prepare_data``: same text, packing,
 split and seed; never trained on), and :func:`dofla.evaluation.recall.recall_beyond_window` scores the
 teacher, the teacher cut to the run's window (+ its sinks, else 4) and the saved student on tokens
 repeated beyond the window. Runs made before the linearize report measured recall get the same table
@@ -31,8 +31,9 @@ from dofla.evaluation.recall import recall_beyond_window, recall_markdown
 from dofla.io import write_text_atomic
 from dofla.loading import load_converted
 from dofla.models import load_teacher
-from dofla.pipeline import DEFAULT_BASELINE_SINKS, prepare_data
+from dofla.pipeline import DEFAULT_BASELINE_SINKS
 from dofla.run_config import CONFIG_FILE, load_config
+from dofla.run_data import prepare_data
 
 
 def _run_item(text: str) -> tuple[str, Path, Path]:

@@ -5,7 +5,7 @@ tokens plus ``--sinks`` first ones (the no-training window baseline) except K la
 softmax, for each K in ``--keep`` and each way of choosing them:
 
 - ``window_kl``: the K layers whose restriction alone costs the most (``--softmax-choice window``,
-  :func:`dofla.evaluation.window_baseline.window_costs`): for each layer, the mean KL from the full
+  :func:`dofla.planning.window_costs.window_costs`): for each layer, the mean KL from the full
   teacher's next-token distribution when only that layer is cut to the window, on ``--score-rows``
   training rows of ``--score-length`` tokens (rows the held-out text does not contain);
 - ``uniform``: K layers evenly spaced (as ``--softmax-choice uniform``);
@@ -36,9 +36,10 @@ import torch
 from dofla.commands._common import integer_list
 from dofla.data import cut_rows, load_texts, pack_rows, split_train_heldout
 from dofla.dof import SOFTMAX_CHOICES
-from dofla.evaluation.window_baseline import window_costs, window_restricted
+from dofla.evaluation.window_baseline import window_restricted
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
+from dofla.planning.window_costs import window_costs
 
 
 def perplexities(model, rows: torch.Tensor, start: int) -> tuple[float, float]:

@@ -38,8 +38,8 @@ from dofla.evaluation.recall import repeated_rows
 from dofla.io import write_text_atomic
 from dofla.loading import load_converted
 from dofla.models import load_teacher
-from dofla.pipeline import prepare_data
 from dofla.run_config import CONFIG_FILE, load_config
+from dofla.run_data import prepare_data
 
 
 def _run_item(text: str) -> tuple[Path, Path]:

@@ -12,12 +12,12 @@ from test_save_load import trained_a_little
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 import dofla  # noqa: F401  (registers the "dofla" model type)
-from dofla.auto import DoflaForCausalLM
+from dofla.auto import DoflaConfig, DoflaForCausalLM
 from dofla.convert import convert, unconvert
 from dofla.errors import DoflaError
 from dofla.loading import load_converted
 from dofla.models import build_tiny_tokenizer
-from dofla.saving import ConvertedModel, DoflaConfig, save_converted
+from dofla.saving import ConvertedModel, save_converted
 
 
 def tokens(seed=0):

@@ -13,6 +13,7 @@ from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
 from dofla.loading import load_converted
 from dofla.models import build_tiny_model
+from dofla.models.surgery import is_converted
 from dofla.saving import save_converted
 
 B, H, HKV, D = 2, 4, 2, 8
@@ -51,10 +52,15 @@ def qkv(length=11, seed=1):
     return draw(H), draw(HKV), draw(HKV)
 
 
-def test_unknown_cell_lists_the_known_ones():
+def test_unknown_cell_lists_the_known_ones_where_students_are_built():
     assert {"linear", "gla"} <= set(CELLS)
     with pytest.raises(DoflaError, match="unknown cell 'nope'; choose one of: .*gla.*linear"):
-        LayerPlan(cell="nope").validate(0, H, HKV)
+        build_student(LayerPlan(cell="nope"), **SHAPE)
+    model = build_tiny_model("llama")
+    plan = plan_for(model, cell="nope")  # a plan is plain data: the name is checked when a student is built
+    with pytest.raises(DoflaError, match="unknown cell 'nope'"):
+        convert(model, plan)
+    assert not is_converted(model)
 
 
 ADAPTIVE = {"mix": "adaptive"}

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import small_llama
 
-from dofla import dof
+from dofla import dof, planning
 from dofla.errors import DoflaError
 
 
@@ -79,44 +79,46 @@ def test_short_fits_train_and_scaled_kl_matches_kl_at_the_reference_dimension(tm
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(3, 64, (2, 24), generator=generator) for _ in range(2)]
     common = dict(dims=(2, 4), length=24, heldout_pieces=1, lr=3e-2)
-    untrained = dof.measure_error_curves(
-        model, batches, dof.CurveSettings(steps=0, criterion="relative", **common)
+    untrained = planning.measure_error_curves(
+        model, batches, planning.CurveSettings(steps=0, criterion="relative", **common)
     )
-    trained = dof.measure_error_curves(
-        model, batches, dof.CurveSettings(steps=6, criterion="relative", **common)
+    trained = planning.measure_error_curves(
+        model, batches, planning.CurveSettings(steps=6, criterion="relative", **common)
     )
     assert trained.layers == [0, 1] and len(trained.errors[0]) == 2
     assert sum(map(sum, trained.layer_loss)) < sum(map(sum, untrained.layer_loss))  # the fits learn
-    exact = dof.measure_error_curves(model, batches, dof.CurveSettings(steps=3, criterion="kl", **common))
-    scaled = dof.measure_error_curves(
-        model, batches, dof.CurveSettings(steps=3, criterion="kl_scaled", **common)
+    exact = planning.measure_error_curves(
+        model, batches, planning.CurveSettings(steps=3, criterion="kl", **common)
+    )
+    scaled = planning.measure_error_curves(
+        model, batches, planning.CurveSettings(steps=3, criterion="kl_scaled", **common)
     )
     for layer in (0, 1):
         assert scaled.error(layer, 4) == pytest.approx(exact.error(layer, 4), rel=1e-4)
         assert exact.row(layer)[1] > 0
-    settings = dof.CurveSettings(steps=1, criterion="relative", **common)
-    first = dof.cached_error_curves(model, batches, settings, folder=tmp_path)
+    settings = planning.CurveSettings(steps=1, criterion="relative", **common)
+    first = planning.cached_error_curves(model, batches, settings, folder=tmp_path)
     assert (tmp_path / "error_curves.json").is_file()
 
     def refuse(*args, **kwargs):
         raise AssertionError("cached curves were measured again")
 
     with pytest.raises(DoflaError, match="give more calibration rows"):
-        dof.measure_error_curves(model, batches[:1], dof.CurveSettings(length=24, heldout_pieces=2))
-    monkeypatch.setattr(dof.error_curves, "measure_error_curves", refuse)
-    assert dof.cached_error_curves(model, batches, settings, folder=tmp_path).errors == first.errors
+        planning.measure_error_curves(model, batches[:1], planning.CurveSettings(length=24, heldout_pieces=2))
+    monkeypatch.setattr(planning.error_curves, "measure_error_curves", refuse)
+    assert planning.cached_error_curves(model, batches, settings, folder=tmp_path).errors == first.errors
 
 
 def test_measure_and_plan_with_the_measured_allocation_on_a_tiny_model(tmp_path):
     model = small_llama()
     batches = [torch.randint(3, 64, (2, 24), generator=torch.Generator().manual_seed(1)) for _ in range(2)]
     options = dict(dims=(2, 8), steps=2, length=24, heldout_pieces=1, criterion="relative")
-    plan = dof.measure_and_plan(
+    plan = planning.measure_and_plan(
         model, batches, variant="measured", budget=4, curve_options=options, curves_folder=tmp_path
     )
     assert sum(layer.feature_dim for layer in plan.layers) == 8
     assert plan.metadata["allocation"] == "measured" and plan.metadata["error_criterion"] == "relative"
-    kept = dof.measure_and_plan(
+    kept = planning.measure_and_plan(
         model, batches, variant="fix", budget=4, keep_softmax=1, softmax_choice="measured",
         curve_options=options, curves_folder=tmp_path,
     )  # fmt: skip
@@ -165,7 +167,7 @@ def one_softmax_layer_plan(choice: str):
     model = small_llama()
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(3, 64, (2, 40), generator=generator) for _ in range(2)]
-    plan = dof.measure_and_plan(
+    plan = planning.measure_and_plan(
         model,
         batches,
         variant="fix",
@@ -199,7 +201,7 @@ def test_window_choice_keeps_the_layers_whose_window_costs_most_and_the_plan_rec
         dof.allocate_feature_dims([0.0] * 5, budget=8, variant="fix", keep_softmax=1, softmax_choice="window")
 
     model, batches, plan = one_softmax_layer_plan("window")
-    from dofla.evaluation.window_baseline import window_costs
+    from dofla.planning.window_costs import window_costs
 
     measured = window_costs(model, batches, window=4, sinks=1)
     assert plan.metadata["window_cost"] == pytest.approx(measured, rel=1e-4, abs=1e-6)
@@ -231,7 +233,7 @@ def test_recall_choice_keeps_the_first_layers_of_the_recall_order_and_the_plan_r
         )
 
     model, batches, plan = one_softmax_layer_plan("recall")
-    from dofla.evaluation.recall import recall_layer_order
+    from dofla.planning.recall_order import recall_layer_order
 
     order = recall_layer_order(model, batches, 1, window=4, sinks=1)
     assert plan.metadata["recall_order"] == [order[0][0]]
@@ -240,17 +242,17 @@ def test_recall_choice_keeps_the_first_layers_of_the_recall_order_and_the_plan_r
 
 
 def test_the_recall_choice_keeps_its_order_in_the_curves_folder_for_a_rerun(tmp_path, monkeypatch):
-    import dofla.evaluation.recall as recall
+    import dofla.planning.recall_order as recall
 
     model = small_llama()
     batches = [torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(0)) for _ in range(2)]
     options = dict(variant="fix", budget=4, kind="hybrid", window=4, sinks=1, softmax_choice="recall")
-    first = dof.measure_and_plan(model, batches, keep_softmax=1, curves_folder=tmp_path, **options)
+    first = planning.measure_and_plan(model, batches, keep_softmax=1, curves_folder=tmp_path, **options)
     assert len(list(tmp_path.glob("recall_order-*.json"))) == 1
 
     def refuse(*args, **kwargs):
         raise AssertionError("the recall order was measured again")
 
     monkeypatch.setattr(recall, "recall_layer_order", refuse)
-    again = dof.measure_and_plan(model, batches, keep_softmax=1, curves_folder=tmp_path, **options)
+    again = planning.measure_and_plan(model, batches, keep_softmax=1, curves_folder=tmp_path, **options)
     assert again.metadata["recall_order"] == first.metadata["recall_order"]

@@ -163,7 +163,7 @@ def test_prefill_in_pieces_equals_one_forward(kind, cell, sinks):
 
     from dofla.cache import held_bytes
     from dofla.convert import convert, plan_for
-    from dofla.evaluation.speed import prefill
+    from dofla.prefill import prefill
 
     torch.manual_seed(0)
     model = small_llama().eval()

@@ -15,7 +15,8 @@ from dofla.data import row_start_token, start_rows
 from dofla.evaluation.long_context import pack_by_length
 from dofla.models import FAMILIES, build_tiny_model, build_tiny_tokenizer, get_adapter
 from dofla.models.tiny import TINY_FAMILIES
-from dofla.pipeline import linearize, lora_rows, prepare_data
+from dofla.pipeline import linearize, lora_rows
+from dofla.run_data import prepare_data
 from dofla.rotary import fixed_rotary_frequencies
 from dofla.run_config import LinearizeConfig, merge
 

@@ -119,7 +119,7 @@ def test_frontier_keeps_the_layers_the_greedy_recall_order_names(tmp_path, monke
         calls.append((count, window, sinks))
         return [(0, 2.0), (1, 1.0)][:count]
 
-    monkeypatch.setattr("dofla.evaluation.recall.recall_layer_order", fake_order)
+    monkeypatch.setattr("dofla.planning.recall_order.recall_layer_order", fake_order)
     config = tiny_grid(
         tmp_path, softmax_choices=["recall"], allocations=["fix"], softmax_counts=[1], decode_tokens=0
     )

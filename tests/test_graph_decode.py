@@ -14,11 +14,11 @@ from transformers.cache_utils import DynamicLayer
 
 from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
-from dofla.evaluation.speed import prefill
 from dofla.graph_decode import CapturedDecoder, generate_greedy
 from dofla.models import build_tiny_model
 from dofla.models.surgery import students
 from dofla.models.tiny import TINY_VOCAB
+from dofla.prefill import prefill
 
 PLANS = {
     "linear": dict(cell="linear", feature_map="learnable_prf"),

@@ -19,8 +19,9 @@ import dofla.distill.trainer as trainer
 from dofla.data import cut_rows, split_train_heldout
 from dofla.distill.curriculum import length_stages
 from dofla.errors import DoflaError
-from dofla.pipeline import linearize, prepare_data
+from dofla.pipeline import linearize
 from dofla.run_config import LinearizeConfig, load_config, save_config
+from dofla.run_data import prepare_data
 
 HALF = [(LENGTH // 2, 0.5), (LENGTH, 0.5)]  # 12 then 24 tokens
 

@@ -11,11 +11,11 @@ from test_distill import VOCAB, tiny_converted
 
 from dofla.convert import unconvert
 from dofla.data import parse_tokens, split_train_heldout
+from dofla.demo import demo_config
 from dofla.errors import DoflaError
 from dofla.loading import load_converted
 from dofla.models.surgery import students
 from dofla.pipeline import linearize, perplexity
-from dofla.recipes import demo_config
 from dofla.run_config import CONFIG_FILE, LinearizeConfig, LoraSettings, PlanSettings, load_config, merge
 
 LENGTH = 32
@@ -110,7 +110,7 @@ def test_position_period_off_or_refused_where_the_teacher_has_no_rotary(tmp_path
 def test_sinks_at_edge_by_default_where_a_hybrid_plan_has_sinks_and_the_teacher_one_fixed_rotary(tmp_path):
     from dofla.convert import plan_for
     from dofla.models import build_tiny_model
-    from dofla.pipeline import resolve_sinks_at_edge
+    from dofla.run_positions import resolve_sinks_at_edge
 
     hybrid = dict(kind="hybrid", window=8, sinks=2)
     llama, gpt2, mistral = build_tiny_model("llama"), build_tiny_model("gpt2"), build_tiny_model("mistral")
@@ -405,7 +405,7 @@ def test_measured_allocation_and_kept_softmax_layers_from_the_run_config(tmp_pat
     curves = sorted(path.name for path in run.glob("error_curves*.json"))
     assert len(curves) == 2 and "error_curves.json" in curves
 
-    import dofla.dof.error_curves as error_curves
+    import dofla.planning.error_curves as error_curves
 
     def refuse(*args, **kwargs):
         raise AssertionError("the curves were measured again")

@@ -99,8 +99,8 @@ def _recall_loss(model, batches, window, sinks, restricted):
 
 
 def test_recall_layer_order_keeps_greedily_and_ends_at_the_teachers_own_recall():
-    from dofla.evaluation.recall import recall_layer_order
     from dofla.models import build_tiny_model
+    from dofla.planning.recall_order import recall_layer_order
 
     model = build_tiny_model("llama", vocab_size=64, num_hidden_layers=3, seed=2).eval()
     batches = [_sequences(2, 64, seed=seed) for seed in (5, 6)]
@@ -123,8 +123,8 @@ def test_recall_layer_order_keeps_greedily_and_ends_at_the_teachers_own_recall()
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox", "qwen2"])
 def test_the_order_reusing_each_candidates_lower_layers_equals_the_one_computing_them(family):
-    from dofla.evaluation.recall import recall_layer_order
     from dofla.models import build_tiny_model, get_adapter
+    from dofla.planning.recall_order import recall_layer_order
 
     model = build_tiny_model(family, vocab_size=64, num_hidden_layers=4, seed=3).eval()
     batches = [_sequences(2, 64, seed=seed) for seed in (7, 8)]
@@ -149,7 +149,7 @@ def test_the_order_reusing_each_candidates_lower_layers_equals_the_one_computing
 
 
 def test_the_recall_order_is_kept_and_a_longer_one_serves_a_shorter_request(tmp_path, monkeypatch):
-    import dofla.evaluation.recall as recall
+    import dofla.planning.recall_order as recall
     from dofla.models import build_tiny_model
 
     model = build_tiny_model("llama", vocab_size=64, num_hidden_layers=3, seed=2).eval()

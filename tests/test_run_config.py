@@ -9,8 +9,9 @@ import pytest
 
 from dofla.cli import build_parser
 from dofla.commands.linearize import config_from_args
+from dofla.demo import demo_config
 from dofla.errors import DoflaError
-from dofla.recipes import RECIPES, demo_config
+from dofla.recipes import RECIPES
 from dofla.run_config import (
     SECTIONS,
     LinearizeConfig,
@@ -270,7 +271,7 @@ def test_the_trainers_settings_come_from_their_sections_by_name():
         "sharding",
         "teacher_states",
     }
-    # which rows the stage trains on is the pipeline's too (dofla.pipeline.lora_rows)
+    # which rows the stage trains on is the pipeline's too (dofla.run_data.lora_rows)
     assert {item.name for item in dataclasses.fields(SECTIONS["lora"])} - lora_names == {
         "enabled",
         "baseline",

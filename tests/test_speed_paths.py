@@ -237,7 +237,6 @@ def test_bench_speed_in_place_teacher_decodes_as_the_teacher_in_decode_rows_only
     from transformers import DynamicCache
 
     from dofla.cache import GrowingKVLayer
-    from dofla.evaluation.speed import synthetic_kv_cache
 
     bench = bench_script("bench_speed")
     arguments = ["--tiny", "--contexts", "32", "--batches", "1,2", "--steps", "1", "--isolate", "none"]
@@ -249,7 +248,10 @@ def test_bench_speed_in_place_teacher_decodes_as_the_teacher_in_decode_rows_only
 
     # the same teacher on the same keys: the same logits, step after step, its keys written in place
     model = bench.build_model(argparse.Namespace(tiny=True, contexts=[32], teacher=None))
-    caches = [synthetic_kv_cache(model, 2, 20), bench.in_place_kv(synthetic_kv_cache(model, 2, 20))]
+    caches = [
+        bench.synthetic_kv_cache(model, 2, 20),
+        bench.in_place_kv(bench.synthetic_kv_cache(model, 2, 20)),
+    ]
     assert all(isinstance(layer, GrowingKVLayer) for layer in caches[1].layers)
     assert isinstance(caches[0], DynamicCache) and not isinstance(caches[0].layers[0], GrowingKVLayer)
     token = torch.ones(2, 1, dtype=torch.long)

@@ -9,6 +9,7 @@ from dofla import dispatch
 from dofla.errors import DoflaError
 from dofla.evaluation import window_baseline
 from dofla.evaluation.window_baseline import banded_window_attention, restrict_to_window, window_restricted
+from dofla.planning.window_costs import window_costs
 
 
 class _BandedSoftmax(torch.nn.Module):
@@ -213,7 +214,7 @@ def test_window_costs_equal_full_forwards_with_one_layer_cut(family):
     batches = [
         torch.randint(0, vocabulary, (2, 24), generator=torch.Generator().manual_seed(i)) for i in (0, 1)
     ]
-    costs = window_baseline.window_costs(model, batches, window=4, sinks=1)
+    costs = window_costs(model, batches, window=4, sinks=1)
     expected = []
     with torch.no_grad():
         full = [torch.log_softmax(model(batch).logits.float(), -1) for batch in batches]
@@ -224,7 +225,7 @@ def test_window_costs_equal_full_forwards_with_one_layer_cut(family):
             expected.append(kl / sum(batch.numel() for batch in batches))
     assert all(value > 1e-6 for value in expected)  # a 4-token window changes every layer's output here
     assert costs == pytest.approx(expected, rel=1e-3, abs=1e-7)
-    only = window_baseline.window_costs(model, batches, window=4, sinks=1, layers=[1])
+    only = window_costs(model, batches, window=4, sinks=1, layers=[1])
     assert only[0] == 0.0 and only[1] == pytest.approx(costs[1], rel=1e-5)
 
 

@@ -9,6 +9,8 @@ import importlib.abc
 import importlib.util
 import sys
 
+MODEL_TYPE = "dofla"  # the model_type of a converted folder's config.json (dofla.auto.DoflaConfig)
+
 
 def _register() -> None:
     importlib.import_module("dofla.auto")  # registers at the end of its import

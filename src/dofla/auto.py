@@ -4,7 +4,7 @@
 :class:`DoflaForCausalLM` with ``AutoModelForCausalLM``. A converted folder's ``config.json`` is a
 ``DoflaConfig``: the teacher's config (``base_config``) and the conversion plan (``plan``). Opening it runs
 :func:`dofla.loading.load_converted` (strict keys, teacher fingerprint) and returns the converted model: an
-instance of the teacher's own class (e.g. ``LlamaForCausalLM``) whose class gains :class:`~dofla.saving.ConvertedModel`,
+instance of the teacher's own class (e.g. ``LlamaForCausalLM``) whose class gains :class:`dofla.saving.ConvertedModel`,
 so ``generate()`` works unchanged and ``save_pretrained`` writes a converted folder again.
 """
 
@@ -13,15 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel
 
-from dofla.config import ConversionPlan
-from dofla.convert import convert
+from dofla._registration import MODEL_TYPE
 from dofla.errors import DoflaError
-from dofla.loading import load_converted
-from dofla.saving import MODEL_TYPE, ConvertedModel, DoflaConfig, converted_class
-
-__all__ = ["ConvertedModel", "DoflaConfig", "DoflaForCausalLM", "converted_class", "register"]
 
 # from_pretrained keyword arguments that do not change how a local converted folder is read; a value that
 # is None, False or "" is accepted for any other argument (lm-eval passes gguf_file=None and the like).
@@ -41,6 +36,29 @@ _IGNORED_ARGUMENTS = frozenset(
         "_from_auto",
     }
 )
+
+
+class DoflaConfig(PreTrainedConfig):
+    """A converted model's config: the teacher's config as a dict (``base_config``) and the plan (``plan``)."""
+
+    model_type = MODEL_TYPE
+
+    def __init__(self, base_config: dict | None = None, plan: dict | None = None, **kwargs):
+        self.base_config = dict(base_config or {})
+        self.plan = dict(plan or {})
+        super().__init__(**kwargs)
+
+    def teacher_config(self) -> PreTrainedConfig:
+        """The teacher's config, as its own config class (``LlamaConfig``...)."""
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        model_type = self.base_config.get("model_type")
+        if model_type not in CONFIG_MAPPING:
+            raise DoflaError(
+                f"the converted model's base config has model_type {model_type!r}, which this transformers does "
+                "not know; the folder's config.json is damaged: save the model again."
+            )
+        return CONFIG_MAPPING[model_type].from_dict(self.base_config)
 
 
 def _dtype(value) -> torch.dtype | None:
@@ -90,6 +108,8 @@ class DoflaForCausalLM(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+        from dofla.loading import load_converted
+
         path = Path(pretrained_model_name_or_path)
         if not path.is_dir():
             raise DoflaError(
@@ -119,6 +139,9 @@ class DoflaForCausalLM(PreTrainedModel):
 
     @classmethod
     def _from_config(cls, config: DoflaConfig, **kwargs):
+        from dofla.config import ConversionPlan
+        from dofla.convert import convert
+
         dtype = _dtype(kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None))
         model = AutoModelForCausalLM.from_config(config.teacher_config(), trust_remote_code=False, **kwargs)
         convert(model, ConversionPlan.from_dict(config.plan))

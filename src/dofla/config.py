@@ -38,7 +38,8 @@ class LayerPlan:
     sinks: the first ``sinks`` tokens of a sequence stay visible to the window of "hybrid" layers
         (attention sinks) and never enter the linear part.
     cell: the student cell by name (:mod:`dofla.cells`): "linear" (LoLCATs: plain linear attention, with the
-        window sharing one normalisation), "gla" (with forgetting), ...
+        window sharing one normalisation), "gla" (with forgetting), ... The plan is plain data: the name is
+        checked where the student is built (:func:`dofla.cells.build_student`) and in the settings' validation.
     """
 
     kind: str = "linear"
@@ -84,9 +85,6 @@ class LayerPlan:
                 f"{where}: sink tokens belong to the sliding window; use kind hybrid or sinks 0 (got "
                 f"{self.sinks} sinks for kind {self.kind})."
             )
-        from dofla.cells import cell_class  # the registry imports the cells, which import this module
-
-        cell_class(self.cell)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dofla import dof
+from dofla import dof, planning
 from dofla.errors import DoflaError
 from dofla.io import write_atomic, write_json_atomic, write_text_atomic
 
@@ -50,7 +50,7 @@ class FrontierConfig:
     {"tokens": 20000}, "student": {"cell": "gla"}}``; :data:`DEFAULT_SETTINGS` is what ``dofla frontier``
     and every cell starts from); eval_length: the held-out length of the frontier; decode_tokens: tokens decoded after a prompt of
     eval_length to time decoding (0: no speed measurement); curve_options: the error-curve knobs the pipeline's
-    plan stage passes to :func:`dofla.dof.measure_and_plan` (they must match for the cells to reuse the grid's
+    plan stage passes to :func:`dofla.planning.measure_and_plan` (they must match for the cells to reuse the grid's
     curves; none today).
     """
 
@@ -133,9 +133,9 @@ def cell_config(config: FrontierConfig, cell: GridCell, layers: list[int] | None
 def _calibration(linearize_config, teacher, tokenizer, out_dir: Path):
     """The packed sequences every cell gets and the calibration batches the pipeline's plan stage will use
     (the pipeline's own public stages)."""
-    from dofla import pipeline
+    from dofla import pipeline, run_data
 
-    data = pipeline.prepare_data(linearize_config, teacher, tokenizer, None, out_dir / "data_cache")
+    data = run_data.prepare_data(linearize_config, teacher, tokenizer, None, out_dir / "data_cache")
     return data.rows, pipeline.calibration_batches(linearize_config, teacher, data.train), data.source
 
 
@@ -194,10 +194,12 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
     )
     curves = None
     if needs_curves:
-        from dofla.dof.error_curves import settings_for
+        from dofla.planning.error_curves import settings_for
 
         settings = settings_for(plan_options(first), **dict(config.curve_options))
-        curves = dof.cached_error_curves(teacher, batches, settings, folder=curves_folder, progress=progress)
+        curves = planning.cached_error_curves(
+            teacher, batches, settings, folder=curves_folder, progress=progress
+        )
     measure = None
     if any(c.softmax_choice == "dof" for c in cells):
         estimate = dof.estimate(
@@ -207,13 +209,13 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
     options = plan_options(first)  # the window and sinks the restricted teacher is measured with
     window_cost = None
     if any(c.softmax_choice == "window" for c in cells):
-        from dofla.evaluation.window_baseline import window_costs
+        from dofla.planning.window_costs import window_costs
 
         window_cost = window_costs(teacher, batches, window=options["window"], sinks=options["sinks"])
     recall_order = None
     recall_counts = [c.softmax_count for c in cells if c.softmax_choice == "recall"]
     if recall_counts:
-        from dofla.evaluation.recall import cached_recall_order
+        from dofla.planning.recall_order import cached_recall_order
 
         order = cached_recall_order(
             teacher,
@@ -251,7 +253,7 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
             linearize_config.overwrite = cell_dir.is_dir() and not resumable
             linearize_config.progress = progress
             started = time.perf_counter()
-            with dof.curve_cache(curves_folder):
+            with planning.curve_cache(curves_folder):
                 linearize(
                     linearize_config, teacher=copy.deepcopy(teacher), tokenizer=tokenizer, sequences=sequences
                 )

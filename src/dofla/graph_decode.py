@@ -329,7 +329,7 @@ def generate_greedy(
     until the windows are full (:func:`frozen_step_length`; at least one, which makes them rings)."""
     from transformers import DynamicCache
 
-    from dofla.evaluation.speed import prefill
+    from dofla.prefill import prefill
 
     emit = on_tokens or (lambda tokens: None)
     emit(input_ids)

@@ -1,6 +1,6 @@
 """Read a folder written by :func:`dofla.saving.save_converted` back into a converted model, with strict key
 checks and the teacher's fingerprint (teachers themselves load with :mod:`dofla.models.loading`). Folders
-saved before config.json became a :class:`~dofla.saving.DoflaConfig` (it held the teacher's config) still load.
+saved before config.json became a :class:`~dofla.auto.DoflaConfig` (it held the teacher's config) still load.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dofla._registration import MODEL_TYPE
 from dofla.config import ConversionPlan
 from dofla.convert import convert
 from dofla.errors import DoflaError
@@ -22,7 +23,6 @@ from dofla.saving import (
     SAVE_FORMAT,
     STUDENT_WEIGHTS_FILE,
     WEIGHTS_FILE,
-    DoflaConfig,
     is_student_key,
     teacher_architecture,
     teacher_fingerprint,
@@ -154,7 +154,7 @@ def saved_before_auto_config(path: str | Path) -> bool:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and config.get("model_type") != DoflaConfig.model_type
+    return isinstance(config, dict) and config.get("model_type") != MODEL_TYPE
 
 
 def _teacher_config(path: Path, plan: ConversionPlan):
@@ -170,7 +170,7 @@ def _teacher_config(path: Path, plan: ConversionPlan):
             f"{path / 'config.json'} is missing or damaged ({first}); the folder is incomplete: save the model "
             "again."
         ) from None
-    if not isinstance(config, DoflaConfig):
+    if config.model_type != MODEL_TYPE:  # dofla.auto.DoflaConfig
         return config
     if config.plan and ConversionPlan.from_dict(config.plan).to_dict() != plan.to_dict():
         raise DoflaError(

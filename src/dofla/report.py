@@ -9,17 +9,42 @@ from __future__ import annotations
 import math
 import shlex
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dofla.evaluation.long_context import long_context_markdown, plot_loss_by_position
 from dofla.evaluation.passkey import passkey_markdown
 from dofla.evaluation.recall import recall_markdown
 from dofla.io import write_atomic, write_json_atomic, write_text_atomic
+from dofla.run_config import LinearizeConfig
+from dofla.run_data import RunData
 
-if TYPE_CHECKING:
-    from dofla.pipeline import Evaluation, LinearizeResult, RunData
-    from dofla.run_config import LinearizeConfig
+
+@dataclass
+class LinearizeResult:
+    out_dir: Path  # the saved converted model (load with dofla.loading.load_converted)
+    report_path: Path
+    teacher_ppl: float
+    student_ppl: float
+    run_dir: Path
+    plan_table: list[dict] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    data_source: str = ""
+    train_tokens: int = 0
+    lora_teacher_ppl: float | None = None  # the teacher after the same LoRA stage (``lora.baseline``)
+
+
+@dataclass
+class Evaluation:
+    """Held-out quality after training: by length (teacher, window baselines, student), pass key, errors."""
+
+    quality: dict
+    passkeys: dict | None
+    recall: list[dict] | None
+    layer_errors: dict[int, dict]
+    teacher_ppl: float
+    student_ppl: float
 
 
 def plan_table(plan) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Write a converted model to a folder: ``config.json`` (a :class:`DoflaConfig`, ``model_type`` "dofla": the
+"""Write a converted model to a folder: ``config.json`` (a :class:`dofla.auto.DoflaConfig`, ``model_type`` "dofla": the
 teacher's config and the plan), ``model.safetensors`` (all weights; tied weights stored once),
 ``dofla_plan.json`` (the plan, the teacher's fingerprint, the format), tokenizer files. ``student_only=True``
 writes ``student.safetensors`` with only the dofla parameters. A converted model's class gains
@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PreTrainedConfig
+from transformers import AutoConfig
 
 from dofla import dispatch, outputs
+from dofla._registration import MODEL_TYPE
 from dofla.config import ConversionPlan
 from dofla.errors import DoflaError
 from dofla.io import (
@@ -30,39 +31,10 @@ from dofla.io import (
 )
 from dofla.models.adapters import get_adapter
 
-MODEL_TYPE = "dofla"
 PLAN_FILE = "dofla_plan.json"
 WEIGHTS_FILE = "model.safetensors"
 STUDENT_WEIGHTS_FILE = "student.safetensors"
 SAVE_FORMAT = 1
-
-
-class DoflaConfig(PreTrainedConfig):
-    """A converted model's config: the teacher's config as a dict (``base_config``) and the plan (``plan``)."""
-
-    model_type = MODEL_TYPE
-
-    def __init__(self, base_config: dict | None = None, plan: dict | None = None, **kwargs):
-        self.base_config = dict(base_config or {})
-        self.plan = dict(plan or {})
-        super().__init__(**kwargs)
-
-    @classmethod
-    def for_model(cls, model: torch.nn.Module, plan) -> DoflaConfig:
-        """The config of ``model`` (a teacher's config) converted by ``plan`` (a ConversionPlan)."""
-        return cls(base_config=model.config.to_dict(), plan=plan.to_dict())
-
-    def teacher_config(self) -> PreTrainedConfig:
-        """The teacher's config, as its own config class (``LlamaConfig``...)."""
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-        model_type = self.base_config.get("model_type")
-        if model_type not in CONFIG_MAPPING:
-            raise DoflaError(
-                f"the converted model's base config has model_type {model_type!r}, which this transformers does "
-                "not know; the folder's config.json is damaged: save the model again."
-            )
-        return CONFIG_MAPPING[model_type].from_dict(self.base_config)
 
 
 def is_student_key(name: str) -> bool:
@@ -223,7 +195,11 @@ def save_converted(
         umask = os.umask(0)
         os.umask(umask)
         try:
-            DoflaConfig.for_model(model, saved_plan).save_pretrained(temporary)
+            # the registered "dofla" config (dofla.auto.DoflaConfig): the teacher's config and the plan
+            config = AutoConfig.for_model(
+                MODEL_TYPE, base_config=model.config.to_dict(), plan=saved_plan.to_dict()
+            )
+            config.save_pretrained(temporary)
             save_safetensors_atomic(tensors, temporary / record["weights"], metadata={"format": "pt"})
             if tokenizer is not None:
                 tokenizer.save_pretrained(temporary)

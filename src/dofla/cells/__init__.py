@@ -23,6 +23,13 @@ def build_student(plan, **shape) -> LinearAttention:
     return cell_class(plan.cell)(plan, **shape)
 
 
+def check_plan_cells(plan) -> None:
+    """Refuse a ConversionPlan naming a cell that is not registered (before any model is loaded)."""
+    for layer in plan.layers:
+        if layer.kind != "softmax":
+            cell_class(layer.cell)
+
+
 __all__ = [
     "DeltaHybridState",
     "GatedDeltaAttention",
@@ -34,5 +41,6 @@ __all__ = [
     "LinearAttention",
     "build_student",
     "cell_class",
+    "check_plan_cells",
     "register_cell",
 ]

@@ -70,12 +70,15 @@ def parse_layers(text: str | None) -> list[int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dofla.cells import check_plan_cells
     from dofla.config import ConversionPlan
     from dofla.errors import DoflaError
     from dofla.feature_maps import FEATURE_MAPS
 
     # Everything that can be checked without the model is checked before loading it.
     plan = ConversionPlan.load(args.plan) if args.plan else None
+    if plan is not None:
+        check_plan_cells(plan)
     layers = parse_layers(args.layers)
     if plan is None:
         if args.feature_dim <= 0:

@@ -39,9 +39,9 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from dofla.demo import demo_config
     from dofla.loading import load_converted
     from dofla.pipeline import linearize
-    from dofla.recipes import demo_config
 
     config = demo_config(Path(args.out))
     config.overwrite = args.overwrite

@@ -156,14 +156,14 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
     options = dict(budget=args.budget, minimum=args.min_dim, keep_softmax=args.keep_softmax, layers=layers)
     curves = None
     if dof.ALLOCATIONS[args.allocation].needs_curves or args.softmax_choice == "measured":
-        from dofla.dof.error_curves import settings_for
+        from dofla.planning.error_curves import cached_error_curves, settings_for
 
         note("measuring each layer's error curve (short teacher-forced fits at a few feature dimensions)")
         settings = settings_for(dict(kind=args.kind, feature_map=args.feature_map))
-        curves = dof.cached_error_curves(teacher.model, batches, settings, folder=args.out, progress=True)
+        curves = cached_error_curves(teacher.model, batches, settings, folder=args.out, progress=True)
     window_cost = None
     if args.keep_softmax and args.softmax_choice == "window":
-        from dofla.evaluation.window_baseline import window_costs
+        from dofla.planning.window_costs import window_costs
 
         note("measuring what cutting each layer alone to the plan's 64-token window costs (KL per token)")
         window_cost = window_costs(teacher.model, batches, window=64, layers=layers)

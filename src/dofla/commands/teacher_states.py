@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_data(args: argparse.Namespace, teacher):
     """The training and held-out rows `dofla linearize` would make from the same data settings."""
-    from dofla.pipeline import prepare_data
     from dofla.run_config import LinearizeConfig
+    from dofla.run_data import prepare_data
 
     lengths = None if args.eval_lengths is None else parse_boundaries(args.eval_lengths, "--eval-lengths")
     settings = dict(

@@ -2,7 +2,8 @@
 
     estimate = dof.estimate(model, batches, measure="dof")          # capture q/k once, measure every head
     plan = dof.make_plan(model, estimate, budget=64, variant="dof")  # allocate, build the ConversionPlan
-    plan = dof.measure_and_plan(model, batches, variant="dof", measure="dof", budget=64)  # both in one call
+
+Measuring on the teacher to choose a plan (and both in one call) is :mod:`dofla.planning`.
 
 The package, by concern:
 
@@ -13,7 +14,7 @@ The package, by concern:
   ``measured``), the softmax-layer choices (``dof``, ``uniform``, ``measured``) and :func:`make_plan`, the one
   plan builder;
 - :mod:`~dofla.dof.error_curves`: each layer's measured distillation error as a function of its feature
-  dimension (short teacher-forced fits), the ``measured`` allocation's input;
+  dimension (measured by :mod:`dofla.planning.error_curves`) and the ``measured`` allocation by it;
 - :mod:`~dofla.dof.report`: the markdown table and plots of ``dofla dof``.
 
 See docs/dof.md for the maths and docs/architecture.md for adding a measure or an allocation.
@@ -30,18 +31,10 @@ from dofla.dof.allocate import (
     largest_remainder,
     make_plan,
     map_head_measure,
-    measure_and_plan,
     register_allocation,
     register_softmax_choice,
 )
-from dofla.dof.error_curves import (
-    CurveSettings,
-    ErrorCurves,
-    cached_error_curves,
-    curve_cache,
-    greedy_dims,
-    measure_error_curves,
-)
+from dofla.dof.error_curves import ErrorCurves, greedy_dims
 from dofla.dof.estimation import (
     SATURATION_LEVEL,
     CapturedPoints,
@@ -83,7 +76,6 @@ __all__ = [
     "AllocationRequest",
     "AllocationRule",
     "CapturedPoints",
-    "CurveSettings",
     "DofEstimate",
     "ErrorCurves",
     "HeadResult",
@@ -92,9 +84,7 @@ __all__ = [
     "allocate_all",
     "allocate_feature_dims",
     "attention_rank",
-    "cached_error_curves",
     "capture_points",
-    "curve_cache",
     "degrees_of_freedom",
     "energy_rank",
     "estimate",
@@ -106,8 +96,6 @@ __all__ = [
     "make_plan",
     "map_head_measure",
     "markdown_table",
-    "measure_and_plan",
-    "measure_error_curves",
     "measure_points",
     "merge_duplicates",
     "parse_lambda",

@@ -33,7 +33,6 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -126,9 +125,9 @@ def register_softmax_choice(name: str):
     """Function decorator: ``function(layers, count, *, measure, curves, budget, window_cost, recall_order)
     -> chosen layers``, the ``count`` layers of ``layers`` that stay softmax (``measure``: one value per model
     layer; ``curves``: the measured error curves or None; ``window_cost``: per model layer, what cutting that
-    layer alone to the window costs (:func:`dofla.evaluation.window_baseline.window_costs`) or None;
+    layer alone to the window costs (:func:`dofla.planning.window_costs.window_costs`) or None;
     ``recall_order``: layers in the order a greedy search for recall beyond the window adds them
-    (:func:`dofla.evaluation.recall.recall_layer_order`) or None)."""
+    (:func:`dofla.planning.recall_order.recall_layer_order`) or None)."""
 
     def register(function: SoftmaxChoice) -> SoftmaxChoice:
         SOFTMAX_CHOICES.add(name, function)
@@ -159,8 +158,8 @@ def by_measured_error(
     """The layers whose measured error at the budget is highest (restoring them removes the most error)."""
     if curves is None:
         raise DoflaError(
-            "the measured softmax-layer choice needs measured error curves: use dof.measure_and_plan, or give "
-            "curves=dof.measure_error_curves(...) to make_plan."
+            "the measured softmax-layer choice needs measured error curves: use dofla.planning.measure_and_plan, or give "
+            "curves=dofla.planning.measure_error_curves(...) to make_plan."
         )
     return choose_by_error(curves, layers, count, budget)
 
@@ -173,8 +172,8 @@ def by_window_cost(
     the calibration length: the layers that most need the whole context (ties: the earlier layer)."""
     if window_cost is None:
         raise DoflaError(
-            "the window softmax-layer choice needs each layer's window cost: use dof.measure_and_plan, or give "
-            "window_cost=dofla.evaluation.window_baseline.window_costs(...) to make_plan."
+            "the window softmax-layer choice needs each layer's window cost: use dofla.planning.measure_and_plan, or give "
+            "window_cost=dofla.planning.window_costs.window_costs(...) to make_plan."
         )
     return sorted(sorted(layers, key=lambda i: (-window_cost[i], i))[:count])
 
@@ -186,8 +185,8 @@ def by_recall(layers, count, *, measure, curves, budget, window_cost=None, recal
     those already kept (layers that together carry recall, which single-layer scores miss)."""
     if recall_order is None:
         raise DoflaError(
-            "the recall softmax-layer choice needs the greedy recall order: use dof.measure_and_plan, or give "
-            "recall_order=[layer for layer, _ in dofla.evaluation.recall.recall_layer_order(...)] to make_plan."
+            "the recall softmax-layer choice needs the greedy recall order: use dofla.planning.measure_and_plan, or give "
+            "recall_order=[layer for layer, _ in dofla.planning.recall_order.recall_layer_order(...)] to make_plan."
         )
     chosen = [int(layer) for layer in recall_order if int(layer) in set(layers)][:count]
     if len(chosen) < count:
@@ -289,8 +288,8 @@ def measured(request: AllocationRequest) -> tuple[list[int], None]:
     exactly budget × layers (at most ``maximum`` each)."""
     if request.curves is None:
         raise DoflaError(
-            "the measured allocation needs measured error curves: use dof.measure_and_plan, or give "
-            "curves=dof.measure_error_curves(...) to make_plan."
+            "the measured allocation needs measured error curves: use dofla.planning.measure_and_plan, or give "
+            "curves=dofla.planning.measure_error_curves(...) to make_plan."
         )
     total = request.budget * len(request.layers)
     minimum = _measured_minimum(request)
@@ -325,8 +324,8 @@ def measured_headwise(request: AllocationRequest) -> tuple[list[int], list[list[
     is as wide as its widest head."""
     if request.curves is None:
         raise DoflaError(
-            "the measured_headwise allocation needs measured error curves: use dof.measure_and_plan, or give "
-            "curves=dof.measure_error_curves(...) to make_plan."
+            "the measured_headwise allocation needs measured error curves: use dofla.planning.measure_and_plan, or give "
+            "curves=dofla.planning.measure_error_curves(...) to make_plan."
         )
     heads = request.curves.map_heads
     total = request.budget * len(request.layers) * heads
@@ -423,8 +422,8 @@ def allocate_feature_dims(
     converted = [i for i in selected if i not in softmax_layers]
     if rule.needs_curves and curves is None:
         raise DoflaError(
-            f"allocation {variant!r} allocates by measured error curves: use dof.measure_and_plan, or give "
-            "curves=dof.measure_error_curves(...) to make_plan."
+            f"allocation {variant!r} allocates by measured error curves: use dofla.planning.measure_and_plan, or give "
+            "curves=dofla.planning.measure_error_curves(...) to make_plan."
         )
     request = AllocationRequest(
         layer_measure=[float(layer_measure[i]) for i in converted],
@@ -632,80 +631,3 @@ def make_plan(
     )
     plan.validate()
     return plan
-
-
-def measure_and_plan(
-    model: torch.nn.Module,
-    batches: Sequence[torch.Tensor],
-    *,
-    variant: str = "dof",
-    measure: str = "dof",
-    num_points: int = 1024,
-    curve_options: dict[str, Any] | None = None,
-    curves_folder: str | Path | None = None,
-    **plan_options,
-) -> ConversionPlan:
-    """:func:`make_plan` for allocation ``variant``, measuring ``measure`` on calibration batches (B, T) first
-    when the allocation needs a measure (a measure-free allocation such as ``fix`` runs no teacher forward).
-    ``plan_options``: :func:`make_plan`'s keyword arguments (budget, kind, feature_map, window, layers, ...).
-
-    For ``softmax_choice="recall"`` the greedy recall order
-    (:func:`~dofla.evaluation.recall.recall_layer_order`) is measured on the batches first, up to
-    ``keep_softmax`` layers. For ``softmax_choice="window"`` each layer's window cost (the KL of cutting it alone to the plan's window
-    and sinks, :func:`~dofla.evaluation.window_baseline.window_costs`) is measured on the batches first, so
-    measure at the length the model must serve. Error curves (:mod:`dofla.dof.error_curves`) are measured on
-    the same batches when the allocation or the softmax-layer choice needs them, with the planned student
-    and ``curve_options`` (dims, steps, lr, loss, criterion, heldout_rows), and kept in ``curves_folder``
-    (default: the innermost :func:`~dofla.dof.error_curves.curve_cache`) for the next run with the same key;
-    so is the recall order (:func:`~dofla.evaluation.recall.cached_recall_order`).
-    """
-    from dofla.dof.error_curves import cached_error_curves, settings_for
-    from dofla.dof.estimation import estimate
-    from dofla.models import get_adapter
-
-    rule = ALLOCATIONS[variant]
-    choice = plan_options.get("softmax_choice")
-    # the layers to convert, resolved once: the measurements below take them too
-    plan_options["layers"] = get_adapter(model).layers_to_convert(
-        plan_options.get("layers"), convert_windowed=plan_options.pop("convert_windowed", False)
-    )
-    wants_curves = rule.needs_curves or (plan_options.get("keep_softmax", 0) and choice == "measured")
-    if wants_curves and plan_options.get("curves") is None:
-        settings = settings_for(plan_options, **dict(curve_options or {}))
-        # every layer's curve, whichever are converted: one measurement serves any choice of layers
-        plan_options["curves"] = cached_error_curves(model, batches, settings, folder=curves_folder)
-    if plan_options.get("keep_softmax", 0) and choice == "window" and plan_options.get("window_cost") is None:
-        from dofla.evaluation.window_baseline import window_costs
-
-        plan_options["window_cost"] = window_costs(
-            model,
-            batches,
-            window=plan_options.get("window", 64),
-            sinks=plan_options.get("sinks", 0),
-            layers=plan_options.get("layers"),
-        )
-    if (
-        plan_options.get("keep_softmax", 0)
-        and choice == "recall"
-        and plan_options.get("recall_order") is None
-    ):
-        from dofla.evaluation.recall import cached_recall_order
-
-        order = cached_recall_order(
-            model,
-            batches,
-            plan_options["keep_softmax"],
-            window=plan_options.get("window", 64),
-            sinks=plan_options.get("sinks", 0),
-            layers=plan_options.get("layers"),
-            folder=curves_folder,
-        )
-        plan_options["recall_order"] = [layer for layer, _ in order]
-    measured = None
-    if rule.needs_measure or (
-        plan_options.get("keep_softmax", 0)
-        and (choice or "dof") == "dof"
-        and plan_options.get("curves") is None
-    ):
-        measured = estimate(model, batches, num_points=num_points, measure=measure)
-    return make_plan(model, measured, variant=variant, **plan_options)

@@ -1,0 +1,33 @@
+"""The ``make demo`` run (``dofla demo``): one recipe's settings sized for a 2-core CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dofla.run_config import LinearizeConfig
+
+DEMO_COMMAND = "dofla demo  (dofla.pipeline.linearize(dofla.demo.demo_config(out)))"
+
+
+def demo_config(out_dir: str | Path) -> LinearizeConfig:
+    """The ``make demo`` run, sized for a 2-core CPU: the embedded SmolLM2-135M with every layer converted to
+    the long-context recipe's cell (``gla``: linear attention with a learned decay sharing one normalisation
+    with a 64-token window that keeps 4 sink tokens), Hedgehog feature dimensions allocated by DoF (mean 32);
+    attention-output MSE on 12k tokens of 512-token sequences, then LoRA (lr 3e-3, KL 1 to the teacher) on 10k
+    tokens, and the same LoRA stage on the unconverted teacher for reference. Held-out text is evaluated at
+    512 and 1,024 tokens beside the teacher and its no-training window baselines. Data: text sampled from the
+    teacher itself (32 texts, cached, joined into 1,024-token rows) unless ``data.path`` is set."""
+    return LinearizeConfig.from_dict(
+        dict(
+            out_dir=str(out_dir),
+            recipe="gla",
+            command=DEMO_COMMAND,
+            data=dict(
+                seq_len=512, heldout_fraction=0.1, heldout_sequences=8, sampled_texts=32, sampled_tokens=128
+            ),
+            plan=dict(budget=32, allocation="dof", dof_points=256, dof_batches=1),
+            distill=dict(tokens=12_000, batch_size=2, eval_every=6, checkpoint_every=3),
+            lora=dict(tokens=10_000, baseline=True),
+            evaluate=dict(lengths=[1024], passkey_lengths=[256, 1024], passkey_trials=1),
+        )
+    )
