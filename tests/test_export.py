@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from dofla.cli import main
-from dofla.convert import convert, plan_for, save_converted, students
+from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
 from dofla.export import export_folder, export_model
 from dofla.models import build_tiny_model, build_tiny_tokenizer
+from dofla.models.surgery import students
+from dofla.saving import save_converted
 
 RUNNER = Path(__file__).resolve().parents[1] / "experiments" / "plain_transformers_run.py"
 NEW_TOKENS = 6

@@ -15,15 +15,18 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 
 from dofla.cells import GatedDeltaNet, cell_class
 from dofla.config import LayerPlan
-from dofla.convert import convert, load_converted, plan_for, save_converted, students
+from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
+from dofla.loading import load_converted
 from dofla.models import build_tiny_model
+from dofla.models.surgery import students
 from dofla.ops.gated_delta_net import (
     GatedDeltaNetShape,
     chunked_gated_delta_net,
     gated_delta_net,
     recurrent_gated_delta_net,
 )
+from dofla.saving import save_converted
 
 B, T, W = 2, 11, 4
 

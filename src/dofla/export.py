@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from dofla.config import ConversionPlan
-from dofla.convert import check_finite_model, load_converted, read_record
 from dofla.errors import DoflaError
+from dofla.loading import load_converted, read_record
 from dofla.models import get_adapter
+from dofla.saving import check_finite_model
 
 EXPORT_KIND = "exported model"
 EXPORTED_CELL = "gated_delta_net"
@@ -102,7 +103,7 @@ def qwen3_5_config(model: nn.Module):
     """The ``Qwen3_5TextConfig`` of a converted model whose layers are all the exported cell."""
     from transformers import Qwen3_5TextConfig
 
-    from dofla.convert import students
+    from dofla.models.surgery import students
 
     teacher = model.config.get_text_config(decoder=True)
     cells = students(model)
@@ -175,8 +176,8 @@ def export_model(model: nn.Module, out_dir: str | Path, *, tokenizer=None, input
     sentence with nothing written. Returns the folder."""
     from transformers import Qwen3_5ForCausalLM
 
-    from dofla.convert import _skipped_weight_initialisation
     from dofla.io import temporary_prefix
+    from dofla.loading import skipped_weight_initialisation
 
     out_dir = check_export_folder(out_dir, inputs)
     plan = getattr(model, "dofla_plan", None)
@@ -194,7 +195,7 @@ def export_model(model: nn.Module, out_dir: str | Path, *, tokenizer=None, input
     config = qwen3_5_config(model)
     tensors = qwen3_5_weights(model)
     dtype = model.get_input_embeddings().weight.dtype
-    with _skipped_weight_initialisation():
+    with skipped_weight_initialisation():
         exported = Qwen3_5ForCausalLM(config).to(dtype)
     missing, unexpected = exported.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
@@ -234,13 +235,13 @@ def export_folder(path: str | Path, out_dir: str | Path) -> Path:
     """``dofla export``: the converted folder ``path`` (saved by dofla) written to ``out_dir`` as a
     ``qwen3_5_text`` checkpoint (see :func:`export_model`). What cannot be exported is refused from the
     saved plan and config before the weights are read."""
-    from dofla.convert import _teacher_config
+    from dofla.loading import teacher_config_of
 
     path = Path(path)
     record = read_record(path)  # one sentence where the folder is not a converted model
     check_export_folder(out_dir, inputs=[path])
     plan = ConversionPlan.from_dict(record["plan"])
-    config = _teacher_config(path, plan)
+    config = teacher_config_of(path, plan)
     difference = teacher_differences(config) or plan_differences(plan, int(config.num_hidden_layers))
     if difference:
         raise _not_exportable(difference)

@@ -122,7 +122,7 @@ def _load_state_strictly(model: nn.Module, tensors: dict[str, torch.Tensor], exp
         target.data = tensor.to(target.device)
 
 
-def _skipped_weight_initialisation():
+def skipped_weight_initialisation():
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # older transformers: initialise (slower, same result after loading)
@@ -157,7 +157,7 @@ def saved_before_auto_config(path: str | Path) -> bool:
     return isinstance(config, dict) and config.get("model_type") != MODEL_TYPE
 
 
-def _teacher_config(path: Path, plan: ConversionPlan):
+def teacher_config_of(path: Path, plan: ConversionPlan):
     """The teacher's config from a folder's config.json: a DoflaConfig's base config, or (folders saved before
     it became one) the teacher's config itself."""
     from transformers import AutoConfig
@@ -212,8 +212,8 @@ def load_converted(path: str | Path, *, teacher=None, dtype=None, device=None):
                 f"load the teacher it names ({record.get('teacher') or 'unknown'})."
             )
     else:
-        config = _teacher_config(path, plan)
-        with _skipped_weight_initialisation():  # every weight is loaded below, under strict key checks
+        config = teacher_config_of(path, plan)
+        with skipped_weight_initialisation():  # every weight is loaded below, under strict key checks
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     convert(model, plan)
     expected = {name for name in model.state_dict() if (is_student_key(name) or not record["student_only"])}
