@@ -10,15 +10,17 @@ import json
 import pytest
 import torch
 
-from dofla.convert import convert, load_converted, plan_for, students
+from dofla.convert import convert, plan_for
 from dofla.data import row_start_token, start_rows
 from dofla.evaluation.long_context import pack_by_length
+from dofla.loading import load_converted
 from dofla.models import FAMILIES, build_tiny_model, build_tiny_tokenizer, get_adapter
+from dofla.models.surgery import students
 from dofla.models.tiny import TINY_FAMILIES
 from dofla.pipeline import linearize, lora_rows
-from dofla.run_data import prepare_data
 from dofla.rotary import fixed_rotary_frequencies
 from dofla.run_config import LinearizeConfig, merge
+from dofla.run_data import prepare_data
 
 LENGTH = 32
 BOS = 1  # the tiny tokenizer's <s>

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dofla.convert import convert, plan_for, students
+from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
 from dofla.evaluation.window_baseline import baseline_layers, baseline_notes
 from dofla.models import build_tiny_model, get_adapter
+from dofla.models.surgery import students
 from dofla.report import plan_table
 
 

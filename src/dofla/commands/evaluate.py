@@ -217,8 +217,8 @@ def check_arguments(args: argparse.Namespace) -> None:
 def _named_teacher(converted: str) -> str | None:
     """The teacher a converted folder names (an input --json and --plot must not write into), if it can be
     read; a damaged folder is reported when it is loaded."""
-    from dofla.convert import read_record
     from dofla.errors import DoflaError
+    from dofla.loading import read_record
 
     try:
         teacher = read_record(converted).get("teacher")
