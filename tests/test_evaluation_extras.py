@@ -124,7 +124,10 @@ def test_passkey_comparison_covers_lengths_depths_and_rows():
     assert (
         result["context_lengths"] == [256, 512] and "beyond the teacher's 512 positions" in result["notes"][0]
     )
-    assert list(result["rows"]) == ["teacher", "window+sinks2", "student"]
+    assert list(result["rows"]) == ["teacher", "window+sinks2", "streaming", "heavy-hitter", "student"]
+    # this student is a teacher: its equal-bytes caches keep every key, and every row holds what it says
+    assert result["state_bytes"]["student"] == result["state_bytes"]["teacher"]
+    assert result["state_bytes"]["streaming"] == result["state_bytes"]["teacher"]
     for row in result["rows"].values():
         assert [(r["context_tokens"], r["depth"]) for r in row["results"]] == [
             (256, 0.2),
@@ -135,7 +138,7 @@ def test_passkey_comparison_covers_lengths_depths_and_rows():
         # the 512-token prompts leave room for the answer within the teacher's 512 positions
         assert all(r["prompt_tokens"] <= 512 - 8 for r in row["results"])
     table = passkey_markdown(result)
-    assert "| window 8 + 2 sinks |" in table and "512 tokens" in table
+    assert "| window 8 + 2 sinks " in table and "512 tokens" in table and " MiB)" in table
     with pytest.raises(DoflaError, match="1024 tokens is longer than the teacher's maximum of 512"):
         passkey_comparison(teacher, None, tokenizer, context_lengths=[1024], window=8)
 

@@ -117,7 +117,7 @@ def test_cells_at_length(tiny, tmp_path):
     assert len(results["variants"]) == 2
     for measured in results["variants"].values():
         models = measured["trained"]["by_length"]["32"]["models"]
-        assert set(models) == {"teacher", "window", "window+sinks2", "student"}
+        assert set(models) == {"teacher", "window", "window+sinks2", "streaming", "heavy-hitter", "student"}
     assert "window+sinks2" in results["baselines"]["by_length"]["32"]["models"]
     assert "## gla hedgehog 8, gamma0 0.9: untrained" in (tmp_path / "cells_at_length.md").read_text()
 

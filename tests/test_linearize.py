@@ -353,6 +353,8 @@ def test_long_context_recipe_evaluates_every_length_beside_the_window_baselines(
             "window",
             "window+sinks4",
             "window+sinks4@edge",
+            "streaming",
+            "heavy-hitter",
             "student",
         }
         assert measured["models"]["student"]["kl"] is not None

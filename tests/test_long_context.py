@@ -6,11 +6,16 @@ import math
 import pytest
 import torch
 from helpers import small_llama
+from transformers import DynamicCache
 
-from dofla.cli import main
+from dofla.cache import held_bytes
+from dofla.cli import build_parser, main
+from dofla.commands.evaluate import check_arguments
 from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
 from dofla.evaluation import logits as logits_module
+from dofla.evaluation.cache_baselines import CacheBaseline, kv_bytes_per_token
+from dofla.evaluation.heavy_hitter import heavy_hitter_restricted
 from dofla.evaluation.long_context import (
     long_context_markdown,
     long_context_quality,
@@ -18,6 +23,7 @@ from dofla.evaluation.long_context import (
     position_buckets,
 )
 from dofla.evaluation.perplexity import perplexity
+from dofla.evaluation.window_baseline import window_restricted
 from dofla.models import build_tiny_model, build_tiny_tokenizer, save_tiny_model_folder
 from dofla.saving import save_converted
 
@@ -71,7 +77,13 @@ def test_student_equal_to_teacher_has_zero_kl_and_full_agreement(monkeypatch):
         assert window_row["buckets"][0]["kl"] == pytest.approx(0.0, abs=1e-6)
         assert window_row["buckets"][0]["top1"] == 1.0
         assert window_row["kl"] > 1e-4 and window_row["top1"] < 1.0
-    assert list(result["by_length"]["12"]["models"]) == ["teacher", "window", "window+sinks2", "student"]
+    rows = ["teacher", "window", "window+sinks2", "streaming", "heavy-hitter", "student"]
+    assert list(result["by_length"]["12"]["models"]) == rows
+    # this student's cache holds the teacher's whole KV cache: its equal-bytes baselines are the teacher
+    for measured in result["by_length"].values():
+        assert measured["state_bytes"]["student"] == measured["state_bytes"]["teacher"]
+        for name in ("streaming", "heavy-hitter"):
+            assert measured["models"][name]["kl"] == pytest.approx(0.0, abs=1e-6)
     json.dumps(result, allow_nan=False)
 
 
@@ -191,7 +203,14 @@ def test_evaluate_command_writes_per_length_per_bucket_json(converted_folder, tm
     measured = quality["by_length"]["64"]
     assert measured["sequences"] == 3 and measured["predicted_tokens"] == 3 * 63
     assert [bucket["label"] for bucket in measured["buckets"]] == ["1-7", "8-15", "16-31", "32-63"]
-    assert list(measured["models"]) == ["teacher", "window", "window+sinks4", "student"]
+    assert list(measured["models"]) == [
+        "teacher",
+        "window",
+        "window+sinks4",
+        "streaming",
+        "heavy-hitter",
+        "student",
+    ]
     for row in measured["models"].values():
         assert len(row["buckets"]) == 4 and row["perplexity"] > 1
     assert 0 <= measured["models"]["student"]["top1"] <= 1
@@ -199,12 +218,24 @@ def test_evaluate_command_writes_per_length_per_bucket_json(converted_folder, tm
         "0",
         "1",
     ]
-    assert list(result["passkey"]["rows"]) == ["teacher", "window+sinks4", "student"]
+    assert list(result["passkey"]["rows"]) == [
+        "teacher",
+        "window+sinks4",
+        "streaming",
+        "heavy-hitter",
+        "student",
+    ]
     assert [(item["length"], item["sequences"], item["tokens"]) for item in result["recall"]] == [
         (32, 3, 3 * 3),  # spans of 32 // 8 tokens, 3 scored in each
         (64, 3, 3 * 7),
     ]
-    assert list(result["recall"][1]["models"]) == ["teacher", "window", "student"]
+    assert list(result["recall"][1]["models"]) == [
+        "teacher",
+        "window",
+        "streaming",
+        "heavy-hitter",
+        "student",
+    ]
     assert "## Recall beyond the window" in printed and "| window 8 + 4 sinks |" in printed
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
@@ -347,4 +378,56 @@ def test_evaluate_edge_sinks_adds_the_rows(converted_folder, tmp_path, capsys):
     assert main(arguments + ["--json", str(tmp_path / "eval.json")]) == 0
     assert "| window 8 + 4 sinks at the edge |" in capsys.readouterr().out
     models = json.loads((tmp_path / "eval.json").read_text())["long_context"]["by_length"]["32"]["models"]
-    assert list(models) == ["teacher", "window", "window+sinks4", "window+sinks4@edge", "student"]
+    assert list(models) == [
+        "teacher", "window", "window+sinks4", "window+sinks4@edge", "streaming", "heavy-hitter", "student"
+    ]  # fmt: skip
+
+
+def test_bounded_cache_baselines_hold_the_bytes_of_the_students_state():
+    teacher, student = small_llama(), small_llama()
+    convert(student, plan_for(student, kind="hybrid", feature_map="elu1", feature_dim=8, window=8))
+    data = {96: _sequences(2, 96)}
+    result = long_context_quality(teacher, student, data, window=8, sinks=(2,), batch_size=2)
+    measured = result["by_length"]["96"]
+    per_token = kv_bytes_per_token(teacher) * 2  # two layers
+    cache = DynamicCache(config=student.config)
+    with torch.no_grad():
+        student(data[96][:1], past_key_values=cache, use_cache=True)
+    state = measured["state_bytes"]
+    assert state["student"] == held_bytes(cache) and state["teacher"] == 96 * per_token
+    tokens = state["student"] // per_token  # as many of the teacher's keys as fit in the student's bytes
+    assert measured["cache_baselines"]["streaming"] == {
+        "name": "streaming", "tokens": tokens, "sinks": 4, "label": f"StreamingLLM {tokens - 4} + 4 sinks"
+    }  # fmt: skip
+    assert state["streaming"] == state["heavy-hitter"] == tokens * per_token <= state["student"]
+    assert state["student"] - state["streaming"] < per_token
+    # the rows are the teacher under those caches
+    with torch.no_grad():
+        with window_restricted(teacher, tokens - 4, 4):
+            streaming = perplexity(teacher, data[96])["perplexity"]
+        with heavy_hitter_restricted(
+            teacher, tokens, 4, block=CacheBaseline("heavy-hitter", tokens, 4).block
+        ):
+            heavy = perplexity(teacher, data[96])["perplexity"]
+    assert measured["models"]["streaming"]["perplexity"] == pytest.approx(streaming, rel=1e-5)
+    assert measured["models"]["heavy-hitter"]["perplexity"] == pytest.approx(heavy, rel=1e-5)
+    assert heavy != pytest.approx(streaming, rel=1e-4)
+    assert "StreamingLLM" in long_context_markdown(result) and "state MiB" in long_context_markdown(result)
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [
+        (0, "positive number of tokens"),
+        (-3, "positive number"),
+        (5, "no window beyond 4"),
+        (32, "not smaller"),
+    ],
+)
+def test_a_bad_cache_budget_is_one_sentence_before_any_model_runs(budget, message, converted_folder, capsys):
+    with pytest.raises(DoflaError, match=message):
+        long_context_quality(small_llama(), None, {32: _sequences(1, 32)}, window=4, cache_budget=budget)
+    root = converted_folder
+    arguments = ["evaluate", str(root / "student"), "--data", str(root / "heldout.txt"), "--lengths", "32,64"]
+    with pytest.raises(DoflaError, match=message):
+        check_arguments(build_parser().parse_args([*arguments, "--cache-budget", str(budget)]))

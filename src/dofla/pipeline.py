@@ -439,9 +439,10 @@ def lora_adapted_teacher_perplexity(
 def evaluate_student(
     config: LinearizeConfig, reference, model, tokenizer, data: RunData, timings
 ) -> Evaluation:
-    """The trained student beside the teacher (``reference``) and its no-training window baselines (the
-    teacher's softmax cut to the student's window, without and with sinks): held-out quality at every
-    length, the pass key, and each layer's attention error."""
+    """The trained student beside the teacher (``reference``) and its no-training baselines (the teacher's
+    softmax cut to the student's window, without and with sinks; StreamingLLM and heavy hitters holding the
+    bytes of the student's state): held-out quality at every length, the pass key, recall, and each layer's
+    attention error."""
     from dofla.data import min_span_length
     from dofla.evaluation.attention_error import attention_errors
     from dofla.evaluation.long_context import long_context_quality
@@ -459,6 +460,7 @@ def evaluate_student(
         sinks=sorted({0, baseline_sinks}),
         batch_size=batch_size,
         sinks_at_edge=config.evaluate.edge_sinks or model.dofla_plan.sinks_at_edge,  # the student's own cache
+        cache_sinks=baseline_sinks,
     )
     at_training_length = quality["by_length"][str(config.data.seq_len)]["models"]
     timings.lap("held-out quality at length (teacher, window baselines, student)")

@@ -60,6 +60,13 @@ def register(subparsers) -> None:
         "--sinks", default="0,4", help="comma-separated sink-token counts, one window baseline each"
     )
     parser.add_argument(
+        "--cache-budget",
+        type=int,
+        default=None,
+        help="keys per layer of the StreamingLLM and heavy-hitter (H2O) baselines (default: as many as fit "
+        "in the bytes the student's cache holds at each length)",
+    )
+    parser.add_argument(
         "--edge-sinks",
         action="store_true",
         help="also the window baselines whose sinks are seen from the window's edge instead of their true "
@@ -166,6 +173,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.window is not None and args.window < 1:
         raise DoflaError(f"--window must be at least 1 token, got {args.window}.")
     args.sink_list = integer_list(args.sinks, "--sinks", minimum=0)
+    if args.cache_budget is not None:
+        from dofla.evaluation.cache_baselines import check_cache_budget
+
+        passkeys = integer_list(args.passkey, "--passkey", minimum=1) if args.passkey.strip() else []
+        lengths = (args.length_list if args.data else []) + passkeys
+        check_cache_budget(args.cache_budget, lengths, max(args.sink_list))
     if args.error_sequences < 0:
         raise DoflaError(f"--error-sequences must be 0 or more, got {args.error_sequences}.")
     args.passkey_list = integer_list(args.passkey, "--passkey", minimum=1) if args.passkey.strip() else []
@@ -321,6 +334,8 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size,
             progress=_progress,
             sinks_at_edge=args.edge_sinks or plan.sinks_at_edge,  # a student's own cache beside it
+            cache_sinks=max(args.sink_list),
+            cache_budget=args.cache_budget,
         )
         results["long_context"] = quality
         if args.error_sequences:
@@ -342,6 +357,7 @@ def run(args: argparse.Namespace) -> int:
                     window=window,
                     sinks=max(args.sink_list),
                     batch_size=args.batch_size,
+                    cache_budget=args.cache_budget,
                 )
                 for packed in sequences.values()
             ]
@@ -357,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
             trials=args.passkey_trials,
             window=window,
             sinks=max(args.sink_list),
+            cache_budget=args.cache_budget,
         )
     _print_results(results)
     if args.plot and "long_context" in results:

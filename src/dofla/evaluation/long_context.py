@@ -28,6 +28,16 @@ from pathlib import Path
 import torch
 
 from dofla.errors import DoflaError
+from dofla.evaluation.cache_baselines import (
+    CACHE_BASELINES,
+    CacheBaseline,
+    baseline_bytes,
+    bytes_label,
+    cache_baselines_at,
+    check_cache_budget,
+    equal_bytes_tokens,
+    held_state_bytes,
+)
 from dofla.evaluation.logits import (
     final_hidden_states,
     kl_from_teacher,
@@ -250,6 +260,8 @@ def long_context_quality(
     batch_size: int = 4,
     progress: Callable[[str], None] | None = None,
     sinks_at_edge: bool = False,
+    cache_sinks: int = 4,
+    cache_budget: int | None = None,
 ) -> dict:
     """Perplexity by position bucket for teacher, window baselines and student, and KL / top-1, per length.
 
@@ -259,15 +271,24 @@ def long_context_quality(
     window alone); ``sinks_at_edge`` adds, for each nonzero count, the baseline whose sinks are seen from the
     window's edge (``window+sinks4@edge``; :func:`dofla.evaluation.window_baseline.edge_sink_window_attention`,
     rotary teachers only). A student that keeps some layers as full softmax (its plan) is compared with
-    baselines restricting only the layers it converted (``window_layers`` in the result, a note says so). buckets: ``{length: [(start, end), ...]}`` to override :func:`position_buckets`.
-    Every length is checked against the teacher's maximum positions before any model runs.
+    baselines restricting only the layers it converted (``window_layers`` in the result, a note says so).
+    buckets: ``{length: [(start, end), ...]}`` to override :func:`position_buckets`. Every length is checked
+    against the teacher's maximum positions before any model runs.
+
+    The bounded-cache baselines (:mod:`dofla.evaluation.cache_baselines`: ``streaming``, ``heavy-hitter``,
+    with ``cache_sinks`` sinks) keep, at each length, as many of the teacher's keys as fit in the bytes the
+    student's cache holds there, or ``cache_budget`` keys per layer where given (without a student and a
+    budget they are left out). ``state_bytes`` gives every row's bytes at each length: measured (the storage
+    the cache holds after a prefill) for the teacher and the student, computed from the keys kept for the
+    baselines.
 
     Returns ``{"window", "sinks", "teacher_context", "rows": {name: label and settings},
     "by_length": {"1024": {"length", "sequences", "predicted_tokens", "buckets": [{"start", "end",
     "label"}], "models": {name: {"nll", "perplexity", ("kl", "top1",) "buckets": [...]}},
     "loss_by_position": {"start", "end", "nll": {name: [...]}}, "seconds": {name: forward seconds,
-    "output_heads": scoring seconds}}},
-    "notes": [...]}``; row names are ``teacher``, ``window``, ``window+sinks4``, ... and ``student``.
+    "output_heads": scoring seconds}, "state_bytes": {name: bytes}, "cache_baselines": {name: {"name",
+    "tokens", "sinks", "label"}}}}, "notes": [...]}``; row names are ``teacher``, ``window``,
+    ``window+sinks4``, ..., ``streaming``, ``heavy-hitter`` and ``student``.
     """
     if batch_size < 1:
         raise DoflaError(f"the batch size must be at least 1, got {batch_size}.")
@@ -292,9 +313,20 @@ def long_context_quality(
         _check_sequences(sequences, int(length), vocabulary)
     if sinks_at_edge:
         check_edge_sinks(teacher)
+    if cache_budget is not None:
+        check_cache_budget(cache_budget, [int(length) for length in sequences_by_length], cache_sinks)
     rows = _row_names(int(window), sinks, student is not None, sinks_at_edge)
     notes: set[str] = set(baseline_notes(student, int(window)))
     restricted = baseline_layers(student)
+    measured_bytes, cache_rows = _cache_baselines(
+        teacher, student, sequences_by_length, restricted, cache_sinks, cache_budget, notes
+    )
+    if any(cache_rows.values()):
+        kept_student = rows.pop("student", None)
+        for name in CACHE_BASELINES:
+            rows[name] = {"label": CacheBaseline(name, 0, 0).kind_label}
+        if kept_student is not None:
+            rows["student"] = kept_student
     result: dict = {
         "window": int(window),
         "sinks": sinks,
@@ -311,23 +343,78 @@ def long_context_quality(
         for length, sequences in sequences_by_length.items():
             length = int(length)
             chosen = buckets.get(length) if buckets else None
-            result["by_length"][str(length)] = _one_length(
+            baselines = {baseline.name: baseline for baseline in cache_rows[length]}
+            here = {
+                name: row for name, row in rows.items() if name not in CACHE_BASELINES or name in baselines
+            }
+            measured = _one_length(
                 teacher,
                 student,
                 sequences,
-                rows,
+                here,
                 chosen or position_buckets(length, int(window)),
                 int(window),
                 restricted,
                 batch_size,
                 notes,
                 progress,
+                baselines,
             )
+            measured["cache_baselines"] = {name: baseline.summary() for name, baseline in baselines.items()}
+            measured["state_bytes"] = _state_bytes(
+                teacher, here, baselines, measured_bytes[length], length, restricted
+            )
+            result["by_length"][str(length)] = measured
     finally:
         for model, mode in zip(models, modes, strict=True):
             model.train(mode)
     result["notes"] = sorted(notes)
     return result
+
+
+def _cache_baselines(
+    teacher, student, sequences_by_length, restricted, sinks: int, budget: int | None, notes: set[str]
+) -> tuple[dict[int, dict[str, int]], dict[int, list[CacheBaseline]]]:
+    """Per length: the bytes the teacher's and the student's caches hold after a prefill of the first row,
+    and the bounded-cache baselines of the student's bytes (or of ``budget`` keys per layer)."""
+    measured, baselines = {}, {}
+    for length, sequences in sequences_by_length.items():
+        length = int(length)
+        row = sequences[:1]
+        measured[length] = {"teacher": held_state_bytes(teacher, row)}
+        if student is not None:
+            measured[length]["student"] = held_state_bytes(student, row)
+        tokens = budget
+        if tokens is None and student is not None:
+            tokens = equal_bytes_tokens(teacher, measured[length]["student"], length, restricted)
+        baselines[length] = (
+            [] if tokens is None else cache_baselines_at(teacher, tokens, length, sinks, notes)
+        )
+    if budget is None and student is not None:
+        notes.add(
+            "StreamingLLM and heavy hitters (H2O) keep, at each length, as many of the teacher's keys and "
+            "values per layer as fit in the bytes the student's cache holds there (state MiB)."
+        )
+    if any(baselines.values()):
+        notes.add(
+            "state MiB: the storage the cache holds after a prefill of the length, measured for the teacher "
+            "and the student; computed from the keys kept for the window, StreamingLLM and heavy-hitter "
+            "baselines, which run as masks over the teacher's ordinary cache."
+        )
+    return measured, baselines
+
+
+def _state_bytes(teacher, rows, baselines, measured, length: int, restricted) -> dict[str, int]:
+    """Every row's cache bytes at ``length``: measured for the teacher and the student, computed otherwise."""
+    state = {}
+    for name, row in rows.items():
+        if name in measured:
+            state[name] = measured[name]
+        elif name in baselines:
+            state[name] = baseline_bytes(teacher, baselines[name].tokens, length, restricted)
+        else:
+            state[name] = baseline_bytes(teacher, row["window"] + row.get("sinks", 0), length, restricted)
+    return state
 
 
 def row_hidden_states(
@@ -345,7 +432,7 @@ def row_hidden_states(
 
 
 def _one_length(
-    teacher, student, sequences, rows, buckets, window, restricted, batch_size, notes, progress
+    teacher, student, sequences, rows, buckets, window, restricted, batch_size, notes, progress, baselines
 ) -> dict:
     length = sequences.shape[1]
     sums = {name: _PositionSums(length) for name in rows}
@@ -356,16 +443,20 @@ def _one_length(
         hidden: dict[str, tuple[torch.nn.Module, torch.Tensor]] = {}
         for name, row in rows.items():
             clock = time.perf_counter()
-            hidden[name] = row_hidden_states(
-                name,
-                teacher,
-                student,
-                batch,
-                window,
-                row.get("sinks", 0),
-                restricted,
-                row.get("at_edge", False),
-            )
+            if name in baselines:
+                with baselines[name].applied(teacher, restricted):
+                    hidden[name] = teacher, final_hidden_states(teacher, batch)
+            else:
+                hidden[name] = row_hidden_states(
+                    name,
+                    teacher,
+                    student,
+                    batch,
+                    window,
+                    row.get("sinks", 0),
+                    restricted,
+                    row.get("at_edge", False),
+                )
             seconds[name] += time.perf_counter() - clock
         clock = time.perf_counter()
         _score_batch(batch, hidden, sums)
@@ -434,17 +525,24 @@ def length_table(result: dict, length: int | str) -> str:
     measured = result["by_length"][str(length)]
     teacher_ppl = measured["models"]["teacher"]["perplexity"]
     header = ["model", "ppl", "x teacher", *(f"ppl {b['label']}" for b in measured["buckets"]), "KL", "top-1"]
+    state = measured.get("state_bytes") or {}
+    if state:
+        header.append("state MiB")
     body = []
     for name, entry in measured["models"].items():
         ratio = None if entry["perplexity"] is None or not teacher_ppl else entry["perplexity"] / teacher_ppl
+        label = (measured.get("cache_baselines") or {}).get(name, {}).get("label") or result["rows"][name][
+            "label"
+        ]
         body.append(
             [
-                result["rows"][name]["label"],
+                label,
                 _format_perplexity(entry["perplexity"]),
                 _format(ratio, 2),
                 *(_format_perplexity(bucket["perplexity"]) for bucket in entry["buckets"]),
                 _format(entry.get("kl"), 3) if "kl" in entry else "-",
                 _format(entry.get("top1"), 3) if "top1" in entry else "-",
+                *([bytes_label(state.get(name))] if state else []),
             ]
         )
     return aligned_table(header, body)
@@ -472,7 +570,14 @@ def long_context_markdown(
             else ""
         )
         + ". KL: mean KL divergence from the teacher's next-token distribution (nats per token); top-1: share "
-        "of tokens whose most likely next token is the teacher's.",
+        "of tokens whose most likely next token is the teacher's."
+        + (
+            " StreamingLLM (the last keys + sinks) and heavy hitters (H2O: sinks, recent and most-attended keys, "
+            "evicted during the prompt as in decoding) are the teacher with its KV cache cut to the size given "
+            "in each table, without training."
+            if any(name in result["rows"] for name in CACHE_BASELINES)
+            else ""
+        ),
     ]
     for length, measured in result["by_length"].items():
         lines += [

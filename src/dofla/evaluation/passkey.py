@@ -167,6 +167,7 @@ def passkey_comparison(
     window: int = 64,
     sinks: int = 4,
     seed: int = 0,
+    cache_budget: int | None = None,
 ) -> dict:
     """Pass-key accuracy of the teacher, its window baseline and the student on the same prompts.
 
@@ -175,11 +176,25 @@ def passkey_comparison(
     answer within the teacher's maximum (``prompt_tokens`` says what was used). The window baseline is
     the teacher's softmax restricted to the last ``window`` tokens plus ``sinks`` first ones, untrained.
     In the layers the student converted only, when its plan keeps some as softmax (``window_layers``).
-    student: None measures the teacher and its baseline only.
+    student: None measures the teacher and its baseline only. The bounded-cache baselines
+    (:mod:`dofla.evaluation.cache_baselines`, ``sinks`` sinks) keep at each length as many of the teacher's
+    keys as fit in the bytes the student's cache holds after that length's first prompt, or
+    ``cache_budget`` keys per layer where given; they evict during the prompt and the answer alike.
 
     Returns ``{"context_lengths", "depths", "trials", "window", "sinks", "rows": {name: {"label",
-    "results": [{"context_tokens", "depth", "accuracy", "trials", "prompt_tokens"}]}}, "notes"}``.
+    "results": [{"context_tokens", "depth", "accuracy", "trials", "prompt_tokens"}]}}, "state_bytes":
+    {name: {length: bytes}}, "cache_baselines": {length: [{"name", "tokens", "sinks", "label"}]},
+    "notes"}``.
     """
+    from dofla.evaluation.cache_baselines import (
+        CACHE_BASELINES,
+        CacheBaseline,
+        baseline_bytes,
+        cache_baselines_at,
+        check_cache_budget,
+        equal_bytes_tokens,
+        held_state_bytes,
+    )
     from dofla.evaluation.long_context import check_context, context_limit
     from dofla.evaluation.window_baseline import baseline_layers, baseline_notes, window_restricted
 
@@ -194,16 +209,47 @@ def passkey_comparison(
     _check_settings(context_lengths, depths, trials)
     for length in context_lengths:
         check_context(teacher, length, "a pass-key context")
+    if cache_budget is not None:
+        check_cache_budget(cache_budget, context_lengths, sinks)
     planned = _trials(tokenizer, context_lengths, depths, trials, seed, limit)
     label = f"window {window}" + (f" + {sinks} sinks" if sinks else "")
     baseline = "window" if sinks == 0 else f"window+sinks{sinks}"
     rows = {"teacher": {"label": "teacher", "results": _run_trials(teacher, tokenizer, planned, trials)}}
     with window_restricted(teacher, window, sinks, layers=restricted):
         rows[baseline] = {"label": label, "results": _run_trials(teacher, tokenizer, planned, trials)}
+    state_bytes: dict[str, dict[str, int]] = {name: {} for name in [*rows, *CACHE_BASELINES, "student"]}
+    chosen: dict[str, list[dict]] = {}
+    noted: set[str] = set()
+    for length in context_lengths:
+        group = [trial for trial in planned if trial[0] == length]
+        prompt = group[0][3]
+        state_bytes["teacher"][str(length)] = held_state_bytes(teacher, prompt)
+        state_bytes[baseline][str(length)] = baseline_bytes(
+            teacher, window + sinks, prompt.shape[1], restricted
+        )
+        tokens = cache_budget
+        if student is not None:
+            state_bytes["student"][str(length)] = held_state_bytes(student, prompt)
+            if tokens is None:
+                tokens = equal_bytes_tokens(
+                    teacher, state_bytes["student"][str(length)], prompt.shape[1], restricted
+                )
+        bounded: list[CacheBaseline] = []
+        if tokens is not None:
+            bounded = cache_baselines_at(teacher, tokens, prompt.shape[1], sinks, noted)
+        chosen[str(length)] = [item.summary() for item in bounded]
+        for item in bounded:
+            with item.applied(teacher, restricted):
+                row = rows.setdefault(item.name, {"label": item.kind_label, "results": []})
+                row["results"] += _run_trials(teacher, tokenizer, group, trials)
+            state_bytes[item.name][str(length)] = baseline_bytes(
+                teacher, item.tokens, prompt.shape[1], restricted
+            )
     if student is not None:
         rows["student"] = {"label": "student", "results": _run_trials(student, tokenizer, planned, trials)}
     for row in rows.values():
         row["results"] = [asdict(result) for result in row["results"]]
+    notes += sorted(noted)
     return {
         "context_lengths": context_lengths,
         "depths": [float(depth) for depth in depths],
@@ -212,6 +258,8 @@ def passkey_comparison(
         "sinks": int(sinks),
         "window_layers": restricted,
         "rows": rows,
+        "state_bytes": {name: by_length for name, by_length in state_bytes.items() if name in rows},
+        "cache_baselines": chosen,
         "notes": notes,
     }
 
@@ -223,18 +271,27 @@ def passkey_markdown(result: dict, *, heading: str = "## Pass-key retrieval") ->
     depths = "/".join(f"{depth:g}" for depth in result["depths"])
     header = ["model", *(f"{length} tokens" for length in result["context_lengths"]), "mean"]
     body = []
-    for row in result["rows"].values():
+    state = result.get("state_bytes") or {}
+    for name, row in result["rows"].items():
         cells = []
         for length in result["context_lengths"]:
             accuracies = [r["accuracy"] for r in row["results"] if r["context_tokens"] == length]
-            cells.append("/".join(f"{accuracy:.2f}" for accuracy in accuracies))
+            cell = "/".join(f"{accuracy:.2f}" for accuracy in accuracies) or "-"
+            held = state.get(name, {}).get(str(length))
+            cells.append(cell if held is None else f"{cell} ({held / 2**20:.2f} MiB)")
         mean = sum(r["accuracy"] for r in row["results"]) / max(1, len(row["results"]))
         body.append([row["label"], *cells, f"{mean:.2f}"])
     lines = [
         heading,
         "",
         f"Exact-match accuracy of a five-digit key hidden at depths {depths} of the context "
-        f"({result['trials']} trials each, greedy decoding).",
+        f"({result['trials']} trials each, greedy decoding); in brackets, the bytes each model's cache holds "
+        "at that length."
+        + "".join(
+            f" At {length} tokens: " + ", ".join(item["label"] for item in items) + "."
+            for length, items in (result.get("cache_baselines") or {}).items()
+            if items
+        ),
         "",
         aligned_table(header, body),
     ]

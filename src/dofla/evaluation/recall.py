@@ -22,7 +22,15 @@ import torch
 
 from dofla.data import copy_spans, span_placements
 from dofla.errors import DoflaError
-from dofla.evaluation.logits import output_logits, vocabulary_size
+from dofla.evaluation.cache_baselines import (
+    baseline_bytes,
+    bytes_label,
+    cache_baselines_at,
+    check_cache_budget,
+    equal_bytes_tokens,
+    held_state_bytes,
+)
+from dofla.evaluation.logits import final_hidden_states, output_logits, vocabulary_size
 from dofla.evaluation.long_context import row_hidden_states
 from dofla.evaluation.perplexity import exp_or_inf
 from dofla.evaluation.window_baseline import baseline_layers
@@ -65,30 +73,56 @@ def recall_beyond_window(
     sinks: int = 4,
     batch_size: int = 4,
     seed: int = RECALL_SEED,
+    cache_budget: int | None = None,
 ) -> dict:
     """Loss, perplexity and top-1 accuracy on tokens repeated beyond the window (module docstring).
 
     sequences (N, T): held-out token ids. Rows: ``teacher``, ``window`` (the teacher's softmax restricted to
     ``window`` keys plus ``sinks`` first ones, in the layers the student converted) and ``student`` (if
-    given). Returns ``{"length", "sequences", "span", "window", "sinks", "tokens", "models": {name:
-    {"label", "nll", "perplexity", "accuracy"}}, "kept"}`` (kept: None without a student, or when the
-    teacher does no better than the window).
+    given), and the bounded-cache baselines ``streaming`` and ``heavy-hitter``
+    (:mod:`dofla.evaluation.cache_baselines`) of the bytes the student's cache holds at the rows' length, or
+    of ``cache_budget`` keys per layer. Returns ``{"length", "sequences", "span", "window", "sinks", "tokens",
+    "models": {name: {"label", "nll", "perplexity", "accuracy", "state_bytes"}}, "kept"}`` (kept: None
+    without a student, or when the teacher does no better than the window).
     """
     if sequences.dim() != 2 or sequences.shape[0] < 1:
         raise DoflaError(f"recall needs held-out rows (N, T), got shape {tuple(sequences.shape)}.")
     if int(sequences.max()) >= vocabulary_size(teacher):
         raise DoflaError("the rows for recall hold token ids outside the teacher's vocabulary.")
+    length = int(sequences.shape[1])
+    if cache_budget is not None:
+        check_cache_budget(cache_budget, [length], sinks)
     rows, scored = repeated_rows(sequences, window, seed)
     labels = {"teacher": "teacher", "window": f"window {window}" + (f" + {sinks} sinks" if sinks else "")}
+    restricted = baseline_layers(student)
+    state = {"teacher": held_state_bytes(teacher, rows[:1])}
+    state["window"] = baseline_bytes(teacher, window + sinks, length, restricted)
+    tokens, notes = cache_budget, set()
+    if student is not None:
+        state["student"] = held_state_bytes(student, rows[:1])
+        tokens = (
+            equal_bytes_tokens(teacher, state["student"], length, restricted) if tokens is None else tokens
+        )
+    bounded = (
+        {}
+        if tokens is None
+        else {b.name: b for b in cache_baselines_at(teacher, tokens, length, sinks, notes)}
+    )
+    for name, baseline in bounded.items():
+        labels[name] = baseline.label
+        state[name] = baseline_bytes(teacher, baseline.tokens, length, restricted)
     if student is not None:
         labels["student"] = "student"
-    restricted = baseline_layers(student)
     totals = {name: [0.0, 0.0, 0] for name in labels}
     for start in range(0, len(rows), batch_size):
         batch = rows[start : start + batch_size]
         in_batch = [item for item in scored if start <= item[0] < start + len(batch)]
         for name in labels:
-            model, hidden = row_hidden_states(name, teacher, student, batch, window, sinks, restricted)
+            if name in bounded:
+                with bounded[name].applied(teacher, restricted):
+                    model, hidden = teacher, final_hidden_states(teacher, batch)
+            else:
+                model, hidden = row_hidden_states(name, teacher, student, batch, window, sinks, restricted)
             for index, value in enumerate(row_scores(model, hidden, in_batch, start)):
                 totals[name][index] += value
     models = {}
@@ -100,6 +134,7 @@ def recall_beyond_window(
             "nll": nll if finite else None,
             "perplexity": exp_or_inf(nll) if finite else None,
             "accuracy": correct / count,
+            "state_bytes": state[name],
         }
     kept = None
     gain = models["window"]["nll"] - models["teacher"]["nll"]
@@ -114,6 +149,7 @@ def recall_beyond_window(
         "tokens": totals["teacher"][2],
         "models": models,
         "kept": kept,
+        "notes": sorted(notes),
     }
 
 
@@ -134,13 +170,14 @@ def recall_markdown(results: Sequence[dict], heading: str = "## Recall beyond th
         lines += [
             f"**{result['length']} tokens** ({result['sequences']} rows, {result['tokens']} scored tokens)",
             "",
-            "| model | loss | perplexity | top-1 accuracy |",
-            "|---|---|---|---|",
+            "| model | loss | perplexity | top-1 accuracy | state MiB |",
+            "|---|---|---|---|---|",
         ]
         for entry in result["models"].values():
             loss = "-" if entry["nll"] is None else f"{entry['nll']:.3f}"
             perplexity = "-" if entry["perplexity"] is None else f"{entry['perplexity']:.2f}"
-            lines.append(f"| {entry['label']} | {loss} | {perplexity} | {entry['accuracy']:.3f} |")
+            held = bytes_label(entry.get("state_bytes"))
+            lines.append(f"| {entry['label']} | {loss} | {perplexity} | {entry['accuracy']:.3f} | {held} |")
         if result["kept"] is not None:
             lines += ["", f"kept: {result['kept']:.2f}"]
         lines.append("")
