@@ -29,7 +29,6 @@ from transformers import DynamicCache
 from dofla.cache import held_bytes
 from dofla.errors import DoflaError
 from dofla.evaluation.heavy_hitter import DEFAULT_BLOCK, heavy_hitter_restricted
-from dofla.evaluation.speed import kv_cache_bytes
 from dofla.evaluation.window_baseline import window_restricted
 
 CACHE_BASELINES = ("streaming", "heavy-hitter")
@@ -95,8 +94,11 @@ def check_cache_budget(budget: int, lengths: Sequence[int], sinks: int) -> None:
 
 def kv_bytes_per_token(teacher: torch.nn.Module) -> int:
     """Bytes one token's keys and values take in one softmax layer of the teacher (its dtype)."""
-    layers = int(teacher.config.get_text_config().num_hidden_layers)
-    return kv_cache_bytes(teacher, 1, 1) // layers
+    config = teacher.config.get_text_config()
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return 2 * kv_heads * head_dim * next(teacher.parameters()).element_size()
 
 
 @torch.no_grad()
