@@ -149,7 +149,14 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
         )
     built: dict[int, LinearAttention] = {}
     for index in plan.converted_layers:
-        built[index] = student_for(facts, plan.layers[index], index)
+        try:
+            built[index] = student_for(facts, plan.layers[index], index)
+        except (ValueError, TypeError) as error:  # a cell reads its options as numbers, names, pairs
+            raise DoflaError(
+                f"layer {index}: the {plan.layers[index].cell} cell cannot read its options "
+                f"{plan.layers[index].options} ({error}); fix --cell-options (KEY=VALUE with a number where "
+                "one is meant)."
+            ) from None
 
     dispatch.install(model)
     for index, student in built.items():

@@ -78,12 +78,32 @@ def remove_stale_temporaries(folder: str | Path, name: str = "*") -> list[Path]:
     return removed
 
 
+def _write_errors() -> tuple[type[BaseException], ...]:
+    """What a failed write raises: OSError from Python, SafetensorError from safetensors, RuntimeError from
+    torch.save (``PytorchStreamWriter failed writing file``)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return (OSError, RuntimeError)
+    return (OSError, RuntimeError, SafetensorError)
+
+
+WRITE_ERRORS = _write_errors()
+
+
 def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp_path)`` then rename the temporary file onto ``path`` in one step."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path.parent, glob.escape(path.name))
-    handle, temporary = tempfile.mkstemp(prefix=temporary_prefix(path.name), suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path.parent, glob.escape(path.name))
+        handle, temporary = tempfile.mkstemp(
+            prefix=temporary_prefix(path.name), suffix=".tmp", dir=path.parent
+        )
+    except OSError as error:  # the folder is a file, read-only, or cannot be made
+        raise DoflaError(
+            f"could not write {path}: {error.strerror or error} ({path.parent}); choose a writable place."
+        ) from None
     os.close(handle)
     temporary = Path(temporary)
     os.chmod(temporary, 0o666 & ~_UMASK)  # mkstemp makes 0600; saved files get ordinary permissions
@@ -92,10 +112,14 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
         with open(temporary, "rb") as stream:
             os.fsync(stream.fileno())
         os.replace(temporary, path)
-    except OSError as error:
+    except WRITE_ERRORS as error:  # a full disk reaches us as any of these, by the library that wrote
         temporary.unlink(missing_ok=True)
+        reason = (
+            error.strerror if isinstance(error, OSError) and error.strerror else str(error).splitlines()[0]
+        )
         raise DoflaError(
-            f"could not write {path}: {error.strerror or error}; the previous file was kept."
+            f"could not write {path}: {reason or type(error).__name__}; the previous file was kept: free some "
+            "disk space or choose another place."
         ) from error
     except BaseException:
         temporary.unlink(missing_ok=True)
@@ -128,8 +152,24 @@ def write_json_atomic(path: str | Path, data: Any, indent: int | None = 2) -> Pa
     return write_text_atomic(path, to_json(data, indent) + "\n")
 
 
+def check_free_space(folder: str | Path, size: int, what: str) -> None:
+    """Refuse, before writing, ``size`` bytes of ``what`` that the disk holding ``folder`` has no room for."""
+    existing = Path(folder)
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if size > free:
+        raise DoflaError(
+            f"{what} needs {size / 2**20:,.1f} MiB and the disk holding {folder} has {free / 2**20:,.1f} MiB "
+            "free; free some disk space or choose another place."
+        )
+
+
 def save_safetensors_atomic(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """Write ``tensors`` as safetensors atomically, refusing first when the disk has no room for them."""
     from safetensors.torch import save_file
 
+    size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    check_free_space(Path(path).parent, size, f"writing {path}")
     contiguous = {name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}
     return write_atomic(path, lambda tmp: save_file(contiguous, str(tmp), metadata=metadata))

@@ -23,6 +23,7 @@ from dofla._registration import MODEL_TYPE
 from dofla.config import ConversionPlan
 from dofla.errors import DoflaError
 from dofla.io import (
+    WRITE_ERRORS,
     remove_stale_temporaries,
     save_safetensors_atomic,
     temporary_prefix,
@@ -222,6 +223,13 @@ def save_converted(
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(temporary, out_dir)
+        except WRITE_ERRORS as error:  # e.g. a full disk, raised by whichever library was writing
+            shutil.rmtree(temporary, ignore_errors=True)
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+            raise DoflaError(
+                f"could not write the converted model to {out_dir} ({(reason or repr(error)).splitlines()[0]}); "
+                "nothing was replaced: free some disk space or choose another --out."
+            ) from error
         except BaseException:
             shutil.rmtree(temporary, ignore_errors=True)
             raise

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from dofla.errors import DoflaError
-from dofla.io import remove_stale_temporaries, temporary_prefix
+from dofla.io import WRITE_ERRORS, remove_stale_temporaries, temporary_prefix
 from dofla.models.adapters import ArchitectureAdapter, get_adapter, supported_model_types
 
 DEFAULT_TEACHER = "smollm2-135m"
@@ -117,10 +117,37 @@ def check_finite_weights(named_tensors, where: str, advice: str) -> None:
             )
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+ALLOW_PICKLE_VARIABLE = "DOFLA_ALLOW_PICKLE"
+
+
+def pickle_allowed() -> bool:
+    """Whether the user allowed pickled weights (``DOFLA_ALLOW_PICKLE=1``); off by default."""
+    return os.environ.get(ALLOW_PICKLE_VARIABLE, "") not in ("", "0", "false", "False", "no")
+
+
+def _check_no_pickle(folder: Path) -> None:
+    """Refuse a folder whose weights are only pickled (``pytorch_model.bin``...): unpickling a file can run
+    code it carries, so dofla reads safetensors unless the user allows pickles explicitly."""
+    if pickle_allowed() or any(folder.glob("*.safetensors")):
+        return
+    pickled = sorted(item.name for item in folder.iterdir() if item.suffix in PICKLE_SUFFIXES)
+    if pickled:
+        raise DoflaError(
+            f"{folder} holds only pickled weights ({', '.join(pickled[:3])}), which dofla does not load: "
+            "unpickling a file can run code it carries. Save the model as safetensors (save_pretrained with "
+            f"safe_serialization) or, if you trust the file, set {ALLOW_PICKLE_VARIABLE}=1 (then read by torch's "
+            "weights-only unpickler)."
+        )
+
+
 def _from_pretrained(load, where: str, **kwargs):
-    """Run a transformers loader, turning its failures on bad files into one sentence."""
+    """Run a transformers loader, turning its failures on bad files into one sentence. Pickled weights are
+    never read unless allowed (:func:`pickle_allowed`)."""
     from safetensors import SafetensorError
 
+    if not pickle_allowed() and "gguf_file" not in kwargs:
+        kwargs["use_safetensors"] = True
     try:
         return load(trust_remote_code=False, **kwargs)
     except SafetensorError as error:
@@ -160,11 +187,14 @@ def _load_folder(folder: Path, dtype: torch.dtype, gguf_file: str | None = None)
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     where = str(folder / (gguf_file or ""))
+    if not gguf_file:
+        _check_no_pickle(folder)
     model, info = _from_pretrained(
         lambda **kw: AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, output_loading_info=True, **extra, **kw
+            folder, dtype=dtype, output_loading_info=True, **kw
         ),
         where,
+        **extra,
     )
     _check_loading_info(info, where)
     try:
@@ -178,6 +208,23 @@ def _load_folder(folder: Path, dtype: torch.dtype, gguf_file: str | None = None)
         )
         tokenizer = None
     return model, tokenizer
+
+
+# sizes a model's config.json gives (Llama-style and GPT-2-style names); each must be a positive integer
+_SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "n_embd",
+    "n_head",
+    "n_layer",
+    "n_positions",
+)
 
 
 def _check_config(folder: Path) -> None:
@@ -199,6 +246,14 @@ def _check_config(folder: Path) -> None:
             f"{config_path} holds a JSON {type(config).__name__}, not an object of settings; re-download or "
             "re-save the model."
         )
+    for settings in (config, config.get("text_config")):
+        for name in _SIZE_FIELDS:
+            value = settings.get(name) if isinstance(settings, dict) else None
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise DoflaError(
+                    f"{config_path} sets {name} to {value!r}, which is not a positive whole number; the file is "
+                    "damaged: re-download or re-save the model."
+                )
     model_type = config.get("model_type")
     from dofla.models.adapters import FAMILIES
 
@@ -241,7 +296,13 @@ def _load_gguf_cached(gguf_path: Path, name: str, dtype: torch.dtype):
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DoflaError(
+            f"cannot make dofla's cache folder {target.parent} ({error.strerror or error}); point $DOFLA_CACHE "
+            "at a writable folder."
+        ) from None
     remove_stale_temporaries(target.parent, name)  # a staging folder of a process killed while caching
     staging = Path(tempfile.mkdtemp(prefix=temporary_prefix(name), suffix=".tmp", dir=target.parent))
     try:
@@ -249,10 +310,11 @@ def _load_gguf_cached(gguf_path: Path, name: str, dtype: torch.dtype):
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         os.replace(staging, target)
-    except OSError as error:
+    except WRITE_ERRORS as error:  # e.g. a full disk, raised by whichever library was writing
         if not (target / "config.json").is_file():  # else another process cached it first
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
             raise DoflaError(
-                f"could not cache the de-quantised teacher in {target}: {error.strerror or error}; "
+                f"could not cache the de-quantised teacher in {target}: {(reason or repr(error)).splitlines()[0]}; "
                 "free some disk space or point $DOFLA_CACHE elsewhere."
             ) from None
     finally:
