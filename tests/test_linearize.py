@@ -238,7 +238,11 @@ def test_lora_baseline_is_reported_and_leaves_the_student_unchanged(tmp_path):
 @pytest.mark.parametrize(
     "changes, data, message",
     [
-        (dict(data=dict(seq_len=512)), sequences(), "--seq-len 512 is beyond the model's context of 128"),
+        (
+            dict(data=dict(seq_len=512), distill=dict(batch_size=2)),
+            sequences(),
+            "--seq-len 512 is beyond the model's context of 128",
+        ),
         (dict(distill=dict(tokens=0)), sequences(), "token budget must be positive, got 0"),
         (dict(), sequences(1), "sequence"),
         (dict(plan=dict(allocation="random")), sequences(), "unknown allocation 'random'"),

@@ -58,8 +58,20 @@ class LayerPlan:
             raise DoflaError(f"{where}: unknown kind {self.kind!r}; use one of {', '.join(LAYER_KINDS)}.")
         if self.kind == "softmax":
             return
-        if int(self.feature_dim) <= 0:
+        sizes = dict(feature_dim=self.feature_dim, window=self.window, sinks=self.sinks)
+        for name, value in [
+            *sizes.items(),
+            *(("head_feature_dims", v) for v in self.head_feature_dims or ()),
+        ]:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise DoflaError(f"{where}: {name} must be a whole number, got {value!r}.")
+        if self.feature_dim <= 0:
             raise DoflaError(f"{where}: feature dimension must be positive, got {self.feature_dim}.")
+        if self.feature_dim > MAX_FEATURE_DIM:
+            raise DoflaError(
+                f"{where}: feature dimension {self.feature_dim} is above the most dofla builds, "
+                f"{MAX_FEATURE_DIM} features per head; use a smaller one."
+            )
         if self.head_feature_dims is not None:
             expected = num_kv_heads if self.share_kv_heads else num_heads
             if len(self.head_feature_dims) != expected:

@@ -514,6 +514,12 @@ class LinearizeConfig:
             raise DoflaError(
                 "--resume continues the run in --out and --overwrite discards it; pass only one."
             )
+        step = self.distill.batch_size * self.data.seq_len
+        if step > self.distill.tokens:  # else one step would train many times the tokens asked
+            raise DoflaError(
+                f"one step of --batch-size {self.distill.batch_size} x --seq-len {self.data.seq_len} is {step:,} "
+                f"tokens, more than --tokens {self.distill.tokens:,}; lower --batch-size or raise --tokens."
+            )
 
 
 def same_named(cls: type, section: Any, **extra: Any) -> Any:

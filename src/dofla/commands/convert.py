@@ -71,7 +71,7 @@ def parse_layers(text: str | None) -> list[int] | None:
 
 def run(args: argparse.Namespace) -> int:
     from dofla.cells import check_plan_cells
-    from dofla.config import ConversionPlan
+    from dofla.config import MAX_FEATURE_DIM, ConversionPlan
     from dofla.errors import DoflaError
     from dofla.feature_maps import FEATURE_MAPS
 
@@ -83,6 +83,11 @@ def run(args: argparse.Namespace) -> int:
     if plan is None:
         if args.feature_dim <= 0:
             raise DoflaError(f"--feature-dim must be positive, got {args.feature_dim}.")
+        if args.feature_dim > MAX_FEATURE_DIM:
+            raise DoflaError(
+                f"--feature-dim {args.feature_dim} is above the most dofla builds, {MAX_FEATURE_DIM} features "
+                "per head; use a smaller one."
+            )
         if args.feature_map not in FEATURE_MAPS:
             raise DoflaError(
                 f"unknown feature map {args.feature_map!r}; known maps: {', '.join(sorted(FEATURE_MAPS))}."

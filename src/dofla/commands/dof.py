@@ -90,6 +90,11 @@ def run(args: argparse.Namespace) -> int:
     check_at_least("--num-points", args.num_points, 2)
     check_at_least("--min-dim", args.min_dim, 1)
     check_at_least("--keep-softmax", args.keep_softmax, 0)
+    if args.min_dim > args.budget:
+        raise DoflaError(
+            f"--min-dim {args.min_dim} is above the mean budget --budget {args.budget}: no allocation can give "
+            "every layer that many features; lower --min-dim or raise --budget."
+        )
     check_data_path(args.data)
     check_device_and_dtype(args)
     out = outputs.check_output_folder(args.out, DOF_KIND, inputs=[args.model, args.data])
@@ -113,6 +118,11 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
     teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
     measure = dof.MEASURES[args.measure]
     dof.ALLOCATIONS[args.allocation].check_budget(args.budget, teacher.adapter.head_dim)
+    if args.keep_softmax >= teacher.adapter.num_layers:  # now, not after the capture
+        raise DoflaError(
+            f"--keep-softmax {args.keep_softmax} leaves nothing to convert in a {teacher.adapter.num_layers}-layer "
+            f"model; keep at most {teacher.adapter.num_layers - 1}."
+        )
     if teacher.tokenizer is None:
         raise DoflaError("the teacher has no tokenizer, which calibration needs.")
     if args.data:
