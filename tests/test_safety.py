@@ -258,6 +258,8 @@ NOT_LOADED = "no-such-model"  # a refusal naming the option, not this missing mo
         (["--recipe", "nope"], "unknown recipe 'nope'"),
         (["--heldout-sequences", "0"], "--heldout-sequences must be at least 1, got 0"),
         (["--cell", "gla", "--loss", "softmax"], "use a layer loss such as output_mse"),
+        (["--batch-size", "1000", "--tokens", "1k"], "is 512,000 tokens, more than --tokens 1,000"),
+        (["--data", ""], "--data is empty (an unset shell variable?)"),
     ],
 )
 def test_linearize_options_are_checked_before_loading(tmp_path, capsys, arguments, message):
@@ -276,6 +278,12 @@ def test_linearize_options_are_checked_before_loading(tmp_path, capsys, argument
         (["dof", NOT_LOADED, "--lambda", "nan"], "--lambda must be a finite positive number"),
         (["dof", NOT_LOADED, "--sequences", "-1"], "--sequences must be at least 1, got -1"),
         (["dof", NOT_LOADED, "--device", "tpu"], "unknown device 'tpu'"),
+        (["dof", NOT_LOADED, "--min-dim", "1000"], "--min-dim 1000 is above the mean budget --budget 64"),
+        (["evaluate", NOT_LOADED, "--passkey", "64", "--threads", "100000"], "--threads 100000 is more than"),
+        (
+            ["convert", NOT_LOADED, "--feature-dim", "1000000000", "--out", "new"],
+            "--feature-dim 1000000000 is above the most dofla builds, 8192 features per head",
+        ),
         (["evaluate", NOT_LOADED, "--sequences", "-1"], "--sequences must be at least 1, got -1"),
         (["evaluate", NOT_LOADED, "--passkey", "64", "--device", "tpu"], "unknown device 'tpu'"),
         (["evaluate", NOT_LOADED], "nothing to evaluate: give --data"),
@@ -641,3 +649,120 @@ def test_nan_weights_are_named_when_a_teacher_or_a_converted_model_loads(world, 
         assert main(command) == 1
         error = capsys.readouterr().err
         assert "NaN or infinite values (first in" in error and "the teacher is damaged" in error
+
+
+# --------------------------------------------------------- 12. sizes, disks and damaged files: one sentence
+
+
+def test_write_failures_of_any_library_are_one_sentence_and_keep_the_old_file(tmp_path, monkeypatch):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    import dofla.io
+    from dofla.io import save_safetensors_atomic, write_atomic
+
+    target = tmp_path / "weights.safetensors"
+    save_safetensors_atomic({"w": torch.ones(2)}, target)
+    before = target.read_bytes()
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(DoflaError, match=f"could not write {target}: Error while serializing"):
+        save_safetensors_atomic({"w": torch.zeros(2)}, target)
+    assert target.read_bytes() == before and sorted(tmp_path.iterdir()) == [target]
+
+    def torch_save_fails(path):
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file"
+        )
+
+    with pytest.raises(DoflaError, match="could not write .*optimizer.pt: .*PytorchStreamWriter failed"):
+        write_atomic(tmp_path / "optimizer.pt", torch_save_fails)
+    monkeypatch.setattr(dofla.io.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 4))
+    with pytest.raises(DoflaError, match="needs 0.0 MiB and the disk holding .* has 0.0 MiB free"):
+        save_safetensors_atomic({"w": torch.zeros(2)}, target)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(DoflaError, match=f"could not write {blocker / 'x.json'}: "):
+        dofla.io.write_text_atomic(blocker / "x.json", "{}")
+
+
+def test_sizes_are_checked_against_the_model_before_the_work(world, tmp_path, capsys):
+    convert = ["convert", str(world["teacher"]), "--out", str(tmp_path / "out")]
+    assert main([*convert, "--kind", "hybrid", "--window", "100000000000"]) == 1
+    assert "the window of 100000000000 tokens (+ 0 sinks) is longer than the teacher's context of 512" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "out").exists()
+    model = build_tiny_model("llama")
+    plan = plan_for(model, feature_dim=4).to_dict()
+    for value, message in (
+        ("abc", "feature_dim must be a whole number, got 'abc'"),
+        (2.7, "feature_dim must be a whole number, got 2.7"),
+        (True, "feature_dim must be a whole number, got True"),
+        (10**9, "feature dimension 1000000000 is above the most dofla builds, 8192"),
+    ):
+        plan["layers"][0]["feature_dim"] = value
+        (tmp_path / "plan.json").write_text(json.dumps(plan))
+        assert main([*convert, "--plan", str(tmp_path / "plan.json")]) == 1
+        assert message in capsys.readouterr().err
+    dof = ["dof", str(world["teacher"]), "--data", str(world["text"]), "--out", str(tmp_path / "dof")]
+    assert main([*dof, "--keep-softmax", "99"]) == 1
+    error = capsys.readouterr().err
+    assert "--keep-softmax 99 leaves nothing to convert in a 2-layer model" in error
+    assert "capturing" not in error
+
+
+def test_damaged_model_folders_and_config_files_are_one_sentence(world, tmp_path, capsys):
+    for damage, message in (
+        (lambda folder: (folder / "config.json").unlink(), "config.json is missing or damaged"),
+        (lambda folder: (folder / "config.json").write_text("[]"), "config.json is missing or damaged"),
+        (
+            lambda folder: (folder / "model.safetensors").write_bytes(
+                (folder / "model.safetensors").read_bytes()[:300]
+            ),
+            "model.safetensors is corrupt or truncated",
+        ),
+    ):
+        folder = tmp_path / f"converted-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(world["converted"], folder)
+        damage(folder)
+        assert main(["generate", str(folder), "--prompt", "Hi"]) == 1
+        assert message in capsys.readouterr().err
+    (tmp_path / "binary.toml").write_bytes(b"\x00\xff\xfe binary")
+    assert main(["linearize", NOT_LOADED, "--config", str(tmp_path / "binary.toml"), "--out", "x"]) == 1
+    assert "binary.toml is not valid TOML" in capsys.readouterr().err
+
+
+def test_pickled_weights_are_refused_unless_allowed(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "pickled"
+    model = build_tiny_model("llama")
+    model.config.save_pretrained(folder)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    build_tiny_tokenizer().save_pretrained(folder)
+    assert main(["info", str(folder)]) == 1
+    error = capsys.readouterr().err
+    assert "holds only pickled weights (pytorch_model.bin), which dofla does not load" in error
+    assert "DOFLA_ALLOW_PICKLE=1" in error
+    monkeypatch.setenv("DOFLA_ALLOW_PICKLE", "1")
+    assert main(["info", str(folder)]) == 0
+
+
+def test_a_teacher_config_with_impossible_sizes_is_one_sentence(world, tmp_path, capsys):
+    for name, value in (("num_attention_heads", 0), ("hidden_size", "64"), ("num_hidden_layers", True)):
+        teacher = tmp_path / f"teacher-{name}"
+        shutil.copytree(world["teacher"], teacher)
+        config = json.loads((teacher / "config.json").read_text())
+        (teacher / "config.json").write_text(json.dumps({**config, name: value}))
+        assert main(["info", str(teacher)]) == 1
+        assert f"sets {name} to {value!r}, which is not a positive whole number" in capsys.readouterr().err
+
+
+def test_cell_options_that_are_not_numbers_are_one_sentence(world, tmp_path, capsys):
+    run = ["linearize", str(world["teacher"]), "--data", str(world["text"]), *RUN, "--tokens", "128"]
+    run += ["--cell", "gated_delta", "--kind", "hybrid", "--window", "8", "--loss", "output_mse"]
+    assert main([*run, "--cell-options", "beta=abc", "--out", str(tmp_path / "run")]) == 1
+    error = capsys.readouterr().err
+    assert "the gated_delta cell cannot read its options {'beta': 'abc'}" in error
