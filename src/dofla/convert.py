@@ -22,6 +22,7 @@ from dofla.attention import LinearAttention
 from dofla.cache import attach_cache_layer, attach_kv_layer
 from dofla.cells import build_student, cell_class
 from dofla.config import ConversionPlan
+from dofla.data import context_length
 from dofla.dof import make_plan
 from dofla.errors import DoflaError
 from dofla.models.adapters import CACHE_ARGUMENTS
@@ -125,6 +126,22 @@ def _after_attention(module: nn.Module, args: tuple, output) -> None:
         student.pending_hidden_states = None
 
 
+def check_windows(plan: ConversionPlan, context: int | None) -> None:
+    """Refuse a hybrid layer's window (plus sinks) longer than the teacher's context: every token would see
+    all before it (plain softmax), and each decoding cache would hold that many keys (a window of 10^11 asks
+    terabytes)."""
+    if context is None:
+        return
+    for index in plan.converted_layers:
+        layer = plan.layers[index]
+        if layer.kind == "hybrid" and layer.window + layer.sinks > context:
+            raise DoflaError(
+                f"layer {index}: the window of {layer.window} tokens (+ {layer.sinks} sinks) is longer than the "
+                f"teacher's context of {context} tokens; use a window of at most {context - layer.sinks}, or "
+                "keep the layer as softmax."
+            )
+
+
 def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
     """Convert ``model`` in place as ``plan`` says and return it.
 
@@ -147,6 +164,7 @@ def convert(model: nn.Module, plan: ConversionPlan) -> nn.Module:
             f"found {len(facts.attention_modules)} attention modules in a {facts.num_layers}-layer "
             f"{facts.model_type} model; this architecture is not supported."
         )
+    check_windows(plan, context_length(model))
     built: dict[int, LinearAttention] = {}
     for index in plan.converted_layers:
         try:
