@@ -17,12 +17,9 @@ $(BIN)/dofla: pyproject.toml constraints.txt
 
 venv: $(BIN)/dofla
 
-# Real text beats teacher-sampled text for the held-out perplexity, and is faster on a CPU;
-# the shared calibration text is used when it sits beside the checkout.
-DEMO_TEXT := $(wildcard ../shared/data/wiki_demo/wiki_demo.txt)
-
+# The demo trains and evaluates on real text shipped with dofla (src/dofla/demo_text/, licenses beside it).
 demo: venv
-	$(BIN)/dofla demo $(if $(DEMO_TEXT),--data $(DEMO_TEXT))
+	$(BIN)/dofla demo
 
 test: venv
 	$(BIN)/python -m pytest -q tests

@@ -162,3 +162,41 @@ def test_a_window_student_as_wide_as_the_rows_reproduces_gemma_exactly(family):
     with torch.no_grad():
         student = model(tokens).logits
     torch.testing.assert_close(student, teacher, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ memory, planned
+
+
+def test_a_run_that_cannot_fit_says_so_with_settings_that_fit_before_reading_data(tmp_path, monkeypatch):
+    import dofla.evaluation.logits as logits
+    import dofla.pipeline as pipeline
+    from dofla.errors import DoflaError
+
+    teacher, tokenizer = build_tiny_model("llama"), build_tiny_tokenizer()
+    weights = sum(p.numel() * 4 for p in teacher.parameters())
+    per_token = pipeline.activation_bytes_per_token(teacher)
+    monkeypatch.setattr(
+        logits, "available_memory_bytes", lambda device=None: weights + 2 * LENGTH * per_token + 1
+    )
+    monkeypatch.setattr(pipeline, "prepare_data", lambda *args, **kwargs: pytest.fail("data read first"))
+    config = run_config(
+        tmp_path, "llama", lora=dict(enabled=True, tokens=LENGTH * 8, tokens_per_forward=8 * LENGTH)
+    )
+    rows = torch.randint(3, 128, (16, 2 * LENGTH), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(
+        DoflaError, match=rf"and 0\.0 GiB are free on cpu; pass --lora-tokens-per-forward {2 * LENGTH}"
+    ):
+        linearize(config, teacher=teacher, tokenizer=tokenizer, sequences=rows)
+
+
+def test_vocabulary_pieces_shrink_with_the_free_memory(monkeypatch):
+    import dofla.evaluation.logits as logits
+    from dofla.evaluation.logits import ROW_ELEMENTS, rows_per_piece
+
+    monkeypatch.setattr(logits, "available_memory_bytes", lambda device=None: 1 << 40)
+    assert rows_per_piece(262_144) == ROW_ELEMENTS // 262_144  # the cap: 32 MiB of float32 logits
+    # a sixteenth of the free memory, shared by 4 float32 copies: 3 rows
+    monkeypatch.setattr(logits, "available_memory_bytes", lambda device=None: 16 * 4 * 4 * 262_144 * 3)
+    assert rows_per_piece(262_144, copies=4) == 3
+    monkeypatch.setattr(logits, "available_memory_bytes", lambda device=None: 0)
+    assert rows_per_piece(262_144) == 1

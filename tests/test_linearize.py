@@ -334,6 +334,42 @@ def test_the_demo_command_line_of_the_makefile_parses():
     assert (args.data, args.out, args.resume) == ("text.txt", "o", False)
 
 
+def test_the_demo_trains_and_evaluates_on_shipped_text_of_two_sources():
+    from dofla.data import load_texts
+    from dofla.demo import DEMO_HELDOUT_TEXT, DEMO_TEXT, DEMO_TRAIN_TEXT
+
+    demo = demo_config("out")
+    assert (demo.data.path, demo.data.heldout_path) == (str(DEMO_TRAIN_TEXT), str(DEMO_HELDOUT_TEXT))
+    assert demo.data.heldout_sequences >= 16 and 1024 in demo.evaluate.lengths
+    train, heldout = load_texts(DEMO_TRAIN_TEXT), load_texts(DEMO_HELDOUT_TEXT)
+    assert len(train) == 100 and len(heldout) == 3
+    assert not set(train) & set(heldout)
+    license_text = (DEMO_TEXT / "LICENSE.md").read_text()
+    assert "ODC-By" in license_text and "CC BY-SA 4.0" in license_text
+
+
+def test_heldout_data_of_another_source_is_measured_and_every_data_row_trains(tmp_path):
+    from dofla.models import build_tiny_model, build_tiny_tokenizer
+    from dofla.run_data import prepare_data
+
+    heldout_file = tmp_path / "heldout.txt"
+    heldout_file.write_text("\n".join(f"held out line {i} " * 8 for i in range(20)))
+    rows = torch.randint(3, 128, (12, 2 * LENGTH), generator=torch.Generator().manual_seed(0))
+    settings = config(
+        tmp_path,
+        data=dict(heldout_path=str(heldout_file), heldout_sequences=5),
+        evaluate=dict(lengths=[2 * LENGTH]),
+    )
+    data = prepare_data(settings, build_tiny_model("llama"), build_tiny_tokenizer(), rows, tmp_path / "cache")
+    assert torch.equal(data.train, rows.reshape(-1, LENGTH))  # every row trains, none is held out
+    assert data.heldout_by_length[2 * LENGTH].shape == (5, 2 * LENGTH)
+    assert data.heldout_by_length[LENGTH].shape == (10, LENGTH)
+    text = build_tiny_tokenizer().decode(data.heldout_by_length[2 * LENGTH][0])
+    assert text.startswith("held out line 0") and "held-out text: " in data.source
+    with pytest.raises(DoflaError, match="does not exist"):
+        config(tmp_path, data=dict(heldout_path=str(tmp_path / "missing.txt"))).validate()
+
+
 def test_long_context_recipe_evaluates_every_length_beside_the_window_baselines(tmp_path):
     """The gla recipe (window + sinks, a decay cell) at a short training length, measured at 2x that length."""
     teacher = tiny_teacher()

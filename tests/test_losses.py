@@ -301,3 +301,29 @@ def test_split_mse_is_refused_for_layers_without_window_and_memory_halves():
         student = build_student(plan, **shape).double()
         with pytest.raises(DoflaError, match="split_mse loss trains the window and the memory"):
             losses.layer_loss("split_mse", student, call)
+
+
+@pytest.mark.parametrize("kl_weight", [0.0, 0.5])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_the_loss_in_pieces_equals_the_loss_of_whole_logits(kl_weight, rows):
+    """direct_loss_in_pieces (the head run a few positions at a time, each piece checkpointed) against
+    direct_loss on the whole (B, T, V) logits: loss and gradients, with ignored labels and soft-capping."""
+    generator = torch.Generator().manual_seed(0)
+    head_weight = torch.randn(11, 6, generator=generator)
+
+    def head(states):  # (R, E) -> (R, V), soft-capped like Gemma 2's output
+        return 3.0 * torch.tanh(states @ head_weight.T / 3.0)
+
+    hidden = torch.randn(2, 7, 6, generator=generator, requires_grad=True)
+    teacher_hidden = torch.randn(2, 7, 6, generator=generator)
+    labels = torch.randint(0, 11, (2, 7), generator=generator)
+    labels[0, 3] = -100
+    options = dict(kl_weight=kl_weight, temperature=2.0)
+    whole = losses.direct_loss(head(hidden), labels, head(teacher_hidden), **options)
+    (whole_gradient,) = torch.autograd.grad(whole, hidden)
+    pieces = losses.direct_loss_in_pieces(
+        head, hidden, labels, teacher_hidden, rows_per_piece=rows, **options
+    )
+    (pieces_gradient,) = torch.autograd.grad(pieces, hidden)
+    torch.testing.assert_close(pieces, whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pieces_gradient, whole_gradient, rtol=1e-5, atol=1e-6)

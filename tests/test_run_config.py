@@ -9,7 +9,7 @@ import pytest
 
 from dofla.cli import build_parser
 from dofla.commands.linearize import config_from_args
-from dofla.demo import demo_config
+from dofla.demo import DEMO_HELDOUT_TEXT, DEMO_TRAIN_TEXT, demo_config
 from dofla.errors import DoflaError
 from dofla.recipes import RECIPES
 from dofla.run_config import (
@@ -318,6 +318,11 @@ NEW_SINCE = {
     "plan.sinks_at_edge": None,
     "plan.convert_windowed": False,
 }  # options added later, at defaults
+CHANGED_SINCE = {  # the demo reads real text shipped with dofla: web text to train, encyclopedia text held out
+    "data.path": str(DEMO_TRAIN_TEXT),
+    "data.heldout_path": str(DEMO_HELDOUT_TEXT),
+    "data.heldout_sequences": 16,
+}
 
 
 def test_the_demo_resolves_to_the_same_settings_as_before():
@@ -325,4 +330,5 @@ def test_the_demo_resolves_to_the_same_settings_as_before():
     assert {setting.key: demo.get(setting.key) for setting in settings_of() if setting.key != "command"} == {
         **OLD_DEMO,
         **NEW_SINCE,
+        **CHANGED_SINCE,
     }

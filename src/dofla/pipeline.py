@@ -75,7 +75,9 @@ def linearize(
 
     config.apply_recipe()
     config.validate()
-    inputs = [config.data.path] + ([config.teacher.model] if teacher is None else [])
+    inputs = [config.data.path, config.data.heldout_path] + (
+        [config.teacher.model] if teacher is None else []
+    )
     outputs.check_output_folder(config.out_dir, RUN_KIND, inputs=inputs)
     with distributed.process_group_from_environment(config.teacher.device) as world_size:
         check_processes(config, world_size, f"the {world_size} processes")
@@ -270,6 +272,7 @@ def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences
         )
     if config.lora.enabled:
         check_targets(teacher, config.lora.targets)
+    check_memory_for_run(config, teacher)
     if config.plan.position_period:  # given: the teacher must have the one rotary embedding it wraps
         from dofla.rotary import rotary_frequencies
 
@@ -292,6 +295,51 @@ def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences
 
         probe = torch.zeros(1, lora_seq_len(config), dtype=torch.long)  # are the rows long enough for them
         insert_needles(probe, tokenizer, 1.0, gap=recall_gap(config), seed=config.seed)
+
+
+def activation_bytes_per_token(model) -> int:
+    """What a training forward keeps per token for the backward pass, roughly: per layer eight hidden-sized
+    and four feed-forward-sized vectors (norms, q/k/v/o, residuals; gate, up, activation, product), in the
+    model's dtype."""
+    text = model.config.get_text_config(decoder=True)
+    hidden = int(text.hidden_size)
+    feed_forward = int(
+        getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
+    )
+    element = next(model.parameters()).element_size()
+    return int(text.num_hidden_layers) * (8 * hidden + 4 * feed_forward) * element
+
+
+def check_memory_for_run(config: LinearizeConfig, model) -> None:
+    """Refuse, before any data is read, a run whose largest needs beyond the loaded teacher do not fit in the
+    memory free on its device: a copy of the teacher (the side-by-side evaluation's reference) and the
+    LoRA stage's activations for ``lora.tokens_per_forward`` tokens (its vocabulary-wide tensors are made
+    in pieces sized to the free memory). One sentence with the estimate and the settings that fit."""
+    from dofla.evaluation.logits import available_memory_bytes
+
+    device = next(model.parameters()).device
+    free = available_memory_bytes(device)
+    if free is None:
+        return
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    per_token = activation_bytes_per_token(model)
+    length = lora_seq_len(config)
+    rows = max(1, config.lora.tokens_per_forward // length) if config.lora.enabled else 0
+    activations = rows * length * per_token
+    if weights + activations <= free:
+        return
+    gib = 2.0**30
+    need = f"about {(weights + activations) / gib:.1f} GiB beyond the loaded teacher (a copy of it for the "
+    need += f"side-by-side evaluation, {weights / gib:.1f} GiB"
+    if activations:
+        need += f"; the LoRA stage's activations for {rows} x {length} tokens per forward, {activations / gib:.1f} GiB"
+    fits = int((free - weights) // (per_token * length)) if free > weights else 0
+    advice = (
+        f"pass --lora-tokens-per-forward {fits * length} (the same steps, in more pieces)"
+        if config.lora.enabled and fits >= 1
+        else "give a smaller teacher dtype (--dtype bfloat16), a shorter --lora-seq-len, or a machine with more memory"
+    )
+    raise DoflaError(f"this run needs {need}) and {free / gib:.1f} GiB are free on {device}; {advice}.")
 
 
 def plan_options(config: LinearizeConfig) -> dict:

@@ -127,6 +127,12 @@ class DataSettings:
         "txt, jsonl or a datasets folder (default: text sampled from the teacher, cached)",
         flag="--data",
     )
+    heldout_path: str | None = option(
+        None,
+        "held-out text of another source than --data (txt, jsonl or a datasets folder): quality is measured "
+        "on it and every row of --data trains (default: held-out rows split off --data before training)",
+        flag="--heldout-data",
+    )
     seq_len: int = option(512, "training sequence length", minimum=2)
     heldout_fraction: float = option(0.1, "share of the packed rows held out before training")
     heldout_sequences: int = option(32, "held-out rows of the longest length, never trained on", minimum=1)
@@ -468,6 +474,7 @@ class LinearizeConfig:
             )
         check_length_schedule(self.distill.length_schedule, self.data.seq_len)
         check_data_path(self.data.path)
+        check_data_path(self.data.heldout_path, "--heldout-data")
         if not 0 < self.data.heldout_fraction < 1:
             raise DoflaError(f"the held-out fraction must lie in (0, 1), got {self.data.heldout_fraction}.")
         if self.data.recall_fraction > 1:

@@ -78,18 +78,22 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
                 f"the given sequences have {sequences.shape[1]} tokens, fewer than --seq-len {seq_len}."
             )
     token = row_start_token(model, tokenizer)  # every row starts with it where the family needs one (Gemma)
-    train_rows, heldout_rows = split_train_heldout(sequences, config.data.heldout_fraction, config.seed)
+    if config.data.heldout_path is None:
+        train_rows, heldout_rows = split_train_heldout(sequences, config.data.heldout_fraction, config.seed)
+    else:  # held-out text of another source: every training row trains
+        train_rows, heldout_rows = sequences, heldout_rows_from(config, tokenizer, lengths)
+        source += f"; held-out text: {config.data.heldout_path}"
     heldout_rows = heldout_rows[: config.data.heldout_sequences]
     heldout_by_length = {
         length: start_rows(cut_rows(heldout_rows, length), token)
         for length in lengths
-        if length <= sequences.shape[1]
+        if length <= heldout_rows.shape[1]
     }
     skipped = [length for length in lengths if length not in heldout_by_length]
     if skipped:
         warnings.warn(
             f"the data is too short for held-out rows of {skipped} tokens; those lengths are not "
-            "evaluated (give more text with --data)",
+            f"evaluated (give more text with {'--heldout-data' if config.data.heldout_path else '--data'})",
             stacklevel=2,
         )
     shorter_train = {
@@ -114,6 +118,22 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
             f"at least {recall_gap(config)} tokens later (--recall-fraction)"
         )
     return RunData(train, heldout_by_length, seq_len, skipped, source, sequences, shorter_train, lora_train)
+
+
+def heldout_rows_from(config: LinearizeConfig, tokenizer, lengths: list[int]) -> torch.Tensor:
+    """The held-out rows (N, L) of ``data.heldout_path``'s text, packed at the longest of ``lengths`` it
+    fills twice (rank 0 reads it and shares the rows under torchrun)."""
+    if tokenizer is None:
+        raise DoflaError(
+            "--heldout-data is text, which needs the teacher's tokenizer; give a teacher with one."
+        )
+    rows = None
+    if distributed.rank_and_world_size()[0] == 0:
+        texts = data.load_texts(config.data.heldout_path)
+        if not texts:
+            raise DoflaError(f"the held-out text {config.data.heldout_path} is empty; give a file with text.")
+        rows = pack_rows(tokenizer, texts, lengths, config.data.seq_len)
+    return distributed.share_tensor(rows)
 
 
 def evaluation_lengths(config: LinearizeConfig, limit: int | None) -> list[int]:

@@ -31,10 +31,11 @@ from dofla.distill.checkpoint import (
     settings_digest,
     write_log,
 )
-from dofla.distill.losses import direct_loss
+from dofla.distill.losses import direct_loss_in_pieces
 from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
 from dofla.distill.trainer import CHECKPOINT_FOLDER, LOG_FILE, batch_indices, learning_rate_factor
 from dofla.errors import DoflaError
+from dofla.evaluation.logits import final_hidden_states, output_logits, rows_per_piece, vocabulary_size
 from dofla.models.surgery import autocast_for
 
 # settings that change neither the updates nor their order: a resumed stage may set them otherwise
@@ -329,17 +330,30 @@ def _student_groups(model: nn.Module, config: LoraConfig) -> list[dict]:
     return groups
 
 
+LOGIT_COPIES = 4  # (rows, V) float32 tensors alive in a piece: logits, two log-softmaxes, a gradient
+
+
 def _piece_loss_backward(peft_model: nn.Module, piece: torch.Tensor, config: LoraConfig, share: float):
     """Forward and backward of one piece (n, T) of a batch, its loss weighted by its ``share`` of the
-    batch's sequences (every row has T tokens, so the weighted sum is the batch's mean loss)."""
-    teacher_logits = None
+    batch's sequences (every row has T tokens, so the weighted sum is the batch's mean loss). The output
+    head runs a few positions at a time (:func:`~dofla.distill.losses.direct_loss_in_pieces`, pieces sized
+    from the vocabulary and the free memory): no (n, T, V) logits are held."""
+    causal_lm = peft_model.get_base_model()  # the adapters sit in its modules
+    teacher_hidden = None
     if config.kl_weight > 0:
         with torch.no_grad(), dispatch.teacher_forced(), peft_model.disable_adapter():
-            teacher_logits = peft_model(input_ids=piece, use_cache=False).logits
+            teacher_hidden = final_hidden_states(causal_lm, piece)  # (n, T, E)
+    rows = rows_per_piece(vocabulary_size(causal_lm), LOGIT_COPIES, piece.device)
     with autocast_for(piece.device):
-        logits = peft_model(input_ids=piece, use_cache=False).logits
-        loss = share * direct_loss(
-            logits, piece, teacher_logits, kl_weight=config.kl_weight, temperature=config.temperature
+        hidden = final_hidden_states(causal_lm, piece)  # (n, T, E)
+        loss = share * direct_loss_in_pieces(
+            lambda states: output_logits(causal_lm, states),
+            hidden,
+            piece,
+            teacher_hidden,
+            rows_per_piece=rows,
+            kl_weight=config.kl_weight,
+            temperature=config.temperature,
         )
     loss.backward()
     return loss.detach()

@@ -290,6 +290,52 @@ def direct_loss(
     return loss
 
 
+def direct_loss_in_pieces(
+    head: Callable[[Tensor], Tensor],
+    hidden: Tensor,
+    labels: Tensor,
+    teacher_hidden: Tensor | None = None,
+    *,
+    rows_per_piece: int,
+    kl_weight: float = 0.0,
+    temperature: float = 1.0,
+) -> Tensor:
+    """:func:`direct_loss` from the final hidden states (B, T, E) instead of the logits: ``head`` (hidden
+    (R, E) -> float32 logits (R, V), the model's output head with its soft-capping) runs on
+    ``rows_per_piece`` predicted positions at a time, each piece checkpointed (its logits are made again
+    for the backward pass), so no (B, T, V) tensor is ever held: what a 262k-entry vocabulary needs.
+    teacher_hidden (B, T, E): the teacher's final hidden states for the KL term (no gradient)."""
+    width = hidden.shape[-1]
+    rows = hidden[:, :-1].reshape(-1, width)  # (B * (T-1), E)
+    targets = labels[:, 1:].reshape(-1)
+    teacher_rows = None if teacher_hidden is None else teacher_hidden[:, :-1].reshape(-1, width).detach()
+    with_kl = teacher_rows is not None and kl_weight > 0
+
+    def piece_sums(piece: Tensor, piece_targets: Tensor, teacher_piece: Tensor | None) -> Tensor:
+        logits = head(piece)  # (R, V) float32
+        cross_entropy = F.cross_entropy(logits, piece_targets, ignore_index=-100, reduction="sum")
+        if not with_kl:
+            return cross_entropy[None]
+        keep = piece_targets != -100
+        student_log = torch.log_softmax(logits[keep] / temperature, dim=-1)
+        with torch.no_grad():
+            teacher_log = torch.log_softmax(head(teacher_piece[keep]) / temperature, dim=-1)
+        kl = F.kl_div(student_log, teacher_log, log_target=True, reduction="sum")
+        return torch.stack([cross_entropy, kl])
+
+    sums = None
+    for start in range(0, len(rows), max(1, int(rows_per_piece))):
+        piece = slice(start, start + max(1, int(rows_per_piece)))
+        teacher_piece = teacher_rows[piece] if with_kl else None
+        part = checkpoint(piece_sums, rows[piece], targets[piece], teacher_piece, use_reentrant=False)
+        sums = part if sums is None else sums + part
+    count = (targets != -100).sum().clamp_min(1)
+    loss = sums[0] / count
+    if with_kl:
+        loss = loss + kl_weight * temperature**2 * sums[1] / count
+    return loss
+
+
 @register_loss("output_mse", scope="layer")
 def output_mse_layer_loss(
     student, call, *, key_mask: Tensor | None = None, query_chunk: int = DEFAULT_QUERY_CHUNK

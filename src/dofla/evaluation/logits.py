@@ -35,9 +35,37 @@ def output_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def available_memory_bytes(device: torch.device | str | None = None) -> int | None:
+    """Memory free now on ``device``: a CUDA device's free memory, else the host's MemAvailable
+    (``/proc/meminfo``, Linux); None where unknown."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as stream:
+            for line in stream:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def rows_per_piece(vocabulary: int, copies: int = 1, device: torch.device | str | None = None) -> int:
+    """How many rows of ``vocabulary``-wide float32 tensors a piece holds, ``copies`` of them alive at once
+    (logits, softmaxes, their gradients): at most :data:`ROW_ELEMENTS` per copy, and at most a sixteenth of
+    the memory free now on ``device`` (default: the host) between all copies; at least one row."""
+    elements = ROW_ELEMENTS
+    free = available_memory_bytes(device)
+    if free is not None:
+        elements = min(elements, free // (16 * 4 * max(1, copies)))
+    return max(1, elements // max(1, vocabulary))
+
+
 def row_chunks(rows: int, vocabulary: int) -> Iterator[slice]:
-    """Slices of ``rows`` so that one chunk's (rows, vocabulary) float32 logits stay near 32 MiB."""
-    step = max(1, ROW_ELEMENTS // max(1, vocabulary))
+    """Slices of ``rows`` so that one chunk's (rows, vocabulary) float32 logits stay near 32 MiB (less where
+    memory is short, :func:`rows_per_piece`)."""
+    step = rows_per_piece(vocabulary)
     for start in range(0, rows, step):
         yield slice(start, min(rows, start + step))
 
