@@ -95,3 +95,29 @@ def test_info_says_which_layers_are_converted_by_default():
     assert conversion_text(get_adapter(gemma3())).startswith("layers 1, 3 (full attention); 0, 2 keep")
     assert conversion_text(get_adapter(build_tiny_model("llama"))) == "every layer (full attention)"
     assert conversion_text(get_adapter(build_tiny_model("mistral"))).startswith("none: every layer")
+
+
+def test_state_bytes_count_the_kept_window_layers_at_their_own_window():
+    """The equal-bytes baselines' accounting: a kept sliding-window layer holds its last 8 keys, not every
+    key; heavy hitters, which run plain softmax layers only, are left out (with a note) where the layers
+    they would restrict keep the teacher's own window."""
+    from dofla.evaluation.cache_baselines import (
+        baseline_bytes,
+        cache_baselines_at,
+        equal_bytes_tokens,
+        kv_bytes_per_token,
+    )
+
+    model = gemma3()  # sliding, full, sliding, full; window 8
+    per_token = kv_bytes_per_token(model)
+    # layers 1 and 3 restricted to 16 keys; 0 and 2 keep their own 8 at 64 tokens (not 64)
+    assert baseline_bytes(model, 16, 64, [1, 3]) == (2 * 16 + 2 * 8) * per_token
+    assert equal_bytes_tokens(model, (2 * 16 + 2 * 8) * per_token, 64, [1, 3]) == 16
+    assert baseline_bytes(build_tiny_model("llama"), 16, 64, [1]) == (16 + 64) * per_token
+    notes = set()
+    assert [b.name for b in cache_baselines_at(model, 16, 64, 4, notes, [1, 3])] == [
+        "streaming",
+        "heavy-hitter",
+    ]
+    assert [b.name for b in cache_baselines_at(model, 16, 64, 4, notes, None)] == ["streaming"]
+    assert any("layers [0, 2] keep the teacher's own sliding window" in note for note in notes)

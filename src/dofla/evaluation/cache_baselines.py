@@ -113,30 +113,55 @@ def held_state_bytes(model: torch.nn.Module, row: torch.Tensor) -> int:
     return held_bytes(cache)
 
 
-def _layer_counts(teacher: torch.nn.Module, layers: Sequence[int] | None) -> tuple[int, int]:
-    """(layers the baselines restrict, layers kept whole)."""
-    total = int(teacher.config.get_text_config().num_hidden_layers)
-    restricted = total if layers is None else len(layers)
-    return restricted, total - restricted
+def _layer_counts(teacher: torch.nn.Module, layers: Sequence[int] | None, length: int) -> tuple[int, int]:
+    """(layers the baselines restrict, keys the layers kept as they are hold at ``length`` tokens: every
+    key, or the last ``sliding_window`` in the teacher's own sliding-window layers)."""
+    from dofla.models import get_adapter
+
+    adapter = get_adapter(teacher)
+    restricted = set(range(adapter.num_layers)) if layers is None else {int(layer) for layer in layers}
+    kept = [
+        min(int(length), int(adapter.sliding_window)) if kind == "sliding" else int(length)
+        for index, kind in enumerate(adapter.layer_kinds)
+        if index not in restricted
+    ]
+    return len(restricted), sum(kept)
 
 
 def equal_bytes_tokens(
     teacher: torch.nn.Module, state_bytes: int, length: int, layers: Sequence[int] | None
 ) -> int:
     """The keys per restricted layer a teacher's cache can keep in ``state_bytes`` at ``length`` tokens,
-    after the layers kept whole (not in ``layers``) take their ``length`` tokens each."""
-    restricted, whole = _layer_counts(teacher, layers)
+    after the layers kept as they are (not in ``layers``) take theirs (``length``, or their own window)."""
+    restricted, kept_keys = _layer_counts(teacher, layers, length)
     per_token = kv_bytes_per_token(teacher)
-    left = int(state_bytes) - whole * int(length) * per_token
+    left = int(state_bytes) - kept_keys * per_token
     return max(0, left // (per_token * max(restricted, 1)))
 
 
 def baseline_bytes(teacher: torch.nn.Module, tokens: int, length: int, layers: Sequence[int] | None) -> int:
-    """Bytes of a teacher cache keeping ``tokens`` keys in each restricted layer and every key in the others,
-    at ``length`` tokens (the heavy-hitter scores, a few bytes per kept key, are left out)."""
-    restricted, whole = _layer_counts(teacher, layers)
+    """Bytes of a teacher cache keeping ``tokens`` keys in each restricted layer and, in the others, every
+    key (or the last ``sliding_window`` of the teacher's own window layers), at ``length`` tokens (the
+    heavy-hitter scores, a few bytes per kept key, are left out)."""
+    restricted, kept_keys = _layer_counts(teacher, layers, length)
     per_token = kv_bytes_per_token(teacher)
-    return (restricted * min(int(tokens), int(length)) + whole * int(length)) * per_token
+    return (restricted * min(int(tokens), int(length)) + kept_keys) * per_token
+
+
+def heavy_hitter_obstacle(teacher: torch.nn.Module, layers: Sequence[int] | None) -> str | None:
+    """Why the heavy-hitter baseline cannot run on ``teacher``'s restricted ``layers`` (None: it can): it runs
+    plain softmax layers only, not soft-capped ones (Gemma 2) or the teacher's own sliding windows."""
+    from dofla.models import get_adapter
+
+    adapter = get_adapter(teacher)
+    chosen = range(adapter.num_layers) if layers is None else [int(layer) for layer in layers]
+    modules = adapter.attention_modules(teacher)
+    if any(adapter.attention_softcap(modules[index]) for index in chosen):
+        return "this teacher soft-caps its attention scores"
+    windowed = [index for index in chosen if adapter.layer_kinds[index] == "sliding"]
+    if windowed:
+        return f"layers {windowed} keep the teacher's own sliding window"
+    return None
 
 
 def cache_baselines_at(
@@ -145,9 +170,11 @@ def cache_baselines_at(
     length: int,
     sinks: int,
     notes: set[str],
+    layers: Sequence[int] | None = None,
 ) -> list[CacheBaseline]:
-    """The equal-bytes baselines keeping ``tokens`` keys per layer at ``length`` (none, with a note in
-    ``notes``, when that leaves no window beyond the sinks)."""
+    """The equal-bytes baselines keeping ``tokens`` keys per restricted layer (``layers``, None: all) at
+    ``length`` (none, with a note in ``notes``, when that leaves no window beyond the sinks; no heavy
+    hitters, with a note, where :func:`heavy_hitter_obstacle` says they cannot run)."""
     if tokens < int(sinks) + 2:
         notes.add(
             f"at {length} tokens the student's state holds {tokens} keys per layer of the teacher's cache, too "
@@ -159,7 +186,12 @@ def cache_baselines_at(
             f"at {length} tokens the student's state holds as many bytes as the teacher's whole KV cache: its "
             "equal-bytes baselines keep every key there (they are the teacher)."
         )
-    return [CacheBaseline(name, int(tokens), int(sinks)) for name in CACHE_BASELINES]
+    names = list(CACHE_BASELINES)
+    obstacle = heavy_hitter_obstacle(teacher, layers)
+    if obstacle:
+        notes.add(f"no heavy-hitter (H2O) baseline: it runs plain softmax layers, and {obstacle}.")
+        names.remove("heavy-hitter")
+    return [CacheBaseline(name, int(tokens), int(sinks)) for name in names]
 
 
 def bytes_label(count: int | None) -> str:

@@ -388,7 +388,7 @@ def _cache_baselines(
         if tokens is None and student is not None:
             tokens = equal_bytes_tokens(teacher, measured[length]["student"], length, restricted)
         baselines[length] = (
-            [] if tokens is None else cache_baselines_at(teacher, tokens, length, sinks, notes)
+            [] if tokens is None else cache_baselines_at(teacher, tokens, length, sinks, notes, restricted)
         )
     if budget is None and student is not None:
         notes.add(

@@ -236,7 +236,7 @@ def passkey_comparison(
                 )
         bounded: list[CacheBaseline] = []
         if tokens is not None:
-            bounded = cache_baselines_at(teacher, tokens, prompt.shape[1], sinks, noted)
+            bounded = cache_baselines_at(teacher, tokens, prompt.shape[1], sinks, noted, restricted)
         chosen[str(length)] = [item.summary() for item in bounded]
         for item in bounded:
             with item.applied(teacher, restricted):

@@ -106,7 +106,7 @@ def recall_beyond_window(
     bounded = (
         {}
         if tokens is None
-        else {b.name: b for b in cache_baselines_at(teacher, tokens, length, sinks, notes)}
+        else {b.name: b for b in cache_baselines_at(teacher, tokens, length, sinks, notes, restricted)}
     )
     for name, baseline in bounded.items():
         labels[name] = baseline.label
