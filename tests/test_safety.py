@@ -766,3 +766,49 @@ def test_cell_options_that_are_not_numbers_are_one_sentence(world, tmp_path, cap
     assert main([*run, "--cell-options", "beta=abc", "--out", str(tmp_path / "run")]) == 1
     error = capsys.readouterr().err
     assert "the gated_delta cell cannot read its options {'beta': 'abc'}" in error
+
+
+def test_gguf_files_and_the_cache_are_checked_before_loading(world, tmp_path, capsys, monkeypatch):
+    import gguf
+    import numpy
+
+    from dofla.models.tiny import save_tiny_gguf
+
+    mamba = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(mamba), "mamba")
+    writer.add_block_count(2)
+    writer.add_tensor("x", numpy.zeros(4, dtype=numpy.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["info", str(mamba)]) == 1
+    assert "holds a 'mamba' model, which has no softmax attention dofla converts" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DOFLA_CACHE", str(blocker))
+    assert main(["info", str(save_tiny_gguf(tmp_path / "tiny.gguf"))]) == 1
+    assert f"cannot make dofla's cache folder {blocker / 'teachers'}" in capsys.readouterr().err
+
+
+def test_a_weight_of_the_wrong_shape_and_a_linked_out_are_named(world, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(world["teacher"], teacher)
+    weights = next(teacher.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    name = next(key for key in sorted(tensors) if "q_proj" in key)
+    tensors[name] = torch.zeros(3, 3)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    assert main(["info", str(teacher)]) == 1
+    assert f"1 of the wrong shape ({name})" in capsys.readouterr().err
+
+    link = tmp_path / "link"
+    link.symlink_to(world["converted"], target_is_directory=True)
+    before = listing(world["converted"])
+    assert (
+        main(["convert", str(world["teacher"]), "--feature-dim", "4", "--out", str(link), "--overwrite"]) == 1
+    )
+    assert f"--out {link} is a symbolic link to {world['converted']}" in capsys.readouterr().err
+    assert listing(world["converted"]) == before and link.is_symlink()

@@ -80,7 +80,12 @@ def check_output_folder(
     teacher, data, plan... those that are paths) or a folder holding one; a folder with files but no
     dofla marker; a dofla output of another ``kind``.
     """
-    path = Path(path).expanduser().resolve()
+    given = Path(path).expanduser()
+    if given.is_symlink():  # replacing it would move the link, not the folder: name the folder itself
+        raise DoflaError(
+            f"{option} {given} is a symbolic link to {given.resolve()}; give that folder itself (or another)."
+        )
+    path = given.resolve()
     if path.exists() and not path.is_dir():
         raise DoflaError(f"{option} {path} is a file, not a folder; choose a folder for dofla's outputs.")
     for source in _input_paths(inputs):

@@ -146,8 +146,11 @@ def _from_pretrained(load, where: str, **kwargs):
     never read unless allowed (:func:`pickle_allowed`)."""
     from safetensors import SafetensorError
 
-    if not pickle_allowed() and "gguf_file" not in kwargs:
-        kwargs["use_safetensors"] = True
+    if "gguf_file" not in kwargs:
+        # a weight of the wrong shape is then named by _check_loading_info, not left to a log "above"
+        kwargs["ignore_mismatched_sizes"] = True
+        if not pickle_allowed():
+            kwargs["use_safetensors"] = True
     try:
         return load(trust_remote_code=False, **kwargs)
     except SafetensorError as error:
@@ -272,11 +275,21 @@ def _check_gguf(path: Path) -> None:
     try:
         from gguf import GGUFReader
 
-        GGUFReader(str(path))
+        reader = GGUFReader(str(path))
+        field = reader.fields.get("general.architecture")
+        architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else None
     except Exception as error:  # the reader raises many kinds on a damaged file
         raise DoflaError(
             f"{path} is a corrupt or truncated GGUF file ({type(error).__name__}); re-download it."
         ) from None
+    from dofla.models.adapters import FAMILIES
+
+    # GGUF names most architectures as transformers does (Gemma 3's text model: gemma3)
+    if architecture is not None and not {architecture, f"{architecture}_text"} & set(FAMILIES):
+        raise DoflaError(
+            f"{path} holds a {architecture!r} model, which has no softmax attention dofla converts; supported: "
+            f"{supported_model_types()}."
+        )
 
 
 def _load_gguf_cached(gguf_path: Path, name: str, dtype: torch.dtype):
@@ -290,19 +303,24 @@ def _load_gguf_cached(gguf_path: Path, name: str, dtype: torch.dtype):
     if (target / "config.json").is_file():
         return (*_load_folder(target, dtype), target, False)
     _check_gguf(gguf_path)
+    try:  # before the de-quantising, which takes a while
+        target.parent.mkdir(parents=True, exist_ok=True)
+        writable = os.access(target.parent, os.W_OK | os.X_OK)
+    except OSError as error:
+        raise DoflaError(
+            f"cannot make dofla's cache folder {target.parent} ({error.strerror or error}); point $DOFLA_CACHE "
+            "at a writable folder."
+        ) from None
+    if not writable:
+        raise DoflaError(
+            f"dofla's cache folder {target.parent} is not writable by you; point $DOFLA_CACHE at a writable folder."
+        )
     model, tokenizer = _load_folder(gguf_path.parent, torch.float32, gguf_file=gguf_path.name)
     # A gguf-loaded model is flagged as quantized and refuses save_pretrained; its weights are plain floats.
     model.hf_quantizer = None
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise DoflaError(
-            f"cannot make dofla's cache folder {target.parent} ({error.strerror or error}); point $DOFLA_CACHE "
-            "at a writable folder."
-        ) from None
     remove_stale_temporaries(target.parent, name)  # a staging folder of a process killed while caching
     staging = Path(tempfile.mkdtemp(prefix=temporary_prefix(name), suffix=".tmp", dir=target.parent))
     try:
