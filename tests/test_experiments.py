@@ -323,3 +323,26 @@ def test_passkey_paths_scores_a_run_four_ways_and_memories_off_is_the_window_alo
     torch.testing.assert_close(alone, window, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(student(ids).logits, before)  # the shares are restored afterwards
     assert not torch.allclose(before, window, atol=1e-3)  # the memories did add something
+
+
+def test_held_cache_after_generate_reports_the_state_as_held(tiny, tmp_path, capsys):
+    from dofla.convert import convert, plan_for
+    from dofla.models import build_tiny_tokenizer, load_teacher
+    from dofla.saving import save_converted
+
+    model = load_teacher(tiny[0], dtype="float32", device="cpu").model
+    convert(
+        model, plan_for(model, kind="hybrid", cell="gla", feature_map="hedgehog", feature_dim=8, window=4)
+    )
+    save_converted(
+        model, tmp_path / "student", tokenizer=build_tiny_tokenizer(), extra_metadata={"teacher": tiny[0]}
+    )
+    assert (
+        experiment("held_cache_after_generate").main([str(tmp_path / "student"), "--lengths", "40,200"]) == 0
+    )
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 40")]
+    rows += [
+        line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 200")
+    ]
+    for _, held, state, teacher in (row[:4] for row in rows):
+        assert float(held) == float(state) > 0 and float(teacher) > float(held)
