@@ -812,3 +812,14 @@ def test_a_weight_of_the_wrong_shape_and_a_linked_out_are_named(world, tmp_path,
     )
     assert f"--out {link} is a symbolic link to {world['converted']}" in capsys.readouterr().err
     assert listing(world["converted"]) == before and link.is_symlink()
+
+
+def test_a_run_without_room_for_its_model_stops_before_training(world, tmp_path, capsys, monkeypatch):
+    import dofla.io
+
+    monkeypatch.setattr(dofla.io.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 1000))
+    run = ["linearize", str(world["teacher"]), "--data", str(world["text"]), *RUN, "--tokens", "128"]
+    assert main([*run, "--out", str(tmp_path / "run")]) == 1
+    error = capsys.readouterr().err
+    assert "the converted model this run saves needs" in error and "has 0.0 MiB free" in error
+    assert not (tmp_path / "run" / "distill").exists()

@@ -27,6 +27,7 @@ from dofla.distill.sharding import (
     rank_run_dir,
 )
 from dofla.errors import DoflaError
+from dofla.io import check_free_space
 from dofla.report import Evaluation, LinearizeResult
 from dofla.run_config import CONFIG_FILE, LinearizeConfig, save_config
 from dofla.run_data import RunData, lora_rows, lora_seq_len, prepare_data, recall_gap
@@ -273,6 +274,9 @@ def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences
     if config.lora.enabled:
         check_targets(teacher, config.lora.targets)
     check_memory_for_run(config, teacher)
+    # the saved model holds the teacher's weights: refused now if the disk has no room, not after training
+    size = sum(parameter.numel() * parameter.element_size() for parameter in teacher.parameters())
+    check_free_space(config.out_dir, size, "the converted model this run saves")
     if config.plan.position_period:  # given: the teacher must have the one rotary embedding it wraps
         from dofla.rotary import rotary_frequencies
 
