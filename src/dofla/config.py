@@ -20,6 +20,7 @@ def check_feature_budget(budget: int) -> None:
         )
 
 
+DEFAULT_WINDOW = 64  # tokens a hybrid layer's sliding window keeps, where nothing else says
 LAYER_KINDS = ("softmax", "linear", "hybrid")
 PLAN_VERSION = 1
 
@@ -47,7 +48,7 @@ class LayerPlan:
     feature_dim: int = 64
     head_feature_dims: list[int] | None = None
     share_kv_heads: bool = True
-    window: int = 64
+    window: int = DEFAULT_WINDOW
     options: dict[str, Any] = field(default_factory=dict)
     cell: str = "linear"
     sinks: int = 0

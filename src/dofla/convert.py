@@ -21,7 +21,7 @@ from dofla import dispatch
 from dofla.attention import LinearAttention
 from dofla.cache import attach_cache_layer, attach_kv_layer
 from dofla.cells import build_student, cell_class
-from dofla.config import ConversionPlan
+from dofla.config import DEFAULT_WINDOW, ConversionPlan
 from dofla.data import context_length
 from dofla.dof import make_plan
 from dofla.errors import DoflaError
@@ -59,7 +59,7 @@ def plan_for(
     feature_map: str = "learnable_prf",
     feature_dim: int = 64,
     layers: list[int] | None = None,
-    window: int = 64,
+    window: int = DEFAULT_WINDOW,
     share_kv_heads: bool = True,
     options: dict[str, Any] | None = None,
     cell: str = "linear",

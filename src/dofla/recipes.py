@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dofla.config import DEFAULT_WINDOW
 from dofla.registry import Registry
 
 RECIPES: Registry[dict[str, Any]] = Registry("recipe")
@@ -37,7 +38,7 @@ RECIPES.add(
 
 
 def long_context_recipe(
-    cell: str, feature_map: str, cell_options: dict[str, Any], *, window: int = 64, **plan: Any
+    cell: str, feature_map: str, cell_options: dict[str, Any], *, window: int = DEFAULT_WINDOW, **plan: Any
 ) -> dict[str, Any]:
     """Long context: a ``window``-token window that keeps the first 4 tokens (attention sinks) beside a cell
     with a bounded state, trained at 1,024 tokens, starting close to the window alone (the no-training

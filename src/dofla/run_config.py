@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dofla.config import DEFAULT_WINDOW
 from dofla.errors import DoflaError
 
 CONFIG_FILE = "config.toml"  # the resolved config in a run folder
@@ -154,7 +155,7 @@ class PlanSettings:
     allocation: str = option("dof", "how feature dimensions are shared between layers", choices=_allocations)
     measure: str = option("dof", "statistical measure an allocation shares dimensions by", choices=_measures)
     kind: str = option("linear", "attention kind: linear | hybrid (linear + sliding window)")
-    window: int = option(64, "sliding window of hybrid layers")
+    window: int = option(DEFAULT_WINDOW, "sliding window of hybrid layers")
     sinks: int = option(0, "first tokens always visible to the window", minimum=0)
     per_query_head: bool = option(
         False,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dofla.commands._common import add_model_arguments, add_overwrite_argument, check_device_and_dtype
+from dofla.config import DEFAULT_WINDOW
 
 
 def register(subparsers) -> None:
@@ -31,7 +32,7 @@ def register(subparsers) -> None:
     parser.add_argument("--feature-map", default="learnable_prf", help="uniform plan: feature map name")
     parser.add_argument("--feature-dim", type=int, default=64, help="uniform plan: features per head")
     parser.add_argument(
-        "--window", type=int, default=64, help="uniform plan: sliding window of hybrid layers"
+        "--window", type=int, default=DEFAULT_WINDOW, help="uniform plan: sliding window of hybrid layers"
     )
     parser.add_argument(
         "--layers", default=None, help="uniform plan: comma-separated layer indices to convert (default: all)"

@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
     from dofla import dof, outputs
+    from dofla.config import DEFAULT_WINDOW
     from dofla.data import load_texts, pack_token_sequences, row_start_token, sample_teacher_texts, start_rows
     from dofla.errors import DoflaError
     from dofla.io import write_json_atomic, write_text_atomic
@@ -175,8 +176,10 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
     if args.keep_softmax and args.softmax_choice == "window":
         from dofla.planning.window_costs import window_costs
 
-        note("measuring what cutting each layer alone to the plan's 64-token window costs (KL per token)")
-        window_cost = window_costs(teacher.model, batches, window=64, layers=layers)
+        note(
+            f"measuring what cutting each layer alone to the plan's {DEFAULT_WINDOW}-token window costs (KL per token)"
+        )
+        window_cost = window_costs(teacher.model, batches, window=DEFAULT_WINDOW, layers=layers)
     plan = dof.make_plan(
         teacher.model,
         estimate,

@@ -15,6 +15,7 @@ from dofla.commands._common import (
     check_position_arguments,
     integer_list,
 )
+from dofla.config import DEFAULT_WINDOW
 
 DEFAULT_LENGTHS = "512,1024"
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
@@ -54,7 +55,7 @@ def register(subparsers) -> None:
         "--window",
         type=int,
         default=None,
-        help="window of the sliding-window baseline (default: the plan's hybrid window, else 64)",
+        help=f"window of the sliding-window baseline (default: the plan's hybrid window, else {DEFAULT_WINDOW})",
     )
     parser.add_argument(
         "--sinks", default="0,4", help="comma-separated sink-token counts, one window baseline each"

@@ -7,6 +7,7 @@ import shlex
 import sys
 
 from dofla.commands._common import add_device_arguments, integer_list
+from dofla.config import DEFAULT_WINDOW
 
 FRONTIER_KIND = "frontier grid"  # the kind in the marker of the grid's folder (dofla.outputs)
 
@@ -42,7 +43,7 @@ def register(subparsers) -> None:
     parser.add_argument("--cell", default=None, help="student cell (default linear)")
     parser.add_argument("--feature-map", default=None, help="default learnable_prf")
     parser.add_argument("--loss", default=None, help="default output_mse")
-    parser.add_argument("--window", type=int, default=None, help="default 64")
+    parser.add_argument("--window", type=int, default=None, help=f"default {DEFAULT_WINDOW}")
     parser.add_argument("--data", default=None, help="text (default: text sampled from the teacher, cached)")
     parser.add_argument("--heldout-sequences", type=int, default=None, help="held-out rows (default 32)")
     parser.add_argument(

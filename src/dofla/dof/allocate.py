@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from dofla.config import ConversionPlan, LayerPlan
+from dofla.config import DEFAULT_WINDOW, ConversionPlan, LayerPlan
 from dofla.dof.error_curves import ErrorCurves, choose_by_error, greedy_dims, greedy_head_dims
 from dofla.dof.estimation import DofEstimate
 from dofla.dof.kernel import lambda_key
@@ -504,7 +504,7 @@ def make_plan(
     variant: str = "dof",
     kind: str = "linear",
     feature_map: str = "learnable_prf",
-    window: int = 64,
+    window: int = DEFAULT_WINDOW,
     minimum: int = 1,
     keep_softmax: int = 0,
     share_kv_heads: bool = True,

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from dofla.config import DEFAULT_WINDOW
 from dofla.errors import DoflaError
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -164,7 +165,7 @@ def passkey_comparison(
     context_lengths: Sequence[int] | None = None,
     depths: Sequence[float] = DEFAULT_DEPTHS,
     trials: int = 3,
-    window: int = 64,
+    window: int = DEFAULT_WINDOW,
     sinks: int = 4,
     seed: int = 0,
     cache_budget: int | None = None,

@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from dofla import dispatch
+from dofla.config import DEFAULT_WINDOW
 from dofla.errors import DoflaError
 from dofla.rotary import check_edge_sinks
 
-REFERENCE_WINDOW = 64  # the baselines' window for a student without one (pure linear)
+REFERENCE_WINDOW = DEFAULT_WINDOW  # the baselines' window for a student without one (pure linear)
 
 
 def visible_keys(attention_mask: torch.Tensor | None, query_length: int, key_length: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dofla.config import ConversionPlan
+from dofla.config import DEFAULT_WINDOW, ConversionPlan
 from dofla.dof.allocate import ALLOCATIONS, make_plan
 from dofla.dof.estimation import estimate
 from dofla.models import get_adapter
@@ -85,7 +85,7 @@ def measure_and_plan(
         plan_options["window_cost"] = window_costs(
             model,
             batches,
-            window=plan_options.get("window", 64),
+            window=plan_options.get("window", DEFAULT_WINDOW),
             sinks=plan_options.get("sinks", 0),
             layers=plan_options.get("layers"),
         )
@@ -98,7 +98,7 @@ def measure_and_plan(
             model,
             batches,
             plan_options["keep_softmax"],
-            window=plan_options.get("window", 64),
+            window=plan_options.get("window", DEFAULT_WINDOW),
             sinks=plan_options.get("sinks", 0),
             layers=plan_options.get("layers"),
             folder=curves_folder,

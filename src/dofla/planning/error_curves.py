@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from dofla.config import ConversionPlan, LayerPlan
+from dofla.config import DEFAULT_WINDOW, ConversionPlan, LayerPlan
 from dofla.convert import convert, student_for, unconvert
 from dofla.dispatch import AttentionCall
 from dofla.distill.losses import LOSSES, layer_loss
@@ -72,7 +72,7 @@ class CurveSettings:
     kind: str = "linear"
     feature_map: str = "learnable_prf"
     cell: str = "linear"
-    window: int = 64
+    window: int = DEFAULT_WINDOW
     sinks: int = 0
     options: tuple[tuple[str, Any], ...] = ()
     share_kv_heads: bool = True
