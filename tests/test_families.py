@@ -19,8 +19,9 @@ from dofla.models.surgery import students
 from dofla.models.tiny import TINY_FAMILIES
 from dofla.pipeline import linearize, lora_rows
 from dofla.rotary import fixed_rotary_frequencies
-from dofla.run_config import LinearizeConfig, merge
+from dofla.run_config import LinearizeConfig
 from dofla.run_data import prepare_data
+from dofla.setting_values import merge
 
 LENGTH = 32
 BOS = 1  # the tiny tokenizer's <s>

@@ -16,7 +16,9 @@ from dofla.errors import DoflaError
 from dofla.loading import load_converted
 from dofla.models.surgery import students
 from dofla.pipeline import linearize, perplexity
-from dofla.run_config import CONFIG_FILE, LinearizeConfig, LoraSettings, PlanSettings, load_config, merge
+from dofla.run_config import CONFIG_FILE, LinearizeConfig, load_config
+from dofla.setting_values import merge
+from dofla.settings import LoraSettings, PlanSettings
 
 LENGTH = 32
 

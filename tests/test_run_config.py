@@ -12,14 +12,8 @@ from dofla.commands.linearize import config_from_args
 from dofla.demo import DEMO_HELDOUT_TEXT, DEMO_TRAIN_TEXT, demo_config
 from dofla.errors import DoflaError
 from dofla.recipes import RECIPES
-from dofla.run_config import (
-    SECTIONS,
-    LinearizeConfig,
-    load_config,
-    save_config,
-    settings_of,
-    to_toml,
-)
+from dofla.run_config import LinearizeConfig, load_config, save_config, settings_of, to_toml
+from dofla.settings import SECTIONS
 
 
 def parse(*arguments: str) -> LinearizeConfig:

@@ -114,7 +114,8 @@ def cell_config(config: FrontierConfig, cell: GridCell, layers: list[int] | None
     """The one place a grid cell becomes a :class:`~dofla.run_config.LinearizeConfig`: :data:`DEFAULT_SETTINGS`,
     then the shared ``settings``, then the cell's allocation, budget and converted layers and the
     evaluation at ``eval_length``."""
-    from dofla.run_config import LinearizeConfig, merge
+    from dofla.run_config import LinearizeConfig
+    from dofla.setting_values import merge
 
     cell_settings = dict(
         out_dir=str(Path(config.out_dir) / "cells" / cell.name),

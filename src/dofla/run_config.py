@@ -17,50 +17,36 @@ leaves in its folder (``config.toml``) and which loads back to the same config.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import re
 import tomllib
-import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from dofla.config import DEFAULT_WINDOW
 from dofla.errors import DoflaError
+from dofla.setting_values import Setting, flatten, merge, typed
+from dofla.settings import (
+    SECTIONS,
+    SHARDINGS,
+    DataSettings,
+    DistillSettings,
+    EvaluateSettings,
+    LoraSettings,
+    PlanSettings,
+    StudentSettings,
+    TeacherSettings,
+    option,
+)
 
 CONFIG_FILE = "config.toml"  # the resolved config in a run folder
 
 
-def option(
-    default: Any = dataclasses.MISSING,
-    help: str = "",
-    *,
-    factory: Callable[[], Any] | None = None,
-    flag: str | None = None,
-    minimum: int | float | None = None,
-    choices: Callable[[], Mapping] | None = None,
-    tokens: bool = False,
-    cli: bool = True,
-    saved: bool = True,
-) -> Any:
-    """A config field. flag: its command-line flag when not ``--field-name`` (no dashes: a positional);
-    minimum: the smallest value (of each item, for a list); choices: the registry its value is a name in;
-    tokens: a token count that may be written like 2M or 500k; cli: False for fields without a flag;
-    saved: False for what one invocation asks (``--resume``, ``--overwrite``), which a config file never
-    records nor sets."""
-    metadata = dict(
-        help=help, flag=flag, minimum=minimum, choices=choices, tokens=tokens, cli=cli, saved=saved
-    )
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-# The registries a name is looked up in (imported late: they pull in torch).
+# The registries a setting's value is a name in, by the name its option gives (imported late: they pull in
+# torch).
 def _allocations():
     from dofla.dof import ALLOCATIONS
 
@@ -103,246 +89,15 @@ def _recipes():
     return RECIPES
 
 
-# ----------------------------------------------------------------------------------------------- sections
-
-
-@dataclass
-class TeacherSettings:
-    """The softmax teacher and where it runs."""
-
-    model: str = option(
-        "smollm2-135m",
-        "teacher: a Hugging Face model folder, a .gguf file, a hub id, or 'smollm2-135m' (embedded default)",
-        flag="model",
-    )
-    dtype: str | None = option(None, "float32 (CPU default) | bfloat16 (CUDA default) | float16")
-    device: str | None = option(None, "cpu | cuda | cuda:N (default: cuda if available)")
-
-
-@dataclass
-class DataSettings:
-    """The text, its packing and the held-out split (made before anything is cut, never trained on)."""
-
-    path: str | None = option(
-        None,
-        "txt, jsonl or a datasets folder (default: text sampled from the teacher, cached)",
-        flag="--data",
-    )
-    heldout_path: str | None = option(
-        None,
-        "held-out text of another source than --data (txt, jsonl or a datasets folder): quality is measured "
-        "on it and every row of --data trains (default: held-out rows split off --data before training)",
-        flag="--heldout-data",
-    )
-    seq_len: int = option(512, "training sequence length", minimum=2)
-    heldout_fraction: float = option(0.1, "share of the packed rows held out before training")
-    heldout_sequences: int = option(32, "held-out rows of the longest length, never trained on", minimum=1)
-    sampled_texts: int = option(64, "without --data: texts sampled from the teacher", minimum=1)
-    sampled_tokens: int = option(256, "without --data: new tokens per sampled text", minimum=1)
-    recall_fraction: float = option(
-        0.0,
-        "share of training rows that repeat a span of their own text later, beyond the window (trains recall "
-        "past the window; held-out rows are left as they are)",
-        minimum=0.0,
-    )
-
-
-@dataclass
-class PlanSettings:
-    """What each layer becomes: the kind, the window, and the feature dimensions by allocation."""
-
-    budget: int = option(64, "mean feature dimension per layer")
-    allocation: str = option("dof", "how feature dimensions are shared between layers", choices=_allocations)
-    measure: str = option("dof", "statistical measure an allocation shares dimensions by", choices=_measures)
-    kind: str = option("linear", "attention kind: linear | hybrid (linear + sliding window)")
-    window: int = option(DEFAULT_WINDOW, "sliding window of hybrid layers")
-    sinks: int = option(0, "first tokens always visible to the window", minimum=0)
-    per_query_head: bool = option(
-        False,
-        "one feature map and state per query head instead of one per key/value head (more state, and "
-        "distinct memories for the query heads of a group)",
-        flag="--per-query-head",
-    )
-    layers: list[int] | None = option(
-        None,
-        "comma-separated layers to convert (default: every layer whose cache grows; the teacher's own "
-        "sliding-window layers stay as they are unless --convert-windowed)",
-        minimum=0,
-    )
-    convert_windowed: bool = option(
-        False,
-        "without --layers, convert the teacher's own sliding-window layers too (by default they keep their "
-        "bounded cache and only the full-attention layers are converted)",
-    )
-    keep_softmax: int = option(0, "layers left as full softmax, chosen by --softmax-choice", minimum=0)
-    softmax_choice: str = option(
-        "dof",
-        "how the --keep-softmax layers are chosen (measured: by error curves; window: the layers whose cut to "
-        "the window costs most at the training length)",
-        choices=_softmax_choices,
-    )
-    position_period: int | None = option(
-        None,
-        "the converted layers' memories read rotary positions modulo this many tokens after training, so "
-        "they never meet positions beyond those they were trained at (0: the true positions; default: the "
-        "longest length the run trains at where the teacher has one rotary embedding with fixed frequencies, "
-        "else 0)",
-        minimum=0,
-    )
-    sinks_at_edge: bool | None = option(
-        None,
-        "the hybrid layers' windows see their --sinks from the window's edge (each token's query turned back "
-        "to position window + sinks for the sinks' scores) instead of at their true positions, which the "
-        "teacher stops reading some thousands of tokens away (trained and saved so; default: on for a hybrid "
-        "plan with sinks where the teacher has one rotary embedding with fixed frequencies, else off)",
-    )
-    dof_points: int = option(1024, "points per head captured for the DoF estimate", minimum=1)
-    dof_batches: int = option(2, "training batches the DoF estimate captures from", minimum=1)
-
-
-@dataclass
-class StudentSettings:
-    """The student module of each converted layer."""
-
-    cell: str = option("linear", "student cell", choices=_cells)
-    feature_map: str = option("learnable_prf", "feature map", choices=_feature_maps)
-    cell_options: dict[str, Any] = option(
-        factory=dict, help="the cell's own options as KEY=VALUE,... (e.g. window_factor=0.95)"
-    )
-
-
-# how several processes share distillation (dofla.distill.distributed)
-SHARDINGS = dict(
-    data="each process trains every layer on its slice of each batch; gradients are averaged",
-    layers="each process trains its own contiguous block of converted layers on whole batches",
-)
-
-
-@dataclass
-class DistillSettings:
-    """Stage 1, attention transfer (the same names as :class:`dofla.distill.trainer.DistillConfig`)."""
-
-    loss: str = option("softmax", "distillation loss", choices=_losses)
-    tokens: int = option(2_000_000, "distillation token budget, e.g. 2M or 500k", tokens=True)
-    batch_size: int = option(4, "sequences per step (also of LoRA, DoF capture and evaluation)", minimum=1)
-    lr: float = option(1e-2, "base learning rate (feature maps may set their own)")
-    eval_every: int = option(50, "steps between held-out evaluations (0: only at the end)", minimum=0)
-    checkpoint_every: int = option(50, "steps between checkpoints (0: none)", minimum=0)
-    patience: int = option(0, "evaluations without improvement before stopping early (0: off)", minimum=0)
-    kl_weight: float = option(0.0, "--loss direct: weight of KL to the teacher's logits")
-    length_schedule: list[tuple[int, float]] | None = option(
-        None,
-        "length curriculum: LENGTH:SHARE stages, shortest first, ending at --seq-len, shares of --tokens "
-        "summing to 1, e.g. 256:0.5,512:0.5; a shorter stage's batch holds about as many tokens "
-        "(--batch-size x seq-len / LENGTH sequences) (default: none, every step at --seq-len)",
-    )
-    sharding: str = option(
-        "data",
-        "how --nproc / torchrun processes share distillation: data (each a slice of every batch) | layers "
-        "(each its own block of converted layers, on whole batches)",
-        choices=lambda: SHARDINGS,
-    )
-    cuda_graphs: bool = option(
-        False,
-        "on a CUDA device, replay each converted layer's loss and backward from CUDA graphs captured at the "
-        "first step (the same training, without launching each of its operators from Python)",
-    )
-    teacher_states: str | None = option(
-        None,
-        "with --sharding layers: a `dofla teacher-states` folder (train/, heldout/) with a boundary at each "
-        "process's first layer; each process starts its forward there instead of at the embeddings",
-    )
-
-
-@dataclass
-class LoraSettings:
-    """Stage 2, LoRA on next-token loss, merged (the same names as :class:`dofla.distill.lora.LoraConfig`)."""
-
-    enabled: bool = option(False, "stage 2: LoRA on next-token loss, merged into the weights", flag="--lora")
-    tokens: int = option(200_000, "LoRA token budget, e.g. 200k", flag="--lora-tokens", tokens=True)
-    rank: int = option(8, "LoRA rank", flag="--lora-rank", minimum=1)
-    alpha: int = option(16, "LoRA alpha", flag="--lora-alpha", minimum=1)
-    targets: list[str] | None = option(
-        None, "comma-separated module names (default: the family's q/k/v/o)", flag="--lora-targets"
-    )
-    lr: float = option(1e-3, "LoRA learning rate", flag="--lora-lr")
-    train_students: bool = option(
-        False,
-        "also train the converted layers' own parameters (feature maps, gates, mixes) end to end in the LoRA "
-        "stage, on next-token loss (default: only the adapters)",
-        flag="--lora-train-students",
-    )
-    kl_weight: float = option(
-        0.0, "weight of KL to the teacher's logits added to the next-token loss", flag="--lora-kl"
-    )
-    tokens_per_forward: int = option(
-        2048,
-        "most tokens per forward/backward: a batch is split into pieces of whole sequences, gradients summed "
-        "(the same step with the activation memory of one piece)",
-        flag="--lora-tokens-per-forward",
-        minimum=1,
-    )
-    needle_fraction: float = option(
-        0.0,
-        "share of the LoRA stage's rows that state a few five-digit facts and end by asking for them, more "
-        "than the window back (teaches the pass-key kind of retrieval on next-token loss; attention transfer "
-        "and held-out rows are left as they are)",
-        flag="--lora-needles",
-        minimum=0.0,
-    )
-    seq_len: int | None = option(
-        None,
-        "length of the LoRA stage's rows, cut from the same training text (default: --seq-len); longer rows "
-        "train the adapters and needle rows at longer contexts. At most the packed rows' length (the longest "
-        "of --seq-len and --eval-lengths the data fills twice)",
-        flag="--lora-seq-len",
-        minimum=2,
-    )
-    baseline: bool = option(
-        False,
-        "also train the same LoRA stage on the unconverted teacher and report its perplexity (the LoRA stage "
-        "adapts to the training text too; this separates the two effects)",
-        flag="--lora-baseline",
-    )
-
-
-@dataclass
-class EvaluateSettings:
-    """What the report measures on held-out data after training."""
-
-    lengths: list[int] | None = option(
-        None,
-        "comma-separated held-out lengths beyond --seq-len (default: 1024,2048 where the teacher allows)",
-        flag="--eval-lengths",
-        minimum=2,
-    )
-    passkey_lengths: list[int] | None = option(
-        None,
-        "comma-separated pass-key context lengths (default: 256 to 2048 where the teacher allows)",
-        minimum=1,
-    )
-    passkey_trials: int = option(2, "pass-key trials per length and depth (0: no pass-key test)", minimum=0)
-    recall: bool = option(
-        True,
-        "score recall beyond the window on the held-out rows of every length (a span of each row repeated "
-        "past the window: teacher, window baseline and student)",
-    )
-    error_sequences: int = option(8, "held-out sequences of the per-layer attention error", minimum=0)
-    edge_sinks: bool = option(
-        False,
-        "also the window baselines whose sinks are seen from the window's edge instead of their true positions "
-        "(rotary teachers): a stronger no-training cache beyond about 4,096 tokens",
-    )
-
-
-SECTIONS: dict[str, type] = dict(
-    teacher=TeacherSettings,
-    data=DataSettings,
-    plan=PlanSettings,
-    student=StudentSettings,
-    distill=DistillSettings,
-    lora=LoraSettings,
-    evaluate=EvaluateSettings,
+REGISTRIES: dict[str, Callable[[], Mapping]] = dict(
+    allocation=_allocations,
+    softmax_choice=_softmax_choices,
+    measure=_measures,
+    cell=_cells,
+    feature_map=_feature_maps,
+    loss=_losses,
+    recipe=_recipes,
+    sharding=lambda: SHARDINGS,
 )
 
 
@@ -358,7 +113,7 @@ class LinearizeConfig:
     """
 
     out_dir: str = option(help="output folder (model/, report.md, checkpoints)", flag="--out")
-    recipe: str | None = option(None, "preset recipe (see README)", choices=_recipes)
+    recipe: str | None = option(None, "preset recipe (see README)", choices="recipe")
     seed: int = option(0, "seed of sampling, splitting, initialisation and training")
     resume: bool = option(False, "continue an interrupted run in --out (command line only)", saved=False)
     overwrite: bool = option(
@@ -540,31 +295,6 @@ def same_named(cls: type, section: Any, **extra: Any) -> Any:
 # ------------------------------------------------------------------------------------ settings, one by one
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One field of the tree: ``key`` is its dotted name ("lora.rank"), ``flag`` its command-line flag."""
-
-    key: str
-    field: dataclasses.Field
-    hint: Any  # the field's type, e.g. int or list[int] | None
-
-    @property
-    def flag(self) -> str:
-        return self.field.metadata.get("flag") or "--" + self.field.name.replace("_", "-")
-
-    @property
-    def where(self) -> str:
-        """How errors name it: the flag, and its place in a config file."""
-        section, _, name = self.key.rpartition(".")
-        return f"{self.flag} ({name} in [{section}])" if section else f"{self.flag} ({name})"
-
-    @property
-    def default(self) -> Any:
-        if self.field.default_factory is not dataclasses.MISSING:
-            return self.field.default_factory()
-        return self.field.default
-
-
 def settings_of(cls: type = LinearizeConfig) -> list[Setting]:
     """Every setting of the tree, run-level ones first, then each section's in order."""
     found = []
@@ -578,29 +308,6 @@ def settings_of(cls: type = LinearizeConfig) -> list[Setting]:
         elif item.metadata.get("config", True):
             found.append(Setting(item.name, item, typing.get_type_hints(cls)[item.name]))
     return found
-
-
-def flatten(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """{"distill": {"tokens": 5}, "seed": 1} -> {"distill.tokens": 5, "seed": 1}."""
-    flat = {}
-    for key, value in settings.items():
-        if key in SECTIONS:
-            flat.update({f"{key}.{name}": item for name, item in value.items()})
-        else:
-            flat[key] = value
-    return flat
-
-
-def merge(*layers: Mapping[str, Any]) -> dict[str, Any]:
-    """Nested settings, later layers winning key by key (sections merged, not replaced)."""
-    merged: dict[str, Any] = {}
-    for layer in layers:
-        for key, value in layer.items():
-            if key in SECTIONS and isinstance(value, Mapping):
-                merged[key] = {**merged.get(key, {}), **value}
-            else:
-                merged[key] = value
-    return merged
 
 
 def checked_settings(settings: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -629,73 +336,6 @@ def checked_settings(settings: Mapping[str, Any], source: str) -> dict[str, Any]
     return checked
 
 
-def unwrap(hint: Any) -> tuple[Any, bool]:
-    """(the type without None, whether None is allowed): ``list[int] | None`` -> (list[int], True)."""
-    if typing.get_origin(hint) in (types.UnionType, typing.Union) and type(None) in typing.get_args(hint):
-        return next(arg for arg in typing.get_args(hint) if arg is not type(None)), True
-    return hint, False
-
-
-def _is(value: Any, kind: Any) -> bool:
-    if typing.get_origin(kind) is tuple:  # a fixed-size pair like (length, share), a list in TOML
-        parts = typing.get_args(kind)
-        return (
-            isinstance(value, (list, tuple))
-            and len(value) == len(parts)
-            and all(_is(item, part) for item, part in zip(value, parts, strict=True))
-        )
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, kind)
-
-
-def _as(value: Any, kind: Any) -> Any:
-    """``value`` (which :func:`_is` of ``kind``) as ``kind``: an int given for a float becomes a float."""
-    if typing.get_origin(kind) is tuple:
-        return tuple(_as(item, part) for item, part in zip(value, typing.get_args(kind), strict=True))
-    return kind(value)
-
-
-def _type_name(kind: Any) -> str:
-    if typing.get_origin(kind) is tuple:
-        return "[" + ", ".join(part.__name__ for part in typing.get_args(kind)) + "] pairs"
-    return kind.__name__
-
-
-def _describe(hint: Any) -> str:
-    kind, optional = unwrap(hint)
-    origin = typing.get_origin(kind)
-    if origin is list:
-        text = f"a list of {_type_name(typing.get_args(kind)[0])}"
-    elif origin is dict:
-        text = "a table"
-    else:
-        text = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
-    return text + (" (or left out)" if optional else "")
-
-
-def typed(setting: Setting, value: Any) -> Any:
-    """``value`` for ``setting`` if its type fits (an int given for a float becomes a float), else an error."""
-    kind, optional = unwrap(setting.hint)
-    if value is None and optional:
-        return None
-    if setting.field.metadata.get("tokens") and isinstance(value, str):
-        return token_count(setting.flag, value)
-    origin = typing.get_origin(kind)
-    if origin is list:
-        item = typing.get_args(kind)[0]
-        if isinstance(value, (list, tuple)) and all(_is(entry, item) for entry in value):
-            return [_as(entry, item) for entry in value]
-    elif origin is dict:
-        if isinstance(value, Mapping):
-            return dict(value)
-    elif _is(value, kind):
-        return kind(value)
-    raise DoflaError(f"{setting.where} must be {_describe(setting.hint)}, got {value!r}.")
-
-
 def check_setting(setting: Setting, value: Any) -> None:
     """A value's range (``minimum``) and, for a name, its registry; one sentence if it is refused."""
     minimum = setting.field.metadata.get("minimum")
@@ -705,25 +345,10 @@ def check_setting(setting: Setting, value: Any) -> None:
                 raise DoflaError(f"{setting.flag} must be at least {minimum}, got {item}.")
     choices = setting.field.metadata.get("choices")
     if choices is not None and value is not None:
-        registry = choices()
+        registry = REGISTRIES[choices]()
         if value not in registry:
             kind = getattr(registry, "kind", setting.field.name.replace("_", " "))
             raise DoflaError(f"unknown {kind} {value!r}; choose one of: {', '.join(sorted(registry))}.")
-
-
-def token_count(option: str, text: str | int) -> int:
-    """A token budget like 2M, 500k or 100000; refused (one sentence) unless a positive finite count."""
-    from dofla.data import parse_tokens
-
-    try:
-        tokens = parse_tokens(text)
-    except (OverflowError, DoflaError):  # 'inf' overflows int(); 'nan' and words are not numbers
-        tokens = None
-    if tokens is None or tokens <= 0:
-        raise DoflaError(
-            f"{option} must be a positive number of tokens like 2M, 500k or 100000, got {text!r}."
-        )
-    return tokens
 
 
 # ------------------------------------------------------------------------------------------------- TOML

@@ -16,7 +16,8 @@ from typing import Any
 
 from dofla.commands._common import integer_list
 from dofla.errors import DoflaError
-from dofla.run_config import LinearizeConfig, Setting, merge, read_settings, settings_of, token_count, unwrap
+from dofla.run_config import REGISTRIES, LinearizeConfig, read_settings, settings_of
+from dofla.setting_values import Setting, merge, token_count, unwrap
 
 
 def _help(setting: Setting) -> str:
@@ -29,7 +30,7 @@ def _help(setting: Setting) -> str:
         text += f" (default {shown})"
     choices = setting.field.metadata.get("choices")
     if choices is not None:
-        text += f"; one of: {', '.join(sorted(choices()))}"
+        text += f"; one of: {', '.join(sorted(REGISTRIES[choices]()))}"
     return text.replace("%", "%%")
 
 

@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     from dofla import outputs
     from dofla.data import check_data_path
     from dofla.frontier import FrontierConfig, run_frontier
-    from dofla.run_config import merge, read_settings, token_count
+    from dofla.run_config import read_settings
+    from dofla.setting_values import merge, token_count
 
     given = dict(
         seed=args.seed,
