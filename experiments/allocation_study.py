@@ -32,10 +32,12 @@ from dofla.data import (
     sample_teacher_texts,
     split_train_heldout,
 )
-from dofla.distill.trainer import DistillConfig, distill
+from dofla.distill.trainer import distill
 from dofla.evaluation.attention_error import attention_errors
 from dofla.evaluation.perplexity import perplexity as measure_perplexity
 from dofla.io import write_text_atomic
+from dofla.run_config import LinearizeConfig
+from dofla.settings import DistillSettings
 
 
 def perplexity(model, sequences: torch.Tensor, batch_size: int) -> float:
@@ -111,14 +113,17 @@ def main(argv: list[str] | None = None) -> int:
             feature_map=args.feature_map,
         )
         convert(teacher, plan)
-        config = DistillConfig(
-            loss=args.loss,
-            tokens=tokens,
-            batch_size=args.batch_size,
-            eval_every=0,
-            checkpoint_every=0,
+        config = LinearizeConfig(
+            out_dir="unused",
             seed=args.seed,
             progress=False,
+            distill=DistillSettings(
+                loss=args.loss,
+                tokens=tokens,
+                batch_size=args.batch_size,
+                eval_every=0,
+                checkpoint_every=0,
+            ),
         )
         result = distill(teacher, train, heldout, config)
         errors = attention_errors(teacher, heldout_batches)

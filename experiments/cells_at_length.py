@@ -28,10 +28,12 @@ import torch
 
 from dofla.convert import convert, plan_for, unconvert
 from dofla.data import cut_rows, load_texts, pack_token_sequences, parse_tokens, split_train_heldout
-from dofla.distill.trainer import DistillConfig, distill
+from dofla.distill.trainer import distill
 from dofla.evaluation.long_context import long_context_markdown, long_context_quality
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
+from dofla.run_config import LinearizeConfig
+from dofla.settings import DistillSettings
 
 DEFAULT_VARIANTS = "linear:hedgehog:32:0.1,gla:hedgehog:32:0.999,gated_delta:projection:64:0.95"
 
@@ -71,15 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     train_rows, heldout = split_train_heldout(rows, 0.1, args.seed)
     heldout = {args.eval_length: heldout[: args.heldout]}
     train = cut_rows(train_rows, args.seq_len)
-    config = DistillConfig(
-        loss="output_mse",
-        tokens=parse_tokens(args.tokens),
-        batch_size=args.batch_size,
-        lr=args.lr,
-        eval_every=0,
-        checkpoint_every=0,
+    config = LinearizeConfig(
+        out_dir="unused",
         seed=args.seed,
         progress=False,
+        distill=DistillSettings(
+            loss="output_mse",
+            tokens=parse_tokens(args.tokens),
+            batch_size=args.batch_size,
+            lr=args.lr,
+            eval_every=0,
+            checkpoint_every=0,
+        ),
     )
     sinks = sorted({0, args.sinks})
     results: dict = {"command": "python experiments/cells_at_length.py " + shlex.join(argv), "variants": {}}

@@ -38,11 +38,13 @@ from dofla.commands._common import integer_list
 from dofla.convert import convert, plan_for, unconvert
 from dofla.data import cut_rows, load_texts, pack_token_sequences, parse_tokens, split_train_heldout
 from dofla.distill.curriculum import check_length_schedule
-from dofla.distill.trainer import DistillConfig, distill
+from dofla.distill.trainer import distill
 from dofla.errors import DoflaError
 from dofla.evaluation.long_context import aligned_table, long_context_markdown, long_context_quality
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
+from dofla.run_config import LinearizeConfig
+from dofla.settings import DistillSettings
 
 CELLS = ("gla", "linear")
 
@@ -147,16 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     for cell in cells:
         for schedule in curricula:
             started = time.perf_counter()
-            config = DistillConfig(
-                loss="output_mse",
-                tokens=parse_tokens(args.tokens),
-                batch_size=args.batch_size,
-                lr=args.lr,
-                eval_every=0,
-                checkpoint_every=0,
+            config = LinearizeConfig(
+                out_dir="unused",
                 seed=args.seed,
                 progress=False,
-                length_schedule=schedule or None,
+                distill=DistillSettings(
+                    loss="output_mse",
+                    tokens=parse_tokens(args.tokens),
+                    batch_size=args.batch_size,
+                    lr=args.lr,
+                    eval_every=0,
+                    checkpoint_every=0,
+                    length_schedule=schedule or None,
+                ),
             )
             shorter = {
                 length: cut_rows(train_rows, length) for length, _ in schedule if length < args.seq_len

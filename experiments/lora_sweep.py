@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.variants:
         return
     model = convert(teacher, make_plan(config, teacher, train))
-    distilled = distill(model, train, validation, config.distill_config(), None)  # no run folder
+    distilled = distill(model, train, validation, config, None)  # no run folder
     header.update(
         distill_tokens=distilled.tokens,
         stage1_report_ppl=perplexity(model, report, args.batch_size),
@@ -161,8 +161,8 @@ def run_variant(model, name, train, report, validation, config, header, rows, pr
     """Train LoRA variant ``name`` on ``model``; append its row; return the merged model."""
     lr, kl_weight, targets = VARIANTS[name]
     started = time.perf_counter()
-    lora = dataclasses.replace(config.lora_config(), lr=lr, kl_weight=kl_weight, targets=targets)
-    model, _ = train_lora(model, train, lora)
+    lora = dataclasses.replace(config.lora, lr=lr, kl_weight=kl_weight, targets=targets)
+    model, _ = train_lora(model, train, dataclasses.replace(config, lora=lora))
     seconds = time.perf_counter() - started
     rows.append(
         dict(

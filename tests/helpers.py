@@ -34,3 +34,19 @@ def assert_student_forms_agree(student, query, key, value):
         for got, expected in zip(gradients, reference_gradients, strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-10)
     return reference_output, reference_gradients
+
+
+def training_config(*, seed: int = 0, progress: bool = False, lora: dict | None = None, **distill):
+    """A run's settings tree for the trainers (:func:`dofla.distill.trainer.distill`,
+    :func:`dofla.distill.lora.train_lora`): ``distill`` keyword arguments set the distill section, ``lora``
+    the LoRA section; the output folder is never read by them."""
+    from dofla.run_config import LinearizeConfig
+    from dofla.settings import DistillSettings, LoraSettings
+
+    return LinearizeConfig(
+        out_dir="unused",
+        seed=seed,
+        progress=progress,
+        distill=DistillSettings(**distill),
+        lora=LoraSettings(**(lora or {})),
+    )

@@ -7,13 +7,15 @@ import math
 
 import pytest
 import torch
+from helpers import training_config
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import dofla.distill.teacher_forcing as teacher_forcing
 from dofla.convert import convert, plan_for
-from dofla.distill.trainer import DistillConfig, batch_indices, distill, learning_rate_factor
+from dofla.distill.trainer import batch_indices, distill, learning_rate_factor
 from dofla.errors import DoflaError
 from dofla.models.surgery import students
+from dofla.settings import DistillSettings
 
 VOCAB, LENGTH = 97, 24
 
@@ -45,7 +47,7 @@ def token_data(count=20, seed=0):
 def quick_config(**changes):
     settings = dict(tokens=4 * LENGTH * 12, batch_size=4, eval_every=4, checkpoint_every=4, progress=False)
     settings.update(changes)
-    return DistillConfig(**settings)
+    return training_config(**settings)
 
 
 def test_gradients_stay_in_their_layer_and_teacher_is_untouched():
@@ -140,7 +142,7 @@ def test_same_seed_same_result_and_other_seed_differs():
 
 
 def test_schedule_and_batches():
-    config = DistillConfig(warmup_fraction=0.1, min_lr_fraction=0.1)
+    config = DistillSettings(warmup_fraction=0.1, min_lr_fraction=0.1)
     factors = [learning_rate_factor(step, 100, config) for step in range(100)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
     assert factors[-1] == pytest.approx(0.1, abs=1e-3) and all(
@@ -184,7 +186,7 @@ def test_non_finite_loss_skips_the_step_then_stops(tmp_path, monkeypatch):
     ]
     assert [record["loss"] for record in log if record["step"] == 2 and "loss" in record] == [None]
     lrs = [record["lr_factor"] for record in result.history if "lr_factor" in record]
-    assert lrs[2] == pytest.approx(learning_rate_factor(2, 12, quick_config()) * 0.5)
+    assert lrs[2] == pytest.approx(learning_rate_factor(2, 12, quick_config().distill) * 0.5)
 
     monkeypatch.setattr(teacher_forcing, "layer_loss", lambda *a, **k: original(*a, **k) * float("inf"))
     with pytest.raises(DoflaError, match="3 steps in a row had a non-finite loss"):
@@ -205,14 +207,14 @@ def test_bad_inputs_are_refused():
 
 
 def test_lora_in_pieces_of_a_batch_takes_the_same_steps_as_one_forward():
-    from dofla.distill.lora import LoraConfig, train_lora
+    from dofla.distill.lora import train_lora
 
     data = token_data(8)
     weights = {}
     for per_forward in (4 * LENGTH, LENGTH, 3 * LENGTH):  # the batch of 4 whole, in 4 pieces, in 3 + 1
         model = tiny_converted()
-        config = LoraConfig(
-            tokens=4 * LENGTH * 3, lr=1e-2, progress=False, kl_weight=0.5, tokens_per_forward=per_forward
+        config = training_config(
+            lora=dict(tokens=4 * LENGTH * 3, lr=1e-2, kl_weight=0.5, tokens_per_forward=per_forward)
         )
         merged, result = train_lora(model, data, config)
         weights[per_forward] = [parameter.detach().clone() for parameter in merged.parameters()]
@@ -228,14 +230,14 @@ def test_lora_in_pieces_of_a_batch_takes_the_same_steps_as_one_forward():
 
 
 def test_lora_trains_and_merged_logits_equal_peft_logits():
-    from dofla.distill.lora import LoraConfig, attention_projection_names, merge_lora, train_lora
+    from dofla.distill.lora import attention_projection_names, merge_lora, train_lora
 
     model = tiny_converted()
     assert attention_projection_names(model) == ["q_proj", "k_proj", "v_proj", "o_proj"]
     data = token_data(8)
     with torch.no_grad():
         before = model(input_ids=data[:2]).logits
-    config = LoraConfig(tokens=4 * LENGTH * 10, lr=1e-2, progress=False, kl_weight=0.5)
+    config = training_config(lora=dict(tokens=4 * LENGTH * 10, lr=1e-2, kl_weight=0.5))
     peft_model, result = train_lora(model, data, config, merge=False)
     losses = [record["loss"] for record in result.history]
     assert result.steps == 10 and losses[-1] < losses[0]
@@ -252,7 +254,7 @@ def test_lora_trains_and_merged_logits_equal_peft_logits():
 
 @pytest.mark.parametrize("train_students", [False, True])
 def test_lora_trains_the_students_only_when_asked(train_students):
-    from dofla.distill.lora import LoraConfig, train_lora
+    from dofla.distill.lora import train_lora
 
     model = tiny_converted()
     before = {
@@ -265,7 +267,7 @@ def test_lora_trains_the_students_only_when_asked(train_students):
         for name, p in student.named_parameters()
         if not p.requires_grad
     }
-    config = LoraConfig(tokens=4 * LENGTH * 3, lr=1e-2, progress=False, train_students=train_students)
+    config = training_config(lora=dict(tokens=4 * LENGTH * 3, lr=1e-2, train_students=train_students))
     merged, _ = train_lora(model, token_data(8), config)
     moved = {
         (index, name): (p - before[index][name]).abs().max().item()
@@ -282,11 +284,11 @@ def test_lora_trains_the_students_only_when_asked(train_students):
 
 
 def test_lora_train_students_without_student_parameters_is_one_sentence():
-    from dofla.distill.lora import LoraConfig, train_lora
+    from dofla.distill.lora import train_lora
 
     model = tiny_converted()
     for student in students(model).values():
         student.requires_grad_(False)
-    config = LoraConfig(tokens=4 * LENGTH, progress=False, train_students=True)
+    config = training_config(lora=dict(tokens=4 * LENGTH, train_students=True))
     with pytest.raises(DoflaError, match="no trainable parameters"):
         train_lora(model, token_data(8), config)

@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dofla.convert import convert, plan_for
 from dofla.distill import teacher_forcing
 from dofla.distill.graphed import LayerLossGraphs
-from dofla.distill.trainer import DistillConfig
 from dofla.errors import DoflaError
 from dofla.models import build_tiny_model
+from dofla.settings import DistillSettings
 
 # (family, plan_for arguments, loss): every cell, the window with sinks, a short convolution, the losses
 SETTINGS = [
@@ -167,7 +167,7 @@ def test_cuda_graphs_need_a_cuda_device_and_a_layerwise_loss():
     with pytest.raises(DoflaError, match="--cuda-graphs.*CUDA device"):
         config.validate()
     with pytest.raises(DoflaError, match="--cuda-graphs.*layer-wise"):
-        DistillConfig(loss="direct", cuda_graphs=True).validate()
+        DistillSettings(loss="direct", cuda_graphs=True).validate()
     model, students = converted("llama", SETTINGS[0][1])
     with pytest.raises(DoflaError, match="CUDA device"):
         teacher_forcing.teacher_forced_step(

@@ -7,13 +7,14 @@ import json
 
 import pytest
 import torch
+from helpers import training_config
 
 from dofla import dispatch
 from dofla.convert import convert, plan_for
 from dofla.distill import hidden_store
 from dofla.distill.hidden_store import MANIFEST_FILE, TeacherStates, shard_name, write_teacher_states
 from dofla.distill.teacher_forcing import freeze_teacher, teacher_forced_step, teacher_forced_step_from_states
-from dofla.distill.trainer import DistillConfig, distill
+from dofla.distill.trainer import distill
 from dofla.errors import DoflaError
 from dofla.models import TINY_FAMILIES, build_tiny_model, get_adapter
 from dofla.models.surgery import students
@@ -97,10 +98,10 @@ def test_layer_losses_from_stored_states_equal_the_full_teacher_forward(family, 
     assert abs(wrong[1] - full[1]) > 1e-3
 
 
-def quick_config(**changes) -> DistillConfig:
+def quick_config(**changes):
     settings = dict(tokens=4 * LENGTH * 5, batch_size=4, eval_every=2, eval_batches=2, progress=False)
     settings.update(changes)
-    return DistillConfig(**settings)
+    return training_config(**settings)
 
 
 def test_distill_from_stored_states_gives_the_same_students(tmp_path):

@@ -47,7 +47,10 @@ def without_seconds(history: list[dict]) -> list[dict]:
 def test_without_a_schedule_the_run_is_unchanged(monkeypatch):
     train, config = token_data(), quick_config()
     # the fingerprint of this run before the curriculum existed: old checkpoints still resume
-    assert trainer.run_fingerprint(config, tiny_converted(), train, [0, 1]) == "8ea71dab5acc83be"
+    assert (
+        trainer.run_fingerprint(config.distill, config.seed, tiny_converted(), train, [0, 1])
+        == "8ea71dab5acc83be"
+    )
     batches = recorded_batches(monkeypatch)
     model = tiny_converted()
     result = trainer.distill(model, train, token_data(8, seed=1), config)
@@ -80,7 +83,7 @@ def test_shorter_rows_first_with_as_many_tokens_per_step_and_one_learning_rate_s
     records = [record for record in result.history if "loss" in record]
     assert [record["length"] for record in records] == [12] * 6 + [24] * 6
     assert [record["tokens"] for record in records] == [96 * (step + 1) for step in range(12)]
-    factors = [trainer.learning_rate_factor(step, 12, config) for step in range(12)]
+    factors = [trainer.learning_rate_factor(step, 12, config.distill) for step in range(12)]
     assert [record["lr_factor"] for record in records] == pytest.approx(factors)
     assert result.tokens == 4 * LENGTH * 12 and result.steps == 12
     assert [(stage["length"], stage["batch_size"], stage["steps"]) for stage in result.stages] == [

@@ -12,11 +12,11 @@ from dofla import dof
 from dofla.convert import convert, plan_for
 from dofla.distill.losses import LOSSES, kernel_loss, layer_loss, register_loss
 from dofla.distill.teacher_forcing import freeze_teacher, teacher_forced_step
-from dofla.distill.trainer import DistillConfig
 from dofla.errors import DoflaError
 from dofla.models import TINY_FAMILIES, build_tiny_model, get_adapter
 from dofla.models.adapters import CACHE_ARGUMENTS, FAMILIES
 from dofla.registry import Registry
+from dofla.settings import DistillSettings
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def test_unknown_names_list_the_registered_ones_and_names_are_taken_once():
     with pytest.raises(
         DoflaError, match="unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax, split_mse"
     ):
-        DistillConfig(loss="kl").validate()
+        DistillSettings(loss="kl").validate()
     with pytest.raises(
         DoflaError, match="unknown allocation 'even'; choose one of: dof, dof_clip, fix, headwise"
     ):
@@ -103,7 +103,7 @@ def test_a_new_loss_is_one_registered_function(cleanup):
     losses = teacher_forced_step(model, batch, by_layer, "l1", backward=True)
     assert set(losses) == {0, 1} and all(0 < value < 2 for value in losses.values())  # rows differ by < 2
     assert all(p.grad is not None for student in by_layer.values() for p in student.parameters())
-    DistillConfig(loss="l1").validate()
+    DistillSettings(loss="l1").validate()
     with pytest.raises(DoflaError, match="'direct' trains the whole model end to end"):
         layer_loss("direct", None, None)
     with pytest.raises(DoflaError, match="'direct' is not a kernel loss"):

@@ -3,8 +3,6 @@ the fields, one-sentence refusals of unknown keys and wrong types, and the demo'
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from dofla.cli import build_parser
@@ -13,7 +11,6 @@ from dofla.demo import DEMO_HELDOUT_TEXT, DEMO_TRAIN_TEXT, demo_config
 from dofla.errors import DoflaError
 from dofla.recipes import RECIPES
 from dofla.run_config import LinearizeConfig, load_config, save_config, settings_of, to_toml
-from dofla.settings import SECTIONS
 
 
 def parse(*arguments: str) -> LinearizeConfig:
@@ -132,7 +129,11 @@ def test_every_setting_has_a_flag_and_every_documented_flag_still_works():
             assert setting.flag in flags, setting.key
         else:
             assert setting.key in positionals, setting.key
-    assert without_flag == ["command"]  # recorded by the command itself
+    trainers = ["weight_decay", "warmup_fraction", "min_lr_fraction", "grad_clip", "eval_batches"]
+    trainers = [f"distill.{name}" for name in (*trainers, "max_bad_steps", "query_chunk", "temperature")]
+    trainers += [f"lora.{name}" for name in ("warmup_fraction", "min_lr_fraction", "grad_clip", "temperature")]
+    # the command line is recorded by the command itself; the trainers' tuning is set in a config file
+    assert without_flag == ["command", *trainers, "lora.max_bad_steps"]
     documented = (
         "--out --recipe --budget --allocation --measure --feature-map --kind --window --cell --sinks "
         "--eval-lengths --heldout-sequences --passkey-trials --loss --tokens --seq-len --batch-size --lr --data "
@@ -180,7 +181,7 @@ def test_flags_read_every_kind_of_value():
         ("[distill]\ntoknes = 5\n", "unknown setting 'toknes' in [distill] of"),
         (
             "[distill]\ntoknes = 5\n",
-            "valid ones: batch_size, checkpoint_every, cuda_graphs, eval_every, kl_weight, length_schedule, loss, lr",
+            "valid ones: batch_size, checkpoint_every, cuda_graphs, eval_batches, eval_every, grad_clip, kl_weight",
         ),
         ("[model]\nname = 'x'\n", "unknown setting 'model' at the top of"),
         ("lora = 3\n", "[lora] in"),
@@ -254,28 +255,17 @@ def test_a_recipe_with_needle_rows_runs_without_its_lora_stage_when_told():
     assert config.lora.needle_fraction == 0.5 and config.lora.enabled is False
 
 
-def test_the_trainers_settings_come_from_their_sections_by_name():
-    from dofla.distill.lora import LoraConfig
-    from dofla.distill.trainer import DistillConfig
-
-    distill_names = {item.name for item in dataclasses.fields(DistillConfig)}
-    lora_names = {item.name for item in dataclasses.fields(LoraConfig)}
-    # how processes share the stage is the pipeline's (dofla.pipeline.distill_stage), not the trainer's
-    assert {item.name for item in dataclasses.fields(SECTIONS["distill"])} - distill_names == {
-        "sharding",
-        "teacher_states",
-    }
-    # which rows the stage trains on is the pipeline's too (dofla.run_data.lora_rows)
-    assert {item.name for item in dataclasses.fields(SECTIONS["lora"])} - lora_names == {
-        "enabled",
-        "baseline",
-        "needle_fraction",
-        "seq_len",
-    }
-    config = every_type_set()
-    distill, lora = config.distill_config(), config.lora_config()
-    assert (distill.tokens, distill.lr, distill.seed, distill.progress) == (3000, 1.0, 3, True)
-    assert (lora.targets, lora.batch_size, lora.seed, lora.lr) == (["q_proj", "v_proj"], 4, 3, 3e-3)
+def test_the_trainers_settings_without_a_flag_are_set_in_a_config_file_only():
+    config = LinearizeConfig.from_dict(
+        dict(out_dir="o", seed=3, distill=dict(grad_clip=0.5, eval_batches=2), lora=dict(max_bad_steps=2))
+    )
+    # the trainers read these very sections (dofla.distill.trainer.distill, dofla.distill.lora.train_lora)
+    assert (config.distill.grad_clip, config.distill.eval_batches, config.lora.max_bad_steps) == (0.5, 2, 2)
+    assert parse("--out", "o").distill.grad_clip == 1.0
+    with pytest.raises(SystemExit):
+        parse("--out", "o", "--grad-clip", "0.5")
+    with pytest.raises(DoflaError, match=r"max_bad_steps in \[distill\] must be at least 1, got 0"):
+        LinearizeConfig.from_dict(dict(out_dir="o", distill=dict(max_bad_steps=0))).validate()
 
 
 # The demo's settings before the config tree (dofla.pipeline.demo_config, flat), by their new names.
@@ -311,6 +301,20 @@ NEW_SINCE = {
     "evaluate.edge_sinks": False,
     "plan.sinks_at_edge": None,
     "plan.convert_windowed": False,
+    # the trainers' own settings, in the sections since the trainers take them (the same values as before)
+    "distill.weight_decay": 0.0,
+    "distill.warmup_fraction": 0.05,
+    "distill.min_lr_fraction": 0.1,
+    "distill.grad_clip": 1.0,
+    "distill.eval_batches": 4,
+    "distill.max_bad_steps": 5,
+    "distill.query_chunk": 128,
+    "distill.temperature": 1.0,
+    "lora.warmup_fraction": 0.05,
+    "lora.min_lr_fraction": 0.1,
+    "lora.grad_clip": 1.0,
+    "lora.temperature": 1.0,
+    "lora.max_bad_steps": 5,
 }  # options added later, at defaults
 CHANGED_SINCE = {  # the demo reads real text shipped with dofla: web text to train, encyclopedia text held out
     "data.path": str(DEMO_TRAIN_TEXT),

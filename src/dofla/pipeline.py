@@ -116,9 +116,7 @@ def run_stages(
     timings.lap("data")
     baseline_ppl = None
     if config.lora.enabled and config.lora.baseline and rank == 0:
-        baseline_ppl = lora_adapted_teacher_perplexity(
-            teacher, lora_train, data.heldout, config.lora_config()
-        )
+        baseline_ppl = lora_adapted_teacher_perplexity(teacher, lora_train, data.heldout, config)
         timings.lap("LoRA baseline (teacher)")
     plan = shared_plan(config, teacher, data.train)
     plan.sinks_at_edge = resolve_sinks_at_edge(
@@ -420,13 +418,12 @@ def distill_stage(config: LinearizeConfig, model, data: RunData, out_dir: Path, 
         # transfer, and the LoRA stage (if any) is what trains the model
         return DistillResult(steps=0, tokens=0, seconds=0.0)
     rank, processes = distributed.rank_and_world_size()
-    settings = config.distill_config()
     if not layer_sharding(config):
         return distill(
             model,
             data.train,
             data.heldout,
-            settings,
+            config,
             out_dir / "distill",
             resume=config.resume,
             shorter_train=data.shorter_train,
@@ -437,7 +434,7 @@ def distill_stage(config: LinearizeConfig, model, data: RunData, out_dir: Path, 
         model,
         data.train,
         data.heldout,
-        settings,
+        config,
         rank_run_dir(out_dir, rank),
         resume=config.resume,
         layers=blocks[rank],
@@ -455,7 +452,7 @@ def lora_stage(config: LinearizeConfig, model, train: torch.Tensor, history: lis
     from dofla.distill.lora import train_lora
 
     model, result = train_lora(
-        model, train, config.lora_config(), run_dir=Path(config.out_dir) / LORA_FOLDER, resume=config.resume
+        model, train, config, run_dir=Path(config.out_dir) / LORA_FOLDER, resume=config.resume
     )
     return model, [*history, *result.history]
 
@@ -468,7 +465,7 @@ def perplexity(model, sequences: torch.Tensor, batch_size: int = 4) -> float:
 
 
 def lora_adapted_teacher_perplexity(
-    teacher, train: torch.Tensor, heldout: torch.Tensor, lora_config
+    teacher, train: torch.Tensor, heldout: torch.Tensor, config: LinearizeConfig
 ) -> float:
     """Held-out perplexity of the unconverted teacher after the same LoRA stage as the student's.
 
@@ -480,8 +477,8 @@ def lora_adapted_teacher_perplexity(
     saved = {name: tensor.detach().clone() for name, tensor in teacher.state_dict().items()}
     flags = {name: parameter.requires_grad for name, parameter in teacher.named_parameters()}
     try:
-        adapted, _ = train_lora(teacher, train, lora_config)
-        return perplexity(adapted, heldout, lora_config.batch_size)
+        adapted, _ = train_lora(teacher, train, config)
+        return perplexity(adapted, heldout, config.distill.batch_size)
     finally:
         teacher.load_state_dict(saved)
         for name, parameter in teacher.named_parameters():

@@ -188,25 +188,6 @@ class LinearizeConfig:
             elif isinstance(value, dict) and isinstance(self.get(key), dict):
                 self.set(key, {**copy.deepcopy(value), **self.get(key)})
 
-    def distill_config(self):
-        """The trainer's :class:`~dofla.distill.trainer.DistillConfig`: the ``distill`` section's values."""
-        from dofla.distill.trainer import DistillConfig
-
-        return same_named(DistillConfig, self.distill, seed=self.seed, progress=self.progress)
-
-    def lora_config(self):
-        """The LoRA stage's :class:`~dofla.distill.lora.LoraConfig`: the ``lora`` section's values."""
-        from dofla.distill.lora import LoraConfig
-
-        return same_named(
-            LoraConfig,
-            self.lora,
-            batch_size=self.distill.batch_size,
-            seed=self.seed,
-            progress=self.progress,
-            checkpoint_every=self.distill.checkpoint_every,
-        )
-
     def validate(self) -> None:
         """Everything that can be checked before a model is loaded, in one sentence each."""
         from dofla.config import LayerPlan, check_feature_budget
@@ -255,9 +236,9 @@ class LinearizeConfig:
                 f"--cuda-graphs replays the training's layers from CUDA graphs, which needs a CUDA device, and "
                 f"this run is on {device}; drop --cuda-graphs or pass --device cuda."
             )
-        self.distill_config().validate()
+        self.distill.validate()
         if self.lora.enabled:
-            self.lora_config().validate()
+            self.lora.validate()
         if self.distill.teacher_states is not None and self.distill.length_schedule:
             raise DoflaError(
                 "--teacher-states holds the rows at --seq-len, which the shorter stages of --length-schedule "
@@ -283,13 +264,6 @@ class LinearizeConfig:
                 f"one step of --batch-size {self.distill.batch_size} x --seq-len {self.data.seq_len} is {step:,} "
                 f"tokens, more than --tokens {self.distill.tokens:,}; lower --batch-size or raise --tokens."
             )
-
-
-def same_named(cls: type, section: Any, **extra: Any) -> Any:
-    """``cls(...)`` from the fields of ``section`` that ``cls`` also has, plus ``extra``."""
-    names = {item.name for item in fields(cls)}
-    values = {item.name: copy.deepcopy(getattr(section, item.name)) for item in fields(section)}
-    return cls(**{name: value for name, value in values.items() if name in names}, **extra)
 
 
 # ------------------------------------------------------------------------------------ settings, one by one
@@ -342,7 +316,7 @@ def check_setting(setting: Setting, value: Any) -> None:
     if minimum is not None and value is not None:
         for item in value if isinstance(value, list) else [value]:
             if not item >= minimum:  # also refuses NaN
-                raise DoflaError(f"{setting.flag} must be at least {minimum}, got {item}.")
+                raise DoflaError(f"{setting.named} must be at least {minimum}, got {item}.")
     choices = setting.field.metadata.get("choices")
     if choices is not None and value is not None:
         registry = REGISTRIES[choices]()

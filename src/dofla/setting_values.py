@@ -28,9 +28,16 @@ class Setting:
 
     @property
     def where(self) -> str:
-        """How errors name it: the flag, and its place in a config file."""
+        """How errors name it: the flag, and its place in a config file (only that for a setting without a
+        flag)."""
         section, _, name = self.key.rpartition(".")
-        return f"{self.flag} ({name} in [{section}])" if section else f"{self.flag} ({name})"
+        place = f"{name} in [{section}]" if section else name
+        return f"{self.flag} ({place})" if self.field.metadata.get("cli", True) else place
+
+    @property
+    def named(self) -> str:
+        """Its shortest name in errors: the flag, or its place in a config file for a setting without a flag."""
+        return self.flag if self.field.metadata.get("cli", True) else self.where
 
     @property
     def default(self) -> Any:

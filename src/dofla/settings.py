@@ -8,11 +8,13 @@ data: registry names (cells, losses, allocations...) are checked by :mod:`dofla.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from dofla.config import DEFAULT_WINDOW
+from dofla.errors import DoflaError
 
 
 def option(
@@ -154,7 +156,8 @@ SHARDINGS = dict(
 
 @dataclass
 class DistillSettings:
-    """Stage 1, attention transfer (the same names as :class:`dofla.distill.trainer.DistillConfig`)."""
+    """Stage 1, attention transfer (:func:`dofla.distill.trainer.distill`); fields without a flag are set in a
+    config file."""
 
     loss: str = option("softmax", "distillation loss", choices="loss")
     tokens: int = option(2_000_000, "distillation token budget, e.g. 2M or 500k", tokens=True)
@@ -186,11 +189,48 @@ class DistillSettings:
         "with --sharding layers: a `dofla teacher-states` folder (train/, heldout/) with a boundary at each "
         "process's first layer; each process starts its forward there instead of at the embeddings",
     )
+    weight_decay: float = option(0.0, "AdamW weight decay", cli=False)
+    warmup_fraction: float = option(0.05, "share of the steps with a linear warm-up", cli=False)
+    min_lr_fraction: float = option(0.1, "floor of the cosine decay, relative to the peak rate", cli=False)
+    grad_clip: float = option(1.0, "largest gradient norm (larger ones are scaled down)", cli=False)
+    eval_batches: int = option(4, "held-out batches per evaluation", minimum=1, cli=False)
+    max_bad_steps: int = option(
+        5, "consecutive non-finite steps tolerated (each halves the learning rate)", minimum=1, cli=False
+    )
+    query_chunk: int = option(128, "query rows per piece of a layer-wise loss", minimum=1, cli=False)
+    temperature: float = option(1.0, "temperature of the KL to the teacher's logits", cli=False)
+
+    def validate(self) -> None:
+        """What the trainer refuses before any work (registry names and ranges)."""
+        from dofla.distill.curriculum import check_length_schedule
+        from dofla.distill.losses import LOSSES
+
+        LOSSES[self.loss]  # an unknown name is refused with the registered ones
+        if self.tokens <= 0:
+            raise DoflaError(f"the token budget must be positive, got {self.tokens}; pass e.g. --tokens 2M.")
+        if self.batch_size <= 0:
+            raise DoflaError(f"batch size must be positive, got {self.batch_size}; pass e.g. --batch-size 4.")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise DoflaError(f"learning rate must be a positive number, got {self.lr}; pass e.g. --lr 1e-2.")
+        if not (math.isfinite(self.kl_weight) and self.kl_weight >= 0):
+            raise DoflaError(f"the KL weight must be zero or positive, got {self.kl_weight}.")
+        for name in ("eval_every", "checkpoint_every", "patience"):
+            if getattr(self, name) < 0:
+                raise DoflaError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}.")
+        if self.max_bad_steps < 1:
+            raise DoflaError(f"max_bad_steps must be at least 1, got {self.max_bad_steps}.")
+        check_length_schedule(self.length_schedule)
+        if self.cuda_graphs and not LOSSES[self.loss].layerwise:
+            raise DoflaError(
+                f"--cuda-graphs captures the layer-wise losses one layer at a time; the {self.loss} loss runs "
+                "the whole model end to end: drop --cuda-graphs or choose a layer-wise --loss."
+            )
 
 
 @dataclass
 class LoraSettings:
-    """Stage 2, LoRA on next-token loss, merged (the same names as :class:`dofla.distill.lora.LoraConfig`)."""
+    """Stage 2, LoRA on next-token loss, merged (:func:`dofla.distill.lora.train_lora`; its batches are the
+    ``distill`` section's size and it checkpoints as often)."""
 
     enabled: bool = option(False, "stage 2: LoRA on next-token loss, merged into the weights", flag="--lora")
     tokens: int = option(200_000, "LoRA token budget, e.g. 200k", flag="--lora-tokens", tokens=True)
@@ -238,6 +278,39 @@ class LoraSettings:
         "adapts to the training text too; this separates the two effects)",
         flag="--lora-baseline",
     )
+    warmup_fraction: float = option(0.05, "share of the steps with a linear warm-up", cli=False)
+    min_lr_fraction: float = option(0.1, "floor of the cosine decay, relative to the peak rate", cli=False)
+    grad_clip: float = option(1.0, "largest gradient norm (larger ones are scaled down)", cli=False)
+    temperature: float = option(1.0, "temperature of the KL to the teacher's logits", cli=False)
+    max_bad_steps: int = option(
+        5, "consecutive non-finite steps tolerated (each halves the learning rate)", minimum=1, cli=False
+    )
+
+    def validate(self) -> None:
+        """Every option's range, checked before any work (the targets need the model:
+        :func:`dofla.distill.lora.check_targets`)."""
+        if self.rank < 1:
+            raise DoflaError(f"--lora-rank must be at least 1, got {self.rank}.")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise DoflaError(f"--lora-alpha must be positive, got {self.alpha}.")
+        if self.tokens <= 0:
+            raise DoflaError(
+                f"the LoRA token budget must be positive, got {self.tokens}; pass e.g. --lora-tokens 200k."
+            )
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise DoflaError(f"--lora-lr must be a positive number, got {self.lr}; pass e.g. --lora-lr 1e-3.")
+        if not (math.isfinite(self.kl_weight) and self.kl_weight >= 0):
+            raise DoflaError(f"--lora-kl must be zero or positive, got {self.kl_weight}.")
+        if self.targets is not None and not all(
+            isinstance(name, str) and name.strip() for name in self.targets
+        ):
+            raise DoflaError(f"--lora-targets must be comma-separated module names, got {self.targets}.")
+        if self.tokens_per_forward < 1:
+            raise DoflaError(
+                f"--lora-tokens-per-forward must be at least 1, got {self.tokens_per_forward}; pass e.g. 2048."
+            )
+        if self.max_bad_steps < 1:
+            raise DoflaError(f"max_bad_steps must be at least 1, got {self.max_bad_steps}.")
 
 
 @dataclass

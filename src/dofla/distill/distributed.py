@@ -192,3 +192,113 @@ def torchrun_command(nproc: int, argv: list[str]) -> list[str]:
         "dofla",
         *argv,
     ]
+
+
+class ProcessShare:
+    """How this process shares a distillation run: data parallel (a slice of every batch, gradients averaged;
+    rank 0 writes the run folder) or layer sharding (``by_layers``: its own layers on whole batches, its own
+    run folder; the loss weighted by layers and the gradient norm are combined across ranks, so every rank
+    logs, clips, skips and stops early as one process training all layers would). Without a process group it
+    is one process and every method is the identity."""
+
+    def __init__(self, rank: int, world_size: int, by_layers: bool) -> None:
+        self.rank, self.world_size, self.by_layers = rank, world_size, by_layers
+        self.layers = self.all_layers = 0
+
+    @classmethod
+    def of(cls, data_parallel: bool, loss: str, batch_size: int) -> ProcessShare:
+        """This process's share (``data_parallel`` False: layer sharding), refusing what it cannot train."""
+        from dofla.distill.losses import LOSSES, layerwise_loss_names
+
+        rank, world_size = rank_and_world_size()
+        by_layers = world_size > 1 and not data_parallel
+        if by_layers and not LOSSES[loss].layerwise:
+            raise DoflaError(
+                f"layer sharding trains each process's layers on their own, which the {loss} loss (the whole "
+                f"model end to end) cannot; choose a layer-wise loss ({', '.join(layerwise_loss_names())}) or "
+                "data sharding."
+            )
+        if world_size > 1 and not by_layers and batch_size % world_size:
+            raise DoflaError(f"batch size {batch_size} must be divisible by the {world_size} processes.")
+        return cls(rank, world_size, by_layers)
+
+    def count_layers(self, students: dict, given: bool) -> None:
+        """Layer sharding: check every rank has its own layers, and count them over all ranks."""
+        if self.by_layers:
+            check_disjoint_layers(sorted(students) if given else None)
+        self.layers = len(students)
+        # layer sharding: each rank's mean is weighted by its layer count to give the mean over all layers
+        self.all_layers = sum_across_ranks(len(students)) if self.by_layers else len(students)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes its run folder (layer sharding: every rank keeps its own)."""
+        return self.rank == 0 or self.by_layers
+
+    @property
+    def batch_divisor(self) -> int:
+        """What a batch's size must divide by: the ranks that slice it (data parallel), else 1."""
+        return 1 if self.by_layers else self.world_size
+
+    def slice(self, indices: list[int]) -> list[int]:
+        """This process's part of a batch's sequence indices (all of them under layer sharding)."""
+        if self.by_layers:
+            return indices
+        local = len(indices) // self.world_size
+        return indices[self.rank * local : (self.rank + 1) * local]
+
+    def loss(self, value: float) -> float:
+        """A loss over this rank's layers (or slice) -> the loss over all layers (or the whole batch)."""
+        if self.by_layers:
+            return sum_across_ranks(value * self.layers) / self.all_layers
+        return mean_across_ranks(value)
+
+    def validation(self, loss: float, layer_losses: dict[int, float]) -> tuple[float, dict[int, float]]:
+        """A held-out loss and its layers' losses over every rank."""
+        return self.loss(loss), gathered_layer_losses(layer_losses) if self.by_layers else layer_losses
+
+    def clip_gradients(self, parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        """Average the gradients (data parallel) or combine their norm (layer sharding), clip, return the norm."""
+        if self.by_layers:
+            return clip_global_norm(parameters, max_norm)
+        average_gradients(parameters)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+    def bad_layer(self, local_bad_layer, *arguments) -> int | None:
+        """``local_bad_layer(*arguments)``, the first layer gone non-finite here, as the lowest over every
+        rank under layer sharding (called on every rank alike)."""
+        found = local_bad_layer(*arguments)
+        return min_across_ranks(found) if self.by_layers else found
+
+
+def clip_global_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the gradients of every rank's parameters by their joint norm, as if all were in one process
+    (layer sharding); returns that norm. Each rank adds its squared norm to the others'."""
+    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    total = torch.tensor(math.sqrt(sum_across_ranks(float(local) ** 2)), dtype=torch.float32)
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+def gathered_layer_losses(layer_losses: dict[int, float]) -> dict[int, float]:
+    """Every rank's per-layer losses in one dict, on every rank (layer sharding)."""
+    gathered = gather_json({str(layer): value for layer, value in layer_losses.items()})
+    return dict(sorted((int(layer), value) for part in gathered for layer, value in part.items()))
+
+
+def check_disjoint_layers(layers: list[int] | None) -> None:
+    """Layer sharding: refuse, on every rank alike, a rank without its own ``layers`` or two ranks sharing one
+    (each would count in the loss and the gradient norm twice)."""
+    owned = gather_json(layers)
+    if any(part is None for part in owned):
+        raise DoflaError(
+            f"layer sharding needs each process's own layers (distill(..., layers=...)); rank "
+            f"{owned.index(None)} gave none: pass dofla.distill.layer_blocks(...)[rank]."
+        )
+    shared = sorted({layer for part in owned for layer in part if sum(layer in other for other in owned) > 1})
+    if shared:
+        raise DoflaError(
+            f"layer sharding needs each layer on one process, but layers {shared} are on several ({owned}); "
+            "pass dofla.distill.layer_blocks(...)[rank]."
+        )

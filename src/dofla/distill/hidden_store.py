@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -293,3 +294,37 @@ class TeacherStates:
 
 def open_teacher_states(store: TeacherStates | str | Path) -> TeacherStates:
     return store if isinstance(store, TeacherStates) else TeacherStates(store)
+
+
+@dataclass
+class StoredStart:
+    """Where a layer-wise forward starts from stored teacher states: the store and its start layer."""
+
+    states: TeacherStates
+    layer: int
+
+
+def stored_start(store, model: nn.Module, sequences: torch.Tensor, students, loss: str, name: str):
+    """Open and check a teacher-state store for ``sequences`` (N, T) trained by the ``loss`` of that name; None
+    where no store is given. ``name`` says which store in errors."""
+    from dofla.distill.losses import LOSSES, layerwise_loss_names
+
+    if store is None:
+        return None
+    if not LOSSES[loss].layerwise:
+        raise DoflaError(
+            f"{name}: stored teacher states serve the layer-wise losses ({', '.join(layerwise_loss_names())}); "
+            f"the {loss} loss runs the whole model end to end. Drop the stored states or choose a "
+            "layer-wise loss."
+        )
+    states = open_teacher_states(store)
+    return StoredStart(states, states.check(model, sequences, min(students)))
+
+
+def start_options(stored: StoredStart | None, indices, device: torch.device) -> dict:
+    """The keyword arguments that start a batch's forward from its stored teacher states (B, T, hidden)
+    entering the start layer; none without a store."""
+    if stored is None:
+        return {}
+    start_states = stored.states.read(list(indices), stored.layer).to(device)  # (B, T, hidden)
+    return dict(start_states=start_states, start_layer=stored.layer)

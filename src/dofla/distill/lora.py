@@ -37,68 +37,12 @@ from dofla.distill.trainer import CHECKPOINT_FOLDER, LOG_FILE, batch_indices, le
 from dofla.errors import DoflaError
 from dofla.evaluation.logits import final_hidden_states, output_logits, rows_per_piece, vocabulary_size
 from dofla.models.surgery import autocast_for
+from dofla.run_config import LinearizeConfig
+from dofla.settings import LoraSettings
 
-# settings that change neither the updates nor their order: a resumed stage may set them otherwise
-_NOT_IN_FINGERPRINT = ("progress", "tokens_per_forward", "checkpoint_every")
-
-
-@dataclass
-class LoraConfig:
-    """rank, alpha, targets (module name suffixes; None = the family's q/k/v/o projections), token budget,
-    learning rate (AdamW, warm-up + cosine as in the first stage), KL weight to the teacher's logits.
-
-    ``tokens_per_forward``: a batch goes through the model in pieces of whole sequences holding at most
-    this many tokens (at least one sequence), their gradients summed before the step: the same update as
-    one forward of the batch, with the activation memory of one piece (a whole model's backward holds
-    several megabytes per token on a CPU, mostly the vocabulary-sized logits and their softmaxes).
-    """
-
-    rank: int = 8
-    alpha: int = 16
-    targets: list[str] | None = None
-    tokens: int = 200_000
-    batch_size: int = 4
-    lr: float = 1e-3
-    warmup_fraction: float = 0.05
-    min_lr_fraction: float = 0.1
-    grad_clip: float = 1.0
-    kl_weight: float = 0.0
-    temperature: float = 1.0
-    seed: int = 0
-    progress: bool = True
-    max_bad_steps: int = 5
-    tokens_per_forward: int = 2048
-    train_students: bool = False
-    checkpoint_every: int = 10  # steps between checkpoints when the stage has a run folder (0: only the last)
-
-    def validate(self) -> None:
-        """Every option's range, checked before any work (the targets need the model: :func:`check_targets`)."""
-        if self.rank < 1:
-            raise DoflaError(f"--lora-rank must be at least 1, got {self.rank}.")
-        if not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise DoflaError(f"--lora-alpha must be positive, got {self.alpha}.")
-        if self.tokens <= 0:
-            raise DoflaError(
-                f"the LoRA token budget must be positive, got {self.tokens}; pass e.g. --lora-tokens 200k."
-            )
-        if self.batch_size <= 0:
-            raise DoflaError(f"batch size must be positive, got {self.batch_size}; pass e.g. --batch-size 4.")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise DoflaError(f"--lora-lr must be a positive number, got {self.lr}; pass e.g. --lora-lr 1e-3.")
-        if not (math.isfinite(self.kl_weight) and self.kl_weight >= 0):
-            raise DoflaError(f"--lora-kl must be zero or positive, got {self.kl_weight}.")
-        if self.targets is not None and not all(
-            isinstance(name, str) and name.strip() for name in self.targets
-        ):
-            raise DoflaError(f"--lora-targets must be comma-separated module names, got {self.targets}.")
-        if self.tokens_per_forward < 1:
-            raise DoflaError(
-                f"--lora-tokens-per-forward must be at least 1, got {self.tokens_per_forward}; pass e.g. 2048."
-            )
-        if self.max_bad_steps < 1:
-            raise DoflaError(f"max_bad_steps must be at least 1, got {self.max_bad_steps}.")
-        if self.checkpoint_every < 0:
-            raise DoflaError(f"checkpoint_every must be 0 or more steps, got {self.checkpoint_every}.")
+# settings that change neither the updates nor their order (a resumed stage may set them otherwise), or that
+# the pipeline reads (which rows, whether the stage runs)
+_NOT_IN_FINGERPRINT = ("tokens_per_forward", "enabled", "needle_fraction", "seq_len", "baseline")
 
 
 @dataclass
@@ -146,7 +90,7 @@ def check_targets(model: nn.Module, targets: list[str] | None) -> list[str]:
 def train_lora(
     model: nn.Module,
     train: torch.Tensor,
-    config: LoraConfig,
+    config: LinearizeConfig,
     *,
     merge: bool = True,
     run_dir: str | Path | None = None,
@@ -154,7 +98,8 @@ def train_lora(
 ) -> tuple[nn.Module, LoraResult]:
     """Fine-tune ``model`` (converted) with LoRA on next-token loss over train (N, T); returns the model
     with the adapters merged into its weights (same object, students attached) and the training record.
-    ``merge=False`` returns the peft model instead (merge later with :func:`merge_lora`).
+    ``merge=False`` returns the peft model instead (merge later with :func:`merge_lora`). The settings are
+    ``config.lora``, with the ``distill`` section's batch size and checkpoint interval and the run's seed.
     run_dir: where the stage writes ``log.jsonl`` and ``checkpoints/`` (None: nothing is written); with
     ``resume`` it continues from the newest checkpoint there, which must come from the same settings,
     students and data (it starts from step 0 where there is none).
@@ -163,16 +108,17 @@ def train_lora(
     from peft import get_peft_model
     from tqdm import tqdm
 
-    config.validate()
-    targets = check_targets(model, config.targets)
+    settings, batch_size = config.lora, config.distill.batch_size
+    settings.validate()
+    targets = check_targets(model, settings.targets)
     fingerprint = lora_fingerprint(config, model, train) if run_dir is not None else None
-    student_groups = _student_groups(model, config) if config.train_students else []
+    student_groups = _student_groups(model, settings) if settings.train_students else []
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     plan = getattr(model, "dofla_plan", None)
     peft_model = get_peft_model(
         model,
-        PeftLoraConfig(r=config.rank, lora_alpha=config.alpha, target_modules=targets, lora_dropout=0.0),
+        PeftLoraConfig(r=settings.rank, lora_alpha=settings.alpha, target_modules=targets, lora_dropout=0.0),
     )
     adapters = [parameter for parameter in peft_model.parameters() if parameter.requires_grad]
     if not adapters:
@@ -182,16 +128,15 @@ def train_lora(
             parameter.requires_grad_(True)
     trainable = adapters + [parameter for group in student_groups for parameter in group["params"]]
     optimizer = torch.optim.AdamW(
-        [{"params": adapters, "lr": config.lr}, *student_groups], lr=config.lr, weight_decay=0.0
+        [{"params": adapters, "lr": settings.lr}, *student_groups], lr=settings.lr, weight_decay=0.0
     )
     base_rates = [group["lr"] for group in optimizer.param_groups]
     device = next(model.parameters()).device
-    total_steps = math.ceil(config.tokens / (config.batch_size * train.shape[1]))
-    per_forward = max(1, config.tokens_per_forward // train.shape[1])  # sequences per forward
-    schedule = _Schedule(config.warmup_fraction, config.min_lr_fraction)
+    total_steps = math.ceil(settings.tokens / (batch_size * train.shape[1]))
+    per_forward = max(1, settings.tokens_per_forward // train.shape[1])  # sequences per forward
     torch.manual_seed(config.seed)
     history = []
-    policy = NonFinitePolicy("LoRA", config.max_bad_steps, "lower --lora-lr")
+    policy = NonFinitePolicy("LoRA", settings.max_bad_steps, "lower --lora-lr")
     named_trainable = [
         (name, parameter) for name, parameter in peft_model.named_parameters() if parameter.requires_grad
     ]
@@ -211,16 +156,16 @@ def train_lora(
         unit="step",
         desc="lora",
     ):
-        factor = learning_rate_factor(step, total_steps, schedule) * policy.lr_scale
+        factor = learning_rate_factor(step, total_steps, settings) * policy.lr_scale
         for group, base_rate in zip(optimizer.param_groups, base_rates, strict=True):
             group["lr"] = base_rate * factor
-        batch = train[batch_indices(step, config.batch_size, len(train), config.seed)].to(device)
+        batch = train[batch_indices(step, batch_size, len(train), config.seed)].to(device)
         optimizer.zero_grad(set_to_none=True)
         loss = sum(
-            _piece_loss_backward(peft_model, piece, config, share=len(piece) / len(batch))
+            _piece_loss_backward(peft_model, piece, settings, share=len(piece) / len(batch))
             for piece in batch.split(per_forward)
         )
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings.grad_clip)
 
         def bad_layer(batch=batch) -> int | None:
             layer = first_nonfinite_layer(named_trainable)  # an adapter gone non-finite, else the first
@@ -231,19 +176,22 @@ def train_lora(
         record = dict(stage="lora", step=step + 1, loss=float(loss.detach()))
         history.append(record)
         run.log(record)
-        if step + 1 == total_steps or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0):
+        if step + 1 == total_steps or (
+            config.distill.checkpoint_every and (step + 1) % config.distill.checkpoint_every == 0
+        ):
             run.save(step + 1, named_trainable, optimizer, policy, history)
-    tokens = total_steps * config.batch_size * train.shape[1]
+    tokens = total_steps * batch_size * train.shape[1]
     result = LoraResult(steps=total_steps, tokens=tokens, history=history)
     return (merge_lora(peft_model, plan) if merge else peft_model), result
 
 
-def lora_fingerprint(config: LoraConfig, model: nn.Module, train: torch.Tensor) -> str:
+def lora_fingerprint(config: LinearizeConfig, model: nn.Module, train: torch.Tensor) -> str:
     """A hash of what determines the stage's result: its settings, the plan, the converted layers' weights
     as the stage starts (what attention transfer left) and the training rows."""
     from dofla.models.surgery import students
 
-    settings = {name: value for name, value in asdict(config).items() if name not in _NOT_IN_FINGERPRINT}
+    settings = {name: value for name, value in asdict(config.lora).items() if name not in _NOT_IN_FINGERPRINT}
+    settings.update(batch_size=config.distill.batch_size, seed=config.seed)
     digest = settings_digest(settings, getattr(model, "dofla_plan", None))
     for index, student in sorted(students(model).items()):
         for name, tensor in student.state_dict().items():
@@ -311,7 +259,7 @@ class _StageFiles:
             )
 
 
-def _student_groups(model: nn.Module, config: LoraConfig) -> list[dict]:
+def _student_groups(model: nn.Module, settings: LoraSettings) -> list[dict]:
     """The converted layers' AdamW groups at the LoRA learning rate (taken before LoRA freezes everything, so
     parameters a cell keeps fixed stay fixed); one sentence if there is nothing to train."""
     from dofla.models.surgery import students
@@ -319,7 +267,7 @@ def _student_groups(model: nn.Module, config: LoraConfig) -> list[dict]:
     groups = [
         dict(group, params=[parameter for parameter in group["params"] if parameter.requires_grad])
         for student in students(model).values()
-        for group in student.parameter_groups(config.lr)
+        for group in student.parameter_groups(settings.lr)
     ]
     groups = [group for group in groups if group["params"]]
     if not groups:
@@ -333,14 +281,14 @@ def _student_groups(model: nn.Module, config: LoraConfig) -> list[dict]:
 LOGIT_COPIES = 4  # (rows, V) float32 tensors alive in a piece: logits, two log-softmaxes, a gradient
 
 
-def _piece_loss_backward(peft_model: nn.Module, piece: torch.Tensor, config: LoraConfig, share: float):
+def _piece_loss_backward(peft_model: nn.Module, piece: torch.Tensor, settings: LoraSettings, share: float):
     """Forward and backward of one piece (n, T) of a batch, its loss weighted by its ``share`` of the
     batch's sequences (every row has T tokens, so the weighted sum is the batch's mean loss). The output
     head runs a few positions at a time (:func:`~dofla.distill.losses.direct_loss_in_pieces`, pieces sized
     from the vocabulary and the free memory): no (n, T, V) logits are held."""
     causal_lm = peft_model.get_base_model()  # the adapters sit in its modules
     teacher_hidden = None
-    if config.kl_weight > 0:
+    if settings.kl_weight > 0:
         with torch.no_grad(), dispatch.teacher_forced(), peft_model.disable_adapter():
             teacher_hidden = final_hidden_states(causal_lm, piece)  # (n, T, E)
     rows = rows_per_piece(vocabulary_size(causal_lm), LOGIT_COPIES, piece.device)
@@ -352,8 +300,8 @@ def _piece_loss_backward(peft_model: nn.Module, piece: torch.Tensor, config: Lor
             piece,
             teacher_hidden,
             rows_per_piece=rows,
-            kl_weight=config.kl_weight,
-            temperature=config.temperature,
+            kl_weight=settings.kl_weight,
+            temperature=settings.temperature,
         )
     loss.backward()
     return loss.detach()
@@ -367,9 +315,3 @@ def merge_lora(peft_model: nn.Module, plan=None) -> nn.Module:
     for parameter in merged.parameters():
         parameter.requires_grad_(False)
     return merged
-
-
-@dataclass
-class _Schedule:
-    warmup_fraction: float
-    min_lr_fraction: float
