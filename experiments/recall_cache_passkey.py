@@ -26,11 +26,12 @@ from pathlib import Path
 import torch
 
 from dofla.commands._common import integer_list
-from dofla.convert import convert, plan_for, students, unconvert
+from dofla.convert import convert, plan_for, unconvert
 from dofla.data import load_texts
 from dofla.evaluation.passkey import passkey_retrieval
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
+from dofla.models.surgery import students
 
 WIKI = "/work/shared/data/wiki_demo/wiki_demo.txt"
 

@@ -131,7 +131,9 @@ def test_every_setting_has_a_flag_and_every_documented_flag_still_works():
             assert setting.key in positionals, setting.key
     trainers = ["weight_decay", "warmup_fraction", "min_lr_fraction", "grad_clip", "eval_batches"]
     trainers = [f"distill.{name}" for name in (*trainers, "max_bad_steps", "query_chunk", "temperature")]
-    trainers += [f"lora.{name}" for name in ("warmup_fraction", "min_lr_fraction", "grad_clip", "temperature")]
+    trainers += [
+        f"lora.{name}" for name in ("warmup_fraction", "min_lr_fraction", "grad_clip", "temperature")
+    ]
     # the command line is recorded by the command itself; the trainers' tuning is set in a config file
     assert without_flag == ["command", *trainers, "lora.max_bad_steps"]
     documented = (
