@@ -11,8 +11,8 @@ The package, by concern:
 - :mod:`~dofla.dof.measures`: the registered measures (``dof``, ``dof_trace``, ``attention_rank``);
 - :mod:`~dofla.dof.estimation`: capturing points from a teacher and measuring them (:class:`DofEstimate`);
 - :mod:`~dofla.dof.allocate`: the registered allocations (``fix``, ``dof``, ``dof_clip``, ``headwise``,
-  ``measured``), the softmax-layer choices (``dof``, ``uniform``, ``measured``) and :func:`make_plan`, the one
-  plan builder;
+  ``measured``) and the softmax-layer choices (``dof``, ``uniform``, ``measured``);
+- :mod:`~dofla.dof.plan`: :func:`make_plan`, the one plan builder, and :func:`allocate_all`;
 - :mod:`~dofla.dof.error_curves`: each layer's measured distillation error as a function of its feature
   dimension (measured by :mod:`dofla.planning.error_curves`) and the ``measured`` allocation by it;
 - :mod:`~dofla.dof.report`: the markdown table and plots of ``dofla dof``.
@@ -26,11 +26,8 @@ from dofla.dof.allocate import (
     Allocation,
     AllocationRequest,
     AllocationRule,
-    allocate_all,
     allocate_feature_dims,
     largest_remainder,
-    make_plan,
-    map_head_measure,
     register_allocation,
     register_softmax_choice,
 )
@@ -57,6 +54,7 @@ from dofla.dof.kernel import (
     plain_eigen_noise_floor,
 )
 from dofla.dof.measures import MEASURES, HeadSample, Measure, register_measure
+from dofla.dof.plan import allocate_all, make_plan, map_head_measure
 from dofla.dof.report import (
     layer_spectra,
     markdown_table,

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from dofla.config import DEFAULT_WINDOW, ConversionPlan
-from dofla.dof.allocate import ALLOCATIONS, make_plan
+from dofla.dof.allocate import ALLOCATIONS
 from dofla.dof.estimation import estimate
+from dofla.dof.plan import make_plan
 from dofla.models import get_adapter
 from dofla.planning.error_curves import (
     CurveSettings,
