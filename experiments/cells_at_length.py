@@ -29,7 +29,8 @@ import torch
 from dofla.convert import convert, plan_for, unconvert
 from dofla.data import cut_rows, load_texts, pack_token_sequences, parse_tokens, split_train_heldout
 from dofla.distill.trainer import distill
-from dofla.evaluation.long_context import long_context_markdown, long_context_quality
+from dofla.evaluation.long_context import long_context_quality
+from dofla.evaluation.long_context_report import long_context_markdown
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
 from dofla.run_config import LinearizeConfig

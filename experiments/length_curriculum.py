@@ -40,7 +40,8 @@ from dofla.data import cut_rows, load_texts, pack_token_sequences, parse_tokens,
 from dofla.distill.curriculum import check_length_schedule
 from dofla.distill.trainer import distill
 from dofla.errors import DoflaError
-from dofla.evaluation.long_context import aligned_table, long_context_markdown, long_context_quality
+from dofla.evaluation.long_context import long_context_quality
+from dofla.evaluation.long_context_report import aligned_table, long_context_markdown
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
 from dofla.run_config import LinearizeConfig

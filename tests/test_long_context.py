@@ -16,12 +16,8 @@ from dofla.errors import DoflaError
 from dofla.evaluation import logits as logits_module
 from dofla.evaluation.cache_baselines import CacheBaseline, kv_bytes_per_token
 from dofla.evaluation.heavy_hitter import heavy_hitter_restricted
-from dofla.evaluation.long_context import (
-    long_context_markdown,
-    long_context_quality,
-    plot_loss_by_position,
-    position_buckets,
-)
+from dofla.evaluation.long_context import long_context_quality, position_buckets
+from dofla.evaluation.long_context_report import long_context_markdown, plot_loss_by_position
 from dofla.evaluation.perplexity import perplexity
 from dofla.evaluation.window_baseline import window_restricted
 from dofla.models import build_tiny_model, build_tiny_tokenizer, save_tiny_model_folder

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dofla.evaluation.long_context import long_context_markdown, plot_loss_by_position
+from dofla.evaluation.long_context_report import long_context_markdown, plot_loss_by_position
 from dofla.evaluation.passkey import passkey_markdown
 from dofla.evaluation.recall import recall_markdown
 from dofla.io import write_atomic, write_json_atomic, write_text_atomic

@@ -265,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
 
     from dofla.data import load_texts, span_placements
     from dofla.errors import DoflaError
-    from dofla.evaluation import harness, long_context
+    from dofla.evaluation import harness, long_context, long_context_report
     from dofla.evaluation.attention_error import attention_errors
     from dofla.evaluation.passkey import passkey_comparison
     from dofla.evaluation.recall import recall_beyond_window
@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         )
     _print_results(results)
     if args.plot and "long_context" in results:
-        long_context.plot_loss_by_position(results["long_context"], args.plot)
+        long_context_report.plot_loss_by_position(results["long_context"], args.plot)
     if args.json_out:
         write_json_atomic(args.json_out, results)
     return 0
@@ -426,13 +426,13 @@ def _lm_eval_tasks(args, teacher_spec: str, teacher, student, tokenizer) -> dict
 
 
 def _print_results(results: dict) -> None:
-    from dofla.evaluation import long_context
+    from dofla.evaluation import long_context_report
     from dofla.evaluation.passkey import passkey_markdown
     from dofla.evaluation.recall import recall_markdown
 
     if "long_context" in results:
         quality = results["long_context"]
-        print(long_context.long_context_markdown(quality))
+        print(long_context_report.long_context_markdown(quality))
         for length, measured in quality["by_length"].items():
             spent = ", ".join(f"{name} {seconds:.0f}" for name, seconds in measured["seconds"].items())
             print(f"seconds at {length} tokens ({measured['sequences']} sequences): {spent}")
@@ -447,7 +447,7 @@ def _print_results(results: dict) -> None:
             [layer, f"{values['relative_error']:.4f}", f"{values['cosine']:.4f}"]
             for layer, values in measured["layers"].items()
         ]
-        print(long_context.aligned_table(["layer", "relative error", "cosine"], body) + "\n")
+        print(long_context_report.aligned_table(["layer", "relative error", "cosine"], body) + "\n")
     if "lm_eval" in results:
         print(lm_eval_markdown(results["lm_eval"]))
     if "recall" in results:
@@ -458,7 +458,7 @@ def _print_results(results: dict) -> None:
 
 def lm_eval_markdown(section: dict) -> str:
     """The lm-eval scores as a table (acc and acc_norm with standard errors, teacher and student)."""
-    from dofla.evaluation.long_context import aligned_table
+    from dofla.evaluation.long_context_report import aligned_table
 
     def shown(values: dict, metric: str) -> str:
         if metric not in values:

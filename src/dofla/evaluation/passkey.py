@@ -267,7 +267,7 @@ def passkey_comparison(
 
 def passkey_markdown(result: dict, *, heading: str = "## Pass-key retrieval") -> str:
     """A compact table: a row per model, a column per context length, accuracy per depth in each cell."""
-    from dofla.evaluation.long_context import aligned_table
+    from dofla.evaluation.long_context_report import aligned_table
 
     depths = "/".join(f"{depth:g}" for depth in result["depths"])
     header = ["model", *(f"{length} tokens" for length in result["context_lengths"]), "mean"]
