@@ -171,11 +171,12 @@ def test_a_window_student_as_wide_as_the_rows_reproduces_gemma_exactly(family):
 def test_a_run_that_cannot_fit_says_so_with_settings_that_fit_before_reading_data(tmp_path, monkeypatch):
     import dofla.evaluation.logits as logits
     import dofla.pipeline as pipeline
+    import dofla.run_checks as run_checks
     from dofla.errors import DoflaError
 
     teacher, tokenizer = build_tiny_model("llama"), build_tiny_tokenizer()
     weights = sum(p.numel() * 4 for p in teacher.parameters())
-    per_token = pipeline.activation_bytes_per_token(teacher)
+    per_token = run_checks.activation_bytes_per_token(teacher)
     monkeypatch.setattr(
         logits, "available_memory_bytes", lambda device=None: weights + 2 * LENGTH * per_token + 1
     )
