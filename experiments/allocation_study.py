@@ -37,7 +37,7 @@ from dofla.evaluation.attention_error import attention_errors
 from dofla.evaluation.perplexity import perplexity as measure_perplexity
 from dofla.io import write_text_atomic
 from dofla.run_config import LinearizeConfig
-from dofla.settings import DistillSettings
+from dofla.settings import DistillSettings, PlanSettings, StudentSettings
 
 
 def perplexity(model, sequences: torch.Tensor, batch_size: int) -> float:
@@ -106,11 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         plan = planning.measure_and_plan(
             teacher,
             calibration,
-            variant=allocation,
-            measure=measure,
-            num_points=args.dof_points,
-            budget=args.budget,
-            feature_map=args.feature_map,
+            plan=PlanSettings(
+                allocation=allocation, measure=measure, dof_points=args.dof_points, budget=args.budget
+            ),
+            student=StudentSettings(feature_map=args.feature_map),
         )
         convert(teacher, plan)
         config = LinearizeConfig(

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from dofla import dof
 from dofla.errors import DoflaError
+from dofla.settings import PlanSettings
 
 measures = st.lists(st.floats(min_value=0.0, max_value=1e4, allow_nan=False), min_size=2, max_size=40)
 
@@ -56,7 +57,7 @@ def test_headwise_dims_and_plan_on_a_tiny_model():
     assert all(not h.spectrum for h in estimate.heads)  # kernel spectra only on request (dofla dof's plot)
     with_spectra = dof.estimate(model, batches, num_points=32, kernel_spectra=True)
     assert all(len(h.spectrum) == min(32, dof.SPECTRUM_VALUES) for h in with_spectra.heads)
-    plan = dof.make_plan(model, estimate, budget=8, variant="headwise")
+    plan = dof.make_plan(model, estimate, plan=PlanSettings(budget=8, allocation="headwise"))
     assert [len(layer.head_feature_dims) for layer in plan.layers] == [2, 2]  # one per key/value head
     assert all(layer.feature_dim == max(layer.head_feature_dims) for layer in plan.layers)
     with pytest.raises(DoflaError, match="J = 1000 points"):

@@ -6,6 +6,7 @@ from helpers import small_llama
 
 from dofla import dof, planning
 from dofla.errors import DoflaError
+from dofla.settings import PlanSettings
 
 
 def curves_of(rows: dict[int, list[float]], dims=(4, 8, 16)) -> dof.ErrorCurves:
@@ -114,14 +115,21 @@ def test_measure_and_plan_with_the_measured_allocation_on_a_tiny_model(tmp_path)
     batches = [torch.randint(3, 64, (2, 24), generator=torch.Generator().manual_seed(1)) for _ in range(2)]
     options = dict(dims=(2, 8), steps=2, length=24, heldout_pieces=1, criterion="relative")
     plan = planning.measure_and_plan(
-        model, batches, variant="measured", budget=4, curve_options=options, curves_folder=tmp_path
+        model,
+        batches,
+        plan=PlanSettings(allocation="measured", budget=4),
+        curve_options=options,
+        curves_folder=tmp_path,
     )
     assert sum(layer.feature_dim for layer in plan.layers) == 8
     assert plan.metadata["allocation"] == "measured" and plan.metadata["error_criterion"] == "relative"
     kept = planning.measure_and_plan(
-        model, batches, variant="fix", budget=4, keep_softmax=1, softmax_choice="measured",
-        curve_options=options, curves_folder=tmp_path,
-    )  # fmt: skip
+        model,
+        batches,
+        plan=PlanSettings(allocation="fix", budget=4, keep_softmax=1, softmax_choice="measured"),
+        curve_options=options,
+        curves_folder=tmp_path,
+    )
     assert [layer.kind for layer in kept.layers].count("softmax") == 1
     assert kept.metadata["softmax_choice"] == "measured"
     assert len(list(tmp_path.glob("error_curves-*.json"))) == 1  # the second plan reused the curves
@@ -133,7 +141,9 @@ def test_measure_and_plan_with_the_measured_allocation_on_a_tiny_model(tmp_path)
         values = [row[1] for row in curves.head_errors[layer]]  # two dims: the line meets both if it falls
         expected = values if values[0] >= values[1] else [sum(values) / 2] * 2
         assert [curves.head_error(layer, 1, dim) for dim in curves.dims] == pytest.approx(expected)
-    headwise = dof.make_plan(model, budget=4, variant="measured_headwise", curves=curves)
+    headwise = dof.make_plan(
+        model, plan=PlanSettings(budget=4, allocation="measured_headwise"), curves=curves
+    )
     head_dims = [layer.head_feature_dims for layer in headwise.layers]
     assert [len(row) for row in head_dims] == [2, 2] and sum(map(sum, head_dims)) == 4 * 2 * 2
     assert all(layer.feature_dim == max(layer.head_feature_dims) for layer in headwise.layers)
@@ -147,7 +157,7 @@ def test_measured_plan_records_its_predicted_gain_and_warns_when_it_is_small():
     model = small_llama()  # 2 layers
     steep = curves_of({0: [8.0, 4.0, 2.0], 1: [1.0, 1.0, 1.0]})
     # fix at 8: 4 + 1; measured: layer 0 gets 12 (error 3 - ... by the fitted line), layer 1 the minimum 4
-    plan = dof.make_plan(model, budget=8, variant="measured", curves=steep)
+    plan = dof.make_plan(model, plan=PlanSettings(budget=8, allocation="measured"), curves=steep)
     dims = [layer.feature_dim for layer in plan.layers]
     expected = 1 - (steep.error(0, dims[0]) + steep.error(1, dims[1])) / (
         steep.error(0, 8) + steep.error(1, 8)
@@ -158,7 +168,7 @@ def test_measured_plan_records_its_predicted_gain_and_warns_when_it_is_small():
     assert predicted_gain_over_fix(steep, [8, 0], 8) == pytest.approx(0.0)  # softmax layers are left out
     flat = curves_of({0: [1.0, 0.99, 0.98], 1: [1.0, 0.99, 0.98]})
     with pytest.warns(UserWarning, match="unlikely to beat fix"):
-        dof.make_plan(model, budget=8, variant="measured", curves=flat)
+        dof.make_plan(model, plan=PlanSettings(budget=8, allocation="measured"), curves=flat)
 
 
 def one_softmax_layer_plan(choice: str):
@@ -170,13 +180,15 @@ def one_softmax_layer_plan(choice: str):
     plan = planning.measure_and_plan(
         model,
         batches,
-        variant="fix",
-        budget=4,
-        kind="hybrid",
-        window=4,
-        sinks=1,
-        keep_softmax=1,
-        softmax_choice=choice,
+        plan=PlanSettings(
+            allocation="fix",
+            budget=4,
+            kind="hybrid",
+            window=4,
+            sinks=1,
+            keep_softmax=1,
+            softmax_choice=choice,
+        ),
     )
     return model, batches, plan
 
@@ -246,13 +258,15 @@ def test_the_recall_choice_keeps_its_order_in_the_curves_folder_for_a_rerun(tmp_
 
     model = small_llama()
     batches = [torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(0)) for _ in range(2)]
-    options = dict(variant="fix", budget=4, kind="hybrid", window=4, sinks=1, softmax_choice="recall")
-    first = planning.measure_and_plan(model, batches, keep_softmax=1, curves_folder=tmp_path, **options)
+    plan = PlanSettings(
+        allocation="fix", budget=4, kind="hybrid", window=4, sinks=1, keep_softmax=1, softmax_choice="recall"
+    )
+    first = planning.measure_and_plan(model, batches, plan=plan, curves_folder=tmp_path)
     assert len(list(tmp_path.glob("recall_order-*.json"))) == 1
 
     def refuse(*args, **kwargs):
         raise AssertionError("the recall order was measured again")
 
     monkeypatch.setattr(recall, "recall_layer_order", refuse)
-    again = planning.measure_and_plan(model, batches, keep_softmax=1, curves_folder=tmp_path, **options)
+    again = planning.measure_and_plan(model, batches, plan=plan, curves_folder=tmp_path)
     assert again.metadata["recall_order"] == first.metadata["recall_order"]

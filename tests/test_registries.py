@@ -16,7 +16,7 @@ from dofla.errors import DoflaError
 from dofla.models import TINY_FAMILIES, build_tiny_model, get_adapter
 from dofla.models.adapters import CACHE_ARGUMENTS, FAMILIES
 from dofla.registry import Registry
-from dofla.settings import DistillSettings
+from dofla.settings import DistillSettings, PlanSettings
 
 
 @pytest.fixture
@@ -64,7 +64,7 @@ def test_a_new_measure_is_one_registered_function(cleanup):
     first = result.heads[0]
     expected = float(captured.points[0][0].double().var(0).sum())
     assert first.measure == {"2^-4": pytest.approx(expected), "2^-6": pytest.approx(expected)}
-    plan = dof.make_plan(model, result, budget=4, variant="dof")
+    plan = dof.make_plan(model, result, plan=PlanSettings(budget=4, allocation="dof"))
     assert sum(layer.feature_dim for layer in plan.layers) == 8 and plan.metadata["measure"] == "spread"
 
 
@@ -81,11 +81,13 @@ def test_a_new_allocation_is_one_registered_function(cleanup):
 
     cleanup.append((dof.ALLOCATIONS, "front_loaded"))
     model = build_tiny_model("llama", num_hidden_layers=3)
-    plan = dof.make_plan(model, budget=4, variant="front_loaded")  # needs no measure, so no estimate
+    plan = dof.make_plan(
+        model, plan=PlanSettings(budget=4, allocation="front_loaded")
+    )  # needs no measure, so no estimate
     assert [layer.feature_dim for layer in plan.layers] == [8, 2, 2]
     assert plan.metadata == {"allocation": "front_loaded", "budget": 4}
     with pytest.raises(DoflaError, match="allocation 'dof' allocates by a measure"):
-        dof.make_plan(model, budget=4, variant="dof")
+        dof.make_plan(model, plan=PlanSettings(budget=4, allocation="dof"))
 
 
 def test_a_new_loss_is_one_registered_function(cleanup):

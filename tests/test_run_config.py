@@ -103,11 +103,12 @@ def test_per_query_head_gives_the_plan_one_state_per_query_head():
     from dofla.convert import convert
     from dofla.models import build_tiny_model
     from dofla.models.surgery import students
-    from dofla.pipeline import make_plan, plan_options
+    from dofla.pipeline import make_plan
 
     config = parse("--out", "o", "--recipe", "gated-delta", "--per-query-head")
-    assert plan_options(config)["share_kv_heads"] is False
-    assert plan_options(parse("--out", "o", "--recipe", "gated-delta"))["share_kv_heads"] is True
+    assert (
+        config.plan.per_query_head and not parse("--out", "o", "--recipe", "gated-delta").plan.per_query_head
+    )
     model = build_tiny_model("llama")  # 4 query heads, 2 key/value heads
     plan = make_plan(config, model, torch.zeros(2, 16, dtype=torch.long))
     assert all(not layer.share_kv_heads for layer in plan.layers)

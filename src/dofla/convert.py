@@ -21,13 +21,14 @@ from dofla import dispatch
 from dofla.attention import LinearAttention
 from dofla.cache import attach_cache_layer, attach_kv_layer
 from dofla.cells import build_student, cell_class
-from dofla.config import DEFAULT_WINDOW, ConversionPlan
+from dofla.config import ConversionPlan
 from dofla.data import context_length
 from dofla.dof import make_plan
 from dofla.errors import DoflaError
 from dofla.models.adapters import CACHE_ARGUMENTS
 from dofla.models.surgery import Architecture, architecture, is_converted, students
 from dofla.saving import converted_class
+from dofla.settings import PlanSettings, StudentSettings
 
 STUDENT_PREFIX = dispatch.STUDENT_ATTRIBUTE  # every dofla parameter name contains ".dofla_student."
 _HOOKS_ATTRIBUTE = "_dofla_hook_handles"
@@ -55,34 +56,35 @@ def student_for(facts: Architecture, layer_plan, index: int) -> LinearAttention:
 
 def plan_for(
     model: nn.Module,
-    kind: str = "linear",
-    feature_map: str = "learnable_prf",
-    feature_dim: int = 64,
+    kind: str | None = None,
+    feature_map: str | None = None,
+    feature_dim: int | None = None,
     layers: list[int] | None = None,
-    window: int = DEFAULT_WINDOW,
+    window: int | None = None,
     share_kv_heads: bool = True,
     options: dict[str, Any] | None = None,
-    cell: str = "linear",
-    sinks: int = 0,
+    cell: str | None = None,
+    sinks: int | None = None,
     convert_windowed: bool = False,
 ) -> ConversionPlan:
-    """A plan giving every layer in ``layers`` the same kind, cell, map and dimension: the ``fix`` allocation
-    of :func:`dofla.dof.make_plan` (default layers: those whose cache grows, all with ``convert_windowed``)."""
-    return make_plan(
-        model,
-        budget=int(feature_dim),
-        variant="fix",
-        kind=kind,
-        feature_map=feature_map,
-        window=window,
-        share_kv_heads=share_kv_heads,
+    """A plan giving every layer in ``layers`` the same kind, cell, map and dimension ``feature_dim``: the
+    ``fix`` allocation of :func:`dofla.dof.make_plan` (default layers: those whose cache grows, all with
+    ``convert_windowed``). What is not given is the settings sections' default (:mod:`dofla.settings`)."""
+    plan = PlanSettings(
+        allocation="fix",
         layers=layers,
-        options=options,
-        cell=cell,
-        sinks=sinks,
+        per_query_head=not share_kv_heads,
         convert_windowed=convert_windowed,
-        metadata={"made_by": "plan_for"},
+        **_given(
+            kind=kind, budget=None if feature_dim is None else int(feature_dim), window=window, sinks=sinks
+        ),
     )
+    student = StudentSettings(cell_options=dict(options or {}), **_given(cell=cell, feature_map=feature_map))
+    return make_plan(model, plan=plan, student=student, metadata={"made_by": "plan_for"})
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def _attention_cache_argument(module: nn.Module, args: tuple, kwargs: dict):

@@ -173,7 +173,7 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
     from dofla.distill.checkpoint import latest_checkpoint
     from dofla.evaluation.speed import measure_generation
     from dofla.models.surgery import architecture
-    from dofla.pipeline import linearize, plan_options
+    from dofla.pipeline import linearize
 
     out = Path(config.out_dir)
     if teacher is None:
@@ -197,7 +197,7 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
     if needs_curves:
         from dofla.planning.error_curves import settings_for
 
-        settings = settings_for(plan_options(first), **dict(config.curve_options))
+        settings = settings_for(first.plan, first.student, **dict(config.curve_options))
         curves = planning.cached_error_curves(
             teacher, batches, settings, folder=curves_folder, progress=progress
         )
@@ -207,12 +207,12 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
             teacher, batches, num_points=first.plan.dof_points, measure=first.plan.measure
         )
         measure = estimate.layer_measure()
-    options = plan_options(first)  # the window and sinks the restricted teacher is measured with
+    window, sinks = first.plan.window, first.plan.sinks  # what the restricted teacher is measured with
     window_cost = None
     if any(c.softmax_choice == "window" for c in cells):
         from dofla.planning.window_costs import window_costs
 
-        window_cost = window_costs(teacher, batches, window=options["window"], sinks=options["sinks"])
+        window_cost = window_costs(teacher, batches, window=window, sinks=sinks)
     recall_order = None
     recall_counts = [c.softmax_count for c in cells if c.softmax_choice == "recall"]
     if recall_counts:
@@ -222,8 +222,8 @@ def run_frontier(config: FrontierConfig, *, teacher=None, tokenizer=None, progre
             teacher,
             batches,
             max(recall_counts),
-            window=options["window"],
-            sinks=options["sinks"],
+            window=window,
+            sinks=sinks,
             folder=curves_folder,
         )
         recall_order = [layer for layer, _ in order]

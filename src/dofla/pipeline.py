@@ -259,21 +259,6 @@ def load_teacher_for(config: LinearizeConfig, teacher, tokenizer):
     return teacher, tokenizer
 
 
-def plan_options(config: LinearizeConfig) -> dict:
-    """What the plan stage gives :func:`dofla.dof.make_plan` besides the budget and the allocation."""
-    plan = config.plan
-    return dict(
-        kind=plan.kind,
-        feature_map=config.student.feature_map,
-        window=plan.window,
-        cell=config.student.cell,
-        sinks=plan.sinks,
-        share_kv_heads=not plan.per_query_head,
-        options=dict(config.student.cell_options),
-        convert_windowed=plan.convert_windowed,
-    )
-
-
 def layers_to_convert(config: LinearizeConfig, model) -> list[int]:
     """The layers the plan converts: ``plan.layers``, else those whose cache grows (all with
     ``plan.convert_windowed``)."""
@@ -292,20 +277,14 @@ def calibration_batches(config: LinearizeConfig, model, train: torch.Tensor) -> 
 
 
 def make_plan(config: LinearizeConfig, model, train: torch.Tensor):
-    """The conversion plan by ``dofla.dof``: allocation ``plan.allocation``, measured first if it needs it."""
-    plan = config.plan
+    """The conversion plan of the ``plan`` and ``student`` sections (:func:`dofla.planning.measure_and_plan`),
+    measured first on the calibration batches where the allocation needs it."""
     return planning.measure_and_plan(
         model,
         calibration_batches(config, model, train),
-        variant=plan.allocation,
-        measure=plan.measure,
-        num_points=plan.dof_points,
-        budget=plan.budget,
-        layers=plan.layers,
-        keep_softmax=plan.keep_softmax,
-        softmax_choice=plan.softmax_choice,
+        plan=config.plan,
+        student=config.student,
         curves_folder=Path(config.out_dir).expanduser().resolve(),  # measured error curves, kept for a rerun
-        **plan_options(config),
     )
 
 

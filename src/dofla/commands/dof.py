@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import sys
@@ -106,12 +107,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
     from dofla import dof, outputs
-    from dofla.config import DEFAULT_WINDOW
     from dofla.data import load_texts, pack_token_sequences, row_start_token, sample_teacher_texts, start_rows
     from dofla.errors import DoflaError
     from dofla.io import write_json_atomic, write_text_atomic
     from dofla.models import load_teacher
     from dofla.models.loading import cache_root
+    from dofla.settings import PlanSettings, StudentSettings
 
     note = functools.partial(print, file=sys.stderr, flush=True)
     texts = load_texts(args.data) if args.data else None  # a bad file is refused before loading the model
@@ -165,31 +166,39 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
     # the teacher's own sliding-window layers keep their bounded cache: the plan converts the others
     layers = teacher.adapter.layers_to_convert()
     options = dict(budget=args.budget, minimum=args.min_dim, keep_softmax=args.keep_softmax, layers=layers)
+    planned = PlanSettings(
+        budget=args.budget,
+        allocation=args.allocation,
+        kind=args.kind,
+        layers=layers,
+        keep_softmax=args.keep_softmax,
+    )
+    student = StudentSettings(feature_map=args.feature_map)
     curves = None
     if dof.ALLOCATIONS[args.allocation].needs_curves or args.softmax_choice == "measured":
         from dofla.planning.error_curves import cached_error_curves, settings_for
 
         note("measuring each layer's error curve (short teacher-forced fits at a few feature dimensions)")
-        settings = settings_for(dict(kind=args.kind, feature_map=args.feature_map))
+        settings = settings_for(planned, student)
         curves = cached_error_curves(teacher.model, batches, settings, folder=args.out, progress=True)
     window_cost = None
     if args.keep_softmax and args.softmax_choice == "window":
         from dofla.planning.window_costs import window_costs
 
         note(
-            f"measuring what cutting each layer alone to the plan's {DEFAULT_WINDOW}-token window costs (KL per token)"
+            f"measuring what cutting each layer alone to the plan's {planned.window}-token window costs (KL per token)"
         )
-        window_cost = window_costs(teacher.model, batches, window=DEFAULT_WINDOW, layers=layers)
+        window_cost = window_costs(teacher.model, batches, window=planned.window, layers=layers)
+    # without --softmax-choice: by the measured error where the curves were measured, else by the measure
+    choice = args.softmax_choice or ("measured" if curves is not None else "dof")
     plan = dof.make_plan(
         teacher.model,
         estimate,
-        variant=args.allocation,
-        kind=args.kind,
-        feature_map=args.feature_map,
-        softmax_choice=args.softmax_choice,
+        plan=dataclasses.replace(planned, softmax_choice=choice),
+        student=student,
+        minimum=args.min_dim,
         curves=curves,
         window_cost=window_cost,
-        **options,
     )
     plan.metadata.update(teacher=args.model, calibration=source, seed=args.seed)
     allocations = dof.allocate_all(estimate, teacher.adapter, curves=curves, **options)

@@ -1,7 +1,7 @@
 """Degrees of freedom of each layer's (and head's) attention kernel, and feature dimensions allocated by them.
 
     estimate = dof.estimate(model, batches, measure="dof")          # capture q/k once, measure every head
-    plan = dof.make_plan(model, estimate, budget=64, variant="dof")  # allocate, build the ConversionPlan
+    plan = dof.make_plan(model, estimate, plan=PlanSettings(budget=64, allocation="dof"))  # allocate, build it
 
 Measuring on the teacher to choose a plan (and both in one call) is :mod:`dofla.planning`.
 

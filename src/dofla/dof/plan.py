@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from dofla.config import DEFAULT_WINDOW, ConversionPlan, LayerPlan
+from dofla.config import ConversionPlan, LayerPlan
 from dofla.dof.allocate import (
     ALLOCATIONS,
     WORTHWHILE_PREDICTED_GAIN,
@@ -22,6 +21,8 @@ from dofla.dof.error_curves import ErrorCurves
 from dofla.dof.estimation import DofEstimate
 from dofla.dof.kernel import lambda_key
 from dofla.errors import DoflaError
+from dofla.models import get_adapter
+from dofla.settings import PlanSettings, StudentSettings
 
 
 def map_head_measure(
@@ -72,43 +73,40 @@ def make_plan(
     model: torch.nn.Module,
     estimate_or_allocation: DofEstimate | Allocation | None = None,
     *,
-    budget: int = 64,
-    variant: str = "dof",
-    kind: str = "linear",
-    feature_map: str = "learnable_prf",
-    window: int = DEFAULT_WINDOW,
+    plan: PlanSettings | None = None,
+    student: StudentSettings | None = None,
     minimum: int = 1,
-    keep_softmax: int = 0,
-    share_kv_heads: bool = True,
-    lam: float | None = None,
-    layers: Sequence[int] | None = None,
-    options: dict[str, Any] | None = None,
-    cell: str = "linear",
-    sinks: int = 0,
-    metadata: dict | None = None,
     maximum: int | None = None,
-    softmax_choice: str | None = None,
+    lam: float | None = None,
     curves: ErrorCurves | None = None,
     window_cost: Sequence[float] | None = None,
     recall_order: Sequence[int] | None = None,
-    convert_windowed: bool = False,
+    metadata: dict | None = None,
 ) -> ConversionPlan:
-    """The conversion plan for ``model``: from a DoF estimate (allocated here by ``variant``), a ready
-    allocation, or nothing (a ``variant`` that needs no measure, e.g. ``fix``).
+    """The conversion plan for ``model``: from a DoF estimate (allocated here by ``plan.allocation``), a ready
+    allocation, or nothing (an allocation that needs no measure, e.g. ``fix``).
 
-    layers: the layers to convert (default: those whose cache grows, every layer with ``convert_windowed``;
-    the teacher's own sliding-window layers stay as they are, see
-    :meth:`~dofla.models.adapters.ArchitectureAdapter.layers_to_convert`); options: the feature map's own options; cell and sinks: the
-    student cell (:mod:`dofla.cells`) and its attention-sink tokens; ``metadata`` is merged into what the
-    plan records about its allocation. maximum, keep_softmax, softmax_choice, curves (measured error
-    curves, for ``variant="measured"`` and ``softmax_choice="measured"``), window_cost (for
-    ``softmax_choice="window"``) and recall_order (for ``softmax_choice="recall"``): see
-    :func:`allocate_feature_dims`.
+    The choices are the settings' sections (:mod:`dofla.settings`; each default written there): ``plan``
+    (budget, allocation, kind, window, sinks, keep_softmax, softmax_choice, per_query_head, and the layers
+    to convert: default those whose cache grows, every layer with ``convert_windowed``; the teacher's own
+    sliding-window layers stay as they are, see
+    :meth:`~dofla.models.adapters.ArchitectureAdapter.layers_to_convert`) and ``student`` (cell, feature map,
+    cell options). ``metadata`` is merged into what the plan records about its allocation. minimum, maximum,
+    lam, curves (measured error curves, for the ``measured`` allocation and softmax choice), window_cost
+    (for ``softmax_choice="window"``) and recall_order (for ``softmax_choice="recall"``): see
+    :func:`allocate_feature_dims`; :func:`dofla.planning.measure_and_plan` measures them.
     """
-    from dofla.models import get_adapter
-
+    plan = plan if plan is not None else PlanSettings()
+    student = student if student is not None else StudentSettings()
+    budget, variant, keep_softmax, softmax_choice = (
+        plan.budget,
+        plan.allocation,
+        plan.keep_softmax,
+        plan.softmax_choice,
+    )
+    share_kv_heads = not plan.per_query_head
     adapter = get_adapter(model)
-    layers = adapter.layers_to_convert(layers, convert_windowed=convert_windowed)
+    layers = adapter.layers_to_convert(plan.layers, convert_windowed=plan.convert_windowed)
     if isinstance(estimate_or_allocation, Allocation):
         allocation = estimate_or_allocation
         recorded = {"allocation": allocation.variant, "budget": allocation.budget}
@@ -181,18 +179,18 @@ def make_plan(
             continue
         plan_layers.append(
             LayerPlan(
-                kind=kind,
-                feature_map=feature_map,
+                kind=plan.kind,
+                feature_map=student.feature_map,
                 feature_dim=int(allocation.layer_dims[index]),
                 head_feature_dims=allocation.head_dims[index] if allocation.head_dims is not None else None,
                 share_kv_heads=share_kv_heads,
-                window=int(window),
-                options=dict(options or {}),
-                cell=cell,
-                sinks=int(sinks),
+                window=int(plan.window),
+                options=dict(student.cell_options),
+                cell=student.cell,
+                sinks=int(plan.sinks),
             )
         )
-    plan = ConversionPlan(
+    conversion = ConversionPlan(
         model_type=str(adapter.model_type),
         num_layers=adapter.num_layers,
         num_heads=adapter.num_heads,
@@ -201,5 +199,5 @@ def make_plan(
         layers=plan_layers,
         metadata=recorded,
     )
-    plan.validate()
-    return plan
+    conversion.validate()
+    return conversion

@@ -48,6 +48,7 @@ from dofla.models.surgery import (
     starting_at_layer,
     students,
 )
+from dofla.settings import PlanSettings, StudentSettings
 
 
 @dataclass(frozen=True)
@@ -108,24 +109,26 @@ class CurveSettings:
         )
 
 
-def settings_for(plan_options: dict[str, Any], **curve_options) -> CurveSettings:
-    """The curve settings for a plan made with :func:`~dofla.dof.make_plan`'s ``plan_options`` (kind,
-    feature_map, cell, window, sinks, options, share_kv_heads) and the curve knobs ``curve_options``."""
-    student = {
-        name: plan_options[name]
-        for name in ("kind", "feature_map", "cell", "window", "sinks")
-        if name in plan_options
-    }
-    if "share_kv_heads" in plan_options:
-        student["share_kv_heads"] = bool(plan_options["share_kv_heads"])
-    student["options"] = tuple(sorted((plan_options.get("options") or {}).items()))
+def settings_for(plan: PlanSettings, student: StudentSettings, **curve_options) -> CurveSettings:
+    """The curve settings for a plan made from the settings sections ``plan`` (kind, window, sinks,
+    per_query_head) and ``student`` (cell, feature_map, cell_options), and the curve knobs
+    ``curve_options``."""
+    planned = dict(
+        kind=plan.kind,
+        feature_map=student.feature_map,
+        cell=student.cell,
+        window=plan.window,
+        sinks=plan.sinks,
+        share_kv_heads=not plan.per_query_head,
+        options=tuple(sorted(student.cell_options.items())),
+    )
     if "dims" in curve_options:
         curve_options["dims"] = tuple(int(d) for d in curve_options["dims"])
     known = set(CurveSettings.__dataclass_fields__)
     unknown = sorted(set(curve_options) - known)
     if unknown:
         raise DoflaError(f"unknown error-curve settings {unknown}; known ones are {sorted(known)}.")
-    settings = CurveSettings(**{**student, **curve_options})
+    settings = CurveSettings(**{**planned, **curve_options})
     settings.validate()
     return settings
 
