@@ -19,8 +19,7 @@ run in alternating subprocesses, ``--runs`` times each, and the table gives the 
     python bench/bench_layer_step.py
     python bench/bench_layer_step.py --cells "gla+window,gated_delta+window" --against /tmp/before/src
     python bench/bench_layer_step.py --cells "gated_delta conv8" --prefill 16384 --threads 2 --rounds 3
-    python bench/bench_layer_step.py --cells "gated_delta+window,gated_delta conv8 gate" --window 128 --compiled
-    python bench/bench_layer_step.py --cells "gated_delta+window" --window 128 --allocation 32,96 --compiled
+    python bench/bench_layer_step.py --cells "gated_delta+window" --window 128 --allocation 32,96
 """
 
 from __future__ import annotations
@@ -76,7 +75,6 @@ def build_layer(name: str, args):
         head_dim=args.head_dim,
         scaling=args.head_dim**-0.5,
     ).eval()
-    student.compiled_steps = args.compiled
     with torch.no_grad():  # trained-looking parameters, not the initial ones
         generator = torch.Generator().manual_seed(0)
         for parameter in student.parameters():
@@ -176,7 +174,7 @@ def allocation_table(args, argv: list[str]) -> str:
         f"machine: {platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), float32",
         "",
         f"per-layer {_what(args)}, B=1, H={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, window "
-        f"{args.window}{', compiled steps' if args.compiled else ''}; median of {args.rounds} interleaved rounds",
+        f"{args.window}; median of {args.rounds} interleaved rounds",
         "",
         f"| cell | F={low} µs | F={high} µs | mean of the two | F={middle} µs | {low}/{high} against {middle} |",
         "|---|---:|---:|---:|---:|---:|",
@@ -253,11 +251,6 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--against", default=None, help="another checkout's src folder to compare with")
     parser.add_argument("--runs", type=int, default=3, help="alternating runs per side with --against")
-    parser.add_argument(
-        "--compiled",
-        action="store_true",
-        help="decode through the cells' compiled steps where they have one (dofla.ops.compiled)",
-    )
     parser.add_argument(
         "--allocation",
         default=None,

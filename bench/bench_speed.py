@@ -21,10 +21,6 @@ the teacher of the same run:
   that keeps nothing (it counts the context's tokens for the positions and drops each step's keys and
   values), so a step is the teacher's projections, norms, MLP and output head alone: the ceiling of every
   student's decode ratio on the machine.
-- any student's name followed by " (compiled steps)": that student decoding through its cells' compiled
-  steps where they have one (``dofla.convert.set_compiled_steps``: one generated kernel per step instead of
-  its few dozen operators; the first step, untimed, compiles); the teacher keeps its own eager step, whose
-  attention is already one fused SDPA call;
 - any student's name followed by " (compiled whole step)" (decode rows only): that student's whole decoding
   step (every layer, the MLP and the output head) as one ``torch.compile`` program, through
   ``dofla.graph_decode.CapturedDecoder(compiled=True)`` as ``dofla generate --compile`` decodes greedily (the
@@ -45,7 +41,7 @@ prefill and measures that row alone, so no row's figure depends on the memory th
     python bench/bench_speed.py --cells linear,window --contexts 1024,4096 --batches 1
     python bench/bench_speed.py --contexts 4096 --batches 1 --prefill-chunks 0 --repeats 3   # medians of 3
     python bench/bench_speed.py --contexts 4096 --batches 1 --prefill-chunks 0 --repeats 3 \
-        --cells "gated-delta recipe,gated-delta recipe (compiled steps)" --position-period 1024 --sinks-at-edge
+        --cells "gated-delta recipe,gated-delta recipe (compiled whole step)" --position-period 1024 --sinks-at-edge
 """
 
 from __future__ import annotations
@@ -76,7 +72,6 @@ from transformers.cache_utils import DynamicLayer
 from dofla.convert import (
     convert,
     plan_for,
-    set_compiled_steps,
     set_position_period,
     set_sinks_at_edge,
     unconvert,
@@ -157,17 +152,16 @@ AttentionInterface.register(NO_ATTENTION_IMPLEMENTATION, no_attention)
 TEACHER_IN_PLACE = "teacher (KV written in place)"
 # Not a student either: the teacher's whole decoding step compiled by torch.compile over transformers'
 # StaticCache (what a user compiling the teacher would run); decode rows only. The reference for the
-# compiled steps' rows.
+# compiled whole step's rows.
 TEACHER_COMPILED = "teacher compiled (static cache)"
-COMPILED_SUFFIX = " (compiled steps)"
 # decode rows: the student's whole decoding step as one torch.compile program (dofla.graph_decode's
 # CapturedDecoder(compiled=True), what `dofla generate --compile` runs for greedy decoding)
 WHOLE_SUFFIX = " (compiled whole step)"
 
 
 def base_student(name: str) -> str:
-    """The student a row's name measures (without the compiled steps' suffix)."""
-    return name.removesuffix(COMPILED_SUFFIX).removesuffix(WHOLE_SUFFIX)
+    """The student a row's name measures (without the compiled whole step's suffix)."""
+    return name.removesuffix(WHOLE_SUFFIX)
 
 
 def known_model(name: str) -> bool:
@@ -376,8 +370,8 @@ def measure_row(model, name: str, phase: str, batch: int, context: int, args, lo
                     batch,
                     steps=args.steps or None,
                     target_seconds=args.seconds_per_row,
-                    # untimed, compiled steps: the window into its ring, the kernel compiled
-                    warm_up_steps=3 if name.endswith((COMPILED_SUFFIX, WHOLE_SUFFIX)) else 1,
+                    # untimed, compiled whole step: the window into its ring, the program compiled
+                    warm_up_steps=3 if name.endswith(WHOLE_SUFFIX) else 1,
                     forward=forward,
                 )
                 if decoder is not None:
@@ -425,8 +419,6 @@ def prepared_model(model, name: str, args, log):
         set_position_period(model, args.position_period)
     if args.sinks_at_edge and any(layer.sinks for layer in plan.layers):
         set_sinks_at_edge(model, True)
-    if name.endswith(COMPILED_SUFFIX):
-        set_compiled_steps(model, True)
     log(f"{name}: {plan.layers[0].cell} cell, kind {plan.layers[0].kind}")
     return model
 
@@ -725,7 +717,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cells",
         default=",".join([TEACHER_IN_PLACE, *DEFAULT_STUDENTS]),
-        help=f"students: {', '.join(STUDENTS)} (each also as 'NAME{COMPILED_SUFFIX}' or 'NAME{WHOLE_SUFFIX}', "
+        help=f"students: {', '.join(STUDENTS)} (each also as 'NAME{WHOLE_SUFFIX}', "
         "decode rows); or "
         f"{' or '.join(map(repr, PSEUDO_MODELS))}",
     )

@@ -351,7 +351,7 @@ def test_the_short_convolutions_blocked_and_autograd_paths_equal_the_plain_sum(b
     """causal_depthwise_conv: without autograd (block by block, into strided slices of a batch of 2) and with
     it (in place over all tokens) bit for bit the same, equal to the literal sum, and its gradients those
     of the literal sum."""
-    from dofla.cells import delta
+    from dofla.ops.delta import short_conv as delta
 
     monkeypatch.setattr(delta, "CONV_BLOCK", block)
     generator = torch.Generator().manual_seed(0)

@@ -64,6 +64,13 @@ def frozen_decode(
     return logits, cache
 
 
+def recurrent_layers(cache) -> list:
+    """The converted layers' cache layers of ``cache``."""
+    from dofla.cache import RecurrentCacheLayer, self_attention_cache
+
+    return [layer for layer in self_attention_cache(cache).layers if isinstance(layer, RecurrentCacheLayer)]
+
+
 def partly_converted(family: str, converted_layer: int, dtype=torch.float32, device="cpu"):
     """A tiny 2-layer model of ``family`` with one layer converted (gated delta, window 4 + 2 sinks) and the
     other kept as softmax."""
@@ -196,14 +203,15 @@ def test_the_frozen_step_in_bfloat16_follows_ordinary_decoding(kind):
 
 @pytest.mark.parametrize("cell", PLANS)
 def test_a_window_decoded_by_its_ring_step_first_continues_under_the_decoder(cell):
-    """Ordinary steps leave a window's state in its ring layout; the decoder puts it back in order."""
+    """Ordinary steps leave a window's state in its ring layout, full: the decoder holds it as that ring, its
+    next slot a tensor the step advances."""
     model = converted("llama", cell, kind="hybrid")
     prompt = prompt_of()
     expected, _ = eager_decode(model, prompt, steps=6)
-    got, _ = frozen_decode(model, prompt, steps=6, graph=False, eager_steps=2)
+    got, cache = frozen_decode(model, prompt, steps=6, graph=False, eager_steps=2)
     for step, (actual, reference) in enumerate(zip(got, expected, strict=True)):
         torch.testing.assert_close(actual, reference, rtol=1e-5, atol=1e-5, msg=f"step {step}")
-    assert not any(student.graph_step for student in students(model).values())  # finish() restored them
+    assert not any(layer.frozen for layer in recurrent_layers(cache))  # finish() released them
 
 
 @pytest.mark.parametrize("partly", [False, True])
@@ -241,7 +249,7 @@ def test_the_compiled_whole_step_gives_ordinary_decodings_logits(case):
     # one ordinary step first, as generate_greedy takes: the windows are rings the whole step holds as such
     got, cache = eager_decode(model, prompt, steps=1)
     decoder = CapturedDecoder(model, cache, prompt.shape[0], prompt.shape[1] + 1, graph=False, compiled=True)
-    rings = [student.frozen_slot is not None for student in students(model).values()]
+    rings = [layer.frozen_slot is not None for layer in decoder.layers]
     assert all(rings) == (kind == "hybrid") and any(rings) == (kind == "hybrid")
     torch._dynamo.reset()  # programs other tests compiled from the same code do not count
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -252,7 +260,7 @@ def test_the_compiled_whole_step_gives_ordinary_decodings_logits(case):
     decoder.finish()
     assert not [warning for warning in caught if "dofla" in str(warning.message)]  # compiled, not eager
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1  # one program, no breaks
-    assert all(student.frozen_slot is None for student in students(model).values())
+    assert all(layer.frozen_slot is None for layer in decoder.layers)
     for step, (actual, reference) in enumerate(zip(got, expected, strict=True)):
         torch.testing.assert_close(actual, reference, rtol=1e-4, atol=1e-4, msg=f"step {step}")
     token = expected[-1].argmax(-1, keepdim=True)
@@ -277,24 +285,20 @@ def test_the_compiled_whole_step_holds_kept_softmax_layers_and_windows_in_their_
 def test_compiled_greedy_generation_waits_for_full_rings_after_a_short_prompt(cell, monkeypatch):
     """A prompt shorter than the window: ordinary steps until every ring hides no slot, then the frozen step
     holds them all as rings (their slots advanced on the device); the tokens are ordinary greedy decoding's.
-    The program and the step functions run eagerly here (compiled for real above)."""
-    import dofla.attention as attention_module
-    import dofla.cells.delta as delta_cells
+    The program runs eagerly here (compiled for real above)."""
     import dofla.graph_decode as graph_decode
 
     monkeypatch.setattr(graph_decode, "compiled_method", lambda method, what: method)
-    for module in (attention_module, delta_cells):
-        monkeypatch.setattr(module, "run_compiled", lambda function, *a, **k: function(*a, **k))
     built = []
     real_init = CapturedDecoder.__init__
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
-        built.append((args[3], sum(student.frozen_slot is not None for student in self.students)))
+        built.append((args[3], sum(layer.frozen_slot is not None for layer in self.layers)))
 
     monkeypatch.setattr(CapturedDecoder, "__init__", init)
     model = converted("llama", cell, kind="hybrid")
-    if cell == "linear":  # the linear cell's compiled step is its Hedgehog hybrid's
+    if cell == "linear":  # the linear cell over Hedgehog features (a non-negative map)
         model = build_tiny_model("llama", seed=0)
         plan = plan_for(
             model, kind="hybrid", feature_dim=8, window=4, sinks=2, cell="linear", feature_map="hedgehog"
@@ -373,7 +377,7 @@ def test_models_a_graph_cannot_hold_are_refused_with_the_reason():
         prefill(linear, prompt_of(), cache)
         with pytest.raises(DoflaError, match="CUDA device"):
             CapturedDecoder(linear, cache, 2, 11, graph=True)
-        assert not any(student.graph_step for student in students(linear).values())  # nothing left switched
+        assert not any(layer.frozen for layer in recurrent_layers(cache))  # nothing left switched
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

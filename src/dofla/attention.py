@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +18,6 @@ from dofla.config import LayerPlan
 from dofla.derived import DerivedTensor
 from dofla.errors import DoflaError
 from dofla.feature_maps import FEATURE_MAPS, build_feature_map
-from dofla.feature_maps.learned import HedgehogFeatures
 from dofla.ops import (
     chunked_hybrid_attention,
     chunked_linear_attention,
@@ -30,12 +28,9 @@ from dofla.ops import (
     recurrent_linear_attention,
 )
 from dofla.ops.chunk_sizes import choose_chunk_size
-from dofla.ops.compiled import run_compiled
-from dofla.ops.hybrid.step import RingHybridState, hedgehog_window_step, hybrid_decode_step
+from dofla.ops.hybrid.step import RingHybridState, hybrid_decode_step
 from dofla.ops.linear.step import linear_decode_step
 from dofla.ops.state import HybridState, LinearState
-from dofla.ops.steps import in_place, one_token_turn, slot_index
-from dofla.ops.window.step import steady_ring
 from dofla.rotary import Turns, edge_turns, period_turns
 
 FORMS = ("naive", "chunked", "recurrent")
@@ -125,13 +120,6 @@ class LinearAttention(nn.Module):
         chunk_size = options.pop("chunk_size", None)  # None: chosen per op and length (CHUNK_SIZES)
         self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.decode_tokens = int(options.pop("decode_tokens", DEFAULT_DECODE_TOKENS))
-        self.graph_step = False  # set by dofla.graph_decode while a step is captured or replayed
-        # set by dofla.graph_decode while a compiled whole step holds this layer's window as a ring: the next
-        # slot as a tensor (1,) the step advances, since the ring's token count is frozen there
-        self.frozen_slot: Tensor | None = None
-        # decoding steps through one compiled kernel where the cell has one (dofla.ops.compiled; set by
-        # dofla.convert.set_compiled_steps)
-        self.compiled_steps = False
         # rotary positions modulo this period in the memory's features (dofla.rotary; None: true positions),
         # with the teacher's rotary frequencies (float32, set by dofla.convert.set_position_period)
         self.position_period: int | None = None
@@ -267,13 +255,15 @@ class LinearAttention(nn.Module):
         scaling: float,
         memory_qk=None,
         edge: Turns | None = None,
+        slot: Tensor | None = None,
     ) -> tuple[Tensor, object] | None:
         """One new token with a state and no padding, in the fewest operators (a decoding step's cost is
         its number of small operators): output (B, 1, H, Dv) and the new state, as the recurrent form gives
         them up to rounding (``scaling``: the window softmax's logit scale; ``memory_qk``: the query and key
         the memory's features read, when they differ from the window's, see ``_wrapped``; ``edge``: the turn
-        of the query that scores the sinks, see ``edge_sink_turns``). None where the layer has no such step
-        (the general forms run then)."""
+        of the query that scores the sinks, see ``edge_sink_turns``; ``slot``: a frozen window's next slot,
+        see ``dofla.ops.window.step.write_key``). None where the layer has no such step (the general forms
+        run then)."""
         if not self._has_decode_step(state):
             return None
         inputs = self._decode_inputs(*(memory_qk or (query, key)), value, state_dtype(state))
@@ -283,7 +273,7 @@ class LinearAttention(nn.Module):
         k_log_scale = (
             values.new_zeros(values.shape[:2]) if log_scale is None else log_scale[..., -1]
         )  # (B, Hs)
-        return self._state_step(state, query, key, features, values, k_log_scale, scaling, edge)
+        return self._state_step(state, query, key, features, values, k_log_scale, scaling, edge, slot)
 
     def _has_decode_step(self, state) -> bool:
         """Whether ``state`` (the inner op's) can take the one-token step: a linear layer's LinearState, or
@@ -321,9 +311,9 @@ class LinearAttention(nn.Module):
             return dict(sink_key_turn=edge.keys_for_turned_query)
         return dict(sink_queries=self.step_queries(edge(query)))
 
-    def _state_step(self, state, query, key, features, values, k_log_scale, scaling, edge=None):
+    def _state_step(self, state, query, key, features, values, k_log_scale, scaling, edge=None, slot=None):
         """The step on the inner op's state: features (B, Hs, G + 1, F) (queries, then the key), values
-        (B, Hs, Dv), k_log_scale (B, Hs), edge as in ``_decode_step`` -> output (B, 1, H, Dv) and the new
+        (B, Hs, Dv), k_log_scale (B, Hs), edge and slot as in ``_decode_step`` -> output (B, 1, H, Dv) and the new
         inner state."""
         batch = query.shape[0]
         if self.kind == "linear":
@@ -342,6 +332,7 @@ class LinearAttention(nn.Module):
             k_log_scale,
             self.step_window_factor(),
             scaling=scaling,
+            slot=slot,
             **self.step_sinks(query, edge),
         )
         return output.view(batch, 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
@@ -391,25 +382,18 @@ class LinearAttention(nn.Module):
         scaling = self.scaling if scaling is None else float(scaling)
         cache_layer = self.take_cache_layer()
         state = None if cache_layer is None else cache_layer.state
-        # a decoding step, see _decode_step; under graph decoding a window's ring step (whose write position
-        # lives in Python) gives way to the general recurrent form (dofla.graph_decode)
+        # a decoding step, see _decode_step; under a frozen decoding step (dofla.graph_decode, which holds the
+        # cache layer) a window's ring step writes the slot the decoder keeps as a tensor, and a window
+        # without one (not a ring in its steady state) takes the general recurrent form
         edge = self.edge_sink_turns(query, position_ids, state)
+        slot = None if cache_layer is None else cache_layer.frozen_slot
+        frozen = cache_layer is not None and cache_layer.frozen
         fast_step = form is None and state is not None and length == 1
-        if fast_step and (self.frozen_slot is not None or (self.compiled_steps and not self.graph_step)):
-            step = self._compiled_step(query, key, value, attention_mask, state, scaling, position_ids, edge)
-            if step is not None:
-                output, cache_layer.state = step
-                return output
-            if self.frozen_slot is not None:  # the eager ring step would read the frozen count
-                raise DoflaError(
-                    f"layer {self.layer_index}: its window cannot take its compiled step in the whole compiled "
-                    "step (padding, autograd or a state that changed); decode without --compile."
-                )
         feature_query, feature_key = self._wrapped(query, key, position_ids)
         wrapped = feature_query is not query
         if self.kind == "linear":  # no window: the whole layer reads the wrapped q and k
             query, key = feature_query, feature_key
-        fast_step = fast_step and not (self.graph_step and self.kind == "hybrid")
+        fast_step = fast_step and not (frozen and slot is None and self.kind == "hybrid")
         if form is None:
             form = "recurrent" if state is not None and length <= self.decode_tokens else "chunked"
         if form == "naive" and state is not None:
@@ -417,10 +401,15 @@ class LinearAttention(nn.Module):
         key_mask = key_mask_from_attention_mask(attention_mask, length)
         if fast_step and key_mask is None:
             memory_qk = (feature_query, feature_key) if wrapped else None
-            step = self._decode_step(query, key, value, state, scaling, memory_qk, edge)
+            step = self._decode_step(query, key, value, state, scaling, memory_qk, edge, slot)
             if step is not None:
                 output, cache_layer.state = step
                 return output
+        if slot is not None:  # the general forms would read the frozen token count
+            raise DoflaError(
+                f"layer {self.layer_index}: its window cannot take its ring step under the frozen decoding "
+                "step (padding, autograd or a state that changed); decode without --compile or --graph."
+            )
         if state is not None:  # a decoding step's ring buffers, put back in order for the general forms
             state = state.general_layout()
         sink_query = None if edge is None else edge(query)
@@ -491,115 +480,6 @@ class LinearAttention(nn.Module):
         # None on the CPU where every position is below the period (on a GPU the check would wait for the
         # device: the rotation is by zero there)
         return period_turns(position_ids, query.shape[2], period, frequencies, query.dtype, query.shape[-1])
-
-    def compiled_step_turns(self, query, key, attention_mask, position_ids, edge) -> tuple | None:
-        """What every cell's compiled step needs of a call: None where it cannot run (autograd, off the
-        CPU, state heads other than the key/value heads, padding, turns without one token's cosines and
-        sines in the query's dtype), else the cosines and sines (B, 1, 1, r/2) of the memory's turn (a
-        position period) and of the sinks' (seen from the window's edge), each None where unturned."""
-        if (
-            torch.is_grad_enabled()
-            or query.device.type != "cpu"
-            or key.shape[1] != self.state_heads
-            or key_mask_from_attention_mask(attention_mask, 1) is not None
-        ):
-            return None
-        memory_turn = one_token_turn(self.period_turns(query, position_ids), query.dtype)
-        sink_turn = one_token_turn(edge, query.dtype)
-        return None if memory_turn is None or sink_turn is None else (*memory_turn, *sink_turn)
-
-    def compiled_step_ready(self, state, dtype: torch.dtype) -> bool:
-        """Whether ``state`` (a cache layer's, after a decoding step) is one this cell's compiled step takes
-        in ``dtype`` whatever the token (its steady state; the call's own conditions apart): here the
-        ``linear`` cell's hybrid ring over Hedgehog features."""
-        return self.hedgehog_compiled_ready(state, dtype)
-
-    def ring_slot(self, ring, offset: int = 0) -> Tensor:
-        """The ring's next write slot plus ``offset`` as a (1,) int64 tensor for a compiled step: from the
-        frozen slot under a compiled whole step, else from the ring's own count (``slot_index``)."""
-        if self.frozen_slot is not None:
-            return self.frozen_slot + offset if offset else self.frozen_slot
-        return slot_index(ring.next_slot + offset, ring.keys.shape[2], ring.keys.device)
-
-    def ring_stepped(self, ring) -> None:
-        """After a compiled step wrote ``ring``'s next slot: its token count moves on, or, under a compiled
-        whole step (the count frozen), the frozen slot does, in place."""
-        if self.frozen_slot is None:
-            ring.num_tokens += 1
-            return
-        slot = self.frozen_slot
-        slot.copy_(torch.remainder(slot - ring.sinks + 1, ring.window) + ring.sinks)
-
-    def _compiled_step(
-        self, query, key, value, attention_mask, state, scaling, position_ids, edge
-    ) -> tuple[Tensor, object] | None:
-        """A decoding step of one token through the cell's compiled kernel (:mod:`dofla.ops.compiled`), as
-        ``_decode_step`` gives it: output (B, 1, H, Dv) and the new state; None where the cell has none or the
-        state is not in its steady state (the eager step runs then). Here the ``linear`` cell's hybrid step
-        over Hedgehog features (``hedgehog_compiled_step``)."""
-        stepped = self.hedgehog_compiled_step(
-            query, key, value, attention_mask, state, scaling, position_ids, edge, None
-        )
-        return None if stepped is None else stepped[:2]
-
-    def hedgehog_compiled_step(
-        self, query, key, value, attention_mask, state, scaling, position_ids, edge, decay
-    ) -> tuple[Tensor, RingHybridState, Tensor | None] | None:
-        """The hybrid step over Hedgehog features sharing one normalisation with the window
-        (``dofla.ops.hybrid.step.hedgehog_window_step``) on a ring ``state`` in its steady state (the window full,
-        every sink kept), without head-wise dimensions: output (B, 1, H, Dv), the new state and the new
-        running log decay; ``decay`` (log_decay_total (B, Hs), gate weight, gate bias) for a cell with
-        forgetting, else None. None where the step cannot run compiled."""
-        dtype = query.dtype
-        if not (key.dtype == value.dtype == dtype and self.hedgehog_compiled_ready(state, dtype)):
-            return None
-        ring = state.ring
-        turns = self.compiled_step_turns(query, key, attention_mask, position_ids, edge)
-        if turns is None:
-            return None
-        stepped = run_compiled(
-            hedgehog_window_step,
-            query,
-            key,
-            value,
-            None if decay is None else decay[0],
-            self.feature_map.signed_weight(dtype),
-            *((None, None) if decay is None else decay[1:]),
-            self.window_factor_logit,
-            ring.keys,
-            ring.values,
-            state.key_features,
-            state.key_log_scales,
-            state.sums,
-            state.log_offset,
-            self.ring_slot(ring),
-            self.ring_slot(ring, -ring.sinks),  # the slot among the window's key features
-            *turns,
-            float(scaling),
-            self.sinks,
-        )
-        if stepped is None:
-            return None
-        output, total, log_offset = stepped
-        self.ring_stepped(ring)
-        return output, replace(state, log_offset=log_offset), total  # the sums updated in place
-
-    def hedgehog_compiled_ready(self, state, dtype: torch.dtype) -> bool:
-        """Whether the hybrid ring ``state`` over Hedgehog features takes ``hedgehog_compiled_step`` in
-        ``dtype``: no head-wise dimensions, the window full with every sink kept, state heads = key/value
-        heads."""
-        if (
-            not isinstance(state, RingHybridState)
-            or type(self.feature_map) is not HedgehogFeatures
-            or self.feature_map.has_headwise_dims
-            or self.state_heads != self.num_kv_heads
-            or not self._has_decode_step(state)
-            or not state.sums.dtype == state.key_features.dtype == dtype
-            or not in_place(state.sums)
-        ):
-            return False
-        ring = state.ring
-        return steady_ring(ring, dtype, ones_column=True) and ring.num_tokens >= ring.window
 
     def _attend(
         self,

@@ -36,6 +36,10 @@ class RecurrentCacheLayer(CacheLayerMixin):
         super().__init__()
         self.num_tokens = 0
         self.state: LinearState | HybridState | None = None
+        # set while a frozen decoding step holds this layer (dofla.graph_decode.CapturedDecoder): its window's
+        # next slot as a tensor the step advances (a ring in its steady state), else the general forms
+        self.frozen = False
+        self.frozen_slot: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device

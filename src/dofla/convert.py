@@ -257,16 +257,6 @@ def set_sinks_at_edge(model: nn.Module, on: bool) -> None:
     plan.sinks_at_edge = bool(on)
 
 
-def set_compiled_steps(model: nn.Module, on: bool) -> None:
-    """Let every converted layer whose cell has one decode through its compiled step (``on``) or its eager
-    one: :mod:`dofla.ops.compiled` (the CPU, generation without autograd; the first step of each shape
-    compiles). A setting of this process, not saved with the model."""
-    if getattr(model, "dofla_plan", None) is None:
-        raise DoflaError("compiled decoding steps apply to a converted model; convert it first.")
-    for student in students(model).values():
-        student.compiled_steps = bool(on)
-
-
 def unconvert(model: nn.Module) -> nn.Module:
     """Remove the students and hooks: the model is its teacher again (the dispatcher stays installed)."""
     period_hook = getattr(model, _PERIOD_HOOK_ATTRIBUTE, None)

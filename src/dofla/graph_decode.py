@@ -12,18 +12,16 @@ least as long as the window, so the window's state has its final size). Layers a
 (the ``gated-delta-retrieval`` recipe's four) are held in their ``GrowingKVLayer`` with room for the steps
 to come (``steps``): a step writes its key at a token count kept on the device and attends over every slot
 with the unwritten ones masked by that count, so the graph need not know the length. Sliding-window softmax
-layers are refused. Layers with a
-window decode in their general recurrent form here (``LinearAttention.graph_step``): their ring-buffer step
-keeps its write position in Python, which a graph would freeze. The Python part of the model's step (the
+layers are refused. A window held as a ring in its steady state (full, every sink kept, no slot hidden) takes
+its ring step with its next slot a tensor the step advances (the cache layer's ``frozen_slot``), since the
+ring's token count is frozen; other windows decode in their general recurrent form here. The Python part of the model's step (the
 cache's token counters, mask sizes) runs once, at capture; a layer's step reads nothing of it, which the
 CPU tests check by replaying the step with that Python state frozen as a graph freezes it
 (:class:`CapturedDecoder` with ``graph=False``). Off CUDA the decoder runs that same frozen step eagerly, or,
 with ``compiled=True`` (the CPU's ``dofla generate --compile``), as one program that ``torch.compile`` traces
 once: the whole model's step (projections, norms, MLP and every layer's attention step) as generated C++
 kernels called in turn, where the eager step costs each of its few hundred operators a Python dispatch whose
-code and data the MLP's weights have pushed out of the CPU's caches since the step before. There a layer
-whose cell has a compiled step (``dofla.ops.compiled``) keeps its window as the ring an ordinary step left,
-its next slot a tensor the program advances (``LinearAttention.frozen_slot``).
+code and data the MLP's weights have pushed out of the CPU's caches since the step before.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ from dofla.cache import GrowingKVLayer, RecurrentCacheLayer, self_attention_cach
 from dofla.dispatch import SOFTMAX_OVERRIDE_ATTRIBUTE, teacher_attention
 from dofla.errors import DoflaError
 from dofla.ops.compiled import compiled_method
-from dofla.ops.window.step import RingWindow
+from dofla.ops.window.step import RingWindow, frozen_slot, steady_ring
 
 WARM_UP_STEPS = 2  # eager steps on a side stream before capture (CUDA's libraries allocate their workspaces)
 
@@ -105,14 +103,13 @@ def students_of(model) -> list:
 
 
 def rings_ready(model, cache) -> bool:
-    """Whether every window of ``model`` holds, in ``cache``, a ring its cell's compiled step takes
-    (``compiled_step_ready``: full, no slot hidden), so that a compiled frozen step keeps them all (a cell
-    without a compiled step never does: ``generate_greedy`` waits for it a window at most)."""
+    """Whether every window of ``model`` holds, in ``cache``, a ring in its steady state (``steady_ring``:
+    full, every sink kept, no slot hidden), so that a frozen step keeps them all as rings (a window whose
+    step makes no ring never does: ``generate_greedy`` waits for it a window at most)."""
     layers = self_attention_cache(cache).layers
-    dtype = next(model.parameters()).dtype
     for module in students_of(model):
         state = layers[module.layer_index].state if module.layer_index < len(layers) else None
-        if not module.compiled_step_ready(state, dtype):
+        if not steady_ring(_ring_of(state)):
             return False
     return True
 
@@ -217,14 +214,13 @@ class CapturedDecoder:
         self.overrides = [getattr(module, SOFTMAX_OVERRIDE_ATTRIBUTE, None) for module, _ in self.kept]
         for (module, _), count in zip(self.kept, self.counts, strict=True):
             setattr(module, SOFTMAX_OVERRIDE_ATTRIBUTE, _attend_up_to(count))
-        dtype = next(model.parameters()).dtype
-        for student, layer in zip(self.students, self.layers, strict=True):
-            # windows step in their general form (see the module docstring), or, compiled, as the rings of
-            # earlier steps where their cell's compiled step takes them
-            student.graph_step = True
-            ring = _ring_of(layer.state) if compiled else None
-            if ring is not None and student.compiled_step_ready(layer.state, dtype):
-                student.frozen_slot = torch.tensor([ring.next_slot], device=ring.keys.device)
+        for layer in self.layers:
+            # windows step as the rings of earlier steps in their steady state, else in their general form
+            # (see the module docstring)
+            layer.frozen = True
+            ring = _ring_of(layer.state)
+            if steady_ring(ring):
+                layer.frozen_slot = frozen_slot(ring)
                 state = layer.state
             else:
                 state = layer.state.general_layout()
@@ -301,8 +297,8 @@ class CapturedDecoder:
         layers' own decoding steps back in use."""
         for layer, (count, state) in zip(self.layers, self.frozen, strict=True):
             layer.num_tokens, layer.state = count + self.steps, _advanced(state, self.steps)
-        for student in self.students:
-            student.graph_step, student.frozen_slot = False, None
+        for layer in self.layers:
+            layer.frozen, layer.frozen_slot = False, None
         for (module, layer), override in zip(self.kept, self.overrides, strict=True):
             layer.release_from_graph()
             setattr(module, SOFTMAX_OVERRIDE_ATTRIBUTE, override)

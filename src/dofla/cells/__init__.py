@@ -5,15 +5,16 @@ LoLCATs hybrid with one shared normalisation), ``gla`` (:mod:`dofla.cells.gated`
 data-dependent decay), ``gated_delta`` (:mod:`dofla.cells.delta`: a gated delta rule memory, mixed with the
 window per head), ``gated_delta_net`` (:mod:`dofla.cells.gated_delta_net`: exactly Qwen3.5's gated delta
 net layer, with projections of its own, alone only; exportable to a standard checkpoint) and ``window``
-(the sliding window and sink tokens alone, no parameters). Each but ``window`` and ``gated_delta_net`` is
+(:mod:`dofla.cells.window`: the sliding window and sink tokens alone, no parameters). Each but ``window`` and ``gated_delta_net`` is
 usable alone (plan kind "linear") or with the sliding window ("hybrid").
 """
 
 from dofla.attention import LinearAttention
-from dofla.cells.delta import DeltaHybridState, GatedDeltaAttention, WindowAttention
+from dofla.cells.delta import DeltaHybridState, GatedDeltaAttention
 from dofla.cells.gated import GatedLinearAttention, GatedState
 from dofla.cells.gated_delta_net import GatedDeltaNet
 from dofla.cells.registry import CELLS, cell_class, register_cell
+from dofla.cells.window import WindowAttention
 
 register_cell("linear")(LinearAttention)
 

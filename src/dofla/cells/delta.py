@@ -1,4 +1,4 @@
-"""Gated delta rule (``gated_delta``) and window-only (``window``) student cells.
+"""The gated delta rule (``gated_delta``) student cell.
 
 ``gated_delta``: the state is an associative memory S (K x Dv per state head) updated with the gated delta
 rule, ``S_t = a_t (S_{t-1} - b_t k_t k_t^T S_{t-1}) + b_t k_t v_t^T``, read as ``out_t = S_t^T q_t``
@@ -24,9 +24,6 @@ With option ``output_gate`` (default false), the memory's read-out is scaled per
 a gate from the token's value, ``out_t * 2 sigmoid(v_t W_h / sqrt(Dv) + b_h)`` (W_h a Dv x Dv matrix per query
 head): the memory's output magnitude can follow the token, as a softmax's normalisation does. W and b start
 at 0, so the gate starts at 1 (the cell without it).
-
-``window``: the sliding-window softmax (plus sinks) alone, with no parameters: the teacher's attention cut
-to its window, as a student that decodes with a bounded cache.
 """
 
 from __future__ import annotations
@@ -42,58 +39,26 @@ from dofla.attention import LinearAttention, key_mask_from_attention_mask
 from dofla.cells.gated import DEFAULT_DECAY_MEMORY, TokenGate, initial_gate_logits
 from dofla.cells.recall_cache import check_recall_call, recall_budget, window_with_recall_cache
 from dofla.cells.registry import register_cell
+from dofla.cells.window import takes_window_step, window_part
 from dofla.derived import DerivedTensor
 from dofla.errors import DoflaError
-from dofla.feature_maps.learned import ProjectionFeatures
 from dofla.ops import (
     DeltaState,
     WindowState,
     chunked_gated_delta_rule,
-    chunked_window_attention,
     fla_backend,
     gated_delta_rule,
     recurrent_gated_delta_rule,
-    recurrent_window_attention,
-    update_delta_state,
-    window_attention,
 )
-from dofla.ops.compiled import run_compiled
-from dofla.ops.delta.step import gated_delta_window_step
+from dofla.ops.delta.short_conv import causal_depthwise_conv
+from dofla.ops.delta.step import DeltaStepWeights, gated_delta_step, output_gated
 from dofla.ops.recall_cache import RecallCache
 from dofla.ops.state import BatchedState
-from dofla.ops.steps import in_place
-from dofla.ops.window.step import RingWindow, ring_window, ring_window_step, steady_ring
+from dofla.ops.window.step import RingWindow, ring_window, ring_window_step
 
 DEFAULT_BETA = 0.5
 MIXES = ("fixed", "adaptive")  # how a hybrid layer mixes window and memory (option ``mix``)
 DEFAULT_DELTA_WINDOW_FACTOR = 0.5
-
-
-CONV_BLOCK = 256  # tokens per block of the convolution without autograd: a block's inputs stay in cache
-
-
-def causal_depthwise_conv(inputs: Tensor, weight: Tensor, length: int) -> Tensor:
-    """``sum_i weight[i] * inputs[:, i : i + length]``: inputs (B, W - 1 + T, C), weight (W, C) -> (B, T, C).
-
-    The same multiply-adds in the same order either way, so the two paths agree bit for bit. With autograd
-    (training) or off the CPU one pass over all tokens per tap, accumulated in place; on the CPU without it
-    (prefill, evaluation) block by block of ``CONV_BLOCK`` tokens, so the W passes over a block read it from
-    the CPU's cache instead of memory (several times faster at long prefills). On a GPU the blocks would
-    only multiply the kernel launches (W per block)."""
-    width = weight.shape[0]
-    tracked = torch.is_grad_enabled() and (inputs.requires_grad or weight.requires_grad)
-    if tracked or inputs.device.type != "cpu":
-        mixed = inputs[:, :length] * weight[0]
-        for offset in range(1, width):
-            mixed.addcmul_(inputs[:, offset : offset + length], weight[offset])
-        return mixed
-    mixed = inputs.new_empty(inputs.shape[0], length, inputs.shape[2])
-    for start in range(0, length, CONV_BLOCK):
-        stop = min(length, start + CONV_BLOCK)
-        block = torch.mul(inputs[:, start:stop], weight[0], out=mixed[:, start:stop])
-        for offset in range(1, width):
-            block.addcmul_(inputs[:, start + offset : stop + offset], weight[offset])
-    return mixed
 
 
 @dataclass
@@ -123,58 +88,6 @@ class DeltaHybridState(BatchedState):
         return self.delta.num_tokens
 
 
-def _window_part(
-    cell: LinearAttention,
-    form,
-    query,
-    keys,
-    values,
-    key_mask,
-    scaling,
-    state,
-    return_lse: bool = False,
-    sink_query=None,
-):
-    """The sliding-window softmax (+ sinks, scored by ``sink_query`` where given) in ``form``: out (B, H, T,
-    Dv) and its WindowState (or None); with ``return_lse`` (out, lse (B, H, T), state), lse the log-sum-exp
-    of each query's scores."""
-    common = dict(
-        scaling=scaling,
-        window=cell.window,
-        sinks=cell.sinks,
-        key_mask=key_mask,
-        softcap=cell.softcap,
-        return_lse=return_lse,
-        sink_query=sink_query,
-    )
-    if form == "naive":
-        result = window_attention(query, keys, values, **common)
-        return (*result, None) if return_lse else (result, None)
-    if form == "recurrent":
-        return recurrent_window_attention(query, keys, values, state=state, **common)
-    return chunked_window_attention(
-        query,
-        keys,
-        values,
-        chunk_size=cell.chunk_size_for("window+sinks" if cell.sinks else "window", query.shape[2]),
-        initial_state=state,
-        return_state=True,
-        **common,
-    )
-
-
-def _takes_window_step(cell: LinearAttention, window, dtype: torch.dtype) -> bool:
-    """Whether a layer's window state takes the ring step: no soft-capping, the layer's window and sinks,
-    its buffers in ``dtype`` (the step's)."""
-    return (
-        cell.softcap is None
-        and isinstance(window, (WindowState, RingWindow))
-        and window.window == cell.window
-        and window.sinks == cell.sinks
-        and window.keys.dtype == window.values.dtype == dtype
-    )
-
-
 @register_cell("gated_delta")
 class GatedDeltaAttention(LinearAttention):
     """Gated delta rule memory, alone or mixed with the sliding window (see the module docstring).
@@ -200,7 +113,7 @@ class GatedDeltaAttention(LinearAttention):
         heads = self.state_heads
         self.decay = TokenGate(heads, self.head_dim, initial_gate_logits(heads, shortest, longest))
         self.write = TokenGate(heads, self.head_dim, torch.full((heads,), math.log(beta / (1 - beta))))
-        self._kept_step_gates = DerivedTensor()  # see _step_gates
+        self._kept_step_weights = DerivedTensor()  # see step_weights
         mix = self.cell_options.get("mix", "fixed")
         if mix not in MIXES:
             raise DoflaError(
@@ -259,11 +172,13 @@ class GatedDeltaAttention(LinearAttention):
     def gated_read_out(self, memory: Tensor, values: Tensor) -> Tensor:
         """The memory's read-out (B, Hs, G, T, Dv) scaled by the output gate from the tokens' values (B, Hs, T,
         Dv): ``2 sigmoid(v W / sqrt(Dv) + b)`` per query head and channel (option ``output_gate``)."""
-        dtype = memory.dtype
-        weight = self.output_gate_weight.to(dtype) * values.shape[-1] ** -0.5
-        logits = torch.einsum("bstd,sgde->bsgte", values.to(dtype), weight)
-        bias = self.output_gate_bias.to(dtype).view(*weight.shape[:2], 1, -1)  # (Hs, G, 1, Dv)
-        return memory * (2 * torch.sigmoid(logits + bias))
+        weight, bias = self._output_gate_weights(memory.dtype)
+        return output_gated(memory, values.to(memory.dtype), weight, bias)
+
+    def _output_gate_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The output gate's weight (Hs, G, Dv, Dv) scaled by Dv ** -0.5 and bias (Hs, G, 1, Dv) in ``dtype``."""
+        weight = self.output_gate_weight.to(dtype) * self.head_dim**-0.5
+        return weight, self.output_gate_bias.to(dtype).view(*weight.shape[:2], 1, -1)
 
     def _attend(
         self,
@@ -372,12 +287,12 @@ class GatedDeltaAttention(LinearAttention):
                 state.recall if isinstance(state, DeltaHybridState) else None,
                 scaling,
                 sink_query,
-                lambda return_lse: _window_part(
+                lambda return_lse: window_part(
                     self, form, query, keys, values, key_mask, scaling, window_state, return_lse, sink_query
                 ),
             )
         elif self.adaptive_mix or need_lse:
-            window, lse, new_window = _window_part(
+            window, lse, new_window = window_part(
                 self,
                 form,
                 query,
@@ -390,7 +305,7 @@ class GatedDeltaAttention(LinearAttention):
                 sink_query=sink_query,
             )
         else:
-            window, new_window = _window_part(
+            window, new_window = window_part(
                 self, form, query, keys, values, key_mask, scaling, window_state, sink_query=sink_query
             )
             lse = None
@@ -473,10 +388,10 @@ class GatedDeltaAttention(LinearAttention):
             window_lse=parts["lse"],
         )
 
-    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None):
-        """One token (see ``LinearAttention._decode_step``): queries and key normalised together, the two
-        gates from the value, one delta-rule update and one read; with a window, its ring step
-        (``dofla.ops.window.step``) mixed in per head."""
+    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None, slot=None):
+        """One token (see ``LinearAttention._decode_step``): the memory's step
+        (``dofla.ops.delta.step.gated_delta_step``); with a window, its ring step (``dofla.ops.window.step``)
+        mixed in per head."""
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
         if self.kind == "hybrid" and not isinstance(state, DeltaHybridState):
             return None
@@ -488,29 +403,17 @@ class GatedDeltaAttention(LinearAttention):
         if not isinstance(memory_state, DeltaState) or (tail is not None) != bool(self.short_conv):
             return None
         dtype = memory_state.kv.dtype
-        if self.kind == "hybrid" and not _takes_window_step(self, state.window, dtype):
+        if self.kind == "hybrid" and not takes_window_step(self, state.window, dtype):
             return None
         inputs = self._decode_inputs(*(memory_qk or (query, key)), value, dtype)
         if inputs is None:
             return None
         features, _, values = inputs  # a map's log scale cancels in the normalisation
-        written = values
-        if tail is not None:  # the short convolution's step: this token's inputs after the last W - 1
-            present = torch.cat([features.flatten(1), values.flatten(1)], dim=1)  # (B, C)
-            recent = torch.cat([tail, present[:, None]], dim=1)  # (B, W, C)
-            mixed = torch.linalg.vecdot(recent, self.conv_weight.to(dtype), dim=1)  # (B, C)
-            grouped, written = mixed.split([features[0].numel(), values[0].numel()], dim=-1)
-            features, tail = grouped.view_as(features), recent[:, 1:]
-        norms = torch.linalg.vector_norm(features, dim=-1, keepdim=True).clamp_min(1e-12)  # as F.normalize
-        features = features / norms  # (B, Hs, G + 1, K)
-        decay, beta = self._step_gates(values)  # (B, Hs) each
-        updated = update_delta_state(memory_state, features[:, :, -1], written.view_as(values), decay, beta)
+        output, updated, tail = gated_delta_step(
+            self.step_weights(dtype), features, values, memory_state, tail
+        )
         new_memory = updated if tail is None else ConvDeltaState(updated, tail)
         batch, heads = query.shape[0], self.state_heads
-        queries = features[:, :, :-1]  # (B, Hs, G, K)
-        output = torch.bmm(queries.flatten(0, 1), updated.kv.flatten(0, 1)).view(*queries.shape[:3], -1)
-        if self.output_gate:  # (B, Hs, G, Dv), one token
-            output = self.gated_read_out(output[:, :, :, None], values[:, :, None]).squeeze(3)
         if self.kind == "linear":
             return output.view(batch, 1, self.num_heads, -1), new_memory
         group = self.num_heads // heads
@@ -525,106 +428,36 @@ class GatedDeltaAttention(LinearAttention):
         )
         sinks_by = self.step_sinks(query, edge)
         if self.adaptive_mix:
-            window, lse, ring = ring_window_step(*step, scaling=scaling, return_lse=True, **sinks_by)
+            window, lse, ring = ring_window_step(
+                *step, scaling=scaling, return_lse=True, slot=slot, **sinks_by
+            )
             logits = self.window_share_logits(lse.reshape(batch, -1, 1), values[:, :, None])  # (B, H, 1)
             gamma = torch.sigmoid(logits).view(batch, heads, group, 1)
         else:
-            window, ring = ring_window_step(*step, scaling=scaling, **sinks_by)  # (B, Hs, G, Dv)
+            window, ring = ring_window_step(*step, scaling=scaling, slot=slot, **sinks_by)  # (B, Hs, G, Dv)
             gamma = self.step_window_factor()
         output = torch.lerp(output, window, gamma)
         return output.view(batch, 1, self.num_heads, -1), DeltaHybridState(window=ring, delta=new_memory)
 
-    def _step_gates(self, values: Tensor) -> tuple[Tensor, Tensor]:
-        """One token's decay a = sigmoid(decay logit) and write strength b (B, Hs) from its values
-        (B, Hs, Dv), both in one product with the two gates' weights stacked (kept between calls without
-        autograd until a gate changes), as ``TokenGate.logits`` computes them."""
-        dtype = torch.promote_types(values.dtype, torch.float32)
+    def step_weights(self, dtype: torch.dtype) -> DeltaStepWeights:
+        """The weights of ``gated_delta_step`` in ``dtype`` (the gates in at least float32), kept between
+        calls without autograd until a parameter changes."""
+        gate_dtype = torch.promote_types(dtype, torch.float32)
         gates = (self.decay, self.write)
 
-        def build() -> tuple[Tensor, Tensor]:
-            weight = torch.stack([gate.weight for gate in gates], dim=-1).to(dtype)  # (Hs, Dv, 2)
-            bias = torch.stack([gate.bias for gate in gates], dim=-1).to(dtype)[:, None, :]  # (Hs, 1, 2)
-            return weight * values.shape[-1] ** -0.5, bias
+        def build() -> DeltaStepWeights:
+            weight = torch.stack([gate.weight for gate in gates], dim=-1).to(gate_dtype)  # (Hs, Dv, 2)
+            bias = torch.stack([gate.bias for gate in gates], dim=-1).to(gate_dtype)[:, None, :]  # (Hs, 1, 2)
+            conv = self.conv_weight.to(dtype) if self.short_conv else None
+            output_gate = self._output_gate_weights(dtype) if self.output_gate else (None, None)
+            return DeltaStepWeights(weight * self.head_dim**-0.5, bias, conv, *output_gate)
 
         parameters = [parameter for gate in gates for parameter in (gate.weight, gate.bias)]
-        weight, bias = self._kept_step_gates.get(parameters, build, dtype, values.shape[-1])
-        both = torch.sigmoid(torch.baddbmm(bias, values.to(dtype).transpose(0, 1), weight))  # (Hs, B, 2)
-        return both[..., 0].T, both[..., 1].T
-
-    def _compiled_parts(self, state, dtype: torch.dtype) -> tuple | None:
-        """(memory state, convolution tail or None, ring or None) of ``state`` where the compiled step takes
-        it in ``dtype``: the projection map, the fixed mix, and a window only once it is a ring, full with
-        every sink kept (its steady state); None otherwise."""
-        memory_state = state.delta if isinstance(state, DeltaHybridState) else state
-        tail = None
-        if type(memory_state) is ConvDeltaState:
-            memory_state, tail = memory_state.memory, memory_state.tail
-        if (
-            self.adaptive_mix
-            or self.recall_budget
-            or type(self.feature_map) is not ProjectionFeatures
-            or type(memory_state) is not DeltaState
-            or (tail is not None) != bool(self.short_conv)
-            or memory_state.kv.dtype != dtype
-            or not in_place(memory_state.kv)
-            or (self.kind == "hybrid") != isinstance(state, DeltaHybridState)
-        ):
-            return None
-        ring = state.window if self.kind == "hybrid" else None
-        if ring is not None and not (_takes_window_step(self, ring, dtype) and steady_ring(ring, dtype)):
-            return None
-        return memory_state, tail, ring
-
-    def compiled_step_ready(self, state, dtype: torch.dtype) -> bool:
-        return self.state_heads == self.num_kv_heads and self._compiled_parts(state, dtype) is not None
-
-    def _compiled_step(self, query, key, value, attention_mask, state, scaling, position_ids, edge):
-        """``_decode_step`` through ``dofla.ops.delta.step.gated_delta_window_step``: the projection map, the
-        fixed mix, key/value heads as state heads, on the CPU without autograd, and with a window only once
-        it is full with every sink kept (its steady state)."""
-        dtype = query.dtype
-        parts = None if not key.dtype == value.dtype == dtype else self._compiled_parts(state, dtype)
-        if parts is None:
-            return None
-        memory_state, tail, ring = parts
-        turns = self.compiled_step_turns(query, key, attention_mask, position_ids, edge)
-        if turns is None:
-            return None
-        feature_map = self.feature_map
-        stepped = run_compiled(
-            gated_delta_window_step,
-            query,
-            key,
-            value,
-            memory_state.kv,
-            feature_map.weight,
-            self.decay.weight,
-            self.decay.bias,
-            self.write.weight,
-            self.write.bias,
-            self.window_factor_logit if ring is not None else None,
-            None if ring is None else ring.keys,
-            None if ring is None else ring.values,
-            None if ring is None else self.ring_slot(ring),
-            *turns,
-            feature_map.feature_mask if feature_map.has_headwise_dims else None,
-            tail,
-            self.conv_weight if tail is not None else None,
-            self.output_gate_weight if self.output_gate else None,
-            self.output_gate_bias if self.output_gate else None,
-            float(scaling),
-            self.sinks,
-        )
-        if stepped is None:
-            return None
-        output, tail = stepped
-        new_memory = DeltaState(memory_state.kv, memory_state.num_tokens + 1)  # updated in place
-        if tail is not None:
-            new_memory = ConvDeltaState(new_memory, tail)
-        if ring is None:
-            return output, new_memory
-        self.ring_stepped(ring)
-        return output, DeltaHybridState(window=ring, delta=new_memory)
+        if self.short_conv:
+            parameters.append(self.conv_weight)
+        if self.output_gate:
+            parameters += [self.output_gate_weight, self.output_gate_bias]
+        return self._kept_step_weights.get(parameters, build, dtype)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:
         groups = super().parameter_groups(base_lr)
@@ -638,51 +471,3 @@ class GatedDeltaAttention(LinearAttention):
             groups.append({"params": mix, "lr": float(base_lr) * self.mix_lr, "name": "mix"})
         groups.append({"params": gates, "lr": float(base_lr), "name": "gates"})
         return groups
-
-
-@register_cell("window")
-class WindowAttention(LinearAttention):
-    """The sliding-window softmax (plus ``sinks`` first tokens) alone: no feature map, no parameters."""
-
-    uses_features = False
-
-    def __init__(self, plan, **shape) -> None:
-        if plan.kind != "hybrid":
-            raise DoflaError("the window cell needs a window: use kind hybrid with it.")
-        super().__init__(plan, **shape)
-
-    def _attend(
-        self,
-        form,
-        query,
-        key,
-        q_features,
-        k_features,
-        values,
-        k_log_scale,
-        key_mask,
-        scaling,
-        state,
-        sink_query=None,
-    ):
-        keys = self._state_heads_view(key)  # (B, Hs, T, D)
-        return _window_part(self, form, query, keys, values, key_mask, scaling, state, sink_query=sink_query)
-
-    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None):
-        """One token (see ``LinearAttention._decode_step``): the window's ring step (``dofla.ops.window.step``),
-        sinks included, without soft-capping."""
-        exact = query.dtype in (torch.float32, torch.float64)  # the general form computes in these
-        if not exact or value.dtype != query.dtype or not _takes_window_step(self, state, query.dtype):
-            return None
-        batch, num_heads, _, head_dim = query.shape
-        heads = self.state_heads
-        ring = state if isinstance(state, RingWindow) else ring_window(state, state.num_tokens)
-        output, new_state = ring_window_step(
-            ring,
-            self.step_queries(query),  # (B, Hs, G, D)
-            self._state_heads_view(key).view(batch, heads, head_dim),
-            self._state_heads_view(value).view(batch, heads, -1),
-            scaling=scaling,
-            **self.step_sinks(query, edge),
-        )
-        return output.view(batch, 1, num_heads, -1), new_state  # (B, 1, H, Dv)

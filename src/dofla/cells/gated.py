@@ -141,7 +141,7 @@ class GatedLinearAttention(LinearAttention):
         new_state = None if inner is None else GatedState(inner, total[..., -1].clone())
         return output, new_state
 
-    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None):
+    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None, slot=None):
         """One token (see ``LinearAttention._decode_step``): the gate's log decay joins the running total
         A_t, and the key enters the inner (linear or hybrid) state with log scale ``s_t - A_t``."""
         if not isinstance(state, GatedState) or not self._has_decode_step(state.inner):
@@ -152,24 +152,9 @@ class GatedLinearAttention(LinearAttention):
         features, log_scale, values = inputs
         total = state.log_decay_total + F.logsigmoid(self.decay.step_logits(values))  # (B, Hs): A_t
         decayed = -total if log_scale is None else log_scale[..., -1] - total
-        output, inner = self._state_step(state.inner, query, key, features, values, decayed, scaling, edge)
-        return output, GatedState(inner, total)
-
-    def compiled_step_ready(self, state, dtype: torch.dtype) -> bool:
-        return isinstance(state, GatedState) and self.hedgehog_compiled_ready(state.inner, dtype)
-
-    def _compiled_step(self, query, key, value, attention_mask, state, scaling, position_ids, edge):
-        """``_decode_step`` through the compiled hybrid step over Hedgehog features with this cell's decay
-        (``LinearAttention.hedgehog_compiled_step``)."""
-        if not isinstance(state, GatedState):
-            return None
-        decay = (state.log_decay_total, self.decay.weight, self.decay.bias)
-        stepped = self.hedgehog_compiled_step(
-            query, key, value, attention_mask, state.inner, scaling, position_ids, edge, decay
+        output, inner = self._state_step(
+            state.inner, query, key, features, values, decayed, scaling, edge, slot
         )
-        if stepped is None:
-            return None
-        output, inner, total = stepped
         return output, GatedState(inner, total)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:

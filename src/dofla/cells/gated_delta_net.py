@@ -234,9 +234,6 @@ class GatedDeltaNet(LinearAttention):
             )
         return self.norm(core, gate), new_state
 
-    def compiled_step_ready(self, state, dtype: torch.dtype) -> bool:
-        return False  # no compiled step: decoding runs gated_delta_net_step eagerly
-
     def parameter_groups(self, base_lr: float) -> list[dict]:
         projections = [self.in_proj_qkv.weight, self.in_proj_z.weight]
         chosen = {id(parameter) for parameter in projections}

@@ -50,11 +50,9 @@ def register(subparsers) -> None:
         action="store_true",
         help="the CPU's compiled decoding: greedy, the whole decoding step (every layer, the MLP and the "
         "output head) as one program compiled by torch.compile once the windows are full (ordinary steps "
-        "until then), where the model allows it (layers kept as softmax attending to every token); "
-        "otherwise, and with --sample, each converted layer's step as one compiled kernel where its cell "
-        "has one (the gated_delta cell with projection keys, the gla and linear cells with a window over "
-        "Hedgehog features). Compiling takes minutes the first time and seconds once torch has cached it on "
-        "disk: for long generations",
+        "until then), where the model allows it (layers kept as softmax attending to every token). "
+        "Compiling takes minutes the first time and seconds once torch has cached it on disk: for long "
+        "generations",
     )
     add_position_arguments(parser)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
@@ -87,6 +85,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.compile:
         import torch
 
+        if args.sample:
+            raise DoflaError("--compile decodes greedily; drop --sample, or --compile to sample.")
         on_cuda = str(args.device).startswith("cuda") if args.device else torch.cuda.is_available()
         if on_cuda:
             raise DoflaError("--compile compiles the CPU's decoding steps; on a GPU use --graph instead.")
@@ -130,27 +130,18 @@ def run(args: argparse.Namespace) -> int:
         args.converted, teacher=args.teacher, dtype=args.dtype, device=args.device
     )
     apply_position_arguments(model, args)
-    if args.compile:
-        from dofla.convert import set_compiled_steps
-
-        set_compiled_steps(model, True)
     if tokenizer is None:
         raise DoflaError(
             f"{args.converted} has no tokenizer files; save it with its tokenizer to generate text."
         )
-    if args.graph:
+    if args.graph or args.compile:
         from dofla.graph_decode import check_graph_decodable
 
         check_graph_decodable(model)
     device = next(model.parameters()).device
     inputs = tokenizer(args.prompt, return_tensors="pt").to(device)
     streamer = TextStreamer(tokenizer, skip_special_tokens=True)
-    whole_step = False
-    if args.compile and not args.sample:
-        from dofla.graph_decode import frozen_step_length
-
-        whole_step = frozen_step_length(model) is not None
-    if args.graph or whole_step:
+    if args.graph or args.compile:
         from dofla.graph_decode import generate_greedy
 
         generate_greedy(
@@ -160,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk or None,
             eos_token_id=tokenizer.eos_token_id,
             on_tokens=streamer.put,
-            compiled=whole_step,
+            compiled=args.compile,
         )
         streamer.end()
         return 0

@@ -17,12 +17,13 @@ prefill), ``recurrent_gated_delta_rule`` (decoding). States (``DeltaState``) pas
 from dofla.ops.delta.chunked import chunked_gated_delta_rule
 from dofla.ops.delta.naive import gated_delta_rule
 from dofla.ops.delta.recurrent import recurrent_gated_delta_rule, update_delta_state
-from dofla.ops.delta.step import gated_delta_window_step
+from dofla.ops.delta.step import DeltaStepWeights, gated_delta_step
 
 __all__ = [
     "chunked_gated_delta_rule",
     "gated_delta_rule",
-    "gated_delta_window_step",
+    "DeltaStepWeights",
+    "gated_delta_step",
     "recurrent_gated_delta_rule",
     "update_delta_state",
 ]

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dofla.ops.state import BatchedState, WindowState
-from dofla.ops.steps import in_place
 from dofla.ops.window.chunked import takes_fused_lse
 
 NEGATIVE_INFINITY = float("-inf")
@@ -128,14 +127,19 @@ def ring_window(state: WindowState, tokens: int, *, ones_column: bool = False) -
 def owned_state(state: BatchedState, buffer: Tensor) -> BatchedState:
     """The state a step may update in place: itself without autograd (generation), else a copy (with
     autograd, or when its buffers, ``buffer`` one of them, were made in inference mode and this is not)."""
-    made_in_inference = buffer.is_inference() and not torch.is_inference_mode_enabled()
-    return state._map(torch.clone) if torch.is_grad_enabled() or made_in_inference else state
+    return state._map(torch.clone) if torch.is_grad_enabled() or not in_place(buffer) else state
 
 
-def write_key(ring: RingWindow, key: Tensor, value: Tensor) -> Tensor | None:
+def write_key(ring: RingWindow, key: Tensor, value: Tensor, slot: Tensor | None = None) -> Tensor | None:
     """Put one present key, key (B, Hk, D) and value (B, Hk, Dv), in the ring's next slot, in place, and
     into the free sink slot while there is one. Returns is_sink (B, Hk) while sinks are still filling,
-    else None. Does not advance ``num_tokens`` (the caller does, once everything is written)."""
+    else None. Does not advance ``num_tokens`` (the caller does, once everything is written).
+    ``slot``: the next slot as a (1,) int64 tensor for a ring in its steady state whose token count is
+    frozen (``steady_ring``; see ``advance_slot``), else None (the slot from the count)."""
+    if slot is not None:
+        ring.keys.index_copy_(2, slot, key[:, :, None])
+        ring.values[..., : ring.value_dim].index_copy_(2, slot, value[:, :, None])
+        return None
     slot = ring.next_slot
     ring.keys[:, :, slot] = key
     ring.values[:, :, slot, : ring.value_dim] = value
@@ -201,16 +205,21 @@ def ring_window_step(
     return_lse: bool = False,
     sink_queries: Tensor | None = None,
     sink_key_turn=None,
+    slot: Tensor | None = None,
 ):
     """One present token of ``recurrent_window_attention`` (sinks included, no soft-capping): queries
     (B, Hk, G, D), key (B, Hk, D), value (B, Hk, Dv), in the ring's dtype, sink_queries (B, Hk, G, D) the
     queries that score the sinks (None: queries) -> out (B, Hk, G, Dv) and the ring after the token (the
     same buffers, updated in place without autograd); with ``return_lse`` (out, lse, ring), lse (B, Hk, G)
     the log-sum-exp of the queries' softmax scores. ``sink_key_turn`` instead of ``sink_queries``: the sinks
-    scored by the queries against their keys turned by it (``sink_seen_keys``), in the fused softmax."""
+    scored by the queries against their keys turned by it (``sink_seen_keys``), in the fused softmax.
+    ``slot``: a frozen ring's next slot (see ``write_key``), moved on in place."""
     ring = owned_state(ring, ring.keys)
-    write_key(ring, key, value)
-    ring.num_tokens += 1
+    write_key(ring, key, value, slot)
+    if slot is None:
+        ring.num_tokens += 1
+    else:
+        advance_slot(slot, ring)
     own_sink_scores = sink_queries is not None and ring.sinks > 0
     keys = sink_seen_keys(ring, sink_key_turn)
     if not return_lse and not own_sink_scores:
@@ -229,15 +238,33 @@ def ring_window_step(
     return (out, lse.view(queries.shape[:3]), ring) if return_lse else (out, ring)
 
 
-def steady_ring(ring, dtype: torch.dtype, *, ones_column: bool = False) -> bool:
-    """Whether a window (a ``RingWindow``) is in the steady state the compiled steps take: every slot
-    visible (the window full, each sink kept, no slot hidden), in ``dtype``, its values with a column of
-    ones where ``ones_column`` (the shared normalisation's), updatable in place."""
+def in_place(tensor: Tensor) -> bool:
+    """Whether a state's buffer may be updated in place here: not one made in inference mode while this is
+    not (under ``torch.compile``, which cannot ask, the buffers a frozen decoding step holds, which
+    ``dofla.graph_decode.CapturedDecoder`` makes so)."""
+    if torch.compiler.is_compiling():
+        return True
+    return not (tensor.is_inference() and not torch.is_inference_mode_enabled())
+
+
+def steady_ring(ring) -> bool:
+    """Whether a window (a ``RingWindow``) is in its steady state, where a step may write its next slot
+    from a frozen token count (``write_key``'s ``slot``): the window full, every sink kept, no slot hidden,
+    its buffers updatable in place."""
     return (
         isinstance(ring, RingWindow)
-        and ring.keys.dtype == ring.values.dtype == dtype
         and ring.sinks_full
-        and ring.num_tokens >= ring.hidden_until
-        and ring.values.shape[-1] == ring.value_dim + int(ones_column)
+        and ring.num_tokens >= max(ring.hidden_until, ring.window)
         and in_place(ring.keys)
     )
+
+
+def frozen_slot(ring: RingWindow) -> Tensor:
+    """The ring's next slot as a (1,) int64 tensor, for steps whose token count is frozen (a captured or
+    compiled decoding step: ``dofla.graph_decode``)."""
+    return torch.tensor([ring.next_slot], device=ring.keys.device)
+
+
+def advance_slot(slot: Tensor, ring: RingWindow) -> None:
+    """Move a frozen ring's next slot (``frozen_slot``) on by one token, in place."""
+    slot.copy_(torch.remainder(slot - ring.sinks + 1, ring.window) + ring.sinks)

@@ -1,0 +1,114 @@
+"""The ``window`` cell: the sliding-window softmax (plus sinks) alone, with no parameters: the teacher's
+attention cut to its window, as a student that decodes with a bounded cache. Also the window part that the
+``gated_delta`` cell mixes with its memory."""
+
+from __future__ import annotations
+
+import torch
+
+from dofla.attention import LinearAttention
+from dofla.cells.registry import register_cell
+from dofla.errors import DoflaError
+from dofla.ops import WindowState, chunked_window_attention, recurrent_window_attention, window_attention
+from dofla.ops.window.step import RingWindow, ring_window, ring_window_step
+
+
+def window_part(
+    cell: LinearAttention,
+    form,
+    query,
+    keys,
+    values,
+    key_mask,
+    scaling,
+    state,
+    return_lse: bool = False,
+    sink_query=None,
+):
+    """The sliding-window softmax (+ sinks, scored by ``sink_query`` where given) in ``form``: out (B, H, T,
+    Dv) and its WindowState (or None); with ``return_lse`` (out, lse (B, H, T), state), lse the log-sum-exp
+    of each query's scores."""
+    common = dict(
+        scaling=scaling,
+        window=cell.window,
+        sinks=cell.sinks,
+        key_mask=key_mask,
+        softcap=cell.softcap,
+        return_lse=return_lse,
+        sink_query=sink_query,
+    )
+    if form == "naive":
+        result = window_attention(query, keys, values, **common)
+        return (*result, None) if return_lse else (result, None)
+    if form == "recurrent":
+        return recurrent_window_attention(query, keys, values, state=state, **common)
+    return chunked_window_attention(
+        query,
+        keys,
+        values,
+        chunk_size=cell.chunk_size_for("window+sinks" if cell.sinks else "window", query.shape[2]),
+        initial_state=state,
+        return_state=True,
+        **common,
+    )
+
+
+def takes_window_step(cell: LinearAttention, window, dtype: torch.dtype) -> bool:
+    """Whether a layer's window state takes the ring step: no soft-capping, the layer's window and sinks,
+    its buffers in ``dtype`` (the step's)."""
+    return (
+        cell.softcap is None
+        and isinstance(window, (WindowState, RingWindow))
+        and window.window == cell.window
+        and window.sinks == cell.sinks
+        and window.keys.dtype == window.values.dtype == dtype
+    )
+
+
+@register_cell("window")
+class WindowAttention(LinearAttention):
+    """The sliding-window softmax (plus ``sinks`` first tokens) alone: no feature map, no parameters."""
+
+    uses_features = False
+
+    def __init__(self, plan, **shape) -> None:
+        if plan.kind != "hybrid":
+            raise DoflaError("the window cell needs a window: use kind hybrid with it.")
+        super().__init__(plan, **shape)
+
+    def _attend(
+        self,
+        form,
+        query,
+        key,
+        q_features,
+        k_features,
+        values,
+        k_log_scale,
+        key_mask,
+        scaling,
+        state,
+        sink_query=None,
+    ):
+        keys = self._state_heads_view(key)  # (B, Hs, T, D)
+        return window_part(self, form, query, keys, values, key_mask, scaling, state, sink_query=sink_query)
+
+    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None, slot=None):
+        """One token (see ``LinearAttention._decode_step``): the window's ring step (``dofla.ops.window.step``),
+        sinks included, without soft-capping."""
+        exact = query.dtype in (torch.float32, torch.float64)  # the general form computes in these
+        if not exact or value.dtype != query.dtype or not takes_window_step(self, state, query.dtype):
+            return None
+        batch, num_heads, _, head_dim = query.shape
+        heads = self.state_heads
+        ring = state if isinstance(state, RingWindow) else ring_window(state, state.num_tokens)
+        output, new_state = ring_window_step(
+            ring,
+            self.step_queries(query),  # (B, Hs, G, D)
+            self._state_heads_view(key).view(batch, heads, head_dim),
+            self._state_heads_view(value).view(batch, heads, -1),
+            scaling=scaling,
+            slot=slot,
+            **self.step_sinks(query, edge),
+        )
+        return output.view(batch, 1, num_heads, -1), new_state  # (B, 1, H, Dv)
