@@ -8,10 +8,11 @@ import pytest
 import torch
 from helpers import assert_student_forms_agree
 
-from dofla.attention import LinearAttention, key_mask_from_attention_mask
+from dofla.attention import LinearAttention
 from dofla.cache import RecurrentCacheLayer
 from dofla.config import LayerPlan
 from dofla.errors import DoflaError
+from dofla.masks import key_mask_from_attention_mask
 
 B, H, HKV, D = 2, 4, 2, 8
 

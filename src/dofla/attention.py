@@ -18,6 +18,7 @@ from dofla.config import LayerPlan
 from dofla.derived import DerivedTensor
 from dofla.errors import DoflaError
 from dofla.feature_maps import FEATURE_MAPS, build_feature_map
+from dofla.masks import key_mask_from_attention_mask
 from dofla.ops import (
     chunked_hybrid_attention,
     chunked_linear_attention,
@@ -31,7 +32,7 @@ from dofla.ops.chunk_sizes import choose_chunk_size
 from dofla.ops.hybrid.step import RingHybridState, hybrid_decode_step
 from dofla.ops.linear.step import linear_decode_step
 from dofla.ops.state import HybridState, LinearState
-from dofla.rotary import Turns, edge_turns, period_turns
+from dofla.rotary import PositionTurns, Turns
 
 FORMS = ("naive", "chunked", "recurrent")
 DEFAULT_WINDOW_FACTOR = 0.1  # LoLCATs: gamma = sigmoid(w) starts near 0.1
@@ -45,28 +46,7 @@ def state_dtype(state) -> torch.dtype:
     return state.kv.dtype if isinstance(state, LinearState) else state.linear.kv.dtype
 
 
-def key_mask_from_attention_mask(attention_mask: Tensor | None, length: int) -> Tensor | None:
-    """Which of this call's T keys are real tokens: (B, T) bool, or None when all are.
-
-    attention_mask: transformers' 4-D mask (B, 1, T, S) with this call's keys in the last T columns,
-    boolean (True = visible) or additive float (0 = visible). A token always sees itself unless it is
-    padding, so the diagonal of the last (T, T) block marks the padded keys (left or right padding).
-    Masks of other shapes (or None) mean no padding.
-    """
-    if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[-2] != length:
-        return None
-    if attention_mask.shape[-1] < length:
-        return None
-    block = attention_mask[:, 0, :, -length:]  # (B, T, T)
-    diagonal = torch.diagonal(block, dim1=-2, dim2=-1)  # (B, T)
-    if diagonal.dtype != torch.bool:
-        diagonal = diagonal > torch.finfo(diagonal.dtype).min / 2
-    if bool(diagonal.all()):
-        return None
-    return diagonal
-
-
-class LinearAttention(nn.Module):
+class LinearAttention(PositionTurns, nn.Module):
     """Causal linear (or sliding-window hybrid) attention with the teacher's q, k, v: the ``linear`` cell.
 
     This is the base class of every student cell (see :mod:`dofla.cells`): a cell overrides ``_attend``
@@ -433,53 +413,6 @@ class LinearAttention(nn.Module):
         if cache_layer is not None:
             cache_layer.state = new_state
         return output.transpose(1, 2).contiguous()  # (B, T, H, Dv)
-
-    def edge_sink_query(self, query: Tensor, position_ids: Tensor | None, state=None) -> Tensor | None:
-        """The query (B, H, T, D) that scores the sinks when they are seen from the window's edge: each token
-        turned back to position ``min(t, window + sinks)`` in the rotary planes, so that the sinks sit just
-        before its window (where the teacher saw them in training) instead of t tokens away. None where the
-        sinks keep their true positions and, on the CPU, where no token is past the edge (see
-        ``edge_sink_turns``)."""
-        turns = self.edge_sink_turns(query, position_ids, state)
-        return None if turns is None else turns(query)
-
-    def edge_sink_turns(self, query: Tensor, position_ids: Tensor | None, state=None) -> Turns | None:
-        """The turns of ``edge_sink_query`` (for one token also as a matrix, see ``dofla.rotary.Turns``). None
-        where the sinks keep their true positions (no ``edge_sink_frequencies``, no window or no sinks) and,
-        on the CPU, where no token is past the edge (the query would be the same). ``position_ids`` (B, T)
-        or (T,) give t; without them the call's tokens follow the ``state``'s (from 0 without one)."""
-        frequencies = self.edge_sink_frequencies
-        if frequencies is None or self.kind != "hybrid" or not self.sinks:
-            return None
-        length = query.shape[2]
-        if position_ids is None:
-            start = 0 if state is None else int(state.num_tokens)
-            position_ids = torch.arange(start, start + length, device=query.device)
-        if frequencies.device != position_ids.device:  # moved once (a copy would not go into a CUDA graph)
-            self.edge_sink_frequencies = frequencies = frequencies.to(position_ids.device)
-        # None where no token is past the edge, on the CPU (on a GPU the check would wait for the device:
-        # the rotation is by zero there)
-        return edge_turns(
-            position_ids, length, self.window + self.sinks, frequencies, query.dtype, query.shape[-1]
-        )
-
-    def _wrapped(self, query: Tensor, key: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
-        """query and key turned back to their positions modulo ``position_period`` (the same tensors where no
-        period, no rotary or no positions are given, or, on the CPU, where every position is below it)."""
-        turns = self.period_turns(query, position_ids)
-        return (query, key) if turns is None else (turns(query), turns(key))
-
-    def period_turns(self, query: Tensor, position_ids: Tensor | None) -> Turns | None:
-        """The turns of ``_wrapped`` for the query (B, H, T, D)'s tokens at ``position_ids``: None where no
-        period, no rotary or no positions are given, or, on the CPU, where every position is below it."""
-        period, frequencies = self.position_period, self.rotary_frequencies
-        if period is None or frequencies is None or position_ids is None:
-            return None
-        if frequencies.device != position_ids.device:  # moved once (a copy would not go into a CUDA graph)
-            self.rotary_frequencies = frequencies = frequencies.to(position_ids.device)
-        # None on the CPU where every position is below the period (on a GPU the check would wait for the
-        # device: the rotation is by zero there)
-        return period_turns(position_ids, query.shape[2], period, frequencies, query.dtype, query.shape[-1])
 
     def _attend(
         self,

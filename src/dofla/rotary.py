@@ -281,3 +281,58 @@ def wrap_angles(position_ids: Tensor, period: int, frequencies: Tensor) -> Tenso
 def check_period(period: int | None) -> None:
     if period is not None and (isinstance(period, bool) or not isinstance(period, int) or period < 1):
         raise DoflaError(f"a position period must be a positive number of tokens, got {period!r}.")
+
+
+class PositionTurns:
+    """The turns a student layer's q and k take from their positions: its memory's rotary positions modulo
+    ``position_period`` (with the teacher's ``rotary_frequencies``) and its sinks seen from the window's edge
+    (``edge_sink_frequencies``), each None where off (set by ``dofla.convert.set_position_period`` and
+    ``set_sinks_at_edge``). A base of ``dofla.attention.LinearAttention``, which holds those attributes
+    and its ``kind``, ``window`` and ``sinks``."""
+
+    def edge_sink_query(self, query: Tensor, position_ids: Tensor | None, state=None) -> Tensor | None:
+        """The query (B, H, T, D) that scores the sinks when they are seen from the window's edge: each token
+        turned back to position ``min(t, window + sinks)`` in the rotary planes, so that the sinks sit just
+        before its window (where the teacher saw them in training) instead of t tokens away. None where the
+        sinks keep their true positions and, on the CPU, where no token is past the edge (see
+        ``edge_sink_turns``)."""
+        turns = self.edge_sink_turns(query, position_ids, state)
+        return None if turns is None else turns(query)
+
+    def edge_sink_turns(self, query: Tensor, position_ids: Tensor | None, state=None) -> Turns | None:
+        """The turns of ``edge_sink_query`` (for one token also as a matrix, see ``dofla.rotary.Turns``). None
+        where the sinks keep their true positions (no ``edge_sink_frequencies``, no window or no sinks) and,
+        on the CPU, where no token is past the edge (the query would be the same). ``position_ids`` (B, T)
+        or (T,) give t; without them the call's tokens follow the ``state``'s (from 0 without one)."""
+        frequencies = self.edge_sink_frequencies
+        if frequencies is None or self.kind != "hybrid" or not self.sinks:
+            return None
+        length = query.shape[2]
+        if position_ids is None:
+            start = 0 if state is None else int(state.num_tokens)
+            position_ids = torch.arange(start, start + length, device=query.device)
+        if frequencies.device != position_ids.device:  # moved once (a copy would not go into a CUDA graph)
+            self.edge_sink_frequencies = frequencies = frequencies.to(position_ids.device)
+        # None where no token is past the edge, on the CPU (on a GPU the check would wait for the device:
+        # the rotation is by zero there)
+        return edge_turns(
+            position_ids, length, self.window + self.sinks, frequencies, query.dtype, query.shape[-1]
+        )
+
+    def _wrapped(self, query: Tensor, key: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+        """query and key turned back to their positions modulo ``position_period`` (the same tensors where no
+        period, no rotary or no positions are given, or, on the CPU, where every position is below it)."""
+        turns = self.period_turns(query, position_ids)
+        return (query, key) if turns is None else (turns(query), turns(key))
+
+    def period_turns(self, query: Tensor, position_ids: Tensor | None) -> Turns | None:
+        """The turns of ``_wrapped`` for the query (B, H, T, D)'s tokens at ``position_ids``: None where no
+        period, no rotary or no positions are given, or, on the CPU, where every position is below it."""
+        period, frequencies = self.position_period, self.rotary_frequencies
+        if period is None or frequencies is None or position_ids is None:
+            return None
+        if frequencies.device != position_ids.device:  # moved once (a copy would not go into a CUDA graph)
+            self.rotary_frequencies = frequencies = frequencies.to(position_ids.device)
+        # None on the CPU where every position is below the period (on a GPU the check would wait for the
+        # device: the rotation is by zero there)
+        return period_turns(position_ids, query.shape[2], period, frequencies, query.dtype, query.shape[-1])

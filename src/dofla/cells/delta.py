@@ -35,13 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dofla.attention import LinearAttention, key_mask_from_attention_mask
+from dofla.attention import LinearAttention
 from dofla.cells.gated import DEFAULT_DECAY_MEMORY, TokenGate, initial_gate_logits
 from dofla.cells.recall_cache import check_recall_call, recall_budget, window_with_recall_cache
 from dofla.cells.registry import register_cell
 from dofla.cells.window import takes_window_step, window_part
 from dofla.derived import DerivedTensor
 from dofla.errors import DoflaError
+from dofla.masks import key_mask_from_attention_mask
 from dofla.ops import (
     DeltaState,
     WindowState,

@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dofla.attention import LinearAttention, key_mask_from_attention_mask
+from dofla.attention import LinearAttention
 from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
+from dofla.masks import key_mask_from_attention_mask
 from dofla.ops.gated_delta_net import (
     GatedDeltaNetShape,
     GatedDeltaNetState,
