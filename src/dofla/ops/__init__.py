@@ -1,12 +1,15 @@
 """Causal attention ops, one folder per operation: ``linear`` (linear attention), ``window`` (sliding-window
-softmax with sinks), ``hybrid`` (the two mixed in one normalisation) and ``delta`` (the gated delta rule).
+softmax with sinks), ``hybrid`` (the two mixed in one normalisation), ``delta`` (the gated delta rule),
+``gated_delta_net`` (Qwen3.5's gated delta net) and ``recall_cache`` (kept tokens read in the window's
+softmax).
 
 Each folder holds the operation's forms, with identical semantics: ``naive`` (the quadratic reference, every
 pair written out; tests only), ``chunked`` (training and prefill), ``recurrent`` (decoding, any number of
-tokens) and ``step`` (one token on the decoding layout, in the fewest operators: generation). States from
-the chunked form continue in the recurrent form and back. Shared here: the states (``state``), the inputs'
-checks, the sinks' bookkeeping (``sinks``), the chunk sizes, what the steps share (``steps``), the fla
-kernels (``fla_backend``) and compiling (``compiled``).
+tokens) and ``step`` (one token, in the fewest operators: generation, and the frozen decoding steps that a
+CUDA graph replays or ``torch.compile`` traces). States from the chunked form continue in the recurrent
+form and back. Shared here: the states (``state``), the inputs' checks, the sinks' bookkeeping (``sinks``),
+the chunk sizes (``chunk_sizes``), the fla kernels (``fla_backend``) and compiling a whole decoding step
+(``compiled``).
 
 Semantics of the linear, window and hybrid ops (the gated delta rule's are in ``dofla.ops.delta``):
 
