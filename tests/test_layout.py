@@ -94,6 +94,27 @@ def test_no_import_cycles():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+# The stages below a package that it must never import, even inside a function: the data flows one way
+# (model in -> measure -> plan -> convert -> distil -> evaluate -> save).
+ABOVE = {
+    "dofla.models": ("dofla.dof", "dofla.planning", "dofla.convert", "dofla.distill", "dofla.evaluation"),
+    "dofla.dof": ("dofla.planning", "dofla.convert", "dofla.distill", "dofla.evaluation", "dofla.pipeline"),
+    "dofla.evaluation": ("dofla.planning", "dofla.distill", "dofla.pipeline"),
+    "dofla.convert": ("dofla.planning", "dofla.distill", "dofla.evaluation", "dofla.loading"),
+    "dofla.saving": ("dofla.convert", "dofla.loading", "dofla.auto"),
+    "dofla.settings": ("dofla.dof", "dofla.planning", "dofla.convert", "dofla.cells", "dofla.pipeline"),
+}
+
+
+def test_the_lower_stages_never_import_the_higher_ones():
+    graph = import_graph()
+    for low, higher in ABOVE.items():
+        for name, targets in graph.items():
+            if name == low or name.startswith(low + "."):
+                upward = sorted(t for t in targets for top in higher if t == top or t.startswith(top + "."))
+                assert not upward, f"{name} imports {upward}, a later stage"
+
+
 def test_the_library_never_imports_experiments_or_bench():
     for path in SOURCE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

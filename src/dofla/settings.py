@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dofla.config import DEFAULT_WINDOW
+from dofla.config import LayerPlan  # a layer's defaults are its plan's
 from dofla.errors import DoflaError
 
 
@@ -90,9 +90,9 @@ class PlanSettings:
     budget: int = option(64, "mean feature dimension per layer")
     allocation: str = option("dof", "how feature dimensions are shared between layers", choices="allocation")
     measure: str = option("dof", "statistical measure an allocation shares dimensions by", choices="measure")
-    kind: str = option("linear", "attention kind: linear | hybrid (linear + sliding window)")
-    window: int = option(DEFAULT_WINDOW, "sliding window of hybrid layers")
-    sinks: int = option(0, "first tokens always visible to the window", minimum=0)
+    kind: str = option(LayerPlan.kind, "attention kind: linear | hybrid (linear + sliding window)")
+    window: int = option(LayerPlan.window, "sliding window of hybrid layers")
+    sinks: int = option(LayerPlan.sinks, "first tokens always visible to the window", minimum=0)
     per_query_head: bool = option(
         False,
         "one feature map and state per query head instead of one per key/value head (more state, and "
@@ -140,8 +140,8 @@ class PlanSettings:
 class StudentSettings:
     """The student module of each converted layer."""
 
-    cell: str = option("linear", "student cell", choices="cell")
-    feature_map: str = option("learnable_prf", "feature map", choices="feature_map")
+    cell: str = option(LayerPlan.cell, "student cell", choices="cell")
+    feature_map: str = option(LayerPlan.feature_map, "feature map", choices="feature_map")
     cell_options: dict[str, Any] = option(
         factory=dict, help="the cell's own options as KEY=VALUE,... (e.g. window_factor=0.95)"
     )

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from dofla.config import DEFAULT_WINDOW, ConversionPlan, LayerPlan
+from dofla.config import ConversionPlan, LayerPlan
 from dofla.convert import convert, student_for, unconvert
 from dofla.dispatch import AttentionCall
 from dofla.distill.losses import LOSSES, layer_loss
@@ -70,13 +70,13 @@ class CurveSettings:
     heldout_pieces: int = 2
     criterion: str = "kl_scaled"
     seed: int = 0
-    kind: str = "linear"
-    feature_map: str = "learnable_prf"
-    cell: str = "linear"
-    window: int = DEFAULT_WINDOW
-    sinks: int = 0
+    kind: str = LayerPlan.kind  # the planned layer: its plan's defaults
+    feature_map: str = LayerPlan.feature_map
+    cell: str = LayerPlan.cell
+    window: int = LayerPlan.window
+    sinks: int = LayerPlan.sinks
     options: tuple[tuple[str, Any], ...] = ()
-    share_kv_heads: bool = True
+    share_kv_heads: bool = LayerPlan.share_kv_heads
 
     def validate(self) -> None:
         if not self.dims or min(self.dims) < 1 or list(self.dims) != sorted(set(self.dims)):
