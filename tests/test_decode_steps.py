@@ -269,16 +269,19 @@ def test_greedy_generate_of_the_recipe_cell_takes_the_hybrid_step_and_equals_ful
 
 
 @pytest.mark.parametrize("prefill, window, sinks", [(2, 3, 2), (0, 4, 2), (1, 3, 3), (5, 3, 0)])
-def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill, window, sinks):
+@pytest.mark.parametrize("frozen", [False, True])
+def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill, window, sinks, frozen):
     """Many steps of the ring-buffer decode ops (``dofla.ops.window.step``) without autograd, the buffers
     updated in place and the ring wrapping around several times, sinks filling during the steps or before:
     outputs against the recurrent form over all tokens and the naive form, the final state (put back in
-    order) against the recurrent form's; the hybrid with key log scales, the window alone."""
+    order) against the recurrent form's; the hybrid with key log scales, the window alone. ``frozen``: once
+    a ring is in its steady state its token count stays put and the steps write the slot kept as a tensor
+    (as a frozen decoding step does)."""
     from dofla.ops import hybrid_attention, recurrent_window_attention, window_attention
     from dofla.ops.hybrid.recurrent import empty_hybrid_state, recurrent_hybrid_attention
     from dofla.ops.hybrid.step import hybrid_decode_step
     from dofla.ops.state import WindowState
-    from dofla.ops.window.step import ring_window, ring_window_step
+    from dofla.ops.window.step import frozen_slot, ring_window, ring_window_step, steady_ring
 
     length, group = 13, 2
     inputs = {
@@ -320,7 +323,13 @@ def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill,
             ring = WindowState.empty(2, 2, 4, 3, window, sinks, dtype=torch.float64)
         ring = ring_window(ring, prefill)  # the hybrid step converts its state itself
         outputs, window_outputs = [], []
+        slots, frozen_steps = {}, {"hybrid": 0, "window": 0}
         for t in range(prefill, length):
+            rings = {"hybrid": getattr(state, "ring", None), "window": ring}
+            for name, held in rings.items():
+                if frozen and name not in slots and steady_ring(held):
+                    slots[name] = frozen_slot(held)
+                frozen_steps[name] += name in slots
             output, state = hybrid_decode_step(
                 state,
                 split(query, t),
@@ -331,12 +340,16 @@ def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill,
                 log_scale[:, :, t],
                 gamma.view(2, group, 1),
                 scaling=0.5,
+                slot=slots.get("hybrid"),
             )
             outputs.append(output.reshape(2, 4, -1))
             window_output, ring = ring_window_step(
-                ring, split(query, t), key[:, :, t], v[:, :, t], scaling=0.5
+                ring, split(query, t), key[:, :, t], v[:, :, t], scaling=0.5, slot=slots.get("window")
             )
             window_outputs.append(window_output.reshape(2, 4, -1))
+        state.ring.num_tokens += frozen_steps["hybrid"]  # what a frozen decoder's finish() does
+        ring.num_tokens += frozen_steps["window"]
+        assert bool(slots) == (frozen and length - prefill > window + 1)
     torch.testing.assert_close(torch.stack(outputs, 2), expected[:, :, prefill:], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(
         torch.stack(window_outputs, 2), expected_window[:, :, prefill:], rtol=1e-10, atol=1e-12
