@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dofla.commands._common import add_model_arguments, add_overwrite_argument, check_device_and_dtype
-from dofla.config import DEFAULT_WINDOW
+from dofla.config import DEFAULT_WINDOW, LayerPlan
 
 
 def register(subparsers) -> None:
@@ -27,10 +27,12 @@ def register(subparsers) -> None:
     )
     add_overwrite_argument(parser, "converted model")
     parser.add_argument(
-        "--kind", default="linear", choices=("linear", "hybrid"), help="uniform plan: layer kind"
+        "--kind", default=LayerPlan.kind, choices=("linear", "hybrid"), help="uniform plan: layer kind"
     )
-    parser.add_argument("--feature-map", default="learnable_prf", help="uniform plan: feature map name")
-    parser.add_argument("--feature-dim", type=int, default=64, help="uniform plan: features per head")
+    parser.add_argument("--feature-map", default=LayerPlan.feature_map, help="uniform plan: feature map name")
+    parser.add_argument(
+        "--feature-dim", type=int, default=LayerPlan.feature_dim, help="uniform plan: features per head"
+    )
     parser.add_argument(
         "--window", type=int, default=DEFAULT_WINDOW, help="uniform plan: sliding window of hybrid layers"
     )

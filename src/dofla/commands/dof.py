@@ -16,6 +16,7 @@ from dofla.commands._common import (
     check_device_and_dtype,
     check_feature_budget,
 )
+from dofla.settings import PlanSettings, StudentSettings
 
 DOF_KIND = "dof report"  # the kind in the marker of the output folder (dofla.outputs)
 DOF_FILES = (  # what `dofla dof` writes, and all that --overwrite removes (never a file of the user's)
@@ -37,7 +38,9 @@ def register(subparsers) -> None:
         description="Writes OUT/plan.json (for `dofla convert`), OUT/dof.json, OUT/dof.md and PNG plots.",
     )
     add_model_arguments(parser)
-    parser.add_argument("--budget", type=int, default=64, help="mean features per converted layer (C)")
+    parser.add_argument(
+        "--budget", type=int, default=PlanSettings.budget, help="mean features per converted layer (C)"
+    )
     parser.add_argument(
         "--lambda",
         dest="lambdas",
@@ -45,9 +48,13 @@ def register(subparsers) -> None:
         default=None,
         help="λ, e.g. 2^-4 (repeatable; first is used)",
     )
-    parser.add_argument("--measure", default="dof", help="a measure of dofla.dof.MEASURES (e.g. dof_trace)")
     parser.add_argument(
-        "--allocation", default="dof", help="an allocation of dofla.dof.ALLOCATIONS (e.g. headwise)"
+        "--measure", default=PlanSettings.measure, help="a measure of dofla.dof.MEASURES (e.g. dof_trace)"
+    )
+    parser.add_argument(
+        "--allocation",
+        default=PlanSettings.allocation,
+        help="an allocation of dofla.dof.ALLOCATIONS (e.g. headwise)",
     )
     parser.add_argument("--num-points", type=int, default=1024, help="J, points sampled per head")
     parser.add_argument("--sequences", type=int, default=16, help="calibration sequences")
@@ -61,8 +68,8 @@ def register(subparsers) -> None:
         default=None,
         help="dof (highest measure), uniform or measured (highest measured error)",
     )
-    parser.add_argument("--feature-map", default="learnable_prf")
-    parser.add_argument("--kind", default="linear", choices=("linear", "hybrid"))
+    parser.add_argument("--feature-map", default=StudentSettings.feature_map)
+    parser.add_argument("--kind", default=PlanSettings.kind, choices=("linear", "hybrid"))
     parser.add_argument(
         "--data", default=None, help="calibration text (default: text sampled from the teacher)"
     )

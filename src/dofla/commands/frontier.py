@@ -7,7 +7,7 @@ import shlex
 import sys
 
 from dofla.commands._common import add_device_arguments, integer_list
-from dofla.config import DEFAULT_WINDOW
+from dofla.config import DEFAULT_WINDOW, LayerPlan
 
 FRONTIER_KIND = "frontier grid"  # the kind in the marker of the grid's folder (dofla.outputs)
 
@@ -39,9 +39,11 @@ def register(subparsers) -> None:
     parser.add_argument("--tokens", default=None, help="distillation tokens per cell (default 20k)")
     parser.add_argument("--seq-len", type=int, default=None, help="training length (default 512)")
     parser.add_argument("--batch-size", type=int, default=None, help="default 4")
-    parser.add_argument("--kind", default=None, choices=("linear", "hybrid"), help="default linear")
+    parser.add_argument(
+        "--kind", default=None, choices=("linear", "hybrid"), help=f"default {LayerPlan.kind}"
+    )
     parser.add_argument("--cell", default=None, help="student cell (default linear)")
-    parser.add_argument("--feature-map", default=None, help="default learnable_prf")
+    parser.add_argument("--feature-map", default=None, help=f"default {LayerPlan.feature_map}")
     parser.add_argument("--loss", default=None, help="default output_mse")
     parser.add_argument("--window", type=int, default=None, help=f"default {DEFAULT_WINDOW}")
     parser.add_argument("--data", default=None, help="text (default: text sampled from the teacher, cached)")
