@@ -79,7 +79,10 @@ def state_bytes(model, text: str, tokenizer, length: int) -> int:
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"][:length]])
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return sum(layer.nbytes() for layer in cache.layers)
+    return sum(
+        layer.nbytes() if hasattr(layer, "nbytes") else layer.keys.nbytes + layer.values.nbytes
+        for layer in cache.layers
+    )  # a teacher's layers: its keys and values
 
 
 def convert_with(model, arguments, budgets: list[int], window: int) -> None:
