@@ -29,7 +29,7 @@ def portable_student(family: str, seed: int = 0, **overrides):
     """A tiny teacher converted with every layer the gated_delta_net cell, its parameters moved at random
     (as training would move them) so that every weight the export maps matters."""
     model = build_tiny_model(family, seed=seed, **overrides)
-    convert(model, plan_for(model, kind="linear", cell="gated_delta_net"))
+    convert(model, plan_for(model, kind="linear", cell="gated_delta_net", convert_windowed=True))
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for parameter in model.parameters():
