@@ -93,3 +93,15 @@ class NonFinitePolicy:
             stacklevel=2,
         )
         return False
+
+
+def first_bad_layer(model, trainable, layer_losses, batch, loss_name) -> int | None:
+    """The first layer this process sees go non-finite in a step (its loss, its students, else, for the
+    direct loss, the first layer whose output is), or None."""
+    bad = [layer for layer, value in layer_losses.items() if not math.isfinite(value)]
+    if bad:
+        return min(bad)
+    layer = first_nonfinite_layer(trainable.items())  # a student gone non-finite
+    if layer is not None or loss_name != "direct":
+        return layer
+    return first_nonfinite_output_layer(model, batch)

@@ -9,12 +9,9 @@ the ``direct`` loss trains the students end to end on next-token cross-entropy (
 Layer-sharded runs can start each forward from teacher hidden states stored on disk
 (:mod:`dofla.distill.hidden_store`) instead of running the teacher's earlier layers.
 
-Under ``torch.distributed`` (e.g. ``torchrun``, gloo on CPUs) the work is sharded one of two ways
-(:mod:`dofla.distill.distributed`): by data (``data_parallel=True``: every rank takes its slice of each batch
-and gradients are averaged) or by layers (``data_parallel=False``: every rank trains its own ``layers`` on
-whole batches, in its own ``run_dir``; the loss, weighted by layers, and the gradient norm are combined
-across ranks, so every rank logs, clips, skips and stops early as one process training all layers would).
-Either way the result equals a single-process run up to float rounding.
+Under ``torch.distributed`` (e.g. ``torchrun``, gloo on CPUs) the work is sharded by data or by layers
+(:class:`dofla.distill.distributed.ProcessShare`); either way the result equals a single-process run up to
+float rounding.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ from dofla.distill.distributed import ProcessShare
 from dofla.distill.graphed import LayerLossGraphs
 from dofla.distill.hidden_store import StoredStart, TeacherStates, start_options, stored_start
 from dofla.distill.losses import LOSSES
-from dofla.distill.nonfinite import NonFinitePolicy, first_nonfinite_layer, first_nonfinite_output_layer
+from dofla.distill.nonfinite import NonFinitePolicy, first_bad_layer
 from dofla.distill.teacher_forcing import freeze_teacher, teacher_forced_step, teacher_forced_step_from_states
 from dofla.errors import DoflaError
 from dofla.io import to_json, write_text_atomic
@@ -295,6 +292,23 @@ class _Run:
                 for name, parameter in self.trainable.items():
                     parameter.copy_(self.best_state[name])
 
+    def result(
+        self, stages: list[LengthStage], seconds: float, final_val: float, final_layers
+    ) -> DistillResult:
+        """What the run did and reached, once it ends."""
+        return DistillResult(
+            steps=self.step,
+            tokens=tokens_after(stages, self.step),
+            seconds=seconds,
+            history=self.history,
+            best_val_loss=None if math.isinf(self.best_val) else self.best_val,
+            final_val_loss=final_val,
+            val_layer_losses=final_layers,
+            stopped_early=self.stopped_early,
+            skipped_steps=self.policy.skipped,
+            stages=[stage.summary() for stage in stages] if len(stages) > 1 else [],
+        )
+
     def kept_checkpoint(self) -> str:
         """What survives a stopped run, for its error message."""
         latest = latest_checkpoint(self.checkpoints) if self.checkpoints is not None else None
@@ -330,30 +344,19 @@ def distill(
     teacher's are frozen (``requires_grad`` False) and unchanged.
 
     ``teacher_states``: a :class:`~dofla.distill.hidden_store.TeacherStates` (or its folder) written for
-    ``train`` by :func:`~dofla.distill.hidden_store.write_teacher_states` with a boundary at or below the
-    first trained layer; each layer-wise forward then starts from the stored hidden states and the layers
-    below are not run. ``heldout_teacher_states`` does the same for validation. The students end as
-    without the stores (up to float rounding).
-
-    ``data_parallel`` (only matters under an initialised process group): True slices every batch across
-    ranks and averages gradients (rank 0 alone writes ``run_dir``); False is layer sharding
-    (:class:`~dofla.distill.distributed.ProcessShare`). Returns a :class:`DistillResult` (the same history
-    on every rank; ``val_layer_losses`` holds every rank's layers).
+    ``train`` with a boundary at or below the first trained layer; each layer-wise forward then starts from
+    the stored hidden states (``heldout_teacher_states``: the same for validation), with the same students
+    up to float rounding. ``data_parallel`` (under an initialised process group): True slices every batch
+    across ranks (rank 0 alone writes ``run_dir``), False is layer sharding
+    (:class:`~dofla.distill.distributed.ProcessShare`). Returns a :class:`DistillResult` (the same on
+    every rank; ``val_layer_losses`` holds every rank's layers).
 
     ``distill.length_schedule`` (a length curriculum, :mod:`dofla.distill.curriculum`): the run trains
     first on shorter rows, ``shorter_train[length]`` (M, length) where given, else cut from ``train``, with
     batches of about the same tokens; its last stage is ``train`` itself. Validation stays on ``heldout``.
     """
     settings = config.distill
-    settings.validate()
-    _check_sequences("training", train, 1)
-    _check_sequences("held-out", heldout, 1)
-    share = ProcessShare.of(data_parallel, settings.loss, settings.batch_size)
-    if settings.length_schedule and teacher_states is not None:
-        raise DoflaError(
-            "stored teacher states hold the rows at the full length, which a length curriculum's shorter "
-            "stages do not train on; drop the length schedule or the stored teacher states."
-        )
+    share = _checked(settings, train, heldout, data_parallel, teacher_states)
     device = next(model.parameters()).device
     students = freeze_teacher(model, layers)
     share.count_layers(students, given=layers is not None)
@@ -408,7 +411,7 @@ def distill(
         loss = share.loss(loss)
         grad_norm = share.clip_gradients(list(trainable.values()), settings.grad_clip)
         bad_layer = partial(
-            share.bad_layer, _local_bad_layer, model, trainable, layer_losses, batch, settings.loss
+            share.bad_layer, first_bad_layer, model, trainable, layer_losses, batch, settings.loss
         )
         if run.policy.accept(run.step + 1, loss, float(grad_norm), bad_layer, run.kept_checkpoint):
             optimizer.step()
@@ -445,30 +448,22 @@ def distill(
     final_val, final_layers = evaluate(model, students, heldout, settings, heldout_stored)
     if share.by_layers:
         final_val, final_layers = share.validation(final_val, final_layers)
-    return DistillResult(
-        steps=run.step,
-        tokens=tokens_after(stages, run.step),
-        seconds=time.perf_counter() - started,
-        history=run.history,
-        best_val_loss=None if math.isinf(run.best_val) else run.best_val,
-        final_val_loss=final_val,
-        val_layer_losses=final_layers,
-        stopped_early=run.stopped_early,
-        skipped_steps=run.policy.skipped,
-        stages=[stage.summary() for stage in stages] if len(stages) > 1 else [],
-    )
+    return run.result(stages, time.perf_counter() - started, final_val, final_layers)
 
 
-def _local_bad_layer(model, trainable, layer_losses, batch, loss_name) -> int | None:
-    """The first layer this process sees go non-finite in a step (its loss, its students, else, for the
-    direct loss, the first layer whose output is), or None."""
-    bad = [layer for layer, value in layer_losses.items() if not math.isfinite(value)]
-    if bad:
-        return min(bad)
-    layer = first_nonfinite_layer(trainable.items())  # a student gone non-finite
-    if layer is not None or loss_name != "direct":
-        return layer
-    return first_nonfinite_output_layer(model, batch)
+def _checked(settings: DistillSettings, train, heldout, data_parallel: bool, teacher_states) -> ProcessShare:
+    """Everything refused before any work (the settings, the rows, how processes share the run); returns
+    this process's share."""
+    settings.validate()
+    _check_sequences("training", train, 1)
+    _check_sequences("held-out", heldout, 1)
+    share = ProcessShare.of(data_parallel, settings.loss, settings.batch_size)
+    if settings.length_schedule and teacher_states is not None:
+        raise DoflaError(
+            "stored teacher states hold the rows at the full length, which a length curriculum's shorter "
+            "stages do not train on; drop the length schedule or the stored teacher states."
+        )
+    return share
 
 
 def check_run_folder(run_dir: Path | None, resume: bool) -> None:
