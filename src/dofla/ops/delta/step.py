@@ -51,7 +51,8 @@ def gated_delta_step(
         recent = torch.cat([tail, present[:, None]], dim=1)  # (B, W, C)
         mixed = torch.linalg.vecdot(recent, weights.conv, dim=1)  # (B, C)
         grouped, written = mixed.split([features[0].numel(), values[0].numel()], dim=-1)
-        features, written, tail = grouped.view_as(features), written.view_as(values), recent[:, 1:]
+        # the new tail owns its W - 1 rows (a slice of ``recent`` would keep all W alive in the cache)
+        features, written, tail = grouped.view_as(features), written.view_as(values), recent[:, 1:].clone()
     norms = torch.linalg.vector_norm(features, dim=-1, keepdim=True).clamp_min(1e-12)  # as F.normalize
     features = features / norms  # (B, Hs, G + 1, K)
     dtype = weights.gates.dtype

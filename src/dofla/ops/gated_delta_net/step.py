@@ -27,4 +27,4 @@ def gated_delta_net_step(
         state.memory, key[:, :, 0], value[:, :, 0], log_decay.to(dtype).exp(), beta.to(dtype)
     )
     out = (query @ memory.kv).squeeze(2)  # (B, Hv, Dv)
-    return out, GatedDeltaNetState(recent[:, 1:], memory)
+    return out, GatedDeltaNetState(recent[:, 1:].clone(), memory)  # the tail owns its W - 1 rows
