@@ -4,7 +4,7 @@ experiments/export_smollm2.py, in a process of its own. The continuation runs wi
 5.23's cache refuses a Qwen3.5 model with no full-attention layer (``DynamicCache.get_seq_length`` needs
 one), so ``generate`` recomputes the prefix at each token there.
 
-    python experiments/plain_transformers_run.py FOLDER IDS_JSON OUT_JSON --new-tokens N
+    python experiments/plain_transformers_run.py FOLDER IDS_JSON OUT_JSON --new-tokens N [--dtype float64]
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ def main() -> None:
     parser.add_argument("ids", help="JSON file: a list of rows of token ids")
     parser.add_argument("out", help="JSON file to write: logits, continuation, model class")
     parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=getattr(torch, args.dtype)).eval()
     with open(args.ids, encoding="utf-8") as handle:
         ids = torch.tensor(json.load(handle))
     with torch.no_grad():

@@ -37,14 +37,14 @@ def portable_student(family: str, seed: int = 0, **overrides):
     return model
 
 
-def run_without_dofla(folder: Path, ids: torch.Tensor, work: Path) -> dict:
+def run_without_dofla(folder: Path, ids: torch.Tensor, work: Path, dtype: str = "float32") -> dict:
     """The exported folder run by ``experiments/plain_transformers_run.py`` in a fresh interpreter whose
     path holds no dofla source (the runner also reports whether anything imported dofla)."""
     (work / "ids.json").write_text(json.dumps(ids.tolist()))
     environment = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     subprocess.run(
         [sys.executable, str(RUNNER), str(folder), str(work / "ids.json"), str(work / "result.json")]
-        + ["--new-tokens", str(NEW_TOKENS)],
+        + ["--new-tokens", str(NEW_TOKENS), "--dtype", dtype],
         check=True,
         env=environment,
         cwd=work,
@@ -80,6 +80,25 @@ def test_the_exported_checkpoint_runs_in_plain_transformers_with_the_same_logits
         )
     assert (torch.tensor(result["logits"]) - logits).abs().max() <= 1e-4
     assert result["continuation"] == continuation[:, ids.shape[1] :].tolist()
+
+
+def test_a_float64_student_loads_exports_and_runs_in_float64_on_both_sides(tmp_path):
+    from safetensors import safe_open
+
+    from dofla.loading import load_converted
+
+    save_converted(portable_student("llama"), tmp_path / "student", tokenizer=build_tiny_tokenizer())
+    model, _, _ = load_converted(tmp_path / "student", dtype="float64")
+    assert {parameter.dtype for parameter in model.parameters()} == {torch.float64}
+    exported = export_model(model, tmp_path / "exported")
+    with safe_open(str(exported / "model.safetensors"), "pt") as stored:
+        assert {stored.get_tensor(name).dtype for name in stored.keys()} == {torch.float64}
+    ids = torch.randint(3, 100, (1, 29), generator=torch.Generator().manual_seed(3))
+    result = run_without_dofla(exported, ids, tmp_path, dtype="float64")
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits
+    assert logits.dtype == torch.float64
+    assert (torch.tensor(result["logits"], dtype=torch.float64) - logits).abs().max() <= 1e-4
 
 
 def converted_with(family: str, **plan):

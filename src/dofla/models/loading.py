@@ -56,13 +56,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     names = {
         "float32": torch.float32,
         "fp32": torch.float32,
+        "float64": torch.float64,
+        "fp64": torch.float64,
         "bfloat16": torch.bfloat16,
         "bf16": torch.bfloat16,
         "float16": torch.float16,
         "fp16": torch.float16,
     }
     if str(dtype) not in names:
-        raise DoflaError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16.")
+        raise DoflaError(f"unknown dtype {dtype!r}; use float32, bfloat16, float16 or float64.")
     return names[str(dtype)]
 
 
