@@ -20,7 +20,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     """--dtype and --device (both default to None: chosen from the machine)."""
     parser.add_argument(
-        "--dtype", default=None, help="float32 (CPU default) | bfloat16 (CUDA default) | float16 | float64 (exact comparisons, slow)"
+        "--dtype",
+        default=None,
+        help="float32 (CPU default) | bfloat16 (CUDA default) | float16 | float64 (exact comparisons, slow)",
     )
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
 
