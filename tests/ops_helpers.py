@@ -1,6 +1,9 @@
-"""Helpers shared by the op tests: random inputs, the reference comparison on forward and gradients."""
+"""Helpers shared by the op tests: random inputs, the reference comparison on forward and gradients, brute
+force window and hybrid outputs (one query, one key at a time)."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -102,3 +105,89 @@ def assert_chunked_linear_matches_naive(inputs, chunk_size, dtype=torch.float32,
         tolerance,
         {"chunk_size": chunk_size},
     )
+
+
+WINDOW_NAMES = ("query", "key", "v")
+
+
+def first(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+def brute_force_softmax_set(i: int, window: int, sinks: int) -> list[int]:
+    """Keys query i attends to by softmax (no padding): its window and the sinks."""
+    return [j for j in range(i + 1) if j > i - window or j < sinks]
+
+
+def brute_force_hybrid(inputs, *, scaling, window, sinks, eps=1e-6):
+    query, key, q_features, k_features, v, log_scale, gamma = (
+        inputs[name].detach() for name in HYBRID_NAMES
+    )  # fmt: skip
+    batch, heads, length, _ = query.shape
+    group = heads // key.shape[1]
+    out = torch.zeros(batch, heads, length, v.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            kv = h // group
+            for i in range(length):
+                soft = brute_force_softmax_set(i, window, sinks)
+                linear = [j for j in range(i + 1) if j not in soft]
+                scores = torch.stack([scaling * query[b, h, i] @ key[b, kv, j] for j in soft])
+                weights = {
+                    j: gamma[h] * torch.exp(s - scores.max()) for j, s in zip(soft, scores, strict=True)
+                }
+                if linear:
+                    offset = max(log_scale[b, kv, j] for j in linear)
+                    for j in linear:
+                        kernel = q_features[b, h, i] @ k_features[b, kv, j]
+                        weights[j] = (1 - gamma[h]) * kernel * torch.exp(log_scale[b, kv, j] - offset)
+                total = sum(weights.values())
+                out[b, h, i] = sum(w * v[b, kv, j] for j, w in weights.items()) / (total + eps)
+    return out
+
+
+def brute_force_window(inputs, *, scaling, window, sinks):
+    """Softmax over each query's window and sinks; the sinks scored by ``inputs["sink_query"]`` if given."""
+    query, key, v = (inputs[name].detach() for name in WINDOW_NAMES)
+    sink_query = query if inputs.get("sink_query") is None else inputs["sink_query"].detach()
+    batch, heads, length, _ = query.shape
+    group = heads // key.shape[1]
+    out = torch.zeros(batch, heads, length, v.shape[-1], dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(length):
+                soft = brute_force_softmax_set(i, window, sinks)
+                scores = torch.stack(
+                    [
+                        scaling * (sink_query if j < sinks else query)[b, h, i] @ key[b, h // group, j]
+                        for j in soft
+                    ]
+                )
+                probabilities = torch.softmax(scores, dim=0)
+                out[b, h, i] = sum(p * v[b, h // group, j] for p, j in zip(probabilities, soft, strict=True))
+    return out
+
+
+def brute_force_window_lse(inputs, *, scaling, window, sinks):
+    query, key = (inputs[name].detach() for name in WINDOW_NAMES[:2])
+    batch, heads, length, _ = query.shape
+    group = heads // key.shape[1]
+    lse = torch.zeros(batch, heads, length, dtype=torch.float64)
+    for b, h, i in itertools.product(range(batch), range(heads), range(length)):
+        soft = brute_force_softmax_set(i, window, sinks)
+        lse[b, h, i] = torch.logsumexp(
+            torch.stack([scaling * query[b, h, i] @ key[b, h // group, j] for j in soft]), dim=0
+        )
+    return lse
+
+
+def padded_copy(tensors, pad):
+    """Left-pad every (B, heads, T, ...) tensor with ``pad`` large random tokens (features stay >= 0)."""
+    padded = {}
+    for name, tensor in tensors.items():
+        if tensor is None or tensor.dim() < 3:
+            padded[name] = tensor
+            continue
+        noise = torch.randn_like(tensor[:, :, :pad]) * 1e3
+        padded[name] = torch.cat([noise.abs() if "features" in name else noise, tensor], dim=2)
+    return padded

@@ -1,4 +1,6 @@
-"""The chunked and recurrent forms against the quadratic reference, forward and gradients, and state handoff."""
+"""The hybrid op (``dofla.ops.hybrid``: the window softmax and linear attention in one normalisation), and
+what it shares with the linear op (padding, errors, any shape): the fast forms against the reference and a
+brute force, forward and gradients, sinks, state handoff."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ from hypothesis import strategies as st
 from ops_helpers import (
     HYBRID_NAMES,
     LINEAR_NAMES,
-    assert_chunked_linear_matches_naive,
     assert_matches_reference,
+    brute_force_hybrid,
     make_inputs,
     random_key_mask,
     relative_error,
@@ -18,9 +20,7 @@ from ops_helpers import (
 )
 
 from dofla.errors import DoflaError
-from dofla.feature_maps import build_feature_map
 from dofla.ops import (
-    LinearState,
     chunked_hybrid_attention,
     chunked_linear_attention,
     hybrid_attention,
@@ -28,139 +28,6 @@ from dofla.ops import (
     recurrent_hybrid_attention,
     recurrent_linear_attention,
 )
-
-# (batch, heads, kv heads, tokens, features, chunk): T = 1, T < chunk, T not divisible by chunk, divisible;
-# GQA 6/2 and 4/1 and H == Hk; feature dims differ from call to call.
-LINEAR_CASES = [
-    (1, 2, 2, 1, 4, 8),
-    (1, 3, 3, 5, 3, 16),
-    (2, 6, 2, 37, 5, 8),
-    (2, 4, 1, 32, 7, 16),
-    (1, 6, 6, 19, 2, 4),
-]
-
-
-@pytest.mark.parametrize("case", LINEAR_CASES)
-@pytest.mark.parametrize("log_scale_std", [None, 30.0])
-def test_chunked_linear_matches_naive_forward_and_gradients(case, log_scale_std):
-    batch, heads, kv_heads, length, features, chunk = case
-    inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
-    assert_chunked_linear_matches_naive(inputs, chunk)
-
-
-@pytest.mark.parametrize("case", LINEAR_CASES[:4])
-@pytest.mark.parametrize("log_scale_std", [None, 30.0])
-def test_recurrent_linear_matches_naive_forward_and_gradients(case, log_scale_std):
-    batch, heads, kv_heads, length, features, _ = case
-    inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
-    assert_matches_reference(
-        recurrent_linear_attention, linear_attention, inputs, LINEAR_NAMES, torch.float32, 1e-4
-    )
-
-
-@pytest.mark.parametrize("form", ["chunked", "recurrent"])
-def test_linear_bfloat16_inputs_match_reference_within_rounding(form):
-    inputs = make_inputs(2, 6, 2, 29, 6, log_scale_std=5.0)
-    function = chunked_linear_attention if form == "chunked" else recurrent_linear_attention
-    kwargs = {"chunk_size": 8} if form == "chunked" else {}
-    assert_matches_reference(function, linear_attention, inputs, LINEAR_NAMES, torch.bfloat16, 2e-2, kwargs)
-
-
-def test_float64_inputs_stay_float64_and_agree_to_machine_precision():
-    inputs = make_inputs(1, 4, 2, 21, 5, log_scale_std=10.0)
-    assert_chunked_linear_matches_naive(inputs, 4, torch.float64, 1e-12)
-
-
-@pytest.mark.parametrize("log_scale_std", [None, 20.0])
-def test_prefill_chunked_then_decode_recurrent_then_chunked_again_equals_one_pass(log_scale_std):
-    inputs = make_inputs(2, 6, 2, 40, 5, log_scale_std=log_scale_std)
-    expected = linear_attention(**split(inputs, LINEAR_NAMES, 0, 40))
-    prefill, state = chunked_linear_attention(
-        **split(inputs, LINEAR_NAMES, 0, 19), chunk_size=8, return_state=True
-    )
-    pieces = [prefill]
-    for t in range(19, 25):  # one token at a time
-        out, state = recurrent_linear_attention(**split(inputs, LINEAR_NAMES, t, t + 1), state=state)
-        pieces.append(out)
-    assert state.num_tokens == 25
-    out, state = chunked_linear_attention(
-        **split(inputs, LINEAR_NAMES, 25, 40), chunk_size=8, initial_state=state, return_state=True
-    )
-    pieces.append(out)
-    assert state.num_tokens == 40
-    assert relative_error(torch.cat(pieces, dim=2), expected) < 1e-12
-    # The final states of both forms agree too.
-    _, recurrent_state = recurrent_linear_attention(**split(inputs, LINEAR_NAMES, 0, 40))
-    assert torch.allclose(state.kv, recurrent_state.kv, rtol=1e-10, atol=1e-12)
-    assert torch.equal(state.log_offset, recurrent_state.log_offset)
-
-
-def test_state_index_select_and_repeat_interleave_follow_batch_rows():
-    inputs = make_inputs(3, 4, 2, 12, 3, log_scale_std=3.0)
-    _, state = chunked_linear_attention(**split(inputs, LINEAR_NAMES, 0, 10), chunk_size=4, return_state=True)
-    order = torch.tensor([2, 0, 2])
-    reordered = {name: None if t is None else t.detach()[order] for name, t in inputs.items()}
-    expected = linear_attention(**split(reordered, LINEAR_NAMES, 0, 12))[:, :, 10:]
-    out, _ = recurrent_linear_attention(
-        **split(reordered, LINEAR_NAMES, 10, 12), state=state.index_select(order)
-    )
-    assert relative_error(out, expected) < 1e-12
-    repeated = state.repeat_interleave(2)
-    assert repeated.kv.shape[0] == 6 and torch.equal(repeated.kv[4], state.kv[2])
-
-
-def test_huge_log_scales_neither_overflow_nor_starve_early_queries():
-    inputs = make_inputs(1, 2, 1, 24, 4)
-    tensors = {name: t.detach() for name, t in split(inputs, LINEAR_NAMES[:3], 0, 24).items()}
-    # Log scales growing by 1000 per token: exp() of them overflows even float64.
-    log_scale = 1000.0 * torch.arange(24, dtype=torch.float64).view(1, 1, 24)
-    expected_first = tensors["v"][:, :, 0]  # query 0 sees only key 0
-    for function, kwargs in [(chunked_linear_attention, {"chunk_size": 8}), (recurrent_linear_attention, {})]:
-        out = function(**{k: t.float() for k, t in tensors.items()}, k_log_scale=log_scale.float(), **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
-        assert torch.isfinite(out).all()
-        assert torch.allclose(out[:, 0, 0].double(), expected_first[:, 0], atol=1e-5)
-        # Later queries are dominated by their own (largest-scaled) key.
-        assert torch.allclose(out[:, :, -1].double(), tensors["v"][:, :, -1].expand(1, 2, -1), atol=1e-4)
-    naive = linear_attention(**tensors, k_log_scale=log_scale)
-    assert torch.isfinite(naive).all()
-
-
-@pytest.mark.parametrize("map_name", ["prf", "hedgehog"])
-def test_bfloat16_features_of_large_norm_at_long_length_stay_finite_and_convex(map_name):
-    torch.manual_seed(0)
-    length, heads, kv_heads, head_dim = 4096, 2, 1, 16
-    feature_map = build_feature_map(
-        map_name, num_heads=kv_heads, head_dim=head_dim, feature_dim=16, scaling=0.25
-    )
-    query = (40 * torch.randn(1, heads, length, head_dim)).bfloat16()
-    key = (40 * torch.randn(1, kv_heads, length, head_dim)).bfloat16()
-    v = torch.randn(1, kv_heads, length, 8).bfloat16()
-    q_features, _ = feature_map(query, is_query=True)
-    k_features, k_log_scale = feature_map(key, is_query=False)
-    if map_name == "prf":
-        assert torch.isfinite(k_log_scale).all() and k_log_scale.abs().max() > 1e3  # exp() of it overflows
-    out = chunked_linear_attention(q_features, k_features, v, k_log_scale=k_log_scale, chunk_size=64)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    # Every output is a convex combination of the values seen so far (up to bf16 rounding).
-    assert (out.float().abs().amax(-1) <= v.float().abs().amax() * 1.01).all()
-    # Prefill all but 3 tokens, decode those 3 one call: the same outputs up to bf16 rounding.
-    prefix = length - 3
-
-    def part(tensor, start, stop):
-        return None if tensor is None else tensor[:, :, start:stop]
-
-    _, state = chunked_linear_attention(
-        part(q_features, 0, prefix), part(k_features, 0, prefix), part(v, 0, prefix),
-        k_log_scale=part(k_log_scale, 0, prefix), return_state=True,
-    )  # fmt: skip
-    assert torch.isfinite(state.kv).all() and torch.isfinite(state.normalizer).all()
-    decoded, _ = recurrent_linear_attention(
-        part(q_features, prefix, length), part(k_features, prefix, length), part(v, prefix, length),
-        k_log_scale=part(k_log_scale, prefix, length), state=state,
-    )  # fmt: skip
-    assert torch.allclose(decoded.float(), out[:, :, prefix:].float(), atol=2e-2)
-
 
 # (batch, heads, kv heads, tokens, features, chunk, window): window 1, window not dividing chunk,
 # window > chunk, T < window, T < chunk.
@@ -256,14 +123,6 @@ def test_errors_are_dofla_errors_with_the_offending_values():
         hybrid_attention(query, key, **good, scaling=0.5, window=0, window_factor=torch.ones(4) / 2)
 
 
-def test_linear_state_empty_reads_as_nothing_seen():
-    state = LinearState.empty(2, 3, 4, 5)
-    assert state.kv.shape == (2, 3, 4, 5) and torch.isneginf(state.log_offset).all()
-    q, k, v = torch.rand(2, 3, 1, 4), torch.rand(2, 3, 1, 4), torch.randn(2, 3, 1, 5)
-    out, _ = recurrent_linear_attention(q, k, v, state=state)
-    assert torch.allclose(out, linear_attention(q, k, v))
-
-
 @pytest.mark.parametrize("form", ["chunked", "recurrent"])
 @pytest.mark.parametrize("log_scale_std", [None, 10.0])
 def test_key_mask_matches_reference_forward_and_gradients_without_nans(form, log_scale_std):
@@ -348,3 +207,89 @@ def test_any_shape_chunked_and_recurrent_agree_with_reference(
     assert (
         relative_error(recurrent_hybrid_attention(**hybrid, scaling=0.6, window=window)[0], expected) < 1e-12
     )
+
+
+@pytest.mark.parametrize("sinks", [0, 2, 12])  # none, fewer than the window, more than the sequence
+def test_hybrid_with_sinks_equals_brute_force(sinks):
+    inputs = make_inputs(1, 4, 2, 10, 3, log_scale_std=4.0, seed=3)
+    kwargs = {"scaling": 0.7, "window": 3, "sinks": sinks}
+    expected = brute_force_hybrid(inputs, **kwargs)
+    tensors = {name: inputs[name].detach() for name in HYBRID_NAMES}
+    for out in (
+        hybrid_attention(**tensors, **kwargs),
+        chunked_hybrid_attention(**tensors, **kwargs, chunk_size=4),
+        recurrent_hybrid_attention(**tensors, **kwargs)[0],
+    ):
+        assert relative_error(out, expected) < 1e-12
+    if sinks:  # the sinks really change the outputs of queries whose window has moved past them
+        without = hybrid_attention(**tensors, **{**kwargs, "sinks": 0})
+        assert torch.equal(without[:, :, :3], hybrid_attention(**tensors, **kwargs)[:, :, :3])
+        assert (without[:, :, 3:] - expected[:, :, 3:]).abs().amax() > 1e-3
+
+
+# (batch, heads, kv heads, tokens, features, chunk, window, sinks): sinks inside the window, sinks beyond
+# the window with a chunk that does not divide T, T < sinks and T < chunk, window 1.
+SINK_CASES = [
+    (1, 2, 1, 19, 3, 8, 3, 2),
+    (2, 6, 2, 37, 5, 8, 4, 6),
+    (1, 3, 3, 5, 4, 16, 2, 8),
+    (1, 4, 2, 24, 3, 5, 1, 1),
+]
+
+
+@pytest.mark.parametrize("case", SINK_CASES)
+@pytest.mark.parametrize("log_scale_std", [None, 30.0])
+def test_chunked_hybrid_with_sinks_matches_naive_forward_and_gradients(case, log_scale_std):
+    batch, heads, kv_heads, length, features, chunk, window, sinks = case
+    inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=log_scale_std)
+    kwargs = {"scaling": 0.7, "window": window, "sinks": sinks, "softcap": 1.5 if window == 4 else None}
+    assert_matches_reference(
+        chunked_hybrid_attention, hybrid_attention, inputs, HYBRID_NAMES, torch.float32, 1e-4,
+        {"chunk_size": chunk}, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SINK_CASES[:3])
+def test_recurrent_hybrid_with_sinks_matches_naive_forward_and_gradients(case):
+    batch, heads, kv_heads, length, features, _, window, sinks = case
+    inputs = make_inputs(batch, heads, kv_heads, length, features, log_scale_std=30.0)
+    kwargs = {"scaling": 0.7, "window": window, "sinks": sinks}
+    assert_matches_reference(
+        recurrent_hybrid_attention, hybrid_attention, inputs, HYBRID_NAMES, torch.float32, 1e-4, **kwargs
+    )
+
+
+@pytest.mark.parametrize("prefill", [2, 13])  # prefill shorter than the sinks, and longer than the window
+def test_hybrid_with_sinks_prefill_then_decode_then_chunked_equals_one_pass(prefill):
+    inputs = make_inputs(2, 6, 2, 36, 5, log_scale_std=20.0)
+    key_mask = torch.ones(2, 36, dtype=torch.bool)
+    key_mask[1, :3] = False  # row 1 is left-padded: its sinks are tokens 3, 4, 5
+    names = HYBRID_NAMES[:-1]
+    kwargs = {"scaling": 0.5, "window": 5, "sinks": 3, "window_factor": inputs["window_factor"].detach()}
+    expected = hybrid_attention(**split(inputs, names, 0, 36), key_mask=key_mask, **kwargs)
+
+    def part(start, stop):
+        return {**split(inputs, names, start, stop), "key_mask": key_mask[:, start:stop]}
+
+    out, state = chunked_hybrid_attention(**part(0, prefill), chunk_size=8, return_state=True, **kwargs)
+    pieces = [out]
+    for t in range(prefill, prefill + 7):
+        out, state = recurrent_hybrid_attention(**part(t, t + 1), state=state, **kwargs)
+        pieces.append(out)
+    assert state.keys.shape[2] == 5 and state.sink_keys.shape[2] == 3 and state.num_tokens == prefill + 7
+    out, state = chunked_hybrid_attention(
+        **part(prefill + 7, 36), chunk_size=8, initial_state=state, return_state=True, **kwargs
+    )
+    pieces.append(out)
+    assert relative_error(torch.cat(pieces, dim=2), expected) < 1e-12
+    assert state.num_tokens == 36 and state.linear.num_tokens == 31 and (state.sink_count == 3).all()
+    assert torch.equal(state.sink_keys[1], inputs["key"].detach()[1, :, 3:6])
+
+
+def test_chunked_states_carry_gradients_and_detach_drops_them():
+    inputs = make_inputs(1, 2, 1, 9, 3, log_scale_std=2.0)
+    _, state = chunked_hybrid_attention(
+        **inputs, scaling=0.5, window=3, sinks=2, return_state=True,
+    )  # fmt: skip
+    assert state.sink_keys.requires_grad
+    assert not any(tensor.requires_grad for tensor in state.detach()._tensors())
