@@ -5,6 +5,7 @@ and nothing under src/ importing experiments/ or bench/."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[1] / "src"
@@ -126,3 +127,65 @@ def test_the_library_never_imports_experiments_or_bench():
                 else []
             )
             assert not any(name.split(".")[0] in ("experiments", "bench") for name in names), path
+
+
+# ---------------------------------------------------------------- the architecture page names every module
+
+ROOT = SOURCE.parent
+NAME = re.compile(r"(?<![\w./-])([A-Za-z_]\w*(?:/\w+)*(?:\.py\b|/(?!\w)))")
+
+
+def layout_names(block: str) -> set[Path]:
+    """The paths (from the repository root) that a package-layout block names. Indentation is the tree: a
+    line that starts with a folder (``ops/``) opens it for the rest of the line and for the lines indented
+    deeper below it; every other name on a line is a file or folder of the innermost open folder."""
+    names, open_folders = set(), []  # (indent, path)
+    for line in block.splitlines():
+        text = line.lstrip()
+        if not text:
+            continue
+        indent = len(line) - len(text)
+        while open_folders and open_folders[-1][0] >= indent:
+            open_folders.pop()
+        folder = open_folders[-1][1] if open_folders else ROOT
+        for position, match in enumerate(NAME.finditer(text)):
+            path = folder / match.group(1)
+            names.add(path)
+            if position == 0 and match.start() == 0 and match.group(1).endswith("/"):
+                open_folders.append((indent, path))
+                folder = path
+    return names
+
+
+def architecture_layout_block() -> str:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    section = page.split("## Package layout", 1)[1]
+    return section.split("```", 2)[1]
+
+
+def test_the_layout_reader_follows_the_tree():
+    block = "src/dofla/\n  a.py, b.py   x\n  ops/   one: c.py\n    linear/   d.py\n  e.py\nbench/  f.py\n"
+    source = ROOT / "src" / "dofla"
+    assert layout_names(block) == {
+        source,
+        source / "a.py",
+        source / "b.py",
+        source / "ops",
+        source / "ops" / "c.py",
+        source / "ops" / "linear",
+        source / "ops" / "linear" / "d.py",
+        source / "e.py",
+        ROOT / "bench",
+        ROOT / "bench" / "f.py",
+    }
+
+
+def test_the_architecture_page_names_every_module_and_only_ones_that_exist():
+    named = layout_names(architecture_layout_block())
+    package = SOURCE / "dofla"
+    modules = {path for path in package.rglob("*.py") if path.name != "__init__.py" or path.parent == package}
+    folders = {path.parent for path in package.rglob("__init__.py")}
+    missing = sorted(str(path.relative_to(SOURCE)) for path in (modules | folders) - named)
+    assert not missing, f"docs/architecture.md's package layout does not name: {', '.join(missing)}"
+    gone = sorted(str(path.relative_to(ROOT)) for path in named if not path.exists())
+    assert not gone, f"docs/architecture.md's package layout names what does not exist: {', '.join(gone)}"
