@@ -407,6 +407,36 @@ def test_long_context_recipe_evaluates_every_length_beside_the_window_baselines(
     assert "window 64" not in report and "window 4 + 4 sinks" in report.replace("`", "")
 
 
+def test_the_recall_cache_is_switched_on_after_training_evaluated_and_saved(tmp_path, monkeypatch):
+    """--recall-cache K: the gated-delta hybrid trains without the cache, then takes it (no parameters) for the
+    evaluation and the saved model, which reads the true positions (no position period)."""
+    settings = dict(
+        recipe="gated-delta",
+        plan=dict(window=4, budget=8),
+        student=dict(recall_cache=3),
+        evaluate=dict(passkey_trials=0, recall=False),
+        lora=dict(enabled=False),
+    )
+    from dofla import pipeline
+
+    trained_with, distill_stage = [], pipeline.distill_stage
+
+    def recording(config, model, *args):
+        trained_with.extend(student.recall_budget for student in students(model).values())
+        return distill_stage(config, model, *args)
+
+    monkeypatch.setattr(pipeline, "distill_stage", recording)
+    result = linearize(config(tmp_path, **settings), teacher=tiny_teacher(), sequences=sequences())
+    assert trained_with == [0, 0]  # trained without the cache
+    model, _, plan = load_converted(result.out_dir)
+    assert [layer.options["recall_cache"] for layer in plan.layers] == [3, 3]
+    assert plan.position_period is None and {
+        student.recall_budget for student in students(model).values()
+    } == {3}
+    _, heldout = split_train_heldout(sequences(), 0.25, seed=0)
+    assert perplexity(model, heldout) == pytest.approx(result.student_ppl, rel=1e-5)
+
+
 def test_rows_fall_back_to_the_longest_length_the_data_fills(tmp_path):
     from dofla.data import cut_rows, pack_rows
 

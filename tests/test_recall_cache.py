@@ -255,3 +255,60 @@ def test_a_converted_model_with_the_recall_cache_decodes_as_it_runs_whole():
                 model(tokens[:, position : position + 1], past_key_values=cache, use_cache=True).logits
             )
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
+
+
+def tiny_hybrid(recall_cache=0):
+    from dofla.convert import convert, plan_for
+    from dofla.models import build_tiny_model
+
+    model = build_tiny_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8, seed=0)
+    options = {"window_factor": 0.9, **({"recall_cache": recall_cache} if recall_cache else {})}
+    plan = plan_for(
+        model, kind="hybrid", cell="gated_delta", feature_map="projection", feature_dim=8, window=4, sinks=2
+    )
+    for layer in plan.layers:
+        layer.options = {**layer.options, **options}
+    torch.manual_seed(5)
+    return convert(model, plan)
+
+
+def test_the_cache_switched_on_after_training_is_the_cell_option_and_is_saved(tmp_path):
+    from dofla.cells.recall_cache import switch_on_recall_cache
+    from dofla.loading import load_converted
+    from dofla.saving import save_converted
+
+    tokens = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    trained, built_with = tiny_hybrid(), tiny_hybrid(recall_cache=3)
+    built_with.load_state_dict(trained.state_dict())  # no parameters of its own: the same state dict
+    with torch.no_grad():
+        before = trained(tokens).logits
+        assert switch_on_recall_cache(trained, 3) == [0, 1]
+        after, expected = trained(tokens).logits, built_with(tokens).logits
+    torch.testing.assert_close(after, expected, rtol=0, atol=0)
+    assert (after - before).abs().max() > 1e-4  # the cache is read
+    assert [layer.options["recall_cache"] for layer in trained.dofla_plan.layers] == [3, 3]
+    save_converted(trained, tmp_path / "model")
+    loaded, _, plan = load_converted(tmp_path / "model")
+    assert [layer.options["recall_cache"] for layer in plan.layers] == [3, 3]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, expected)
+
+
+def test_the_cache_is_switched_on_only_where_it_can_be_read():
+    from dofla.cells.recall_cache import switch_on_recall_cache
+    from dofla.convert import convert, plan_for, set_position_period
+    from dofla.models import build_tiny_model
+
+    with pytest.raises(DoflaError, match="whole number >= 1 of tokens per head; got 0"):
+        switch_on_recall_cache(tiny_hybrid(), 0)
+    model = tiny_hybrid()
+    set_position_period(model, 16)
+    with pytest.raises(
+        DoflaError, match="layer 0 reads positions modulo 16; the recall cache reads the true"
+    ):
+        switch_on_recall_cache(model, 4)
+    assert model.dofla_plan.layers[0].options.get("recall_cache") is None  # nothing changed
+    gla = build_tiny_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8, seed=0)
+    convert(gla, plan_for(gla, kind="hybrid", cell="gla", feature_map="hedgehog", feature_dim=8, window=4))
+    with pytest.raises(DoflaError, match="layer 0 is a gla cell; the recall cache needs gated_delta"):
+        switch_on_recall_cache(gla, 4)

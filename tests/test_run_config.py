@@ -241,6 +241,19 @@ def test_a_config_file_with_a_mistake_is_one_sentence(tmp_path, text, message):
             dict(distill=dict(sharding="layers", loss="direct")),
             "choose a layer-wise --loss or --sharding data",
         ),
+        (dict(student=dict(recall_cache=-1)), "--recall-cache must be at least 0, got -1"),
+        (
+            dict(recipe="gla", student=dict(recall_cache=64)),
+            "this run converts to gla (hybrid); give --cell gated_delta --kind hybrid",
+        ),
+        (
+            dict(recipe="gated-delta", student=dict(recall_cache=64, cell_options={"recall_cache": 8})),
+            "the cell option recall_cache trains with it; give one of the two",
+        ),
+        (
+            dict(recipe="gated-delta", student=dict(recall_cache=64), plan=dict(position_period=512)),
+            "this run sets --position-period 512; drop it (or set 0) with --recall-cache",
+        ),
     ],
 )
 def test_validation_names_the_setting(settings, message):
@@ -304,6 +317,7 @@ NEW_SINCE = {
     "evaluate.edge_sinks": False,
     "plan.sinks_at_edge": None,
     "plan.convert_windowed": False,
+    "student.recall_cache": 0,
     # the trainers' own settings, in the sections since the trainers take them (the same values as before)
     "distill.weight_decay": 0.0,
     "distill.warmup_fraction": 0.05,

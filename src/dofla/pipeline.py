@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from dofla import planning, report
+from dofla.cells.recall_cache import switch_on_recall_cache
 from dofla.config import ConversionPlan
 from dofla.distill import distributed
 from dofla.distill.sharding import (
@@ -137,6 +138,8 @@ def run_stages(
         timings.lap("lora")
     check_finite_model(model, data.heldout[: config.distill.batch_size], what="the trained student")  # no NaN
     apply_position_period(config, model)
+    if config.student.recall_cache:  # trained without it: no parameters (dofla.cells.recall_cache)
+        switch_on_recall_cache(model, config.student.recall_cache)
     evaluation = evaluate_student(config, reference, model, tokenizer, data, timings)
     del reference
     model_dir = save_converted(

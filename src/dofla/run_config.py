@@ -190,6 +190,7 @@ class LinearizeConfig:
 
     def validate(self) -> None:
         """Everything that can be checked before a model is loaded, in one sentence each."""
+        from dofla.cells.recall_cache import check_recall_cache_run
         from dofla.config import LayerPlan, check_feature_budget
         from dofla.data import check_data_path
         from dofla.distill.curriculum import check_length_schedule
@@ -209,6 +210,13 @@ class LinearizeConfig:
                 "--sinks-at-edge moves the sinks of hybrid layers' windows; give --kind hybrid with --sinks N "
                 "(N > 0), or leave it off."
             )
+        check_recall_cache_run(
+            self.student.recall_cache,
+            self.student.cell,
+            self.plan.kind,
+            self.student.cell_options,
+            self.plan.position_period,
+        )
         check_length_schedule(self.distill.length_schedule, self.data.seq_len)
         check_data_path(self.data.path)
         check_data_path(self.data.heldout_path, "--heldout-data")

@@ -145,6 +145,13 @@ class StudentSettings:
     cell_options: dict[str, Any] = option(
         factory=dict, help="the cell's own options as KEY=VALUE,... (e.g. window_factor=0.95)"
     )
+    recall_cache: int = option(
+        0,
+        "gated_delta hybrid: tokens per head of a recall cache switched on after training (the tokens the "
+        "memory recalls worst, read in the window's softmax; no parameters): trained without it, evaluated "
+        "and saved with it (0: none)",
+        minimum=0,
+    )
 
 
 # how several processes share distillation (dofla.distill.distributed)

@@ -4,6 +4,10 @@ its memory recalls worst, kept beside the window and read in the window's softma
 The memory scores each token as it leaves the window by reading itself at the token's key (one more read of
 the memory per token, without gradients: the score only selects); the window's softmax then runs over its
 keys, its sinks and the kept tokens. The mix with the memory's read-out is the cell's, unchanged.
+
+The cache has no parameters, so a hybrid trained without it can take it afterwards
+(:func:`switch_on_recall_cache`; ``dofla linearize --recall-cache K``, setting ``student.recall_cache``): trained
+as the plain hybrid, evaluated and saved with the cache (training with it in the loop is the cell option).
 """
 
 from __future__ import annotations
@@ -43,6 +47,63 @@ def recall_budget(cell, options: dict) -> int:
             "value; use it without short_conv."
         )
     return int(budget)
+
+
+def check_recall_cache_run(
+    slots: int, cell: str, kind: str, options: dict, position_period: int | None
+) -> None:
+    """The settings of a run that switches the recall cache on after training (``--recall-cache slots``),
+    before any work: a gated_delta hybrid without short_conv, without the cell option (which trains with the
+    cache) and without a position period."""
+    if not slots:
+        return
+    if cell != "gated_delta" or kind != "hybrid":
+        raise DoflaError(
+            f"--recall-cache keeps tokens beside the window of a gated_delta hybrid, and this run converts to "
+            f"{cell} ({kind}); give --cell gated_delta --kind hybrid, or leave --recall-cache at 0."
+        )
+    if options.get("recall_cache"):
+        raise DoflaError(
+            "--recall-cache switches the cache on after training and the cell option recall_cache trains with "
+            "it; give one of the two."
+        )
+    if options.get("short_conv"):
+        raise DoflaError("--recall-cache scores tokens by the memory's recall; use it without short_conv.")
+    if position_period:
+        raise DoflaError(
+            f"the recall cache reads the true positions, and this run sets --position-period {position_period}; "
+            "drop it (or set 0) with --recall-cache."
+        )
+
+
+def switch_on_recall_cache(model, slots: int) -> list[int]:
+    """Give every converted layer of ``model`` (each a gated_delta hybrid, trained without the cache) a recall
+    cache of ``slots`` tokens per state head, recorded in the model's plan (saved with it). Returns the
+    layers. Refused with one sentence for a model whose layers cannot take it or that reads wrapped
+    positions (a position period)."""
+    from dofla.models.surgery import students
+
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise DoflaError(f"the recall cache keeps a whole number >= 1 of tokens per head; got {slots!r}.")
+    plan, layers = getattr(model, "dofla_plan", None), students(model)
+    if plan is None or not layers:
+        raise DoflaError("the recall cache joins the layers of a converted model; convert it first.")
+    for index, student in sorted(layers.items()):
+        if getattr(student, "recall_budget", None) is None:
+            raise DoflaError(
+                f"layer {index} is a {plan.layers[index].cell} cell; the recall cache needs gated_delta."
+            )
+        if student.position_period is not None:
+            raise DoflaError(
+                f"layer {index} reads positions modulo {student.position_period}; the recall cache reads the "
+                "true positions: set the position period to none first."
+            )
+        recall_budget(student, {**student.cell_options, "recall_cache": slots})  # hybrid, no short_conv
+    for index, student in layers.items():
+        student.cell_options["recall_cache"] = slots
+        student.recall_budget = slots
+        plan.layers[index].options = {**plan.layers[index].options, "recall_cache": slots}
+    return sorted(layers)
 
 
 def check_recall_call(cell, key_mask: Tensor | None) -> None:
