@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ops_helpers import HYBRID_NAMES, assert_matches_reference, make_inputs, random_key_mask, split
-from test_ops_cells import brute_force_window
+from ops_helpers import (
+    HYBRID_NAMES,
+    assert_matches_reference,
+    brute_force_window,
+    make_inputs,
+    random_key_mask,
+    split,
+)
 from test_position_period import decode_logits, record_decode_steps, rotate, tokens
 
 from dofla.config import ConversionPlan
