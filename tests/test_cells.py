@@ -7,6 +7,7 @@ import torch
 from helpers import assert_student_forms_agree
 
 from dofla.cache import RecurrentCacheLayer
+from dofla.cell_inputs import AttendInputs
 from dofla.cells import CELLS, GatedDeltaAttention, GatedLinearAttention, build_student
 from dofla.config import LayerPlan
 from dofla.convert import convert, plan_for
@@ -138,7 +139,7 @@ def test_prefill_then_decode_equals_one_pass(cell, kind, feature_map, options):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-12)
     assert layer.state.num_tokens == 13 and layer.nbytes() > 0
     reordered = layer.state.index_select(torch.tensor([1, 0]))
-    for got, expected in zip(reordered._tensors(), layer.state._tensors(), strict=True):
+    for got, expected in zip(reordered.tensors(), layer.state.tensors(), strict=True):
         torch.testing.assert_close(got[0], expected[1])
 
 
@@ -331,8 +332,9 @@ def test_output_gate_starts_at_one_and_then_scales_each_tokens_read_out_by_its_o
         gated.output_gate_weight.normal_()
         gated.output_gate_bias.normal_()
     q_features, k_features, _ = plain.features(query, key)
-    values = plain._state_heads_view(value)
-    memory = plain._parts("naive", query, key, q_features, k_features, values, None, plain.scaling, None)
+    values = plain.state_heads_view(value)
+    inputs = AttendInputs(query, key, q_features, k_features, values, None, None, plain.scaling)
+    memory = plain.parts("naive", inputs)
     expected = memory["memory"].clone()  # (B, H, T, Dv)
     group = H // plain.state_heads
     for head in range(H):
@@ -340,7 +342,7 @@ def test_output_gate_starts_at_one_and_then_scales_each_tokens_read_out_by_its_o
         for t in range(9):
             logits = values[:, kv_head, t] @ gated.output_gate_weight[kv_head, g] / D**0.5
             expected[:, head, t] *= 2 * torch.sigmoid(logits + gated.output_gate_bias[head])
-    got = gated._parts("naive", query, key, q_features, k_features, values, None, plain.scaling, None)
+    got = gated.parts("naive", inputs)
     torch.testing.assert_close(got["memory"], expected, rtol=1e-10, atol=1e-12)
     with pytest.raises(DoflaError, match="output_gate"):
         make_cell("gated_delta", kind, "projection", sinks=sinks, output_gate="yes")

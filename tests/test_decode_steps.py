@@ -1,4 +1,4 @@
-"""Every cell's one-token decoding step (``_decode_step``, the ring steps of ``dofla.ops.window.step`` and
+"""Every cell's one-token decoding step (``decode_step``, the ring steps of ``dofla.ops.window.step`` and
 ``dofla.ops.hybrid.step``) against the recurrent and naive forms: outputs, states and gradients.
 """
 
@@ -10,6 +10,7 @@ from ops_helpers import make_inputs
 
 from dofla.attention import LinearAttention
 from dofla.cache import RecurrentCacheLayer
+from dofla.cell_inputs import StepInputs
 from dofla.cells import build_student
 from dofla.config import LayerPlan
 
@@ -36,7 +37,7 @@ def test_decode_features_in_one_call_equal_separate_query_and_key_calls(share, f
         key = torch.randn(batch, 2, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
         joint = student.features(query, key)
         q_separate, _ = student.feature_map(query, is_query=True)
-        k_separate, log_scale = student.feature_map(student._state_heads_view(key), is_query=False)
+        k_separate, log_scale = student.feature_map(student.state_heads_view(key), is_query=False)
         separate = (q_separate, k_separate, log_scale)
         for got, expected in zip(joint, separate, strict=True):
             if expected is None:
@@ -126,7 +127,7 @@ DECODE_CASES = [  # ..., cell options
 def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
     cell, kind, feature_map, share, window, sinks, options
 ):
-    """A single decoded token through the cell's ``_decode_step`` (what generation runs) against the
+    """A single decoded token through the cell's ``decode_step`` (what generation runs) against the
     recurrent form from the same state: output, new state, and gradients of the inputs and parameters."""
     from dofla.cache import RecurrentCacheLayer
 
@@ -158,7 +159,7 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
     student(draw(4, 7), draw(2, 7), draw(2, 7))  # the prefill that makes the state (its graph kept)
     state = layer.state
     query, key, value = draw(4, 1, True), draw(2, 1, True), draw(2, 1, True)
-    assert student._decode_step(query, key, value, state, 8**-0.5) is not None
+    assert student.decode_step(StepInputs(query, key, value, state, 8**-0.5)) is not None
     results = {}
     for form in (None, "recurrent"):
         layer.state = state
@@ -178,7 +179,7 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
     torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
     fast_state = fast_state.general_layout()  # a hybrid step's ring buffers, in order
     assert type(fast_state) is type(slow_state) and fast_state.num_tokens == slow_state.num_tokens == 8
-    for a, b in zip(fast_state._tensors(), slow_state._tensors(), strict=True):
+    for a, b in zip(fast_state.tensors(), slow_state.tensors(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert [a is None for a in fast_gradients] == [b is None for b in slow_gradients]
     assert all(a is not None for a in fast_gradients[:3])  # query, key, value
@@ -216,7 +217,7 @@ def test_adaptive_mix_decoding_without_gradients_equals_the_recurrent_form(dtype
         fast, slow = RecurrentCacheLayer(), RecurrentCacheLayer()
         student.pending_cache_layer = fast
         student(draw(4, 7), draw(2, 7), draw(2, 7))
-        slow.state = fast.state._map(torch.clone)  # steps update their state in place
+        slow.state = fast.state.map_tensors(torch.clone)  # steps update their state in place
         tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
         for _ in range(4):
             query, key, value = draw(4, 1), draw(2, 1), draw(2, 1)
@@ -357,7 +358,7 @@ def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill,
     for got, want in ((state, expected_state), (ring, expected_window_state)):
         got = got.general_layout()
         assert type(got) is type(want) and got.num_tokens == want.num_tokens == length
-        for a, b in zip(got._tensors(), want._tensors(), strict=True):
+        for a, b in zip(got.tensors(), want.tensors(), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
@@ -410,5 +411,5 @@ def test_ring_layout_round_trip_keeps_padded_keys_sinks_and_a_partial_window():
             back.num_tokens == state.num_tokens == length
             and back.linear.num_tokens == state.linear.num_tokens
         )
-        for a, b in zip(back._tensors(), state._tensors(), strict=True):
+        for a, b in zip(back.tensors(), state.tensors(), strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b)

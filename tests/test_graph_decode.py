@@ -112,7 +112,7 @@ def test_the_frozen_step_gives_ordinary_decodings_logits_and_the_cache_continues
     ):
         assert layer.num_tokens == reference.num_tokens == prompt.shape[1] + 6
         states = (layer.state.general_layout(), reference.state.general_layout())  # ordinary steps: a ring
-        for actual, wanted in zip(*(state._tensors() for state in states), strict=True):
+        for actual, wanted in zip(*(state.tensors() for state in states), strict=True):
             torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-6)
     token = expected[-1].argmax(-1, keepdim=True)
     with torch.no_grad():

@@ -292,4 +292,4 @@ def test_chunked_states_carry_gradients_and_detach_drops_them():
         **inputs, scaling=0.5, window=3, sinks=2, return_state=True,
     )  # fmt: skip
     assert state.sink_keys.requires_grad
-    assert not any(tensor.requires_grad for tensor in state.detach()._tensors())
+    assert not any(tensor.requires_grad for tensor in state.detach().tensors())

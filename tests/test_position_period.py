@@ -149,11 +149,11 @@ def record_decode_steps(model) -> list:
     steps = []
     for student in students(model).values():
 
-        def recorded(*args, _step=student._decode_step, **kwargs):
+        def recorded(*args, _step=student.decode_step, **kwargs):
             steps.append(_step(*args, **kwargs))
             return steps[-1]
 
-        student._decode_step = recorded
+        student.decode_step = recorded
     return steps
 
 

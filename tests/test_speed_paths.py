@@ -130,7 +130,7 @@ def test_fused_window_attention_matches_the_reference_and_the_general_chunked_pa
         )
         torch.testing.assert_close(out, slow, rtol=1e-10, atol=1e-12)
         assert state.num_tokens == general_state.num_tokens
-        for a, b in zip(state._tensors(), general_state._tensors(), strict=True):
+        for a, b in zip(state.tensors(), general_state.tensors(), strict=True):
             assert a.dtype == b.dtype
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         fast.append(out)
@@ -205,7 +205,7 @@ def test_fused_window_log_sum_exp_without_gradients_matches_the_blocked_path(
         )
         torch.testing.assert_close(out, slow, **tolerance)
         torch.testing.assert_close(lse, slow_lse, **tolerance)
-        for a, b in zip(fast_state._tensors(), slow_state._tensors(), strict=True):
+        for a, b in zip(fast_state.tensors(), slow_state.tensors(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not takes_fused_lse(query.requires_grad_(), key, value)
     with torch.no_grad():

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from dofla.cell_inputs import AttendInputs, StepInputs
 from dofla.config import LayerPlan
 from dofla.derived import DerivedTensor
 from dofla.errors import DoflaError
@@ -40,7 +41,7 @@ DEFAULT_DECODE_TOKENS = 4  # calls with at most this many new tokens and a state
 
 
 def state_dtype(state) -> torch.dtype:
-    """The dtype of a linear or hybrid state's sums (a hybrid's buffers must share it, see ``_decode_inputs``)."""
+    """The dtype of a linear or hybrid state's sums (a hybrid's buffers must share it, see ``step_features``)."""
     if isinstance(state, RingHybridState):
         return state.sums.dtype
     return state.kv.dtype if isinstance(state, LinearState) else state.linear.kv.dtype
@@ -49,8 +50,8 @@ def state_dtype(state) -> torch.dtype:
 class LinearAttention(PositionTurns, nn.Module):
     """Causal linear (or sliding-window hybrid) attention with the teacher's q, k, v: the ``linear`` cell.
 
-    This is the base class of every student cell (see :mod:`dofla.cells`): a cell overrides ``_attend``
-    (and adds its own parameters and ``CELL_OPTIONS``); everything else (features, masks, cache) is shared.
+    This is the base class of every student cell (see :mod:`dofla.cells`): a cell overrides ``attend``
+    and ``decode_step`` (and adds its own parameters and ``CELL_OPTIONS``); everything else (features, masks, cache) is shared.
 
     plan: the layer's LayerPlan (kind "linear" or "hybrid", feature map, dimension(s), sharing, window).
     num_heads H, num_kv_heads Hkv, head_dim D, scaling: the teacher layer's attention shape and logit scale;
@@ -164,7 +165,7 @@ class LinearAttention(PositionTurns, nn.Module):
             [self.window_factor_logit], lambda: self.window_factor().view(heads, group, 1)
         )
 
-    def _state_heads_view(self, tensor: Tensor) -> Tensor:
+    def state_heads_view(self, tensor: Tensor) -> Tensor:
         """(B, Hkv, T, X) -> (B, Hs, T, X): repeat key/value heads when each query head has its own map."""
         if self.share_kv_heads or self.num_heads == tensor.shape[1]:
             return tensor
@@ -183,7 +184,7 @@ class LinearAttention(PositionTurns, nn.Module):
             )
         if query.shape[2] > self.decode_tokens:
             q_features, _ = self.feature_map(query, is_query=True)
-            k_features, k_log_scale = self.feature_map(self._state_heads_view(key), is_query=False)
+            k_features, k_log_scale = self.feature_map(self.state_heads_view(key), is_query=False)
             return q_features, k_features, k_log_scale
         return self._joint_features(query, key)
 
@@ -193,7 +194,7 @@ class LinearAttention(PositionTurns, nn.Module):
         Every map treats each token and head alike, whether query or key; a query's log scale is dropped
         (it cancels), as the map does for ``is_query=True``."""
         batch, num_heads, length, _ = query.shape
-        features, log_scale = self._grouped_features(query, self._state_heads_view(key))
+        features, log_scale = self._grouped_features(query, self.state_heads_view(key))
         group = features.shape[2] - 1
         q_features = features[:, :, :group].reshape(batch, num_heads, length, features.shape[-1])
         return q_features, features[:, :, group], None if log_scale is None else log_scale[:, :, group]
@@ -214,46 +215,32 @@ class LinearAttention(PositionTurns, nn.Module):
         features = features.view(batch, heads, group + 1, length, features.shape[-1])
         return features, None if log_scale is None else log_scale.view(batch, heads, group + 1, length)
 
-    def _decode_inputs(self, query: Tensor, key: Tensor, value: Tensor, dtype: torch.dtype):
-        """One token's features grouped by state head, for ``_decode_step``: query (B, H, 1, D), key and
-        value (B, Hkv, 1, D) -> features (B, Hs, G + 1, F) (each state head's G = H // Hs queries, then its
-        key), their log scales (B, Hs, G + 1) or None, values (B, Hs, Dv); None when the inputs are not in
-        ``dtype`` (the state's)."""
-        if query.dtype != dtype or value.dtype != dtype:
+    def step_features(self, step: StepInputs, dtype: torch.dtype):
+        """One token's features grouped by state head, for ``decode_step``: features (B, Hs, G + 1, F) (each
+        state head's G = H // Hs queries, then its key) of ``step.feature_qk``, their log scales (B, Hs, G + 1)
+        or None, values (B, Hs, Dv); None when the inputs are not in ``dtype`` (the state's)."""
+        query, key = step.feature_qk
+        if query.dtype != dtype or step.value.dtype != dtype:
             return None
-        values = self._state_heads_view(value)  # (B, Hs, 1, Dv)
-        features, log_scale = self._grouped_features(query, self._state_heads_view(key))
+        values = self.state_heads_view(step.value)  # (B, Hs, 1, Dv)
+        features, log_scale = self._grouped_features(query, self.state_heads_view(key))
         log_scale = None if log_scale is None else log_scale.squeeze(-1)
         return features.squeeze(-2), log_scale, values.squeeze(-2)
 
-    def _decode_step(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        state,
-        scaling: float,
-        memory_qk=None,
-        edge: Turns | None = None,
-        slot: Tensor | None = None,
-    ) -> tuple[Tensor, object] | None:
+    def decode_step(self, step: StepInputs) -> tuple[Tensor, object] | None:
         """One new token with a state and no padding, in the fewest operators (a decoding step's cost is
         its number of small operators): output (B, 1, H, Dv) and the new state, as the recurrent form gives
-        them up to rounding (``scaling``: the window softmax's logit scale; ``memory_qk``: the query and key
-        the memory's features read, when they differ from the window's, see ``_wrapped``; ``edge``: the turn
-        of the query that scores the sinks, see ``edge_sink_turns``; ``slot``: a frozen window's next slot,
-        see ``dofla.ops.window.step.write_key``). None where the layer has no such step (the general forms
-        run then)."""
-        if not self._has_decode_step(state):
+        them up to rounding. None where the layer has no such step (the general forms run then)."""
+        if not self._has_decode_step(step.state):
             return None
-        inputs = self._decode_inputs(*(memory_qk or (query, key)), value, state_dtype(state))
+        inputs = self.step_features(step, state_dtype(step.state))
         if inputs is None:
             return None
         features, log_scale, values = inputs
         k_log_scale = (
             values.new_zeros(values.shape[:2]) if log_scale is None else log_scale[..., -1]
         )  # (B, Hs)
-        return self._state_step(state, query, key, features, values, k_log_scale, scaling, edge, slot)
+        return self.state_step(step, step.state, features, values, k_log_scale)
 
     def _has_decode_step(self, state) -> bool:
         """Whether ``state`` (the inner op's) can take the one-token step: a linear layer's LinearState, or
@@ -291,29 +278,29 @@ class LinearAttention(PositionTurns, nn.Module):
             return dict(sink_key_turn=edge.keys_for_turned_query)
         return dict(sink_queries=self.step_queries(edge(query)))
 
-    def _state_step(self, state, query, key, features, values, k_log_scale, scaling, edge=None, slot=None):
-        """The step on the inner op's state: features (B, Hs, G + 1, F) (queries, then the key), values
-        (B, Hs, Dv), k_log_scale (B, Hs), edge and slot as in ``_decode_step`` -> output (B, 1, H, Dv) and the new
+    def state_step(self, step: StepInputs, state, features, values, k_log_scale):
+        """The step on the inner op's ``state`` (the cell's own, or inside it): features (B, Hs, G + 1, F)
+        (queries, then the key), values (B, Hs, Dv), k_log_scale (B, Hs) -> output (B, 1, H, Dv) and the new
         inner state."""
-        batch = query.shape[0]
+        batch = step.query.shape[0]
         if self.kind == "linear":
             output, new_state = linear_decode_step(
                 state, features[:, :, :-1], features[:, :, -1], values, k_log_scale
             )
             return output.view(batch, 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
-        keys = self._state_heads_view(key)  # (B, Hs, 1, D)
+        keys = self.state_heads_view(step.key)  # (B, Hs, 1, D)
         output, new_state = hybrid_decode_step(
             state,
-            self.step_queries(query),
+            self.step_queries(step.query),
             features[:, :, :-1],
             keys.squeeze(2),
             features[:, :, -1],
             values,
             k_log_scale,
             self.step_window_factor(),
-            scaling=scaling,
-            slot=slot,
-            **self.step_sinks(query, edge),
+            scaling=step.scaling,
+            slot=step.slot,
+            **self.step_sinks(step.query, step.edge),
         )
         return output.view(batch, 1, self.num_heads, -1), new_state  # (B, 1, H, Dv)
 
@@ -343,7 +330,7 @@ class LinearAttention(PositionTurns, nn.Module):
         Without a cache: the chunked form (``form`` picks "naive" | "chunked" | "recurrent" for tests).
         With a cache layer attached by the conversion hook: the state continues from earlier calls;
         calls of at most ``decode_tokens`` tokens run the recurrent form, longer ones (prefill) the chunked;
-        a single unpadded token takes the cell's ``_decode_step`` (the recurrent form's step, fewer operators).
+        a single unpadded token takes the cell's ``decode_step`` (the recurrent form's step, fewer operators).
         Padded keys (from a 4-D ``attention_mask``) take part nowhere. ``scaling`` is the teacher's logit
         scale for the window softmax of hybrid layers (default: the one given at construction).
         ``position_ids`` (B, T): the tokens' positions, with which a ``position_period`` turns the memory's
@@ -362,7 +349,7 @@ class LinearAttention(PositionTurns, nn.Module):
         scaling = self.scaling if scaling is None else float(scaling)
         cache_layer = self.take_cache_layer()
         state = None if cache_layer is None else cache_layer.state
-        # a decoding step, see _decode_step; under a frozen decoding step (dofla.graph_decode, which holds the
+        # a decoding step, see decode_step; under a frozen decoding step (dofla.graph_decode, which holds the
         # cache layer) a window's ring step writes the slot the decoder keeps as a tensor, and a window
         # without one (not a ring in its steady state) takes the general recurrent form
         edge = self.edge_sink_turns(query, position_ids, state)
@@ -381,7 +368,7 @@ class LinearAttention(PositionTurns, nn.Module):
         key_mask = key_mask_from_attention_mask(attention_mask, length)
         if fast_step and key_mask is None:
             memory_qk = (feature_query, feature_key) if wrapped else None
-            step = self._decode_step(query, key, value, state, scaling, memory_qk, edge, slot)
+            step = self.decode_step(StepInputs(query, key, value, state, scaling, memory_qk, edge, slot))
             if step is not None:
                 output, cache_layer.state = step
                 return output
@@ -396,41 +383,25 @@ class LinearAttention(PositionTurns, nn.Module):
         q_features, k_features, k_log_scale = (
             self.features(feature_query, feature_key) if self.uses_features else (None, None, None)
         )
-        values = self._state_heads_view(value)  # (B, Hs, T, Dv)
-        output, new_state = self._attend(
-            form,
-            query,
-            key,
-            q_features,
-            k_features,
-            values,
-            k_log_scale,
-            key_mask,
-            scaling,
-            state,
-            sink_query,
+        values = self.state_heads_view(value)  # (B, Hs, T, Dv)
+        inputs = AttendInputs(
+            query, key, q_features, k_features, values, k_log_scale, key_mask, scaling, state, sink_query
         )
+        output, new_state = self.attend(form, inputs)
         if cache_layer is not None:
             cache_layer.state = new_state
         return output.transpose(1, 2).contiguous()  # (B, T, H, Dv)
 
-    def _attend(
-        self,
-        form,
-        query,
-        key,
-        q_features,
-        k_features,
-        values,
-        k_log_scale,
-        key_mask,
-        scaling,
-        state,
-        sink_query=None,
-    ):
-        """Run one form; returns out (B, H, T, Dv) and the new state (None for the naive form). sink_query
-        (B, H, T, D): the queries that score a hybrid layer's sinks (None: query)."""
-        common = dict(k_log_scale=k_log_scale, key_mask=key_mask)
+    def attend(self, form: str, inputs: AttendInputs):
+        """Run one form ("naive", "chunked" or "recurrent") on a call's inputs: out (B, H, T, Dv) and the new
+        state (None for the naive form)."""
+        q_features, k_features, values, state = (
+            inputs.q_features,
+            inputs.k_features,
+            inputs.values,
+            inputs.state,
+        )
+        common = dict(k_log_scale=inputs.k_log_scale, key_mask=inputs.key_mask)
         chunk_size = self.chunk_size_for("linear", q_features.shape[2])
         chunked = dict(chunk_size=chunk_size, initial_state=state, return_state=True)
         if self.kind == "linear":
@@ -442,14 +413,14 @@ class LinearAttention(PositionTurns, nn.Module):
             return chunked_linear_attention(
                 q_features, k_features, values, kernel=kernel, **chunked, **common
             )
-        keys = self._state_heads_view(key)  # (B, Hs, T, D)
+        query, keys = inputs.query, self.state_heads_view(inputs.key)  # (B, Hs, T, D)
         hybrid = dict(
-            scaling=scaling,
+            scaling=inputs.scaling,
             window=self.window,
             window_factor=self.window_factor(),
             sinks=self.sinks,
             softcap=self.softcap,
-            sink_query=sink_query,
+            sink_query=inputs.sink_query,
             **common,
         )
         if form == "naive":

@@ -224,14 +224,16 @@ class CapturedDecoder:
                 state = layer.state
             else:
                 state = layer.state.general_layout()
-            if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in state._tensors()):
-                state = state._map(torch.clone)  # a prefill under inference_mode: buffers the step may write
+            if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in state.tensors()):
+                state = state.map_tensors(
+                    torch.clone
+                )  # a prefill under inference_mode: buffers the step may write
             layer.state = state
         self.tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.positions = torch.full((batch_size, 1), int(position), dtype=torch.long, device=device)
         # the Python side of the cache as the graph will see it at every replay
         self.frozen = [(layer.num_tokens, layer.state) for layer in self.layers]
-        self.buffers = [tensor for _, state in self.frozen for tensor in state._tensors()]
+        self.buffers = [tensor for _, state in self.frozen for tensor in state.tensors()]
         self.steps = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: Tensor | None = None
@@ -250,7 +252,7 @@ class CapturedDecoder:
         logits = self.model(
             input_ids=self.tokens, position_ids=self.positions, past_key_values=self.cache, use_cache=True
         ).logits[:, -1]
-        new = [tensor for layer in self.layers for tensor in layer.state._tensors()]
+        new = [tensor for layer in self.layers for tensor in layer.state.tensors()]
         if [(t.shape, t.dtype) for t in new] != [(t.shape, t.dtype) for t in self.buffers]:
             raise DoflaError(
                 "a decoding step changed the states' layout (a window still filling: prompts shorter than "

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dofla.attention import LinearAttention
+from dofla.cell_inputs import AttendInputs, StepInputs
 from dofla.cells.gated import DEFAULT_DECAY_MEMORY, TokenGate, initial_gate_logits
 from dofla.cells.recall_cache import check_recall_call, recall_budget, window_with_recall_cache
 from dofla.cells.registry import register_cell
@@ -181,23 +182,8 @@ class GatedDeltaAttention(LinearAttention):
         weight = self.output_gate_weight.to(dtype) * self.head_dim**-0.5
         return weight, self.output_gate_bias.to(dtype).view(*weight.shape[:2], 1, -1)
 
-    def _attend(
-        self,
-        form,
-        query,
-        key,
-        q_features,
-        k_features,
-        values,
-        k_log_scale,
-        key_mask,
-        scaling,
-        state,
-        sink_query=None,
-    ):
-        parts = self._parts(
-            form, query, key, q_features, k_features, values, key_mask, scaling, state, sink_query=sink_query
-        )
+    def attend(self, form: str, inputs: AttendInputs):
+        parts = self.parts(form, inputs)
         memory, new_memory = parts["memory"], parts["memory_state"]
         if self.kind == "linear":
             return memory, new_memory
@@ -207,26 +193,15 @@ class GatedDeltaAttention(LinearAttention):
             if new_memory is None
             else DeltaHybridState(window=parts["window_state"], delta=new_memory, recall=parts.get("recall"))
         )
-        return output.to(values.dtype), new_state
+        return output.to(inputs.values.dtype), new_state
 
-    def _parts(
-        self,
-        form,
-        query,
-        key,
-        q_features,
-        k_features,
-        values,
-        key_mask,
-        scaling,
-        state,
-        need_lse=False,
-        sink_query=None,
-    ) -> dict:
+    def parts(self, form: str, inputs: AttendInputs, need_lse: bool = False) -> dict:
         """The memory's read-out (B, H, T, Dv) and state; with a window also the window's output (B, H, T, Dv),
         its log-sum-exp (B, H, T; None unless the mix is adaptive or ``need_lse``), its state and gamma
-        ((B, H, T, 1) adaptive, else (1, H, 1, 1)), in the memory's dtype; ``sink_query`` scores the
+        ((B, H, T, 1) adaptive, else (1, H, 1, 1)), in the memory's dtype; ``inputs.sink_query`` scores the
         window's sinks (see ``edge_sink_query``)."""
+        state, values, key_mask = inputs.state, inputs.values, inputs.key_mask
+        q_features, k_features = inputs.q_features, inputs.k_features
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
         tail = None
         if isinstance(memory_state, ConvDeltaState):
@@ -270,45 +245,17 @@ class GatedDeltaAttention(LinearAttention):
         if self.kind == "linear":
             return parts
         window_state = state.window if isinstance(state, DeltaHybridState) else None
-        keys = self._state_heads_view(key)  # (B, Hs, T, D)
         recall = None
         if self.recall_budget:  # the recall cache joins the window's softmax (dofla.cells.recall_cache)
             check_recall_call(self, key_mask)
+            recall_state = state.recall if isinstance(state, DeltaHybridState) else None
             window, lse, new_window, recall = window_with_recall_cache(
-                self,
-                form,
-                query,
-                keys,
-                values,
-                k,
-                log_decay,
-                beta,
-                memory_state,
-                window_state,
-                state.recall if isinstance(state, DeltaHybridState) else None,
-                scaling,
-                sink_query,
-                lambda return_lse: window_part(
-                    self, form, query, keys, values, key_mask, scaling, window_state, return_lse, sink_query
-                ),
+                self, form, inputs, k, log_decay, beta, memory_state, window_state, recall_state
             )
         elif self.adaptive_mix or need_lse:
-            window, lse, new_window = window_part(
-                self,
-                form,
-                query,
-                keys,
-                values,
-                key_mask,
-                scaling,
-                window_state,
-                return_lse=True,
-                sink_query=sink_query,
-            )
+            window, lse, new_window = window_part(self, form, inputs, window_state, return_lse=True)
         else:
-            window, new_window = window_part(
-                self, form, query, keys, values, key_mask, scaling, window_state, sink_query=sink_query
-            )
+            window, new_window = window_part(self, form, inputs, window_state)
             lse = None
         if self.adaptive_mix:
             gamma = torch.sigmoid(self.window_share_logits(lse, values))[..., None].to(memory.dtype)
@@ -368,20 +315,12 @@ class GatedDeltaAttention(LinearAttention):
         scaling = self.scaling if scaling is None else float(scaling)
         key_mask = key_mask_from_attention_mask(attention_mask, query.shape[2])
         q_features, k_features, _ = self.features(query, key)
-        values = self._state_heads_view(value)
-        parts = self._parts(
-            "chunked",
-            query,
-            key,
-            q_features,
-            k_features,
-            values,
-            key_mask,
-            scaling,
-            None,
-            need_lse=True,
-            sink_query=self.edge_sink_query(query, None),  # an uncached call: its tokens from position 0
+        values = self.state_heads_view(value)
+        sink_query = self.edge_sink_query(query, None)  # an uncached call: its tokens from position 0
+        inputs = AttendInputs(
+            query, key, q_features, k_features, values, None, key_mask, scaling, None, sink_query
         )
+        parts = self.parts("chunked", inputs, need_lse=True)
         return dict(
             window=parts["window"].transpose(1, 2),
             memory=parts["memory"].transpose(1, 2),
@@ -389,10 +328,11 @@ class GatedDeltaAttention(LinearAttention):
             window_lse=parts["lse"],
         )
 
-    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None, slot=None):
-        """One token (see ``LinearAttention._decode_step``): the memory's step
+    def decode_step(self, step: StepInputs):
+        """One token (see ``LinearAttention.decode_step``): the memory's step
         (``dofla.ops.delta.step.gated_delta_step``); with a window, its ring step (``dofla.ops.window.step``)
         mixed in per head."""
+        state, query = step.state, step.query
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
         if self.kind == "hybrid" and not isinstance(state, DeltaHybridState):
             return None
@@ -406,7 +346,7 @@ class GatedDeltaAttention(LinearAttention):
         dtype = memory_state.kv.dtype
         if self.kind == "hybrid" and not takes_window_step(self, state.window, dtype):
             return None
-        inputs = self._decode_inputs(*(memory_qk or (query, key)), value, dtype)
+        inputs = self.step_features(step, dtype)
         if inputs is None:
             return None
         features, _, values = inputs  # a map's log scale cancels in the normalisation
@@ -421,21 +361,19 @@ class GatedDeltaAttention(LinearAttention):
         ring = state.window
         if not isinstance(ring, RingWindow):
             ring = ring_window(ring, ring.num_tokens)
-        step = (
+        ring_inputs = (
             ring,
             self.step_queries(query),
-            self._state_heads_view(key).view(batch, heads, self.head_dim),
+            self.state_heads_view(step.key).view(batch, heads, self.head_dim),
             values,
         )
-        sinks_by = self.step_sinks(query, edge)
+        ring_options = dict(scaling=step.scaling, slot=step.slot, **self.step_sinks(query, step.edge))
         if self.adaptive_mix:
-            window, lse, ring = ring_window_step(
-                *step, scaling=scaling, return_lse=True, slot=slot, **sinks_by
-            )
+            window, lse, ring = ring_window_step(*ring_inputs, return_lse=True, **ring_options)
             logits = self.window_share_logits(lse.reshape(batch, -1, 1), values[:, :, None])  # (B, H, 1)
             gamma = torch.sigmoid(logits).view(batch, heads, group, 1)
         else:
-            window, ring = ring_window_step(*step, scaling=scaling, slot=slot, **sinks_by)  # (B, Hs, G, Dv)
+            window, ring = ring_window_step(*ring_inputs, **ring_options)  # (B, Hs, G, Dv)
             gamma = self.step_window_factor()
         output = torch.lerp(output, window, gamma)
         return output.view(batch, 1, self.num_heads, -1), DeltaHybridState(window=ring, delta=new_memory)

@@ -17,13 +17,14 @@ Initialisation starts close to "remember": ``w = 0`` and the biases give the hea
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dofla.attention import LinearAttention, state_dtype
+from dofla.cell_inputs import AttendInputs, StepInputs
 from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
 from dofla.ops.state import BatchedState
@@ -107,54 +108,30 @@ class GatedLinearAttention(LinearAttention):
         """values (B, Hs, T, Dv) -> log alpha (B, Hs, T) <= 0; padded tokens do not decay the state."""
         return self.decay.log_gate(values, key_mask)
 
-    def _attend(
-        self,
-        form,
-        query,
-        key,
-        q_features,
-        k_features,
-        values,
-        k_log_scale,
-        key_mask,
-        scaling,
-        state,
-        sink_query=None,
-    ):
-        total = torch.cumsum(self.log_decay(values, key_mask), dim=-1)  # (B, Hs, T): A_t
+    def attend(self, form: str, inputs: AttendInputs):
+        state, k_log_scale = inputs.state, inputs.k_log_scale
+        total = torch.cumsum(self.log_decay(inputs.values, inputs.key_mask), dim=-1)  # (B, Hs, T): A_t
         if state is not None:
             total = total + state.log_decay_total[..., None].to(total.dtype)
         decayed = -total if k_log_scale is None else k_log_scale.to(total.dtype) - total
-        output, inner = super()._attend(
-            form,
-            query,
-            key,
-            q_features,
-            k_features,
-            values,
-            decayed,
-            key_mask,
-            scaling,
-            None if state is None else state.inner,
-            sink_query,
-        )
+        inner_inputs = replace(inputs, k_log_scale=decayed, state=None if state is None else state.inner)
+        output, inner = super().attend(form, inner_inputs)
         new_state = None if inner is None else GatedState(inner, total[..., -1].clone())
         return output, new_state
 
-    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None, slot=None):
-        """One token (see ``LinearAttention._decode_step``): the gate's log decay joins the running total
+    def decode_step(self, step: StepInputs):
+        """One token (see ``LinearAttention.decode_step``): the gate's log decay joins the running total
         A_t, and the key enters the inner (linear or hybrid) state with log scale ``s_t - A_t``."""
+        state = step.state
         if not isinstance(state, GatedState) or not self._has_decode_step(state.inner):
             return None
-        inputs = self._decode_inputs(*(memory_qk or (query, key)), value, state_dtype(state.inner))
+        inputs = self.step_features(step, state_dtype(state.inner))
         if inputs is None:
             return None
         features, log_scale, values = inputs
         total = state.log_decay_total + F.logsigmoid(self.decay.step_logits(values))  # (B, Hs): A_t
         decayed = -total if log_scale is None else log_scale[..., -1] - total
-        output, inner = self._state_step(
-            state.inner, query, key, features, values, decayed, scaling, edge, slot
-        )
+        output, inner = self.state_step(step, state.inner, features, values, decayed)
         return output, GatedState(inner, total)
 
     def parameter_groups(self, base_lr: float) -> list[dict]:

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dofla.cell_inputs import AttendInputs
+from dofla.cells.window import window_part
 from dofla.errors import DoflaError
 from dofla.ops import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from dofla.ops.recall_cache import (
@@ -123,27 +125,23 @@ def check_recall_call(cell, key_mask: Tensor | None) -> None:
 def window_with_recall_cache(
     cell,
     form: str,
-    query: Tensor,
-    keys: Tensor,
-    values: Tensor,
+    inputs: AttendInputs,
     memory_keys: Tensor,
     log_decay: Tensor,
     beta: Tensor,
     memory_state,
     window_state,
     cache: RecallCache | None,
-    scaling: float,
-    sink_query: Tensor | None,
-    window_part,
 ) -> tuple[Tensor, Tensor, object, RecallCache | None]:
-    """The window's softmax with the recall cache in ``form``: query (B, H, T, D), keys (B, Hs, T, D) and
-    values (B, Hs, T, Dv) of this call, memory_keys (B, Hs, T, K) the memory's unit-norm keys, log_decay and
-    beta (B, Hs, T) its gates, memory_state / window_state / cache: the layer's before the call (None at the
-    start); ``window_part(return_lse=True)`` runs the window alone. Returns out (B, H, T, Dv), lse (B, H, T),
-    the new window state and the new cache (None for the naive form)."""
+    """The window's softmax with the recall cache in ``form`` on a call's ``inputs``: memory_keys (B, Hs, T, K)
+    the memory's unit-norm keys, log_decay and beta (B, Hs, T) its gates, memory_state / window_state / cache:
+    the layer's before the call (None at the start). Returns out (B, H, T, Dv), lse (B, H, T), the new window
+    state and the new cache (None for the naive form)."""
+    query, keys, values = inputs.query, cell.state_heads_view(inputs.key), inputs.values  # keys (B, Hs, T, D)
+    scaling = inputs.scaling
     budget = cell.recall_budget
     if form == "naive":
-        if sink_query is not None:
+        if inputs.sink_query is not None:
             raise DoflaError(
                 "the recall cache's naive form scores the sinks with the query itself; use chunked."
             )
@@ -163,7 +161,7 @@ def window_with_recall_cache(
             return_lse=True,
         )
         return out, lse, None, None
-    window, window_lse, new_window = window_part(return_lse=True)
+    window, window_lse, new_window = window_part(cell, form, inputs, window_state, return_lse=True)
     leaving_key, leaving_value, positions, valid = leaving_tokens(
         keys, values, window_state, cell.window, cell.sinks
     )

@@ -7,35 +7,26 @@ from __future__ import annotations
 import torch
 
 from dofla.attention import LinearAttention
+from dofla.cell_inputs import AttendInputs, StepInputs
 from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
 from dofla.ops import WindowState, chunked_window_attention, recurrent_window_attention, window_attention
 from dofla.ops.window.step import RingWindow, ring_window, ring_window_step
 
 
-def window_part(
-    cell: LinearAttention,
-    form,
-    query,
-    keys,
-    values,
-    key_mask,
-    scaling,
-    state,
-    return_lse: bool = False,
-    sink_query=None,
-):
-    """The sliding-window softmax (+ sinks, scored by ``sink_query`` where given) in ``form``: out (B, H, T,
-    Dv) and its WindowState (or None); with ``return_lse`` (out, lse (B, H, T), state), lse the log-sum-exp
-    of each query's scores."""
+def window_part(cell: LinearAttention, form: str, inputs: AttendInputs, state, return_lse: bool = False):
+    """The sliding-window softmax (+ sinks, scored by ``inputs.sink_query`` where given) of a call in
+    ``form``, continuing the window ``state``: out (B, H, T, Dv) and its WindowState (or None); with
+    ``return_lse`` (out, lse (B, H, T), state), lse the log-sum-exp of each query's scores."""
+    query, keys, values = inputs.query, cell.state_heads_view(inputs.key), inputs.values  # keys (B, Hs, T, D)
     common = dict(
-        scaling=scaling,
+        scaling=inputs.scaling,
         window=cell.window,
         sinks=cell.sinks,
-        key_mask=key_mask,
+        key_mask=inputs.key_mask,
         softcap=cell.softcap,
         return_lse=return_lse,
-        sink_query=sink_query,
+        sink_query=inputs.sink_query,
     )
     if form == "naive":
         result = window_attention(query, keys, values, **common)
@@ -76,28 +67,15 @@ class WindowAttention(LinearAttention):
             raise DoflaError("the window cell needs a window: use kind hybrid with it.")
         super().__init__(plan, **shape)
 
-    def _attend(
-        self,
-        form,
-        query,
-        key,
-        q_features,
-        k_features,
-        values,
-        k_log_scale,
-        key_mask,
-        scaling,
-        state,
-        sink_query=None,
-    ):
-        keys = self._state_heads_view(key)  # (B, Hs, T, D)
-        return window_part(self, form, query, keys, values, key_mask, scaling, state, sink_query=sink_query)
+    def attend(self, form: str, inputs: AttendInputs):
+        return window_part(self, form, inputs, inputs.state)
 
-    def _decode_step(self, query, key, value, state, scaling, memory_qk=None, edge=None, slot=None):
-        """One token (see ``LinearAttention._decode_step``): the window's ring step (``dofla.ops.window.step``),
+    def decode_step(self, step: StepInputs):
+        """One token (see ``LinearAttention.decode_step``): the window's ring step (``dofla.ops.window.step``),
         sinks included, without soft-capping."""
+        query, state = step.query, step.state
         exact = query.dtype in (torch.float32, torch.float64)  # the general form computes in these
-        if not exact or value.dtype != query.dtype or not takes_window_step(self, state, query.dtype):
+        if not exact or step.value.dtype != query.dtype or not takes_window_step(self, state, query.dtype):
             return None
         batch, num_heads, _, head_dim = query.shape
         heads = self.state_heads
@@ -105,10 +83,10 @@ class WindowAttention(LinearAttention):
         output, new_state = ring_window_step(
             ring,
             self.step_queries(query),  # (B, Hs, G, D)
-            self._state_heads_view(key).view(batch, heads, head_dim),
-            self._state_heads_view(value).view(batch, heads, -1),
-            scaling=scaling,
-            slot=slot,
-            **self.step_sinks(query, edge),
+            self.state_heads_view(step.key).view(batch, heads, head_dim),
+            self.state_heads_view(step.value).view(batch, heads, -1),
+            scaling=step.scaling,
+            slot=step.slot,
+            **self.step_sinks(query, step.edge),
         )
         return output.view(batch, 1, num_heads, -1), new_state  # (B, 1, H, Dv)

@@ -37,7 +37,7 @@ def log_sum_exp(denominator: Tensor, maximum: Tensor) -> Tensor:
 class BatchedState:
     """Helpers shared by every state dataclass: each tensor field (or nested state) has the batch first."""
 
-    def _map(self, function) -> Self:
+    def map_tensors(self, function) -> Self:
         """The same state with ``function`` applied to every tensor (ints such as ``window`` kept)."""
         updated = {}
         for item in fields(self):
@@ -45,36 +45,37 @@ class BatchedState:
             if isinstance(value, Tensor):
                 value = function(value)
             elif isinstance(value, BatchedState):
-                value = value._map(function)
+                value = value.map_tensors(function)
             updated[item.name] = value
         return type(self)(**updated)
 
-    def _tensors(self) -> list[Tensor]:
+    def tensors(self) -> list[Tensor]:
+        """Every tensor of the state, nested states' included, in field order."""
         found = []
         for item in fields(self):
             value = getattr(self, item.name)
             if isinstance(value, Tensor):
                 found.append(value)
             elif isinstance(value, BatchedState):
-                found.extend(value._tensors())
+                found.extend(value.tensors())
         return found
 
     def to(self, device) -> Self:
-        return self._map(lambda tensor: tensor.to(device))
+        return self.map_tensors(lambda tensor: tensor.to(device))
 
     def detach(self) -> Self:
-        return self._map(Tensor.detach)
+        return self.map_tensors(Tensor.detach)
 
     def index_select(self, batch_indices: Tensor) -> Self:
         """Keep (or reorder, or duplicate) batch rows, e.g. the surviving beams."""
-        return self._map(lambda tensor: tensor.index_select(0, batch_indices.to(tensor.device)))
+        return self.map_tensors(lambda tensor: tensor.index_select(0, batch_indices.to(tensor.device)))
 
     def repeat_interleave(self, repeats: int) -> Self:
         """Repeat each batch row ``repeats`` times (B -> B * repeats), e.g. to start beam search."""
-        return self._map(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+        return self.map_tensors(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
 
     def nbytes(self) -> int:
-        return sum(tensor.numel() * tensor.element_size() for tensor in self._tensors())
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors())
 
     def general_layout(self) -> Self:
         """This state as every form reads it: the ring buffers of decoding steps (``dofla.ops.window.step``), which

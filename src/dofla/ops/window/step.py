@@ -127,7 +127,7 @@ def ring_window(state: WindowState, tokens: int, *, ones_column: bool = False) -
 def owned_state(state: BatchedState, buffer: Tensor) -> BatchedState:
     """The state a step may update in place: itself without autograd (generation), else a copy (with
     autograd, or when its buffers, ``buffer`` one of them, were made in inference mode and this is not)."""
-    return state._map(torch.clone) if torch.is_grad_enabled() or not in_place(buffer) else state
+    return state.map_tensors(torch.clone) if torch.is_grad_enabled() or not in_place(buffer) else state
 
 
 def write_key(ring: RingWindow, key: Tensor, value: Tensor, slot: Tensor | None = None) -> Tensor | None:
