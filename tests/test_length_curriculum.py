@@ -29,14 +29,14 @@ HALF = [(LENGTH // 2, 0.5), (LENGTH, 0.5)]  # 12 then 24 tokens
 def recorded_batches(monkeypatch) -> list[torch.Tensor]:
     """The training batches every later distill() call trains on, in order."""
     batches = []
-    real_step_loss = trainer._step_loss
+    real_step_loss = trainer.step_loss
 
     def recording(model, students, input_ids, config, *, backward, **options):
         if backward:
             batches.append(input_ids.clone())
         return real_step_loss(model, students, input_ids, config, backward=backward, **options)
 
-    monkeypatch.setattr(trainer, "_step_loss", recording)
+    monkeypatch.setattr(trainer, "step_loss", recording)
     return batches
 
 

@@ -522,7 +522,7 @@ def test_a_run_killed_in_its_lora_stage_resumes_there_and_ends_as_an_uninterrupt
         evaluate=dict(passkey_trials=0, recall=False, lengths=[LENGTH]),
     )
     whole = linearize(config(tmp_path / "whole", **changes), teacher=tiny_teacher(), sequences=sequences())
-    original, calls = lora._piece_loss_backward, []
+    original, calls = lora.piece_loss_backward, []
 
     def killed_in_step_five(*args, **kwargs):
         calls.append(1)
@@ -530,7 +530,7 @@ def test_a_run_killed_in_its_lora_stage_resumes_there_and_ends_as_an_uninterrupt
             raise KeyboardInterrupt
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(lora, "_piece_loss_backward", killed_in_step_five)
+    monkeypatch.setattr(lora, "piece_loss_backward", killed_in_step_five)
     with pytest.raises(KeyboardInterrupt):
         linearize(config(tmp_path / "cut", **changes), teacher=tiny_teacher(), sequences=sequences())
     stage = tmp_path / "cut" / "run" / "lora"
@@ -539,7 +539,7 @@ def test_a_run_killed_in_its_lora_stage_resumes_there_and_ends_as_an_uninterrupt
     assert logged == [1, 2, 3, 4]
     calls.clear()
     monkeypatch.setattr(
-        lora, "_piece_loss_backward", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+        lora, "piece_loss_backward", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
     )
     resumed = linearize(
         config(tmp_path / "cut", resume=True, **changes), teacher=tiny_teacher(), sequences=sequences()

@@ -162,7 +162,7 @@ def train_lora(
         batch = train[batch_indices(step, batch_size, len(train), config.seed)].to(device)
         optimizer.zero_grad(set_to_none=True)
         loss = sum(
-            _piece_loss_backward(peft_model, piece, settings, share=len(piece) / len(batch))
+            piece_loss_backward(peft_model, piece, settings, share=len(piece) / len(batch))
             for piece in batch.split(per_forward)
         )
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings.grad_clip)
@@ -281,7 +281,7 @@ def _student_groups(model: nn.Module, settings: LoraSettings) -> list[dict]:
 LOGIT_COPIES = 4  # (rows, V) float32 tensors alive in a piece: logits, two log-softmaxes, a gradient
 
 
-def _piece_loss_backward(peft_model: nn.Module, piece: torch.Tensor, settings: LoraSettings, share: float):
+def piece_loss_backward(peft_model: nn.Module, piece: torch.Tensor, settings: LoraSettings, share: float):
     """Forward and backward of one piece (n, T) of a batch, its loss weighted by its ``share`` of the
     batch's sequences (every row has T tokens, so the weighted sum is the batch's mean loss). The output
     head runs a few positions at a time (:func:`~dofla.distill.losses.direct_loss_in_pieces`, pieces sized

@@ -138,7 +138,7 @@ def _optimizer(students: dict[int, nn.Module], settings: DistillSettings) -> tor
     return torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay)
 
 
-def _step_loss(
+def step_loss(
     model,
     students,
     input_ids,
@@ -200,7 +200,7 @@ def evaluate(
         batch = heldout[start : start + settings.batch_size].to(device)
         options = start_options(stored, range(start, start + len(batch)), device)
         with torch.no_grad():
-            mean, layer_losses = _step_loss(model, students, batch, settings, backward=False, **options)
+            mean, layer_losses = step_loss(model, students, batch, settings, backward=False, **options)
         means.append(mean)
         for layer, value in layer_losses.items():
             totals[layer] = totals.get(layer, 0.0) + value
@@ -399,7 +399,7 @@ def distill(
         mine = share.slice(indices)
         batch = stage.rows[mine].to(device)  # (B / world, T) data-parallel, else (B, T)
         optimizer.zero_grad(set_to_none=True)
-        loss, layer_losses = _step_loss(
+        loss, layer_losses = step_loss(
             model,
             students,
             batch,

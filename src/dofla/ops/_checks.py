@@ -10,35 +10,46 @@ from dofla.errors import DoflaError
 from dofla.ops.state import DeltaState
 
 
-def check_linear_inputs(q_features: Tensor, k_features: Tensor, v: Tensor, k_log_scale: Tensor | None) -> int:
-    """Check (B, H, T, F), (B, Hk, T, F), (B, Hk, T, Dv), (B, Hk, T); return the group size H // Hk."""
-    if q_features.dim() != 4 or k_features.dim() != 4 or v.dim() != 4:
+def check_grouped_inputs(
+    op: str, names: tuple[str, str, str], q: Tensor, k: Tensor, v: Tensor, hint: str = ""
+) -> int:
+    """Check an op's queries (B, H, T, X), keys (B, Hk, T, X) and values (B, Hk, T, Dv), named ``names`` in
+    the sentences, for ``op`` (what the op is called in them; ``hint`` ends the sentence of a query and key
+    that do not match); return the group size H // Hk."""
+    q_name, k_name, v_name = names
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise DoflaError(
-            f"linear attention expects 4-d (batch, heads, tokens, dim) inputs, got q_features "
-            f"{tuple(q_features.shape)}, k_features {tuple(k_features.shape)}, v {tuple(v.shape)}."
+            f"{op} expects 4-d (batch, heads, tokens, dim) inputs, got {q_name} {tuple(q.shape)}, "
+            f"{k_name} {tuple(k.shape)}, {v_name} {tuple(v.shape)}."
         )
-    batch, num_heads, length, feature_dim = q_features.shape
-    if k_features.shape[0] != batch or k_features.shape[2] != length or k_features.shape[3] != feature_dim:
+    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or k.shape[3] != q.shape[3]:
         raise DoflaError(
-            f"k_features {tuple(k_features.shape)} does not match q_features {tuple(q_features.shape)} in "
-            "batch, tokens or feature dimension; build both with the same feature map."
+            f"{q_name} {tuple(q.shape)} and {k_name} {tuple(k.shape)} must share batch, tokens and last "
+            f"dimension{hint}."
         )
-    if tuple(v.shape[:3]) != tuple(k_features.shape[:3]):
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
         raise DoflaError(
-            f"v {tuple(v.shape)} must have the batch, heads and tokens of k_features {tuple(k_features.shape)}."
+            f"{v_name} {tuple(v.shape)} must have the batch, heads and tokens of {k_name} {tuple(k.shape)}."
         )
-    num_kv_heads = k_features.shape[1]
-    if num_heads % num_kv_heads != 0:
+    if q.shape[1] % k.shape[1] != 0:
         raise DoflaError(
-            f"{num_heads} query heads are not a multiple of {num_kv_heads} key/value heads; "
+            f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads; "
             "pass key/value tensors with a divisor of the query heads."
         )
+    return q.shape[1] // k.shape[1]
+
+
+def check_linear_inputs(q_features: Tensor, k_features: Tensor, v: Tensor, k_log_scale: Tensor | None) -> int:
+    """Check (B, H, T, F), (B, Hk, T, F), (B, Hk, T, Dv), (B, Hk, T); return the group size H // Hk."""
+    names = ("q_features", "k_features", "v")
+    hint = "; build both with the same feature map"
+    group = check_grouped_inputs("linear attention", names, q_features, k_features, v, hint)
     if k_log_scale is not None and tuple(k_log_scale.shape) != tuple(k_features.shape[:3]):
         raise DoflaError(
             f"k_log_scale {tuple(k_log_scale.shape)} must be (batch, kv heads, tokens) = "
             f"{tuple(k_features.shape[:3])}."
         )
-    return num_heads // num_kv_heads
+    return group
 
 
 def check_hybrid_inputs(
@@ -71,28 +82,11 @@ def check_sinks(sinks: int) -> int:
 
 def check_window_inputs(query: Tensor, key: Tensor, v: Tensor, window: int, sinks: int) -> int:
     """Check (B, H, T, D), (B, Hk, T, D), (B, Hk, T, Dv), window > 0, sinks >= 0; return H // Hk."""
-    if query.dim() != 4 or key.dim() != 4 or v.dim() != 4:
-        raise DoflaError(
-            f"window attention expects 4-d (batch, heads, tokens, dim) inputs, got query "
-            f"{tuple(query.shape)}, key {tuple(key.shape)}, v {tuple(v.shape)}."
-        )
-    if key.shape[0] != query.shape[0] or key.shape[2] != query.shape[2] or key.shape[3] != query.shape[3]:
-        raise DoflaError(
-            f"query {tuple(query.shape)} and key {tuple(key.shape)} must share batch, tokens and head size."
-        )
-    if tuple(v.shape[:3]) != tuple(key.shape[:3]):
-        raise DoflaError(
-            f"v {tuple(v.shape)} must have the batch, heads and tokens of key {tuple(key.shape)}."
-        )
-    if query.shape[1] % key.shape[1] != 0:
-        raise DoflaError(
-            f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} key/value heads; "
-            "pass key/value tensors with a divisor of the query heads."
-        )
+    group = check_grouped_inputs("window attention", ("query", "key", "v"), query, key, v)
     if int(window) <= 0:
         raise DoflaError(f"the sliding window must be positive, got {window}.")
     check_sinks(sinks)
-    return query.shape[1] // key.shape[1]
+    return group
 
 
 def check_sink_query(query: Tensor, sink_query: Tensor | None) -> None:
@@ -105,26 +99,13 @@ def check_sink_query(query: Tensor, sink_query: Tensor | None) -> None:
 
 def check_delta_inputs(q: Tensor, k: Tensor, v: Tensor, log_decay: Tensor, beta: Tensor) -> int:
     """Check (B, H, T, K), (B, Hk, T, K), (B, Hk, T, Dv), (B, Hk, T), (B, Hk, T); return H // Hk."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise DoflaError(
-            f"the gated delta rule expects 4-d (batch, heads, tokens, dim) q, k, v, got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}."
-        )
-    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or k.shape[3] != q.shape[3]:
-        raise DoflaError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share batch, tokens and key size.")
-    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
-        raise DoflaError(f"v {tuple(v.shape)} must have the batch, heads and tokens of k {tuple(k.shape)}.")
-    if q.shape[1] % k.shape[1] != 0:
-        raise DoflaError(
-            f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads; "
-            "pass key/value tensors with a divisor of the query heads."
-        )
+    group = check_grouped_inputs("the gated delta rule", ("q", "k", "v"), q, k, v)
     for name, gate in (("log_decay", log_decay), ("beta", beta)):
         if tuple(gate.shape) != tuple(k.shape[:3]):
             raise DoflaError(
                 f"{name} {tuple(gate.shape)} must be (batch, kv heads, tokens) = {tuple(k.shape[:3])}."
             )
-    return q.shape[1] // k.shape[1]
+    return group
 
 
 def check_state_window(state, window: int, sinks: int) -> None:
