@@ -194,6 +194,30 @@ def cache_baselines_at(
     return [CacheBaseline(name, int(tokens), int(sinks)) for name in names]
 
 
+def equal_bytes_baselines(
+    teacher: torch.nn.Module,
+    student: torch.nn.Module | None,
+    row: torch.Tensor,
+    length: int,
+    sinks: int,
+    layers: Sequence[int] | None,
+    budget: int | None,
+    notes: set[str],
+) -> tuple[dict[str, int], list[CacheBaseline]]:
+    """After a prefill of ``row`` (1, T) at ``length`` tokens: the bytes the teacher's cache and the student's
+    (where given) hold, ``{"teacher": ..., "student": ...}``, and the bounded-cache baselines keeping
+    ``budget`` keys per restricted layer, or where no budget is given as many as fit in the student's bytes
+    (none without either; :func:`cache_baselines_at`, its notes in ``notes``)."""
+    measured = {"teacher": held_state_bytes(teacher, row)}
+    if student is not None:
+        measured["student"] = held_state_bytes(student, row)
+    tokens = budget
+    if tokens is None and student is not None:
+        tokens = equal_bytes_tokens(teacher, measured["student"], length, layers)
+    baselines = [] if tokens is None else cache_baselines_at(teacher, tokens, length, sinks, notes, layers)
+    return measured, baselines
+
+
 def bytes_label(count: int | None) -> str:
     """Bytes in MiB for a table cell."""
     return "-" if count is None else f"{count / MIB:.2f}"

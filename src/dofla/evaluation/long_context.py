@@ -31,10 +31,8 @@ from dofla.evaluation.cache_baselines import (
     CACHE_BASELINES,
     CacheBaseline,
     baseline_bytes,
-    cache_baselines_at,
     check_cache_budget,
-    equal_bytes_tokens,
-    held_state_bytes,
+    equal_bytes_baselines,
 )
 from dofla.evaluation.logits import (
     final_hidden_states,
@@ -378,15 +376,8 @@ def _cache_baselines(
     measured, baselines = {}, {}
     for length, sequences in sequences_by_length.items():
         length = int(length)
-        row = sequences[:1]
-        measured[length] = {"teacher": held_state_bytes(teacher, row)}
-        if student is not None:
-            measured[length]["student"] = held_state_bytes(student, row)
-        tokens = budget
-        if tokens is None and student is not None:
-            tokens = equal_bytes_tokens(teacher, measured[length]["student"], length, restricted)
-        baselines[length] = (
-            [] if tokens is None else cache_baselines_at(teacher, tokens, length, sinks, notes, restricted)
+        measured[length], baselines[length] = equal_bytes_baselines(
+            teacher, student, sequences[:1], length, sinks, restricted, budget, notes
         )
     if budget is None and student is not None:
         notes.add(

@@ -189,12 +189,9 @@ def passkey_comparison(
     """
     from dofla.evaluation.cache_baselines import (
         CACHE_BASELINES,
-        CacheBaseline,
         baseline_bytes,
-        cache_baselines_at,
         check_cache_budget,
-        equal_bytes_tokens,
-        held_state_bytes,
+        equal_bytes_baselines,
     )
     from dofla.evaluation.long_context import check_context, context_limit
     from dofla.evaluation.window_baseline import baseline_layers, baseline_notes, window_restricted
@@ -224,20 +221,14 @@ def passkey_comparison(
     for length in context_lengths:
         group = [trial for trial in planned if trial[0] == length]
         prompt = group[0][3]
-        state_bytes["teacher"][str(length)] = held_state_bytes(teacher, prompt)
+        measured, bounded = equal_bytes_baselines(
+            teacher, student, prompt, prompt.shape[1], sinks, restricted, cache_budget, noted
+        )
+        for name, count in measured.items():
+            state_bytes[name][str(length)] = count
         state_bytes[baseline][str(length)] = baseline_bytes(
             teacher, window + sinks, prompt.shape[1], restricted
         )
-        tokens = cache_budget
-        if student is not None:
-            state_bytes["student"][str(length)] = held_state_bytes(student, prompt)
-            if tokens is None:
-                tokens = equal_bytes_tokens(
-                    teacher, state_bytes["student"][str(length)], prompt.shape[1], restricted
-                )
-        bounded: list[CacheBaseline] = []
-        if tokens is not None:
-            bounded = cache_baselines_at(teacher, tokens, prompt.shape[1], sinks, noted, restricted)
         chosen[str(length)] = [item.summary() for item in bounded]
         for item in bounded:
             with item.applied(teacher, restricted):

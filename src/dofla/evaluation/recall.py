@@ -25,10 +25,8 @@ from dofla.errors import DoflaError
 from dofla.evaluation.cache_baselines import (
     baseline_bytes,
     bytes_label,
-    cache_baselines_at,
     check_cache_budget,
-    equal_bytes_tokens,
-    held_state_bytes,
+    equal_bytes_baselines,
 )
 from dofla.evaluation.logits import final_hidden_states, output_logits, vocabulary_size
 from dofla.evaluation.long_context import row_hidden_states
@@ -95,19 +93,17 @@ def recall_beyond_window(
     rows, scored = repeated_rows(sequences, window, seed)
     labels = {"teacher": "teacher", "window": f"window {window}" + (f" + {sinks} sinks" if sinks else "")}
     restricted = baseline_layers(student)
-    state = {"teacher": held_state_bytes(teacher, rows[:1])}
-    state["window"] = baseline_bytes(teacher, window + sinks, length, restricted)
-    tokens, notes = cache_budget, set()
-    if student is not None:
-        state["student"] = held_state_bytes(student, rows[:1])
-        tokens = (
-            equal_bytes_tokens(teacher, state["student"], length, restricted) if tokens is None else tokens
-        )
-    bounded = (
-        {}
-        if tokens is None
-        else {b.name: b for b in cache_baselines_at(teacher, tokens, length, sinks, notes, restricted)}
+    notes = set()
+    measured, baselines = equal_bytes_baselines(
+        teacher, student, rows[:1], length, sinks, restricted, cache_budget, notes
     )
+    state = {
+        "teacher": measured["teacher"],
+        "window": baseline_bytes(teacher, window + sinks, length, restricted),
+    }
+    if student is not None:
+        state["student"] = measured["student"]
+    bounded = {baseline.name: baseline for baseline in baselines}
     for name, baseline in bounded.items():
         labels[name] = baseline.label
         state[name] = baseline_bytes(teacher, baseline.tokens, length, restricted)
