@@ -91,8 +91,7 @@ LATEST = [
         "What a layer-wise allocation costs a layer: 32 and 96 features against 64 (one layer, CPU, 1 thread)",
         "bench/results/layer_allocation.md",
         "`python bench/bench_layer_step.py --cells ... --window 128 --allocation 32,96` (eager decode; prefill "
-        "with `--prefill 4096`; the compiled rows came from a per-layer compiled mode dofla no longer has; "
-        "commands in the file): the mean of "
+        "with `--prefill 4096`; commands in the file): the mean of "
         "the 32 and 96 times against the 64 time is what an allocation alternating 32 and 96 costs against "
         "the uniform one at the same mean dimension. Target: within 5%.",
     ),
@@ -278,6 +277,11 @@ HISTORY = [
         "",
     ),
     ("The whole decoding step compiled at 4k, a second run", "bench/results/speed_whole_step_4k_r2.md", ""),
+    (
+        "The 32/96 allocation against 64 features with per-layer compiled steps (a mode dofla no longer has)",
+        "bench/results/layer_allocation_compiled_steps.md",
+        "",
+    ),
 ]
 
 
