@@ -615,8 +615,20 @@ def test_empty_data_paths_and_empty_texts_are_refused(world, tmp_path, capsys, m
         assert "--data is empty" in capsys.readouterr().err
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"text": ""}\n' * 1000 + '{"text": "   "}\n')
-    assert main(["linearize", str(world["teacher"]), *run[2:], "--data", str(empty)]) == 1
+    assert main([*run, "--data", str(empty)]) == 1  # before the teacher loads: no "no-such-model" error
     assert f"{empty} holds no text (every record is empty)" in capsys.readouterr().err
+    mount_point = tmp_path / "mnt"  # an empty mount point, or a folder the text was never copied into
+    mount_point.mkdir()
+    assert main([*run, "--data", str(mount_point)]) == 1
+    assert f"the folder {mount_point} holds no .txt, .jsonl or .json files" in capsys.readouterr().err
+
+    def refused(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "iterdir", refused)  # as for another user's folder (the tests may run as root)
+    assert main([*run, "--data", str(mount_point)]) == 1
+    assert f"cannot read the data {mount_point}: Permission denied" in capsys.readouterr().err
+    monkeypatch.undo()
     if hasattr(os, "mkfifo"):
         os.mkfifo(tmp_path / "pipe.txt")
         assert main([*run, "--data", str(tmp_path / "pipe.txt")]) == 1
@@ -823,3 +835,77 @@ def test_a_run_without_room_for_its_model_stops_before_training(world, tmp_path,
     error = capsys.readouterr().err
     assert "the converted model this run saves needs" in error and "has 0.0 MiB free" in error
     assert not (tmp_path / "run" / "distill").exists()
+
+
+# ------------------------------------------------------------- 13. data read only as far as the run needs
+
+
+def test_a_large_data_file_is_read_only_as_far_as_the_run_needs(world, tmp_path, capsys, monkeypatch):
+    import dofla.data
+
+    big = tmp_path / "big.txt"  # one line of 24 MiB: one text no tokenizer call may get whole
+    big.write_text("The river runs past the hill and on to the old mill. " * 460_000)
+    tokenised = []
+    tokenise = dofla.data._tokenise
+
+    def counted(tokenizer, pieces, eos, ids):  # one tokenizer call: its pieces' lengths
+        tokenised.extend(len(piece) for piece, _ in pieces)
+        return tokenise(tokenizer, pieces, eos, ids)
+
+    monkeypatch.setattr(dofla.data, "_tokenise", counted)
+    run = ["linearize", str(world["teacher"]), "--data", str(big), *RUN, "--tokens", "256"]
+    assert main([*run, "--out", str(tmp_path / "run")]) == 0
+    assert "(read as far as the 10,272 tokens this run needs)" in (tmp_path / "run" / "report.md").read_text()
+    assert max(tokenised) <= dofla.data.TOKENIZE_CHARS and sum(tokenised) < big.stat().st_size / 10
+
+    tokenised.clear()
+    evaluate = [
+        "evaluate",
+        str(world["converted"]),
+        "--data",
+        str(big),
+        "--lengths",
+        "16",
+        "--sequences",
+        "2",
+    ]
+    assert main([*evaluate, "--error-sequences", "0", "--sinks", "0"]) == 0
+    assert max(tokenised) <= dofla.data.TOKENIZE_CHARS and sum(tokenised) < big.stat().st_size / 10
+    capsys.readouterr()
+
+
+def test_many_texts_are_read_only_until_the_tokens_are_there(world, tmp_path):
+    from dofla.data import iter_texts, read_tokens
+
+    lines = tmp_path / "many.jsonl"
+    lines.write_text(
+        "".join(json.dumps({"text": f"text number {i} about rivers."}) + "\n" for i in range(200_000))
+    )
+    taken = []
+
+    def counted(texts):
+        for text in texts:
+            taken.append(text)
+            yield text
+
+    read = read_tokens(build_tiny_tokenizer(), counted(iter_texts(lines)), limit=1000)
+    assert not read.complete and read.texts == len(taken) < 200_000 / 4 and len(read.ids) >= 1000
+    assert taken[-1] == f"text number {len(taken) - 1} about rivers."  # in order, nothing skipped
+
+
+def test_a_prompt_file_larger_than_the_model_can_take_is_one_sentence(world, tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("x" * 9000)
+    assert main(["generate", str(world["converted"]), "--prompt-file", str(prompt)]) == 1
+    assert (
+        f"--prompt-file {prompt} holds 9,000 bytes, more than a prompt of this model can be (8,192 bytes: 4 "
+        "times the model's context of 512 tokens" in capsys.readouterr().err
+    )
+    prompt.write_text("x" * (2 << 20))
+    assert main(["generate", NOT_LOADED, "--prompt-file", str(prompt)]) == 1
+    assert "(1,048,576 bytes: its config names no context)" in capsys.readouterr().err
+    prompt.write_text("The river")
+    assert (
+        main(["generate", str(world["converted"]), "--prompt-file", str(prompt), "--max-new-tokens", "2"])
+        == 0
+    )

@@ -1,206 +1,130 @@
-"""Text data: reading user files, packing token sequences, held-out splits, teacher-sampled text.
+"""Token data: packing the user's text (:mod:`dofla.text_files`) into token rows, held-out splits, rows
+that repeat spans or state facts, teacher-sampled text.
 
-Accepted inputs for :func:`load_texts`:
-
-- ``.txt``: if the file has a blank line anywhere, each blank-line-separated block is one document;
-  otherwise each non-empty line is one document (one-article-per-line files).
-- ``.jsonl``: one JSON object per line with a ``"text"`` field.
-- ``.json``: an array of strings, of ``{"text": ...}`` records, or of alpaca-style records
-  (``instruction``, ``input``, ``output`` joined by blank lines).
-- a folder saved by ``datasets.Dataset.save_to_disk`` (needs the ``datasets`` package) with a ``text``
-  column, or a folder of ``.txt`` / ``.jsonl`` / ``.json`` files (read in name order).
-
-When no data is given, text is sampled from the teacher itself (:func:`sample_teacher_texts`) and
-cached as JSONL, so the same settings give the same text without sampling again.
+Text is tokenised in order and only as far as a caller asks (:func:`read_tokens`): a run that needs a
+million tokens reads that much of a file of any size, and a text longer than :data:`TOKENIZE_CHARS`
+characters reaches the tokenizer in pieces. When no data is given, text is sampled from the teacher itself
+(:func:`sample_teacher_texts`) and cached as JSONL, so the same settings give the same text without
+sampling again.
 """
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dofla.errors import DoflaError
 from dofla.io import write_text_atomic
+from dofla.text_files import TEXT_SUFFIXES, check_data_path, iter_texts, load_texts  # noqa: F401
 
-TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
-_ALPACA_FIELDS = ("instruction", "input", "output")
-
-
-def _read_text(path: Path) -> str:
-    """The file's text; binary or non-UTF-8 content is refused with the offending position."""
-    raw = path.read_bytes()
-    nul = raw.find(bytes(1))
-    if nul >= 0:
-        raise DoflaError(
-            f"{path} holds a NUL byte at offset {nul}: it is binary data, not text; give a UTF-8 text file."
-        )
-    try:
-        return raw.decode("utf-8-sig")  # a leading byte-order mark is dropped
-    except UnicodeDecodeError as error:
-        raise DoflaError(
-            f"{path} is not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {error.start}); convert it "
-            "to UTF-8, e.g. with iconv."
-        ) from None
+TOKENIZE_CHARS = 1 << 20  # the most characters one tokenizer call gets: longer texts go in pieces
 
 
-def _read_txt(path: Path) -> list[str]:
-    text = _read_text(path).replace("\r\n", "\n")
-    lines = text.strip().split("\n")
-    if any(not line.strip() for line in lines):  # a blank line between documents: blocks
-        blocks, current = [], []
-        for line in lines:
-            if line.strip():
-                current.append(line)
-            elif current:
-                blocks.append("\n".join(current))
-                current = []
-        if current:
-            blocks.append("\n".join(current))
-        return blocks
-    return [line.strip() for line in lines if line.strip()]
+def text_pieces(text: str, size: int = TOKENIZE_CHARS) -> Iterator[str]:
+    """``text`` in consecutive pieces of at most ``size`` characters, each cut before a space or line break
+    in its second half where there is one (so words stay whole)."""
+    start = 0
+    while len(text) - start > size:
+        end = start + size
+        cut = max(text.rfind(" ", start + size // 2, end), text.rfind("\n", start + size // 2, end))
+        cut = cut if cut > start else end
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
-def _read_jsonl(path: Path) -> list[str]:
-    texts = []
-    for number, line in enumerate(_read_text(path).split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DoflaError(
-                f"{path} line {number} is not valid JSON ({error.msg}); fix that line."
-            ) from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DoflaError(
-                f'{path} line {number} has no string "text" field; every line must be {{"text": "..."}}.'
-            )
-        texts.append(record["text"])
-    return texts
+@dataclass
+class TokenRead:
+    """What :func:`read_tokens` read: the token ids, how many texts it took, and whether it read them all."""
+
+    ids: array.array
+    texts: int
+    complete: bool
 
 
-def _record_text(record: object, path: Path, index: int) -> str:
-    if isinstance(record, str):
-        return record
-    if isinstance(record, dict):
-        if isinstance(record.get("text"), str):
-            return record["text"]
-        parts = [str(record[name]) for name in _ALPACA_FIELDS if record.get(name)]
-        if parts:
-            return "\n\n".join(parts)
-    raise DoflaError(
-        f'{path} record {index} has neither a "text" field nor instruction/input/output fields; '
-        "give records with one of those."
-    )
+def read_tokens(
+    tokenizer, texts: Iterable[str], *, add_eos: bool = True, limit: int | None = None
+) -> TokenRead:
+    """The texts' tokens in order (an end-of-text token after each text if ``add_eos``), read until at least
+    ``limit`` tokens are there (None: every text); texts are tokenised in batches of about
+    :data:`TOKENIZE_CHARS` characters, a longer text in pieces of it."""
+    eos = getattr(tokenizer, "eos_token_id", None) if add_eos else None
+    ids = array.array("q")
+    pieces: list[tuple[str, bool]] = []  # (piece, whether it ends its text), waiting for the tokenizer
+    waiting = count = 0
+    for count, text in enumerate(texts, start=1):
+        cut = text_pieces(text, TOKENIZE_CHARS)
+        piece = next(cut)
+        while piece is not None:
+            following = next(cut, None)
+            pieces.append((piece, following is None))
+            waiting += len(piece)
+            piece = following
+            if waiting >= TOKENIZE_CHARS:
+                _tokenise(tokenizer, pieces, eos, ids)
+                pieces, waiting = [], 0
+                if limit is not None and len(ids) >= limit:
+                    return TokenRead(ids, count, False)
+    _tokenise(tokenizer, pieces, eos, ids)
+    return TokenRead(ids, count, True)
 
 
-def _read_json(path: Path) -> list[str]:
-    try:
-        records = json.loads(_read_text(path))
-    except json.JSONDecodeError as error:
-        raise DoflaError(
-            f"{path} is not valid JSON ({error.msg} at line {error.lineno}); fix the file."
-        ) from None
-    if not isinstance(records, list):
-        raise DoflaError(f"{path} must hold a JSON array of records; for one record per line use .jsonl.")
-    return [_record_text(record, path, index) for index, record in enumerate(records)]
-
-
-def _read_saved_dataset(folder: Path) -> list[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise DoflaError(
-            f"{folder} is a folder saved by `datasets`, which is not installed; `pip install datasets` or "
-            "export the text to .txt/.jsonl."
-        ) from None
-    dataset = datasets.load_from_disk(str(folder))
-    if isinstance(dataset, datasets.DatasetDict):
-        dataset = dataset["train"] if "train" in dataset else next(iter(dataset.values()))
-    if "text" not in dataset.column_names:
-        raise DoflaError(
-            f"the dataset in {folder} has no 'text' column (columns: {', '.join(dataset.column_names)})."
-        )
-    return [str(text) for text in dataset["text"]]
-
-
-def check_data_path(path: str | Path | None, option: str = "--data") -> None:
-    """Refuse, before any work, a data path that is empty (an unset shell variable: it would name the current
-    folder), missing, or neither a file nor a folder (a FIFO or device would block or never end). None: no
-    data given."""
-    if path is None:
+def _tokenise(tokenizer, pieces: list[tuple[str, bool]], eos: int | None, ids: array.array) -> None:
+    """Append the pieces' tokens to ``ids`` (one tokenizer call), ``eos`` after each piece that ends a text."""
+    if not pieces:
         return
-    if not str(path).strip():
-        raise DoflaError(
-            f"{option} is empty (an unset shell variable?); give a .txt, .jsonl or .json file or a folder, or "
-            f"leave {option} out."
-        )
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise DoflaError(f"data path {path} does not exist; pass a .txt, .jsonl or .json file or a folder.")
-    if not (path.is_file() or path.is_dir()):
-        raise DoflaError(
-            f"data path {path} is neither a file nor a folder (a pipe or device); save the text to a file."
-        )
+    texts = [piece for piece, _ in pieces]
+    for piece_ids, (_, end) in zip(
+        tokenizer(texts, add_special_tokens=False)["input_ids"], pieces, strict=True
+    ):
+        ids.extend(piece_ids)
+        if end and eos is not None:
+            ids.append(eos)
 
 
-def load_texts(path: str | Path) -> list[str]:
-    """Documents from a text file, JSONL/JSON file or folder (see the module docstring for formats); texts
-    that are empty or only white space are left out, and data holding no text at all is refused."""
-    check_data_path(path)
-    texts = [text for text in _read_texts(Path(path).expanduser()) if text.strip()]
-    if not texts:
-        raise DoflaError(f"{path} holds no text (every record is empty); give a file with text in it.")
-    return texts
+def token_rows(ids: array.array, length: int) -> torch.Tensor:
+    """Token ids cut into rows (N, length), the tail shorter than ``length`` dropped."""
+    count = len(ids) // length
+    if count == 0:
+        return torch.empty((0, length), dtype=torch.long)
+    return torch.frombuffer(ids, dtype=torch.int64)[: count * length].clone().view(count, length)
 
 
-def _read_texts(path: Path) -> list[str]:
-    if path.is_dir():
-        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
-            return _read_saved_dataset(path)
-        files = sorted(item for item in path.iterdir() if item.is_file() and item.suffix in TEXT_SUFFIXES)
-        if not files:
-            raise DoflaError(f"the folder {path} holds no .txt, .jsonl or .json files; put the text there.")
-        return [text for item in files for text in _read_texts(item)]
-    readers = {".txt": _read_txt, ".jsonl": _read_jsonl, ".json": _read_json}
-    if path.suffix not in readers:
-        raise DoflaError(f"data file {path} has suffix {path.suffix!r}; use .txt, .jsonl or .json.")
-    return readers[path.suffix](path)
-
-
-def pack_token_sequences(tokenizer, texts: list[str], seq_len: int, *, add_eos: bool = True) -> torch.Tensor:
+def pack_token_sequences(
+    tokenizer, texts: Iterable[str], seq_len: int, *, add_eos: bool = True, max_rows: int | None = None
+) -> torch.Tensor:
     """Tokenise texts, join them (an end-of-text token after each if ``add_eos``), cut into (N, seq_len).
 
-    The tail shorter than ``seq_len`` is dropped. Raises DoflaError when not one sequence fits.
+    The tail shorter than ``seq_len`` is dropped; with ``max_rows`` the text is read only until that many
+    rows are full (and at most that many are returned). Raises DoflaError when not one sequence fits.
     """
     if seq_len < 2:
         raise DoflaError(f"seq_len must be at least 2 tokens, got {seq_len}.")
-    eos = getattr(tokenizer, "eos_token_id", None) if add_eos else None
-    token_ids: list[int] = []
-    if texts:
-        for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
-            token_ids.extend(ids)
-            if eos is not None:
-                token_ids.append(eos)
-    count = len(token_ids) // seq_len
-    if count == 0:
+    limit = None if max_rows is None else max_rows * seq_len
+    ids = read_tokens(tokenizer, texts, add_eos=add_eos, limit=limit).ids
+    if len(ids) < seq_len:
         raise DoflaError(
-            f"the data has {len(token_ids)} tokens but one sequence needs {seq_len}; give more text or a "
+            f"the data has {len(ids)} tokens but one sequence needs {seq_len}; give more text or a "
             "shorter sequence length."
         )
-    return torch.tensor(token_ids[: count * seq_len], dtype=torch.long).view(count, seq_len)  # (N, T)
+    return token_rows(ids, seq_len)[:max_rows]
 
 
-def pack_rows(tokenizer, texts: list[str], lengths: list[int], seq_len: int) -> torch.Tensor:
-    """Texts packed into rows of the longest of ``lengths`` that still gives 2 rows (at least ``seq_len``).
-
-    Rows are split into training and held-out rows before anything is cut (:func:`cut_rows`), so held-out
-    text at every length is text the student never trained on.
-    """
-    token_count = len(pack_token_sequences(tokenizer, texts, seq_len).view(-1))
+def rows_of_tokens(ids, lengths: list[int], seq_len: int) -> torch.Tensor:
+    """Token ids packed into rows of the longest of ``lengths`` that still gives 2 rows (at least
+    ``seq_len``): see :func:`pack_rows`."""
+    if len(ids) < seq_len:
+        raise DoflaError(
+            f"the data has {len(ids)} tokens but one sequence needs {seq_len}; give more text or a "
+            "shorter sequence length."
+        )
+    token_count = len(ids) // seq_len * seq_len
     for length in sorted(lengths, reverse=True):
         if token_count // length >= 2 or length == seq_len:
             break
@@ -210,7 +134,20 @@ def pack_rows(tokenizer, texts: list[str], lengths: list[int], seq_len: int) -> 
             f"the data packs into only {rows} sequence(s) of {seq_len} tokens; at least 2 are "
             "needed: give more text or a shorter --seq-len."
         )
-    return torch.as_tensor(pack_token_sequences(tokenizer, texts, length), dtype=torch.long)
+    return token_rows(ids, length)
+
+
+def pack_rows(
+    tokenizer, texts: Iterable[str], lengths: list[int], seq_len: int, *, max_tokens: int | None = None
+) -> torch.Tensor:
+    """Texts packed into rows of the longest of ``lengths`` that still gives 2 rows (at least ``seq_len``),
+    reading the text only until ``max_tokens`` tokens are there (None: all of it).
+
+    Rows are split into training and held-out rows before anything is cut (:func:`cut_rows`), so held-out
+    text at every length is text the student never trained on.
+    """
+    ids = read_tokens(tokenizer, texts, limit=max_tokens).ids
+    return rows_of_tokens(ids if max_tokens is None else ids[:max_tokens], lengths, seq_len)
 
 
 def cut_rows(rows: torch.Tensor, length: int) -> torch.Tensor:

@@ -109,7 +109,10 @@ def run_stages(
     if layer_sharding(config):  # the layers the plan will convert, before the data and the plan
         check_layer_sharding(config, layers_to_convert(config, teacher), processes)
     teacher_weights = teacher_fingerprint(teacher) if config.lora.enabled else None  # LoRA changes them
-    data = prepare_data(config, teacher, tokenizer, sequences, out_dir / "data_cache")
+    whole = (
+        config.distill.teacher_states is not None
+    )  # the rows `dofla teacher-states` stored, from all the text
+    data = prepare_data(config, teacher, tokenizer, sequences, out_dir / "data_cache", whole_data=whole)
     stores = checked_layer_stores(config, teacher, data) if config.distill.teacher_states else None
     # the LoRA stage's rows, once for the stage and its baseline on the teacher (rank 0 runs both)
     lora_source = data.train if data.lora_train is None else data.lora_train

@@ -3,6 +3,7 @@ training and LoRA rows repeat or state beyond the window (:class:`RunData`, :fun
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,8 +16,10 @@ from dofla.data import (
     cut_rows,
     insert_needles,
     pack_rows,
+    read_tokens,
     repeat_spans,
     row_start_token,
+    rows_of_tokens,
     split_train_heldout,
     start_rows,
 )
@@ -48,12 +51,15 @@ class RunData:
         return self.heldout_by_length[self.seq_len]
 
 
-def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir: Path) -> RunData:
+def prepare_data(
+    config: LinearizeConfig, model, tokenizer, sequences, cache_dir: Path, *, whole_data: bool = False
+) -> RunData:
     """Training rows at ``data.seq_len`` (and at a length curriculum's shorter lengths) and held-out rows
     at every evaluation length, split before cutting: no training row holds held-out text.
 
     sequences (N, T): rows given by the caller; else the text of ``data.path`` (or sampled from the
-    teacher, cached in ``cache_dir``) packed into the longest evaluation length it fills twice.
+    teacher, cached in ``cache_dir``) packed into the longest evaluation length it fills twice, read only
+    as far as the run needs (:func:`tokens_needed`; all of it with ``whole_data``).
     """
     seq_len = config.data.seq_len
     limit = context_length(model)
@@ -65,10 +71,10 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
     lengths = evaluation_lengths(config, limit)
     rank = distributed.rank_and_world_size()[0]
     if sequences is None:  # under torchrun rank 0 reads (or samples) the text and shares the packed rows
-        texts, source = load_texts_for(config, model, tokenizer, cache_dir) if rank == 0 else ([], "")
-        sequences = distributed.share_tensor(
-            pack_rows(tokenizer, texts, lengths, seq_len) if rank == 0 else None
-        )
+        rows, source = (None, "")
+        if rank == 0:
+            rows, source = data_rows(config, model, tokenizer, lengths, cache_dir, whole=whole_data)
+        sequences = distributed.share_tensor(rows)
     else:
         source = f"{len(sequences)} packed sequences given by the caller"
         if sequences.shape[1] > (limit or sequences.shape[1]):
@@ -122,18 +128,35 @@ def prepare_data(config: LinearizeConfig, model, tokenizer, sequences, cache_dir
 
 def heldout_rows_from(config: LinearizeConfig, tokenizer, lengths: list[int]) -> torch.Tensor:
     """The held-out rows (N, L) of ``data.heldout_path``'s text, packed at the longest of ``lengths`` it
-    fills twice (rank 0 reads it and shares the rows under torchrun)."""
+    fills twice, read only as far as ``data.heldout_sequences`` rows need (rank 0 reads it and shares the
+    rows under torchrun)."""
     if tokenizer is None:
         raise DoflaError(
             "--heldout-data is text, which needs the teacher's tokenizer; give a teacher with one."
         )
     rows = None
     if distributed.rank_and_world_size()[0] == 0:
-        texts = data.load_texts(config.data.heldout_path)
-        if not texts:
-            raise DoflaError(f"the held-out text {config.data.heldout_path} is empty; give a file with text.")
-        rows = pack_rows(tokenizer, texts, lengths, config.data.seq_len)
+        limit = (max(config.data.heldout_sequences, 2) + 1) * max(lengths)
+        read = read_tokens(tokenizer, data.iter_texts(config.data.heldout_path), limit=limit)
+        rows = rows_of_tokens(read.ids[:limit], lengths, config.data.seq_len)
     return distributed.share_tensor(rows)
+
+
+def tokens_needed(config: LinearizeConfig, lengths: list[int]) -> int:
+    """How many tokens of ``data.path`` a run reads: rows of the longest of ``lengths`` enough for the
+    training's (and the LoRA stage's) tokens and, split by ``data.heldout_fraction``, for
+    ``data.heldout_sequences`` held-out rows, plus one row; the rest of the text is never read."""
+    longest = max(lengths)
+    train_rows = math.ceil(
+        max(config.distill.tokens, config.lora.tokens if config.lora.enabled else 0) / longest
+    )
+    rows = train_rows
+    if config.data.heldout_path is None:
+        fraction = config.data.heldout_fraction
+        rows = max(
+            math.ceil(train_rows / (1 - fraction)), math.ceil(config.data.heldout_sequences / fraction)
+        )
+    return (max(rows, 2) + 1) * longest
 
 
 def evaluation_lengths(config: LinearizeConfig, limit: int | None) -> list[int]:
@@ -152,13 +175,14 @@ def evaluation_lengths(config: LinearizeConfig, limit: int | None) -> list[int]:
     return sorted({config.data.seq_len, *extra})
 
 
-def load_texts_for(config: LinearizeConfig, model, tokenizer, cache_dir: Path) -> tuple[list[str], str]:
-    """The run's texts and a sentence saying where they came from."""
+def data_rows(
+    config: LinearizeConfig, model, tokenizer, lengths: list[int], cache_dir: Path, *, whole: bool = False
+) -> tuple[torch.Tensor, str]:
+    """The run's packed rows (:func:`dofla.data.rows_of_tokens`) and a sentence saying where their text came
+    from: ``data.path`` read as far as :func:`tokens_needed` (to its end with ``whole``), else text sampled
+    from the teacher."""
     settings = config.data
-    if settings.path is not None:
-        texts = data.load_texts(settings.path)
-        source = f"{settings.path} ({len(texts)} texts)"
-    else:
+    if settings.path is None:
         texts = data.sample_teacher_texts(
             model,
             tokenizer,
@@ -172,9 +196,13 @@ def load_texts_for(config: LinearizeConfig, model, tokenizer, cache_dir: Path) -
             f"{len(texts)} texts of up to {settings.sampled_tokens} tokens sampled from the teacher itself "
             f"(seed {config.seed}, cached in {cache_dir})"
         )
-    if not texts:
-        raise DoflaError("the training data is empty; give --data with some text.")
-    return texts, source
+        return pack_rows(tokenizer, texts, lengths, settings.seq_len), source
+    limit = None if whole else tokens_needed(config, lengths)
+    read = read_tokens(tokenizer, data.iter_texts(settings.path), limit=limit)
+    rows = rows_of_tokens(read.ids if limit is None else read.ids[:limit], lengths, settings.seq_len)
+    if read.complete:
+        return rows, f"{settings.path} ({read.texts} texts)"
+    return rows, f"{settings.path} (read as far as the {limit:,} tokens this run needs)"
 
 
 def trained_length(config: LinearizeConfig) -> int:

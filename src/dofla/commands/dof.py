@@ -151,7 +151,7 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
             progress=True,
         )
         source = "text sampled from the teacher (cached)"
-    sequences = pack_token_sequences(teacher.tokenizer, texts, args.seq_len)
+    sequences = pack_token_sequences(teacher.tokenizer, texts, args.seq_len, max_rows=args.sequences)
     sequences = start_rows(sequences, row_start_token(teacher.model, teacher.tokenizer))  # Gemma's <bos>
     if sequences.shape[0] < args.sequences:
         raise DoflaError(

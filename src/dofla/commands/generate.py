@@ -64,7 +64,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     from dofla.errors import DoflaError
 
     if args.prompt_file is not None:
-        args.prompt = read_prompt_file(args.prompt_file)
+        args.prompt = read_prompt_file(args.prompt_file, args.converted)
     if not args.prompt.strip():
         where = f"--prompt-file {args.prompt_file}" if args.prompt_file is not None else "--prompt"
         raise DoflaError(f"{where} is empty; give some text for the model to continue.")
@@ -102,7 +102,37 @@ def check_arguments(args: argparse.Namespace) -> None:
             )
 
 
-def read_prompt_file(path: str) -> str:
+PROMPT_CONTEXTS = 4  # a prompt file may hold this many times the model's context
+PROMPT_BYTES_PER_TOKEN = 4  # about what a token of English text holds, in UTF-8 bytes
+PROMPT_BYTES_UNKNOWN_CONTEXT = 1 << 20  # the bound where the folder's config names no context
+
+
+def model_context(folder: str) -> int | None:
+    """The longest sequence a model folder's ``config.json`` allows (its text part's), if it says; read
+    without loading anything (None if the file is missing or damaged: loading then says so)."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(folder).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    sections = [config]  # a converted folder's settings, its teacher's (base_config), their text part's
+    while sections:
+        section = sections.pop()
+        if not isinstance(section, dict):
+            continue
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = section.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        sections += [section.get("base_config"), section.get("text_config")]
+    return None
+
+
+def read_prompt_file(path: str, converted: str) -> str:
+    """The prompt file's text, refused unread if it is larger than ``PROMPT_CONTEXTS`` times the model's
+    context could hold."""
     from pathlib import Path
 
     from dofla.errors import DoflaError
@@ -110,6 +140,20 @@ def read_prompt_file(path: str) -> str:
     file = Path(path).expanduser()
     if not file.is_file():
         raise DoflaError(f"--prompt-file {path} is not a file; give a UTF-8 text file.")
+    context = model_context(converted)
+    limit = PROMPT_CONTEXTS * PROMPT_BYTES_PER_TOKEN * context if context else PROMPT_BYTES_UNKNOWN_CONTEXT
+    size = file.stat().st_size
+    if size > limit:
+        bound = (
+            f"{PROMPT_CONTEXTS} times the model's context of {context:,} tokens at about "
+            f"{PROMPT_BYTES_PER_TOKEN} bytes a token"
+            if context
+            else "its config names no context"
+        )
+        raise DoflaError(
+            f"--prompt-file {path} holds {size:,} bytes, more than a prompt of this model can be ({limit:,} "
+            f"bytes: {bound}); give the part of the text the model should continue."
+        )
     try:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:

@@ -115,7 +115,10 @@ def _run_data(args: argparse.Namespace, teacher):
         evaluate=dict(lengths=lengths),
     )
     config = LinearizeConfig.from_dict(settings, source="dofla teacher-states")
-    return prepare_data(config, teacher.model, teacher.tokenizer, None, Path(args.out) / "data_cache")
+    cache = Path(args.out) / "data_cache"
+    return prepare_data(
+        config, teacher.model, teacher.tokenizer, None, cache, whole_data=True
+    )  # all the text
 
 
 def _write_states(args: argparse.Namespace, boundaries: list[int]) -> int:

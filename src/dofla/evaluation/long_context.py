@@ -118,7 +118,8 @@ def pack_by_length(
     """Held-out text packed at each length: ``{length: (N, length) token ids}``, at most ``sequences`` each.
 
     Each length packs the same text from its start (``dofla.data.pack_token_sequences``), so a longer
-    length reads the same tokens in fewer, longer sequences. ``start_token``: what every row starts with
+    length reads the same tokens in fewer, longer sequences; the text is tokenised only as far as
+    ``sequences`` rows need. ``start_token``: what every row starts with
     (the beginning-of-sequence token where the teacher's family needs one, :func:`dofla.data.row_start_token`).
     """
     from dofla.data import pack_token_sequences, start_rows
@@ -127,7 +128,7 @@ def pack_by_length(
         raise DoflaError(f"the number of sequences must be at least 1, got {sequences}.")
     return {
         int(length): start_rows(
-            pack_token_sequences(tokenizer, list(texts), int(length))[:sequences], start_token
+            pack_token_sequences(tokenizer, texts, int(length), max_rows=sequences), start_token
         )
         for length in lengths
     }
