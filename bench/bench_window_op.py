@@ -5,7 +5,7 @@ A piece of ``--length`` tokens continuing a state of ``--fill`` tokens (as a pro
 head size 64, window 64), float32, one thread. "fused" is what ``chunked_window_attention`` runs without
 padding (one fused softmax kernel per chunk); "general" is the same call with an all-true key mask, which
 takes the blocked path that padded inputs need (and that every call with sinks or a state took before the
-fused path covered them). Both give the same output (tested in ``tests/test_speed_paths.py``). Prints
+fused path covered them). Both give the same output (tested in ``tests/test_ops_window.py``). Prints
 milliseconds per call, medians of ``--repeats`` alternating calls.
 
     .venv/bin/python bench/bench_window_op.py

@@ -191,3 +191,10 @@ def padded_copy(tensors, pad):
         noise = torch.randn_like(tensor[:, :, :pad]) * 1e3
         padded[name] = torch.cat([noise.abs() if "features" in name else noise, tensor], dim=2)
     return padded
+
+
+def weighted_gradients(outputs, weights, inputs):
+    """Gradients of sum(output * weight) over the outputs that are not None, with respect to ``inputs``."""
+    present = [tensor for tensor in outputs if tensor is not None]
+    total = sum((tensor * weight).sum() for tensor, weight in zip(present, weights, strict=True))
+    return torch.autograd.grad(total, inputs)

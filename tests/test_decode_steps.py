@@ -6,20 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ops_helpers import make_inputs
+from ops_helpers import make_inputs, weighted_gradients
 
 from dofla.attention import LinearAttention
 from dofla.cache import RecurrentCacheLayer
 from dofla.cell_inputs import StepInputs
 from dofla.cells import build_student
 from dofla.config import LayerPlan
-
-
-def weighted_gradients(outputs, weights, inputs):
-    """Gradients of sum(output * weight) over the outputs that are not None, with respect to ``inputs``."""
-    present = [tensor for tensor in outputs if tensor is not None]
-    total = sum((tensor * weight).sum() for tensor, weight in zip(present, weights, strict=True))
-    return torch.autograd.grad(total, inputs)
 
 
 @pytest.mark.parametrize("share", [True, False])

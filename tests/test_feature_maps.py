@@ -6,6 +6,9 @@ import math
 
 import pytest
 import torch
+from ops_helpers import (
+    weighted_gradients,
+)
 
 from dofla.errors import DoflaError
 from dofla.feature_maps import FEATURE_MAPS, FeatureMap, build_feature_map, register_feature_map
@@ -406,3 +409,73 @@ def test_taylor_with_too_few_features_is_one_sentence():
         build("taylor", feature_dim=2)
     with pytest.raises(DoflaError, match="at least 3 features per head"):
         build("taylor", feature_dim=16, head_feature_dims=[16, 2])
+
+
+@pytest.mark.parametrize("name", ["prf", "learnable_prf"])
+def test_prf_rows_alone_agree_with_the_batch_and_missing_features_are_zero(name):
+    from dofla.feature_maps import build_feature_map
+
+    feature_map = build_feature_map(
+        name, num_heads=2, head_dim=8, feature_dim=6, scaling=8**-0.5, head_feature_dims=[6, 4]
+    ).double()
+    x = torch.randn(3, 4, 5, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    batched, batched_scale = feature_map(x, is_query=False)
+    for row in range(3):
+        alone, alone_scale = feature_map(x[row : row + 1], is_query=False)
+        torch.testing.assert_close(alone, batched[row : row + 1], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(alone_scale, batched_scale[row : row + 1], rtol=1e-12, atol=1e-12)
+    assert torch.all(batched[:, 2:, :, 4:] == 0)  # the second map head has 4 features: the rest exactly 0
+
+
+@pytest.mark.parametrize("name", ["prf", "learnable_prf"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("is_query", [False, True])
+def test_prf_forward_matches_the_reference_formula_and_follows_parameter_updates(name, batch, is_query):
+    """The regrouped PRF (one product, the norm only in the log scale) against the formula as written:
+    forward and gradients, with head-wise dimensions; without gradients its folded weights are kept, and
+    rebuilt once a parameter changes in place (an optimiser step, a load)."""
+    from dofla.feature_maps import build_feature_map
+
+    feature_map = build_feature_map(
+        name, num_heads=2, head_dim=8, feature_dim=6, scaling=8**-0.5, head_feature_dims=[6, 4]
+    ).double()
+    with torch.no_grad():
+        for parameter in feature_map.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 4, 3, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    expected = feature_map.reference_forward(x, is_query=is_query)
+    got = feature_map(x, is_query=is_query)
+    assert (got[1] is None) == (expected[1] is None) == is_query
+    for a, b in zip(got, expected, strict=True):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    weights = [torch.randn(t.shape, generator=generator, dtype=t.dtype) for t in expected if t is not None]
+    inputs = (x, *[p for p in feature_map.parameters() if p.requires_grad])
+    for a, b in zip(
+        weighted_gradients(got, weights, inputs), weighted_gradients(expected, weights, inputs), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        feature_map(x, is_query=is_query)  # folded weights kept from here
+        feature_map.directions().mul_(1.5)
+        got = feature_map(x, is_query=is_query)
+        expected = feature_map.reference_forward(x, is_query=is_query)
+        for a, b in zip(got, expected, strict=True):
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+
+
+def test_prf_key_with_an_overflowing_norm_is_not_silently_dropped():
+    """A key whose squared norm overflows float32 makes the attention non-finite with the regrouped map,
+    as with the formula as written (not a key of weight 0: a diverged run must show as NaN)."""
+    from dofla.feature_maps import build_feature_map
+
+    feature_map = build_feature_map("learnable_prf", num_heads=1, head_dim=8, feature_dim=6, scaling=8**-0.5)
+    query, key, value = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 3)
+    key[0, 0, 1] = 1e20  # finite, but its squared norm is not
+    for features in (feature_map, feature_map.reference_forward):
+        q_features, _ = features(query, is_query=True)
+        k_features, k_log_scale = features(key, is_query=False)
+        out = chunked_linear_attention(q_features, k_features, value, k_log_scale=k_log_scale, chunk_size=2)
+        assert torch.isnan(out[:, :, 1:]).all()  # every query that sees the key

@@ -14,6 +14,7 @@ from ops_helpers import (
     split,
 )
 
+import dofla.ops.linear.chunked as chunked_module
 from dofla.feature_maps import build_feature_map
 from dofla.ops import (
     LinearState,
@@ -161,3 +162,30 @@ def test_linear_state_empty_reads_as_nothing_seen():
     q, k, v = torch.rand(2, 3, 1, 4), torch.rand(2, 3, 1, 4), torch.randn(2, 3, 1, 5)
     out, _ = recurrent_linear_attention(q, k, v, state=state)
     assert torch.allclose(out, linear_attention(q, k, v))
+
+
+@pytest.mark.parametrize("log_scale_std", [0.0, 30.0])
+def test_chunked_linear_scan_over_many_chunks_matches_the_reference(log_scale_std):
+    """More chunks than SCAN_ABOVE_CHUNKS: the states entering the chunks come from the scan."""
+    inputs = make_inputs(2, 6, 2, 45, 5, log_scale_std=log_scale_std)  # 23 chunks of 2 tokens
+    assert -(-45 // 2) > chunked_module.SCAN_ABOVE_CHUNKS
+    assert_chunked_linear_matches_naive(inputs, 2)
+
+
+def test_scan_and_mixing_product_give_the_same_continuation_from_a_state(monkeypatch):
+    inputs = make_inputs(1, 4, 2, 60, 5, log_scale_std=20.0)
+    leaves = {name: inputs[name].detach() for name in LINEAR_NAMES}
+    first = {name: tensor[:, :, :17] for name, tensor in leaves.items()}
+    rest = {name: tensor[:, :, 17:] for name, tensor in leaves.items()}
+    _, state = chunked_linear_attention(**first, chunk_size=4, return_state=True)
+    scanned, scanned_state = chunked_linear_attention(
+        **rest, chunk_size=2, initial_state=state, return_state=True
+    )
+    monkeypatch.setattr(chunked_module, "SCAN_ABOVE_CHUNKS", 10**6)
+    mixed, mixed_state = chunked_linear_attention(
+        **rest, chunk_size=2, initial_state=state, return_state=True
+    )
+    expected = linear_attention(**leaves)[:, :, 17:]
+    assert relative_error(scanned, expected) < 1e-12 and relative_error(mixed, expected) < 1e-12
+    torch.testing.assert_close(scanned_state.kv, mixed_state.kv, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(scanned_state.normalizer, mixed_state.normalizer, rtol=1e-10, atol=1e-12)

@@ -19,6 +19,7 @@ from ops_helpers import (
     random_key_mask,
     relative_error,
     split,
+    weighted_gradients,
 )
 
 from dofla.errors import DoflaError
@@ -275,3 +276,115 @@ def test_sink_and_window_errors_are_dofla_errors():
     _, state = chunked_hybrid_attention(**inputs, scaling=0.5, window=3, return_state=True)
     with pytest.raises(DoflaError, match="built with window 3 and 0 sinks"):
         chunked_hybrid_attention(**inputs, scaling=0.5, window=3, sinks=1, initial_state=state)
+
+
+@pytest.mark.parametrize("sinks, query_heads", [(0, 4), (2, 4), (2, 2)])
+@pytest.mark.parametrize(
+    "length, window, chunk, split",
+    [(13, 5, 4, 6), (13, 3, 8, 9), (16, 6, 4, 1), (5, 8, 4, 2), (20, 3, 8, 13)],
+)
+def test_fused_window_attention_matches_the_reference_and_the_general_chunked_path(
+    length, window, chunk, split, sinks, query_heads
+):
+    """A window prefill with no padding or soft-capping takes one fused softmax call per chunk, from no state
+    or continuing one, with or without sinks: against the naive form over the whole sequence (forward and
+    gradients) and the general blocked path (output, state) call by call."""
+    from dofla.ops import chunked_window_attention, window_attention
+
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (
+        torch.randn(2, heads, length, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+        for heads in (query_heads, 2, 2)
+    )
+    settings = dict(scaling=8**-0.5, window=window, sinks=sinks, chunk_size=chunk, return_state=True)
+    pieces = [slice(0, split), slice(split, length)]
+    fast, state, general_state = [], None, None
+    for piece in pieces:
+        q, k, v = query[:, :, piece], key[:, :, piece], value[:, :, piece]
+        out, state = chunked_window_attention(q, k, v, initial_state=state, **settings)
+        all_present = torch.ones(2, k.shape[2], dtype=torch.bool)  # a key mask takes the general path
+        slow, general_state = chunked_window_attention(
+            q, k, v, initial_state=general_state, key_mask=all_present, **settings
+        )
+        torch.testing.assert_close(out, slow, rtol=1e-10, atol=1e-12)
+        assert state.num_tokens == general_state.num_tokens
+        for a, b in zip(state.tensors(), general_state.tensors(), strict=True):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        fast.append(out)
+    fast = torch.cat(fast, dim=2)
+    expected = window_attention(query, key, value, scaling=8**-0.5, window=window, sinks=sinks)
+    torch.testing.assert_close(fast, expected, rtol=1e-10, atol=1e-12)
+    weights = torch.randn(expected.shape, generator=generator, dtype=expected.dtype)
+    inputs = (query, key, value)
+    for a, b in zip(
+        weighted_gradients([fast], [weights], inputs),
+        weighted_gradients([expected], [weights], inputs),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_fused_window_attention_after_padding_keeps_one_mask_per_row(sinks, return_lse):
+    """The fused path shares one mask between the (batch, head) rows only where they see alike; after a
+    left-padded first call the rows' absent keys and sink positions differ, and each row keeps its own."""
+    from dofla.ops import chunked_window_attention
+    from dofla.ops.window.chunked import _rows_alike
+
+    generator = torch.Generator().manual_seed(5)
+    query, key, value = (
+        torch.randn(2, heads, 14, 8, generator=generator, dtype=torch.float64) for heads in (4, 2, 2)
+    )
+    settings = dict(scaling=8**-0.5, window=4, sinks=sinks, chunk_size=4, return_state=True)
+    key_mask = torch.ones(2, 3, dtype=torch.bool)
+    key_mask[1, :2] = False  # the second row starts two tokens later
+    first = [tensor[:, :, :3] for tensor in (query, key, value)]
+    _, state = chunked_window_attention(*first, key_mask=key_mask, **settings)
+    assert not (_rows_alike(state.key_present) and _rows_alike(state.sink_count[..., None]))
+    rest = [tensor[:, :, 3:] for tensor in (query, key, value)]
+    fast = chunked_window_attention(*rest, initial_state=state, return_lse=return_lse, **settings)
+    all_present = torch.ones(2, 11, dtype=torch.bool)  # a key mask takes the general path
+    slow = chunked_window_attention(
+        *rest, initial_state=state, key_mask=all_present, return_lse=return_lse, **settings
+    )
+    for a, b in zip(fast[:-1], slow[:-1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("sinks, query_heads", [(0, 4), (2, 4), (2, 2)])
+@pytest.mark.parametrize("length, window, chunk, split", [(13, 5, 4, 6), (16, 6, 4, 1), (20, 3, 8, 13)])
+def test_fused_window_log_sum_exp_without_gradients_matches_the_blocked_path(
+    length, window, chunk, split, sinks, query_heads, dtype
+):
+    """``return_lse`` without gradients to track takes the fused kernel's entry point that returns the
+    log-sum-exp; with them, the blocked path (the fused kernel gives no gradient for it)."""
+    from dofla.ops import chunked_window_attention
+    from dofla.ops.window.chunked import takes_fused_lse
+
+    generator = torch.Generator().manual_seed(4)
+    query, key, value = (
+        torch.randn(2, heads, length, 8, generator=generator, dtype=dtype) for heads in (query_heads, 2, 2)
+    )
+    settings = dict(scaling=8**-0.5, window=window, sinks=sinks, chunk_size=chunk, return_state=True)
+    fast_state = slow_state = None
+    tolerance = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for piece in (slice(0, split), slice(split, length)):
+        q, k, v = query[:, :, piece], key[:, :, piece], value[:, :, piece]
+        assert takes_fused_lse(q, k, v)
+        out, lse, fast_state = chunked_window_attention(
+            q, k, v, initial_state=fast_state, return_lse=True, **settings
+        )
+        all_present = torch.ones(2, k.shape[2], dtype=torch.bool)  # a key mask takes the blocked path
+        slow, slow_lse, slow_state = chunked_window_attention(
+            q, k, v, initial_state=slow_state, key_mask=all_present, return_lse=True, **settings
+        )
+        torch.testing.assert_close(out, slow, **tolerance)
+        torch.testing.assert_close(lse, slow_lse, **tolerance)
+        for a, b in zip(fast_state.tensors(), slow_state.tensors(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not takes_fused_lse(query.requires_grad_(), key, value)
+    with torch.no_grad():
+        assert takes_fused_lse(query, key, value)
