@@ -284,66 +284,36 @@ def test_the_trainers_settings_without_a_flag_are_set_in_a_config_file_only():
         LinearizeConfig.from_dict(dict(out_dir="o", distill=dict(max_bad_steps=0))).validate()
 
 
-# The demo's settings before the config tree (dofla.pipeline.demo_config, flat), by their new names.
-OLD_DEMO = {
-    "out_dir": "OUT", "teacher.model": "smollm2-135m", "recipe": "gla", "plan.budget": 32,
-    "plan.allocation": "dof", "plan.measure": "dof", "student.feature_map": "hedgehog", "plan.kind": "hybrid",
-    "student.cell": "gla", "plan.window": 64, "plan.sinks": 4, "student.cell_options": {"window_factor": 0.999},
-    "plan.layers": None, "distill.loss": "output_mse", "distill.tokens": 12000, "data.seq_len": 512,
-    "distill.batch_size": 2, "distill.lr": 0.01, "distill.eval_every": 6, "distill.checkpoint_every": 3,
-    "distill.patience": 0, "data.path": None, "data.heldout_fraction": 0.1, "data.heldout_sequences": 8,
-    "plan.dof_points": 256, "plan.dof_batches": 1, "data.sampled_texts": 32, "data.sampled_tokens": 128,
-    "lora.enabled": True, "lora.tokens": 10000, "lora.rank": 8, "lora.alpha": 16, "lora.targets": None,
-    "lora.lr": 0.003, "lora.kl_weight": 1.0, "lora.baseline": True, "distill.kl_weight": 0.0,
-    "evaluate.error_sequences": 8, "evaluate.passkey_lengths": [256, 1024], "evaluate.passkey_trials": 1,
-    "evaluate.lengths": [1024], "seed": 0, "teacher.dtype": None, "teacher.device": None, "resume": False,
-    "overwrite": False, "progress": True,
-}  # fmt: skip
-NEW_SINCE = {
-    "distill.sharding": "data",
-    "distill.length_schedule": None,
-    "distill.teacher_states": None,
-    "distill.cuda_graphs": False,
-    "lora.seq_len": None,
-    "plan.position_period": None,
-    "plan.keep_softmax": 0,
-    "plan.softmax_choice": "dof",
-    "plan.per_query_head": False,
-    "lora.train_students": False,
-    "lora.tokens_per_forward": 2048,  # the demo's batches (2 x 512) are one piece: the same steps
-    "data.recall_fraction": 0.0,
-    "lora.needle_fraction": 0.0,
-    "evaluate.recall": True,
-    "evaluate.edge_sinks": False,
-    "plan.sinks_at_edge": None,
-    "plan.convert_windowed": False,
-    "student.recall_cache": 0,
-    # the trainers' own settings, in the sections since the trainers take them (the same values as before)
-    "distill.weight_decay": 0.0,
-    "distill.warmup_fraction": 0.05,
-    "distill.min_lr_fraction": 0.1,
-    "distill.grad_clip": 1.0,
-    "distill.eval_batches": 4,
-    "distill.max_bad_steps": 5,
-    "distill.query_chunk": 128,
-    "distill.temperature": 1.0,
-    "lora.warmup_fraction": 0.05,
-    "lora.min_lr_fraction": 0.1,
-    "lora.grad_clip": 1.0,
-    "lora.temperature": 1.0,
-    "lora.max_bad_steps": 5,
-}  # options added later, at defaults
-CHANGED_SINCE = {  # the demo reads real text shipped with dofla: web text to train, encyclopedia text held out
-    "data.path": str(DEMO_TRAIN_TEXT),
-    "data.heldout_path": str(DEMO_HELDOUT_TEXT),
-    "data.heldout_sequences": 16,
-}
-
-
-def test_the_demo_resolves_to_the_same_settings_as_before():
+def test_the_demo_is_the_recall_recipe_sized_for_a_2_core_cpu():
     demo = demo_config("OUT")
-    assert {setting.key: demo.get(setting.key) for setting in settings_of() if setting.key != "command"} == {
-        **OLD_DEMO,
-        **NEW_SINCE,
-        **CHANGED_SINCE,
-    }
+    assert (demo.recipe, demo.student.cell, demo.student.feature_map, demo.plan.kind) == (
+        "gated-delta-recall",
+        "gated_delta",
+        "projection",
+        "hybrid",
+    )
+    assert (demo.plan.window, demo.plan.sinks, demo.plan.budget, demo.student.recall_cache) == (
+        64,
+        4,
+        64,
+        128,
+    )
+    assert demo.student.cell_options == {"window_factor": 0.999}
+    assert (
+        demo.plan.position_period is None and demo.plan.sinks_at_edge is False
+    )  # the cache's true positions
+    assert demo.plan.allocation == "fix"  # no DoF measurement: the minutes go to training and measuring
+    assert (demo.data.seq_len, demo.data.heldout_sequences, demo.evaluate.lengths) == (1024, 16, [1024])
+    assert (demo.data.path, demo.data.heldout_path) == (str(DEMO_TRAIN_TEXT), str(DEMO_HELDOUT_TEXT))
+    assert (demo.evaluate.passkey_lengths, demo.evaluate.passkey_trials) == ([2048, 4096], 1)
+    assert (demo.evaluate.recall, demo.evaluate.error_sequences) == (False, 0)
+    assert (demo.distill.tokens, demo.lora.tokens, demo.lora.seq_len, demo.lora.baseline) == (
+        4096,
+        6144,
+        512,
+        True,
+    )
+    demo.validate()
+    from dofla.recipes import plan_for_arguments  # the students benchmarks build: the trained model's, cache on
+
+    assert plan_for_arguments("gated-delta-recall")["options"] == {"window_factor": 0.999, "recall_cache": 128}
