@@ -249,6 +249,8 @@ NOT_LOADED = "no-such-model"  # a refusal naming the option, not this missing mo
         (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
         (["--budget", "100000"], "at most 8192; got 100000"),
         (["--lr", "nan"], "learning rate must be a positive number, got nan"),
+        (["--lr", "3e38"], "--lr 3e+38 is above 1e+30, where Adam's float32 steps overflow"),
+        (["--lora", "--lora-lr", "1e31"], "--lora-lr 1e+31 is above 1e+30"),
         (["--loss", "direct", "--kl-weight", "-1"], "the KL weight must be zero or positive"),
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--lora-targets", "q_proj,,v_proj"], "--lora-targets must be comma-separated names"),
@@ -824,6 +826,26 @@ def test_a_weight_of_the_wrong_shape_and_a_linked_out_are_named(world, tmp_path,
     )
     assert f"--out {link} is a symbolic link to {world['converted']}" in capsys.readouterr().err
     assert listing(world["converted"]) == before and link.is_symlink()
+
+
+def test_an_empty_mount_point_as_the_model_folder_is_refused_before_converting(
+    world, tmp_path, capsys, monkeypatch
+):
+    import dofla.convert
+
+    mount_point = tmp_path / "mnt"
+    mount_point.mkdir()
+    mounted = Path.is_mount
+    monkeypatch.setattr(Path, "is_mount", lambda self: self == mount_point or mounted(self))
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the check came after the teacher was converted")
+
+    monkeypatch.setattr(dofla.convert, "convert", too_late)
+    assert main(["convert", str(world["teacher"]), "--feature-dim", "4", "--out", str(mount_point)]) == 1
+    error = capsys.readouterr().err
+    assert f"{mount_point} is a mount point, which a saved model cannot replace" in error
+    assert f"give a folder inside it, e.g. {mount_point / 'model'}" in error
 
 
 def test_a_run_without_room_for_its_model_stops_before_training(world, tmp_path, capsys, monkeypatch):

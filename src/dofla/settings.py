@@ -16,6 +16,22 @@ from typing import Any
 from dofla.config import LayerPlan  # a layer's defaults are its plan's
 from dofla.errors import DoflaError
 
+# The largest learning rate taken: Adam's first step is 10x it and a cell may scale it further, and a step
+# past float32's 3.4e38 is an overflow inside torch, not a loss that the non-finite step policy can catch.
+MAX_LEARNING_RATE = 1e30
+
+
+def check_learning_rate(value: float, flag: str, example: str) -> None:
+    """Refuse a learning rate that is not a positive number, or above :data:`MAX_LEARNING_RATE`."""
+    if not (math.isfinite(value) and value > 0):
+        name = "learning rate" if flag == "--lr" else flag
+        raise DoflaError(f"{name} must be a positive number, got {value}; pass e.g. {flag} {example}.")
+    if value > MAX_LEARNING_RATE:
+        raise DoflaError(
+            f"{flag} {value:g} is above {MAX_LEARNING_RATE:g}, where Adam's float32 steps overflow; pass e.g. "
+            f"{flag} {example}."
+        )
+
 
 def option(
     default: Any = dataclasses.MISSING,
@@ -217,8 +233,7 @@ class DistillSettings:
             raise DoflaError(f"the token budget must be positive, got {self.tokens}; pass e.g. --tokens 2M.")
         if self.batch_size <= 0:
             raise DoflaError(f"batch size must be positive, got {self.batch_size}; pass e.g. --batch-size 4.")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise DoflaError(f"learning rate must be a positive number, got {self.lr}; pass e.g. --lr 1e-2.")
+        check_learning_rate(self.lr, "--lr", "1e-2")
         if not (math.isfinite(self.kl_weight) and self.kl_weight >= 0):
             raise DoflaError(f"the KL weight must be zero or positive, got {self.kl_weight}.")
         for name in ("eval_every", "checkpoint_every", "patience"):
@@ -304,8 +319,7 @@ class LoraSettings:
             raise DoflaError(
                 f"the LoRA token budget must be positive, got {self.tokens}; pass e.g. --lora-tokens 200k."
             )
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise DoflaError(f"--lora-lr must be a positive number, got {self.lr}; pass e.g. --lora-lr 1e-3.")
+        check_learning_rate(self.lr, "--lora-lr", "1e-3")
         if not (math.isfinite(self.kl_weight) and self.kl_weight >= 0):
             raise DoflaError(f"--lora-kl must be zero or positive, got {self.kl_weight}.")
         if self.targets is not None and not all(
