@@ -125,6 +125,11 @@ def check_model_folder(out_dir: str | Path, *, overwrite: bool, inputs=()) -> Pa
     see :func:`dofla.outputs.check_output_folder` for the rest (inputs, files, other dofla outputs).
     """
     out_dir = outputs.check_output_folder(out_dir, MODEL_KIND, inputs=inputs)
+    if out_dir.is_mount():  # the model is written beside its folder and renamed into place
+        raise DoflaError(
+            f"{out_dir} is a mount point, which a saved model cannot replace (dofla writes the model beside "
+            f"its folder and renames it into place); give a folder inside it, e.g. {out_dir / 'model'}."
+        )
     if out_dir.is_dir() and outputs.user_entries(out_dir):
         if not overwrite:
             raise DoflaError(
