@@ -659,7 +659,9 @@ def test_nan_weights_are_named_when_a_teacher_or_a_converted_model_loads(world, 
     tensors[name] = tensors[name].clone().fill_(float("nan"))
     save_file(tensors, str(weights), metadata={"format": "pt"})
     run = ["linearize", str(teacher), "--data", str(world["text"]), *RUN, "--tokens", "128"]
-    for command in (["info", str(teacher)], [*run, "--out", str(tmp_path / "run")]):
+    dof = ["dof", str(teacher), "--data", str(world["text"]), "--out", str(tmp_path / "dof")]
+    convert_to = ["convert", str(teacher), "--feature-dim", "4", "--out", str(tmp_path / "model")]
+    for command in (["info", str(teacher)], [*run, "--out", str(tmp_path / "run")], dof, convert_to):
         assert main(command) == 1
         error = capsys.readouterr().err
         assert "NaN or infinite values (first in" in error and "the teacher is damaged" in error
@@ -803,6 +805,19 @@ def test_gguf_files_and_the_cache_are_checked_before_loading(world, tmp_path, ca
     monkeypatch.setenv("DOFLA_CACHE", str(blocker))
     assert main(["info", str(save_tiny_gguf(tmp_path / "tiny.gguf"))]) == 1
     assert f"cannot make dofla's cache folder {blocker / 'teachers'}" in capsys.readouterr().err
+
+    import transformers
+    from safetensors import SafetensorError
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setenv("DOFLA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", full_disk)
+    assert main(["info", str(tmp_path / "tiny.gguf")]) == 1
+    error = capsys.readouterr().err
+    assert "could not cache the de-quantised teacher in" in error and "Error while serializing" in error
+    assert not [path for path in (tmp_path / "cache" / "teachers").iterdir()]  # no half-written copy
 
 
 def test_a_weight_of_the_wrong_shape_and_a_linked_out_are_named(world, tmp_path, capsys):
