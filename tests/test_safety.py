@@ -879,6 +879,7 @@ def test_a_run_without_room_for_its_model_stops_before_training(world, tmp_path,
 
 def test_a_large_data_file_is_read_only_as_far_as_the_run_needs(world, tmp_path, capsys, monkeypatch):
     import dofla.data
+    import dofla.text_files
 
     big = tmp_path / "big.txt"  # one line of 24 MiB: one text no tokenizer call may get whole
     big.write_text("The river runs past the hill and on to the old mill. " * 460_000)
@@ -889,11 +890,20 @@ def test_a_large_data_file_is_read_only_as_far_as_the_run_needs(world, tmp_path,
         tokenised.extend(len(piece) for piece, _ in pieces)
         return tokenise(tokenizer, pieces, eos, ids)
 
+    decoded = []  # the bytes read as text (the blank-line scan reads the file's bytes and keeps none)
+    decode = dofla.text_files._decoded
+
+    def counted_bytes(raw, path, offset, start=0, end=None):
+        decoded.append((len(raw) if end is None else end) - start)
+        return decode(raw, path, offset, start, end)
+
     monkeypatch.setattr(dofla.data, "_tokenise", counted)
+    monkeypatch.setattr(dofla.text_files, "_decoded", counted_bytes)
     run = ["linearize", str(world["teacher"]), "--data", str(big), *RUN, "--tokens", "256"]
     assert main([*run, "--out", str(tmp_path / "run")]) == 0
     assert "(read as far as the 10,272 tokens this run needs)" in (tmp_path / "run" / "report.md").read_text()
     assert max(tokenised) <= dofla.data.TOKENIZE_CHARS and sum(tokenised) < big.stat().st_size / 10
+    assert max(decoded) <= 1 << 20 and sum(decoded) < big.stat().st_size / 4  # the one line, in pieces
 
     tokenised.clear()
     evaluate = [

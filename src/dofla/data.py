@@ -21,9 +21,9 @@ import torch
 
 from dofla.errors import DoflaError
 from dofla.io import write_text_atomic
-from dofla.text_files import TEXT_SUFFIXES, check_data_path, iter_texts, load_texts  # noqa: F401
+from dofla.text_files import TEXT_SUFFIXES, check_data_path, iter_documents, iter_texts, load_texts  # noqa: F401
 
-TOKENIZE_CHARS = 1 << 20  # the most characters one tokenizer call gets: longer texts go in pieces
+TOKENIZE_CHARS = 1 << 18  # about the most characters one tokenizer call gets: longer texts go in pieces
 
 
 def text_pieces(text: str, size: int = TOKENIZE_CHARS) -> Iterator[str]:
@@ -49,18 +49,20 @@ class TokenRead:
 
 
 def read_tokens(
-    tokenizer, texts: Iterable[str], *, add_eos: bool = True, limit: int | None = None
+    tokenizer, texts: Iterable[str | Iterable[str]], *, add_eos: bool = True, limit: int | None = None
 ) -> TokenRead:
     """The texts' tokens in order (an end-of-text token after each text if ``add_eos``), read until at least
     ``limit`` tokens are there (None: every text); texts are tokenised in batches of about
-    :data:`TOKENIZE_CHARS` characters, a longer text in pieces of it."""
+    :data:`TOKENIZE_CHARS` characters, a longer text in pieces of it. A text may come as an iterable of
+    its pieces (:func:`dofla.text_files.iter_documents`), taken only as far as needed."""
     eos = getattr(tokenizer, "eos_token_id", None) if add_eos else None
     ids = array.array("q")
     pieces: list[tuple[str, bool]] = []  # (piece, whether it ends its text), waiting for the tokenizer
     waiting = count = 0
     for count, text in enumerate(texts, start=1):
-        cut = text_pieces(text, TOKENIZE_CHARS)
-        piece = next(cut)
+        parts = [text] if isinstance(text, str) else text  # a text, or a text in pieces
+        cut = (piece for part in parts for piece in text_pieces(part, TOKENIZE_CHARS))
+        piece = next(cut, None)
         while piece is not None:
             following = next(cut, None)
             pieces.append((piece, following is None))

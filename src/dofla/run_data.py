@@ -137,7 +137,7 @@ def heldout_rows_from(config: LinearizeConfig, tokenizer, lengths: list[int]) ->
     rows = None
     if distributed.rank_and_world_size()[0] == 0:
         limit = (max(config.data.heldout_sequences, 2) + 1) * max(lengths)
-        read = read_tokens(tokenizer, data.iter_texts(config.data.heldout_path), limit=limit)
+        read = read_tokens(tokenizer, data.iter_documents(config.data.heldout_path), limit=limit)
         rows = rows_of_tokens(read.ids[:limit], lengths, config.data.seq_len)
     return distributed.share_tensor(rows)
 
@@ -198,7 +198,7 @@ def data_rows(
         )
         return pack_rows(tokenizer, texts, lengths, settings.seq_len), source
     limit = None if whole else tokens_needed(config, lengths)
-    read = read_tokens(tokenizer, data.iter_texts(settings.path), limit=limit)
+    read = read_tokens(tokenizer, data.iter_documents(settings.path), limit=limit)
     rows = rows_of_tokens(read.ids if limit is None else read.ids[:limit], lengths, settings.seq_len)
     if read.complete:
         return rows, f"{settings.path} ({read.texts} texts)"

@@ -12,11 +12,14 @@ Accepted inputs for :func:`iter_texts` and :func:`load_texts`:
 
 ``.txt`` and ``.jsonl`` files are read line by line and a folder file by file, so a caller that stops
 early (a run that has the tokens it needs) never reads the rest; whether a ``.txt`` file has a blank line
-is found by a scan in pieces of 1 MiB that keeps nothing. A ``.json`` array is parsed whole.
+is found by a scan in pieces of 1 MiB that keeps nothing, and a line of a one-text-per-line file is read
+in pieces of 1 MiB (:func:`iter_documents`). A ``.json`` array, a ``.jsonl`` line and a blank-line
+separated block are read whole.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -30,22 +33,25 @@ _SCAN_BYTES = 1 << 20  # the blank-line scan reads this much at a time
 _SPACE = b" \t\r\n\f\v"
 _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 _BOM = b"\xef\xbb\xbf"
+_LINE_BYTES = 1 << 20  # a longer line of a one-text-per-line file is read in pieces of this many bytes
 
 
-def _decoded(raw: bytes, path: Path, offset: int) -> str:
-    """``raw`` (the bytes at ``offset`` of ``path``) as text; binary or non-UTF-8 content is refused with the
-    offending position in the file."""
-    nul = raw.find(bytes(1))
+def _decoded(raw: bytes, path: Path, offset: int, start: int = 0, end: int | None = None) -> str:
+    """``raw[start:end]`` (``raw`` being the bytes at ``offset`` of ``path``) as text, without a copy of the
+    bytes; binary or non-UTF-8 content is refused with the offending position in the file."""
+    end = len(raw) if end is None else end
+    nul = raw.find(bytes(1), start, end)
     if nul >= 0:
         raise DoflaError(
             f"{path} holds a NUL byte at offset {offset + nul}: it is binary data, not text; give a UTF-8 "
             "text file."
         )
     try:
-        return raw.decode("utf-8")
+        return str(memoryview(raw)[start:end], "utf-8")
     except UnicodeDecodeError as error:
+        where = start + error.start
         raise DoflaError(
-            f"{path} is not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {offset + error.start}); "
+            f"{path} is not UTF-8 text (byte 0x{raw[where]:02x} at offset {offset + where}); "
             "convert it to UTF-8, e.g. with iconv."
         ) from None
 
@@ -58,7 +64,7 @@ def _lines(path: Path) -> Iterator[str]:
         for raw in file:
             start = len(_BOM) if offset == 0 and raw.startswith(_BOM) else 0
             end = len(raw) - (2 if raw.endswith(b"\r\n") else 1 if raw.endswith(b"\n") else 0)
-            yield _decoded(raw[start:end], path, offset + start)
+            yield _decoded(raw, path, offset, start, end)
             offset += len(raw)
 
 
@@ -85,11 +91,67 @@ def _has_blank_line(path: Path) -> bool:
     return False
 
 
-def _read_txt(path: Path) -> Iterator[str]:
+def _missing_bytes(raw: bytes) -> int:
+    """How many bytes the last UTF-8 character of ``raw`` lacks (0 if it is whole)."""
+    for back in range(1, min(4, len(raw)) + 1):
+        byte = raw[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: the last character starts here
+            size = 2 if 0xC0 <= byte < 0xE0 else 3 if 0xE0 <= byte < 0xF0 else 4 if 0xF0 <= byte < 0xF8 else 1
+            return max(0, size - back)
+    return 0
+
+
+def _long_line(file, raw: bytes, offset: int, start: int, path: Path) -> Iterator[str]:
+    """The text of a line longer than :data:`_LINE_BYTES` whose first bytes are ``raw`` (at ``offset``), in
+    pieces read from ``file`` as they are taken, stripped at both ends like a short line."""
+    pending, began = "", False  # white space kept only if text follows it; whether text has begun
+    while True:
+        ends = raw.endswith(b"\n") or len(raw) < _LINE_BYTES  # a line break or the end of the file
+        if not ends:
+            raw += file.read(_missing_bytes(raw))  # a character cut in two: its other bytes
+        end = len(raw) - (2 if raw.endswith(b"\r\n") else 1 if raw.endswith(b"\n") else 0)
+        text = _decoded(raw, path, offset, start, end)
+        text = text if began else text.lstrip()
+        began = began or bool(text)
+        body = text.rstrip()
+        if body:
+            yield pending + body
+            pending = text[len(body) :]
+        else:
+            pending += text
+        if ends:
+            return
+        offset, start = offset + len(raw), 0
+        raw = file.readline(_LINE_BYTES)
+
+
+def _line_documents(path: Path) -> Iterator[str | Iterator[str]]:
+    """Each non-empty line of the file, stripped: a string, or for a line longer than :data:`_LINE_BYTES`
+    an iterator over its text in pieces, read only as far as they are taken."""
+    with path.open("rb") as file:
+        if file.read(len(_BOM)) != _BOM:  # a leading byte-order mark is dropped
+            file.seek(0)
+        while True:
+            offset = file.tell()
+            raw = file.readline(_LINE_BYTES)
+            if not raw:
+                return
+            if raw.endswith(b"\n") or len(raw) < _LINE_BYTES:
+                end = len(raw) - (2 if raw.endswith(b"\r\n") else 1 if raw.endswith(b"\n") else 0)
+                if stripped := _decoded(raw, path, offset, 0, end).strip():
+                    yield stripped
+                continue
+            pieces = _long_line(file, raw, offset, 0, path)
+            first = next(pieces, None)
+            if first is not None:  # else the line held only white space
+                yield itertools.chain([first], pieces)
+            for _ in pieces:  # what the caller left of the line, before the next one
+                pass
+
+
+def _read_txt(path: Path) -> Iterator[str | Iterator[str]]:
     if not _has_blank_line(path):
-        for line in _lines(path):
-            if line.strip():
-                yield line.strip()
+        yield from _line_documents(path)
         return
     block: list[str] = []
     finished = None  # the last finished block, yielded once another starts (the file's last one is stripped)
@@ -144,7 +206,7 @@ def _read_json(path: Path) -> Iterator[str]:
     raw = path.read_bytes()
     start = len(_BOM) if raw.startswith(_BOM) else 0
     try:
-        records = json.loads(_decoded(raw[start:], path, start))
+        records = json.loads(_decoded(raw, path, 0, start))
     except json.JSONDecodeError as error:
         raise DoflaError(
             f"{path} is not valid JSON ({error.msg} at line {error.lineno}); fix the file."
@@ -191,17 +253,18 @@ def _read_texts(path: Path) -> Iterator[str]:
     yield from readers[path.suffix](path)
 
 
-def iter_texts(path: str | Path) -> Iterator[str]:
+def iter_documents(path: str | Path) -> Iterator[str | Iterator[str]]:
     """The documents of a text file, JSONL/JSON file or folder (see the module docstring), one at a time and
-    read only as far as the caller takes them; texts that are empty or only white space are left out, and
-    data holding no text at all is refused once it is read to its end."""
+    read only as far as the caller takes them: each a string, or an iterator over its text in pieces (a
+    line of a one-text-per-line ``.txt`` longer than 1 MiB, read as the pieces are taken). Texts that are
+    empty or only white space are left out, and data holding no text is refused once read to its end."""
     path = Path(path).expanduser()
     found = False
     try:
-        for text in _read_texts(path):
-            if text.strip():
+        for document in _read_texts(path):
+            if not isinstance(document, str) or document.strip():
                 found = True
-                yield text
+                yield document
     except OSError as error:
         where = error.filename or path
         raise DoflaError(
@@ -209,6 +272,12 @@ def iter_texts(path: str | Path) -> Iterator[str]:
         ) from None
     if not found:
         raise DoflaError(f"{path} holds no text (every record is empty); give a file with text in it.")
+
+
+def iter_texts(path: str | Path) -> Iterator[str]:
+    """The documents of :func:`iter_documents`, each as one string."""
+    for document in iter_documents(path):
+        yield document if isinstance(document, str) else "".join(document)
 
 
 def load_texts(path: str | Path) -> list[str]:
@@ -236,6 +305,6 @@ def check_data_path(path: str | Path | None, option: str = "--data") -> None:
         raise DoflaError(
             f"data path {path} is neither a file nor a folder (a pipe or device); save the text to a file."
         )
-    texts = iter_texts(path)
-    next(texts)  # refuses data that cannot be read or holds no text
-    texts.close()
+    documents = iter_documents(path)
+    next(documents)  # refuses data that cannot be read or holds no text
+    documents.close()
