@@ -612,6 +612,7 @@ def test_empty_data_paths_and_empty_texts_are_refused(world, tmp_path, capsys, m
         ["dof", NOT_LOADED, "--out", str(tmp_path / "dof")],
         ["evaluate", NOT_LOADED, "--passkey", "64"],
         ["teacher-states", NOT_LOADED, "--boundaries", "1", "--out", str(tmp_path / "states")],
+        ["frontier", NOT_LOADED, "--out", str(tmp_path / "grid")],
     ):
         assert main([*command, "--data", ""]) == 1
         assert "--data is empty" in capsys.readouterr().err

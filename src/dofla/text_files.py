@@ -19,6 +19,7 @@ separated block are read whole.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -70,7 +71,14 @@ def _lines(path: Path) -> Iterator[str]:
 
 def _has_blank_line(path: Path) -> bool:
     """Whether a line holding nothing but spaces lies between two lines of text, found by reading the file in
-    pieces (a byte-order mark and blank lines before the first or after the last text do not count)."""
+    pieces (a byte-order mark and blank lines before the first or after the last text do not count); a
+    file unchanged since its last scan (size and time) is not scanned again."""
+    stat = path.stat()
+    return _scan_for_blank_line(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _scan_for_blank_line(path: Path, size: int, modified_ns: int) -> bool:
     seen_text, carry = False, b""
     with path.open("rb") as file:
         if file.read(len(_BOM)) != _BOM:
