@@ -114,15 +114,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
     from dofla import dof, outputs
-    from dofla.data import load_texts, pack_token_sequences, row_start_token, sample_teacher_texts, start_rows
+    from dofla.data import pack_token_sequences, row_start_token, sample_teacher_texts, start_rows
     from dofla.errors import DoflaError
     from dofla.io import write_json_atomic, write_text_atomic
     from dofla.models import load_teacher
     from dofla.models.loading import cache_root
     from dofla.settings import PlanSettings, StudentSettings
+    from dofla.text_files import iter_documents
 
     note = functools.partial(print, file=sys.stderr, flush=True)
-    texts = load_texts(args.data) if args.data else None  # a bad file is refused before loading the model
+    # read only as far as --sequences rows need (check_data_path read its first text before any work)
+    texts = iter_documents(args.data) if args.data else None
     note(f"loading the teacher {args.model}")
     teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
     measure = dof.MEASURES[args.measure]
