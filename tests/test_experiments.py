@@ -346,3 +346,26 @@ def test_held_cache_after_generate_reports_the_state_as_held(tiny, tmp_path, cap
     ]
     for _, held, state, teacher in (row[:4] for row in rows):
         assert float(held) == float(state) > 0 and float(teacher) > float(held)
+
+
+def test_export_smollm2_compares_a_plain_transformers_run_of_the_export_in_both_dtypes(
+    tiny, tmp_path, capsys
+):
+    arguments = ["--teacher", tiny[0], "--work", str(tmp_path), "--tokens", "24", "--new-tokens", "3"]
+    assert experiment("export_smollm2").main(arguments) == 0
+    out = capsys.readouterr().out
+    for dtype in ("float32", "float64"):
+        line = next(line for line in out.splitlines() if line.startswith(f"{dtype}: "))
+        assert "dofla imported there: False" in line and "same greedy continuation: True" in line
+    assert "float64 met" in out
+    assert (tmp_path / "exported-float64" / "model.safetensors").is_file()
+
+
+def test_gated_delta_net_init_measures_each_setting_against_the_teacher(tiny, capsys):
+    arguments = ["--teacher", tiny[0], "--sequences", "2", "--seq-len", "32"]
+    assert experiment("gated_delta_net_init").main(arguments) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    measured = [row for row in rows[2:]]
+    assert len(measured) == 4 + 4 + 5 + 1
+    for _, _, error, cosine, at_best_gain in measured:
+        assert float(error) >= float(at_best_gain) - 1e-3 and -1 <= float(cosine) <= 1
