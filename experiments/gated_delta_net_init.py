@@ -6,8 +6,10 @@ given options is compared with the teacher's attention output, both after the ou
 layer's contribution to the residual stream): relative error ``||cell - teacher|| / ||teacher||`` over all
 tokens of the layer (a zero output scores 1), and the cosine between the two (same flattening; it ignores a
 common gain, which the read-out norm's weight learns first), with the relative error left at the best
-gain, ``sqrt(1 - cosine^2)``. Figures are means over the layers; the defaults are chosen by the cosine. One setting
-is changed at a time from the cell's defaults, then the best of each is combined.
+gain, ``sqrt(1 - cosine^2)``, and that gain ``<cell, teacher> / <cell, cell>``. Figures are means over the layers; the defaults are chosen by the cosine. One setting
+is changed at a time from the cell's defaults, then the best of each is combined: by the cosine, except
+``output_scale`` (the read-out norm's initial weight, times ``gate_scale``), which changes only the size
+and is chosen by the relative error.
 
     PYTHONPATH=src python experiments/gated_delta_net_init.py [--sequences 4] [--seq-len 512]
 
@@ -50,16 +52,16 @@ def captured(model, adapter, ids: torch.Tensor) -> list[tuple[torch.Tensor, torc
     return [tuple(found[index]) for index in range(len(found))]
 
 
-def measure(teacher, layers, options: dict) -> tuple[float, float, float]:
-    """Mean over layers of (relative error, cosine, relative error at the best gain) of the cells built
-    with ``options``."""
+def measure(teacher, layers, options: dict) -> tuple[float, float, float, float]:
+    """Mean over layers of (relative error, cosine, relative error at the best gain, the best gain) of the
+    cells built with ``options``."""
     from dofla.convert import convert, plan_for
     from dofla.models.surgery import students
 
     model = copy.deepcopy(teacher.model)
     convert(model, plan_for(model, kind="linear", cell="gated_delta_net", options=options))
     modules = teacher.adapter.attention_modules(model)
-    errors, cosines, at_best_gain = [], [], []
+    errors, cosines, at_best_gain, gains = [], [], [], []
     with torch.no_grad():
         for index, cell in sorted(students(model).items()):
             hidden, target = layers[index]
@@ -70,8 +72,9 @@ def measure(teacher, layers, options: dict) -> tuple[float, float, float]:
             cosine = torch.nn.functional.cosine_similarity(output, target, dim=0).item()
             cosines.append(cosine)
             at_best_gain.append((1 - cosine**2) ** 0.5)
+            gains.append((output @ target / (output @ output)).item())
     count = len(errors)
-    return sum(errors) / count, sum(cosines) / count, sum(at_best_gain) / count
+    return tuple(sum(values) / count for values in (errors, cosines, at_best_gain, gains))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,30 +96,37 @@ def main(argv: list[str] | None = None) -> int:
     defaults = dict(
         conv_scale=cell.DEFAULT_CONV_SCALE,
         gate_scale=cell.DEFAULT_GATE_SCALE,
+        output_scale=cell.DEFAULT_OUTPUT_SCALE,
         decay_memory=tuple(cell.DEFAULT_DECAY_MEMORY),
     )
     print(
         f"teacher {args.teacher}, {len(rows)} sequences of {args.seq_len} tokens of {TEXT.name}; "
         f"defaults now {defaults}"
     )
-    print("| setting | value | relative error | cosine | relative error at the best gain |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    print("| setting | value | relative error | cosine | relative error at the best gain | best gain |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
     grid = {
         "conv_scale": [4.0, 1.0, 0.25, 0.05],
         "gate_scale": [0.25, 1.0, 4.0, 16.0],
         "decay_memory": [(2.0, 16.0), (4.0, 64.0), (16.0, 1024.0), (64.0, 4096.0), (256.0, 16384.0)],
+        "output_scale": [1.0, 0.3, 0.1, 0.03],
     }
     best = {}
     started = time.perf_counter()
     for name, values in grid.items():
         scores = []
         for value in values:
-            error, cosine, best_gain = measure(teacher, layers, {**defaults, name: value})
-            scores.append((cosine, value))
-            print(f"| {name} | {value} | {error:.3f} | {cosine:.3f} | {best_gain:.3f} |", flush=True)
+            error, cosine, best_gain, gain = measure(teacher, layers, {**defaults, name: value})
+            scores.append((-error if name == "output_scale" else cosine, value))
+            print(
+                f"| {name} | {value} | {error:.3f} | {cosine:.3f} | {best_gain:.3f} | {gain:.3f} |",
+                flush=True,
+            )
         best[name] = max(scores)[1]
-    error, cosine, best_gain = measure(teacher, layers, best)
-    print(f"| best cosine of each, combined | {best} | {error:.3f} | {cosine:.3f} | {best_gain:.3f} |")
+    error, cosine, best_gain, gain = measure(teacher, layers, best)
+    print(
+        f"| the best of each, combined | {best} | {error:.3f} | {cosine:.3f} | {best_gain:.3f} | {gain:.3f} |"
+    )
     print(f"({time.perf_counter() - started:.0f} s of measuring)")
     return 0
 

@@ -14,6 +14,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 )
 
 from dofla.cells import GatedDeltaNet, cell_class
+from dofla.cells.gated_delta_net import DEFAULT_GATE_SCALE, DEFAULT_OUTPUT_SCALE
 from dofla.config import LayerPlan
 from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
@@ -199,7 +200,11 @@ def test_the_cell_starts_from_the_teachers_projections_and_configured_memories()
         rows = slice(head * size, (head + 1) * size)
         torch.testing.assert_close(key[rows], attention.k_proj.weight[teacher_rows])
         torch.testing.assert_close(value[rows], attention.v_proj.weight[teacher_rows])
-        torch.testing.assert_close(cell.in_proj_z.weight[rows], attention.v_proj.weight[teacher_rows])
+        gate = DEFAULT_GATE_SCALE
+        torch.testing.assert_close(cell.in_proj_z.weight[rows], gate * attention.v_proj.weight[teacher_rows])
+    torch.testing.assert_close(
+        cell.norm.weight, torch.full_like(cell.norm.weight, DEFAULT_OUTPUT_SCALE / DEFAULT_GATE_SCALE)
+    )
     decay = torch.exp(-cell.A_log.exp() * torch.nn.functional.softplus(cell.dt_bias))  # a zero `a` projection
     torch.testing.assert_close(1 / (1 - decay[[0, -1]]), torch.tensor([4.0, 64.0]), rtol=1e-4, atol=0)
     assert cell.in_proj_a.weight.abs().sum() == 0 and cell.in_proj_b.weight.abs().sum() == 0  # beta 1/2

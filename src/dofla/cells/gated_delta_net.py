@@ -17,8 +17,11 @@ heads repeated for grouped-query attention; biases, which the Qwen3.5 layer has 
 convolution passes each token's own inputs scaled by ``conv_scale`` (small: SiLU is then close to linear
 there, and the normalisations remove the scale), ``in_proj_a`` and ``in_proj_b`` start at 0 (a constant
 decay per head, with memories ``1 / (1 - a)`` spread geometrically over ``decay_memory`` tokens, and
-beta = 1/2), and ``in_proj_z`` is the teacher's value projection times ``gate_scale`` (the output follows
-the token's values until training finds its own gate).
+beta = 1/2), and ``in_proj_z`` is the teacher's value projection times ``gate_scale`` with the read-out norm's
+weight ``output_scale / gate_scale`` (the output follows ``silu(gate_scale v) / gate_scale`` of the token's values v,
+between ``silu(v)`` and ``relu(v)``, until training finds its own gate). The defaults of ``conv_scale``,
+``gate_scale`` and ``decay_memory`` are those that started SmolLM2-135M's layers closest in direction
+(cosine) to its attention outputs, ``output_scale`` the one closest in size (relative error), ``experiments/gated_delta_net_init.py`` (docs/results/export/).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ DEFAULT_CONV_SIZE = 4
 DEFAULT_DECAY_MEMORY = (16.0, 1024.0)
 DEFAULT_CONV_SCALE = 0.25
 DEFAULT_GATE_SCALE = 1.0
+DEFAULT_OUTPUT_SCALE = 1.0
 PROJECTION_LR = 0.1  # the projections copied from the teacher train at this multiple of the base rate
 
 
@@ -82,10 +86,11 @@ class GatedDeltaNet(LinearAttention):
 
     Options: ``conv_size`` W (default 4), ``decay_memory`` (shortest, longest) initial memories in tokens
     (default 16, 1024), ``conv_scale`` the convolution's initial tap on the token itself (default 0.25),
-    ``gate_scale`` the factor on the teacher's value projection that starts ``in_proj_z`` (default 1).
+    ``gate_scale`` the factor on the teacher's value projection that starts ``in_proj_z`` (default 1),
+    ``output_scale`` the read-out norm's initial weight times ``gate_scale`` (default 1).
     """
 
-    CELL_OPTIONS = ("conv_size", "decay_memory", "conv_scale", "gate_scale")
+    CELL_OPTIONS = ("conv_size", "decay_memory", "conv_scale", "gate_scale", "output_scale")
     uses_features = False
     reads_hidden_states = True  # the conversion's pre-hook hands it the layer's hidden states
 
@@ -162,10 +167,18 @@ class GatedDeltaNet(LinearAttention):
             )
 
         gate = float(cell.cell_options.get("gate_scale", DEFAULT_GATE_SCALE))
+        scale = float(cell.cell_options.get("output_scale", DEFAULT_OUTPUT_SCALE))
+        if not (gate > 0 and scale > 0):
+            raise DoflaError(
+                f"layer {cell.layer_index}: gate_scale and output_scale must be positive, got {gate} and {scale}."
+            )
         with torch.no_grad():
             weights = torch.cat([query, per_query_head(key), per_query_head(value)])
             cell.in_proj_qkv.weight.copy_(weights.to(cell.in_proj_qkv.weight.dtype))
             cell.in_proj_z.weight.copy_((gate * per_query_head(value)).to(cell.in_proj_z.weight.dtype))
+            cell.norm.weight.fill_(
+                scale / gate
+            )  # silu(gate z) / gate: the gate's shape, not its size, changes
         return cell.to(query.device)
 
     def forward(
