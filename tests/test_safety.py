@@ -957,3 +957,24 @@ def test_a_prompt_file_larger_than_the_model_can_take_is_one_sentence(world, tmp
         main(["generate", str(world["converted"]), "--prompt-file", str(prompt), "--max-new-tokens", "2"])
         == 0
     )
+
+
+def test_a_distillation_step_that_cannot_fit_in_memory_is_refused_before_training(
+    world, tmp_path, capsys, monkeypatch
+):
+    import dofla.evaluation.logits
+
+    monkeypatch.setattr(dofla.evaluation.logits, "available_memory_bytes", lambda device=None: 1 << 20)
+    run = ["linearize", str(world["teacher"]), "--data", str(world["text"]), *RUN, "--tokens", "1M"]
+    assert main([*run, "--batch-size", "128", "--out", str(tmp_path / "run")]) == 1
+    error = capsys.readouterr().err
+    assert "one distillation step of --batch-size 128 x --seq-len 32 tokens needs more than 0.0 GiB" in error
+    assert "pass --batch-size 32 or less" in error and not (tmp_path / "run" / "distill").exists()
+
+
+def test_a_batch_draws_one_permutation_per_pass_over_the_data():
+    from dofla.distill.trainer import batch_indices
+
+    drawn = batch_indices(0, 200_000, 50_000, seed=0)  # it drew one permutation per slot: about a minute
+    assert len(drawn) == 200_000 and torch.bincount(torch.tensor(drawn)).tolist() == [4] * 50_000
+    assert batch_indices(0, 7, 3, seed=1)[:3] == batch_indices(0, 3, 3, seed=1)  # the same order as before

@@ -75,6 +75,7 @@ def check_memory_for_run(config: LinearizeConfig, model) -> None:
     free = available_memory_bytes(device)
     if free is None:
         return
+    check_step_memory(config, model, free, device)
     weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     per_token = activation_bytes_per_token(model)
     length = lora_seq_len(config)
@@ -94,3 +95,25 @@ def check_memory_for_run(config: LinearizeConfig, model) -> None:
         else "give a smaller teacher dtype (--dtype bfloat16), a shorter --lora-seq-len, or a machine with more memory"
     )
     raise DoflaError(f"this run needs {need}) and {free / gib:.1f} GiB are free on {device}; {advice}.")
+
+
+def check_step_memory(config: LinearizeConfig, model, free: int, device) -> None:
+    """Refuse a distillation step that cannot fit: its hidden states alone (the embeddings' output and one
+    layer's, alive together in any forward) for ``distill.batch_size`` x ``data.seq_len`` tokens (a
+    process's share of the batch under data sharding), a bound below what the step needs."""
+    from dofla.distill import distributed
+
+    processes = distributed.rank_and_world_size()[1]
+    rows = config.distill.batch_size
+    if config.distill.sharding == "data":
+        rows = -(-rows // processes)
+    hidden = int(model.config.get_text_config(decoder=True).hidden_size)
+    need = 2 * rows * config.data.seq_len * hidden * next(model.parameters()).element_size()
+    if need > free:
+        gib = 2.0**30
+        fits = free // (2 * config.data.seq_len * hidden * next(model.parameters()).element_size())
+        raise DoflaError(
+            f"one distillation step of --batch-size {config.distill.batch_size} x --seq-len {config.data.seq_len} "
+            f"tokens needs more than {need / gib:.1f} GiB for its hidden states alone and {free / gib:.1f} GiB "
+            f"are free on {device}; pass --batch-size {max(1, fits // 2)} or less."
+        )

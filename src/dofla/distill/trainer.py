@@ -87,11 +87,14 @@ def batch_indices(step: int, batch_size: int, num_sequences: int, seed: int) -> 
 
     A pure function of (step, seed), so a resumed run sees exactly the batches it would have seen.
     """
-    indices = []
-    for position in range(step * batch_size, (step + 1) * batch_size):
+    indices: list[int] = []
+    position, end = step * batch_size, (step + 1) * batch_size
+    while position < end:  # one permutation for each pass the batch reaches into
         epoch, offset = divmod(position, num_sequences)
+        take = min(end - position, num_sequences - offset)
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        indices.append(int(torch.randperm(num_sequences, generator=generator)[offset]))
+        indices += torch.randperm(num_sequences, generator=generator)[offset : offset + take].tolist()
+        position += take
     return indices
 
 
