@@ -284,7 +284,7 @@ def test_linearize_options_are_checked_before_loading(tmp_path, capsys, argument
         (["evaluate", NOT_LOADED, "--passkey", "64", "--threads", "100000"], "--threads 100000 is more than"),
         (
             ["convert", NOT_LOADED, "--feature-dim", "1000000000", "--out", "new"],
-            "--feature-dim 1000000000 is above the most dofla builds, 8192 features per head",
+            "--budget must be a positive number of features per layer, at most 8192; got 1000000000",
         ),
         (["evaluate", NOT_LOADED, "--sequences", "-1"], "--sequences must be at least 1, got -1"),
         (["evaluate", NOT_LOADED, "--passkey", "64", "--device", "tpu"], "unknown device 'tpu'"),
@@ -426,9 +426,10 @@ def test_dof_shows_its_first_use_progress_and_does_not_overwrite_silently(world,
     out = tmp_path / "dof"
     dof = ["dof", str(world["teacher"]), "--out", str(out), "--sequences", "1", "--seq-len", "16"]
     dof += ["--num-points", "16", "--budget", "4"]
-    assert main(dof) == 0  # no --data: samples text from the teacher first
+    assert main(dof) == 0  # no --data: the text shipped with dofla
     error = capsys.readouterr().err
-    assert "sampling 1 calibration texts of 32 tokens from the teacher" in error
+    assert "reading 1 calibration sequences of 16 tokens" in error
+    assert "the web text shipped with dofla" in (out / "dof.md").read_text()
     assert "capturing q/k on 1 x 16 tokens, then estimating" in error
     plan = (out / "plan.json").read_bytes()
     assert main(dof) == 1

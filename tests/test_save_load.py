@@ -231,7 +231,7 @@ def test_generate_command_takes_sinks_at_edge(tmp_path, capsys):
 
 def test_convert_command_validates_before_loading(tmp_path, capsys):
     assert main(["convert", "no-such-model", "--out", str(tmp_path / "x"), "--feature-dim", "0"]) == 1
-    assert "--feature-dim must be positive, got 0" in capsys.readouterr().err
+    assert "--budget must be a positive number of features per layer" in capsys.readouterr().err  # its alias
     assert (
         main(["convert", "no-such-model", "--out", str(tmp_path / "x"), "--plan", str(tmp_path / "p.json")])
         == 1

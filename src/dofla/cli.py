@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.debug:
         _quiet_libraries()
     try:
+        from dofla.commands._common import apply_threads
+
+        apply_threads(args)  # --threads, checked and set before the command's work
         result = args.func(args)
     except DoflaError as error:
         if args.debug:

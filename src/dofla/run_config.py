@@ -190,8 +190,6 @@ class LinearizeConfig:
 
     def validate(self) -> None:
         """Everything that can be checked before a model is loaded, in one sentence each."""
-        from dofla.cells.recall_cache import check_recall_cache_run
-        from dofla.config import LayerPlan, check_feature_budget
         from dofla.data import check_data_path
         from dofla.distill.curriculum import check_length_schedule
         from dofla.distill.losses import check_kernel_loss
@@ -199,24 +197,8 @@ class LinearizeConfig:
 
         for setting in settings_of(type(self)):
             check_setting(setting, self.get(setting.key))
-        check_feature_budget(self.plan.budget)
-        plan = LayerPlan(
-            kind=self.plan.kind, window=self.plan.window, sinks=self.plan.sinks, cell=self.student.cell
-        )
-        plan.validate(0, 1, 1)
+        self.validate_plan()
         check_kernel_loss(self.distill.loss, self.student.cell, self.plan.sinks)
-        if self.plan.sinks_at_edge and (self.plan.kind != "hybrid" or not self.plan.sinks):
-            raise DoflaError(
-                "--sinks-at-edge moves the sinks of hybrid layers' windows; give --kind hybrid with --sinks N "
-                "(N > 0), or leave it off."
-            )
-        check_recall_cache_run(
-            self.student.recall_cache,
-            self.student.cell,
-            self.plan.kind,
-            self.student.cell_options,
-            self.plan.position_period,
-        )
         check_length_schedule(self.distill.length_schedule, self.data.seq_len)
         check_data_path(self.data.path)
         check_data_path(self.data.heldout_path, "--heldout-data")
@@ -272,6 +254,33 @@ class LinearizeConfig:
                 f"one step of --batch-size {self.distill.batch_size} x --seq-len {self.data.seq_len} is {step:,} "
                 f"tokens, more than --tokens {self.distill.tokens:,}; lower --batch-size or raise --tokens."
             )
+
+    def validate_plan(self) -> None:
+        """The ``recipe``, ``plan`` and ``student`` settings (what ``dofla convert`` takes too), checked before
+        a model is loaded, in one sentence each."""
+        from dofla.cells.recall_cache import check_recall_cache_run
+        from dofla.config import LayerPlan, check_feature_budget
+
+        for setting in settings_of(type(self)):
+            if setting.key == "recipe" or setting.key.partition(".")[0] in ("plan", "student"):
+                check_setting(setting, self.get(setting.key))
+        check_feature_budget(self.plan.budget)
+        plan = LayerPlan(
+            kind=self.plan.kind, window=self.plan.window, sinks=self.plan.sinks, cell=self.student.cell
+        )
+        plan.validate(0, 1, 1)
+        if self.plan.sinks_at_edge and (self.plan.kind != "hybrid" or not self.plan.sinks):
+            raise DoflaError(
+                "--sinks-at-edge moves the sinks of hybrid layers' windows; give --kind hybrid with --sinks N "
+                "(N > 0), or leave it off."
+            )
+        check_recall_cache_run(
+            self.student.recall_cache,
+            self.student.cell,
+            self.plan.kind,
+            self.student.cell_options,
+            self.plan.position_period,
+        )
 
 
 # ------------------------------------------------------------------------------------ settings, one by one

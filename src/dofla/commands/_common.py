@@ -27,6 +27,46 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
 
 
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``: the CPU threads torch runs on, set before the command's work (:func:`apply_threads`;
+    every long-running command takes it)."""
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch, 1 to this machine's CPU count (default: torch's choice; 1 is faster when "
+        "other jobs keep the cores busy)",
+    )
+
+
+def check_threads(threads: int | None) -> None:
+    """``--threads``: None (torch's choice) or 1 to the CPU count, else one sentence."""
+    import os
+
+    from dofla.errors import DoflaError
+
+    if threads is None:
+        return
+    cores = os.cpu_count() or 1
+    if threads < 1:
+        raise DoflaError(f"--threads must be at least 1, got {threads}.")
+    if threads > cores:
+        raise DoflaError(
+            f"--threads {threads} is more than this machine's {cores} CPU threads; give at most that many."
+        )
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Check ``args.threads`` (where the command takes ``--threads``) and set torch's thread count to it;
+    :func:`dofla.cli.main` calls it before every command's work."""
+    threads = getattr(args, "threads", None)
+    check_threads(threads)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def add_overwrite_argument(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--overwrite",

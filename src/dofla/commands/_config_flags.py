@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import typing
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from dofla.commands._common import integer_list
@@ -34,16 +35,35 @@ def _help(setting: Setting) -> str:
     return text.replace("%", "%%")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, cls: type = LinearizeConfig) -> None:
-    """One flag per setting of ``cls`` (one not given is absent from the parsed namespace), and ``--config``."""
-    parser.add_argument(
-        "--config",
-        metavar="FILE",
-        default=None,
-        help="a TOML run configuration, e.g. a run's config.toml (flags given here win over it)",
-    )
+def _chosen(setting: Setting, only: Collection[str] | None) -> bool:
+    """Whether ``setting`` has a flag and is among ``only`` (dotted keys or section names; None: all)."""
+    if not setting.field.metadata.get("cli", True):
+        return False
+    return only is None or setting.key in only or setting.key.partition(".")[0] in only
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser,
+    cls: type = LinearizeConfig,
+    *,
+    only: Collection[str] | None = None,
+    aliases: Mapping[str, list[str]] | None = None,
+    config_file: bool = True,
+) -> None:
+    """One flag per setting of ``cls`` (one not given is absent from the parsed namespace), and ``--config``.
+
+    ``only``: just the settings with these dotted keys or in these sections (``dofla convert`` takes the
+    ``recipe`` and the ``plan`` and ``student`` sections); ``aliases``: more flags for a setting, by its key;
+    ``config_file``: whether ``--config FILE`` is added."""
+    if config_file:
+        parser.add_argument(
+            "--config",
+            metavar="FILE",
+            default=None,
+            help="a TOML run configuration, e.g. a run's config.toml (flags given here win over it)",
+        )
     for setting in settings_of(cls):
-        if not setting.field.metadata.get("cli", True):
+        if not _chosen(setting, only):
             continue
         options: dict[str, Any] = dict(default=argparse.SUPPRESS, help=_help(setting))
         if unwrap(setting.hint)[0] is bool:
@@ -51,7 +71,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type = LinearizeC
         if setting.flag.startswith("--"):
             if "action" not in options:
                 options["metavar"] = setting.field.name.upper()
-            parser.add_argument(setting.flag, dest=setting.key, **options)
+            flags = [setting.flag, *(aliases or {}).get(setting.key, [])]
+            parser.add_argument(*flags, dest=setting.key, **options)
         else:  # a positional (the teacher): its dest is its first name
             parser.add_argument(setting.key, nargs="?", metavar=setting.flag, **options)
 
@@ -116,12 +137,15 @@ def key_values(flag: str, text: str) -> dict[str, Any]:
     return values
 
 
-def settings_from_args(args: argparse.Namespace, cls: type = LinearizeConfig) -> dict[str, Any]:
+def settings_from_args(
+    args: argparse.Namespace, cls: type = LinearizeConfig, *, only: Collection[str] | None = None
+) -> dict[str, Any]:
     """The settings of a parsed command line, nested by section: the ``--config`` file's, then the flags
-    given (which win key by key). Flags not given are not there, so a recipe may still set them."""
+    given (which win key by key). Flags not given are not there, so a recipe may still set them. ``only``:
+    as :func:`add_config_arguments` was given it."""
     given: dict[str, Any] = {}
     for setting in settings_of(cls):
-        if setting.field.metadata.get("cli", True) and setting.key in vars(args):
+        if _chosen(setting, only) and setting.key in vars(args):
             section, _, name = setting.key.rpartition(".")
             value = text_value(setting, getattr(args, setting.key))
             (given.setdefault(section, {}) if section else given)[name] = value

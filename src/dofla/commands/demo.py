@@ -11,6 +11,8 @@ from pathlib import Path
 
 
 def register(subparsers) -> None:
+    from dofla.commands._common import add_threads_argument
+
     parser = subparsers.add_parser(
         "demo",
         help="run the whole pipeline on the embedded default teacher (SmolLM2-135M), CPU-sized",
@@ -41,6 +43,7 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--prompt", default="The history of the city begins", help="prompt for the final sample"
     )
+    add_threads_argument(parser)
     parser.set_defaults(func=run)
 
 

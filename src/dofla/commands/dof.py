@@ -12,6 +12,7 @@ from pathlib import Path
 from dofla.commands._common import (
     add_model_arguments,
     add_overwrite_argument,
+    add_threads_argument,
     check_at_least,
     check_device_and_dtype,
     check_feature_budget,
@@ -71,11 +72,14 @@ def register(subparsers) -> None:
     parser.add_argument("--feature-map", default=StudentSettings.feature_map)
     parser.add_argument("--kind", default=PlanSettings.kind, choices=("linear", "hybrid"))
     parser.add_argument(
-        "--data", default=None, help="calibration text (default: text sampled from the teacher)"
+        "--data",
+        default=None,
+        help="calibration text (default: the web text shipped with dofla, dofla/demo_text/c4_train.jsonl)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="output folder (new or empty)")
     add_overwrite_argument(parser, "plan and report")
+    add_threads_argument(parser)
     parser.set_defaults(func=run)
 
 
@@ -114,17 +118,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
     from dofla import dof, outputs
-    from dofla.data import pack_token_sequences, row_start_token, sample_teacher_texts, start_rows
     from dofla.errors import DoflaError
     from dofla.io import write_json_atomic, write_text_atomic
     from dofla.models import load_teacher
-    from dofla.models.loading import cache_root
+    from dofla.planning.calibration import calibration_rows, calibration_texts
     from dofla.settings import PlanSettings, StudentSettings
-    from dofla.text_files import iter_documents
 
     note = functools.partial(print, file=sys.stderr, flush=True)
     # read only as far as --sequences rows need (check_data_path read its first text before any work)
-    texts = iter_documents(args.data) if args.data else None
+    texts, source = calibration_texts(args.data)
     note(f"loading the teacher {args.model}")
     teacher = load_teacher(args.model, dtype=args.dtype, device=args.device)
     measure = dof.MEASURES[args.measure]
@@ -134,33 +136,17 @@ def _measure_and_write(args: argparse.Namespace, lambdas: list[float]) -> int:
             f"--keep-softmax {args.keep_softmax} leaves nothing to convert in a {teacher.adapter.num_layers}-layer "
             f"model; keep at most {teacher.adapter.num_layers - 1}."
         )
-    if teacher.tokenizer is None:
-        raise DoflaError("the teacher has no tokenizer, which calibration needs.")
-    if args.data:
-        source = f"file {args.data}"
-    else:
-        note(
-            f"sampling {args.sequences} calibration texts of {args.seq_len + 16} tokens from the teacher (no "
-            f"--data given; cached in {cache_root() / 'samples'} for the next run); this can take minutes on a CPU"
-        )
-        texts = sample_teacher_texts(
-            teacher.model,
-            teacher.tokenizer,
-            args.sequences,
-            args.seq_len + 16,
-            seed=args.seed,
-            cache_dir=cache_root() / "samples",
-            progress=True,
-        )
-        source = "text sampled from the teacher (cached)"
-    sequences = pack_token_sequences(teacher.tokenizer, texts, args.seq_len, max_rows=args.sequences)
-    sequences = start_rows(sequences, row_start_token(teacher.model, teacher.tokenizer))  # Gemma's <bos>
-    if sequences.shape[0] < args.sequences:
-        raise DoflaError(
-            f"the calibration data gives {sequences.shape[0]} sequences of {args.seq_len} tokens, "
-            f"{args.sequences} are needed; give more text, fewer --sequences or a shorter --seq-len."
-        )
-    batches = list(sequences[: args.sequences].split(4))
+    note(f"reading {args.sequences} calibration sequences of {args.seq_len} tokens")
+    sequences = calibration_rows(
+        teacher.model,
+        teacher.tokenizer,
+        texts,
+        source,
+        args.seq_len,
+        args.sequences,
+        what="--sequences",
+    )
+    batches = list(sequences.split(4))
     note(f"capturing q/k on {args.sequences} x {args.seq_len} tokens, then estimating the measure per head")
     estimate = dof.estimate(
         teacher.model,

@@ -10,9 +10,11 @@ from pathlib import Path
 
 from dofla.commands._common import (
     add_position_arguments,
+    add_threads_argument,
     apply_position_arguments,
     check_device_and_dtype,
     check_position_arguments,
+    check_threads,
     integer_list,
 )
 from dofla.config import DEFAULT_WINDOW
@@ -117,12 +119,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--device", default=None)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for torch (default: torch's choice; 1 is faster when other jobs keep the cores busy)",
-    )
+    add_threads_argument(parser)
     parser.add_argument(
         "--plot", default=None, help="write the loss-by-position plot here (.png, .pdf, .svg)"
     )
@@ -191,13 +188,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise DoflaError("lm-eval tasks need --tasks-dir, the folder holding the task files.")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise DoflaError(f"--num-fewshot must be 0 or more, got {args.num_fewshot}.")
-    if args.threads is not None and args.threads < 1:
-        raise DoflaError(f"--threads must be at least 1, got {args.threads}.")
-    if args.threads is not None and args.threads > (os.cpu_count() or 1):
-        raise DoflaError(
-            f"--threads {args.threads} is more than this machine's {os.cpu_count() or 1} CPU threads; give at "
-            "most that many."
-        )
+    check_threads(args.threads)
     if args.limit is not None and args.limit < 1:
         raise DoflaError(f"--limit must be at least 1, got {args.limit}.")
     if not (args.data or args.task_list or args.passkey_list):
@@ -276,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
     from dofla.models.loading import resolve_device
 
     if args.threads is not None:
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)  # set already where dofla.cli runs the command
     elif hasattr(os, "getloadavg") and resolve_device(args.device).type == "cpu":
         hint = busy_cpu_hint(torch.get_num_threads(), os.getloadavg()[0], os.cpu_count() or 1)
         if hint:

@@ -6,6 +6,8 @@ import argparse
 
 
 def register(subparsers) -> None:
+    from dofla.commands._common import add_threads_argument
+
     parser = subparsers.add_parser(
         "export",
         help="write a converted model as a standard qwen3_5_text checkpoint (runs without dofla)",
@@ -17,6 +19,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("converted", help="folder written by `dofla convert` or `dofla linearize`")
     parser.add_argument("--out", required=True, help="new or empty folder for the exported checkpoint")
+    add_threads_argument(parser)
     parser.set_defaults(func=run)
 
 

@@ -6,7 +6,11 @@ import argparse
 import shlex
 import sys
 
-from dofla.commands._common import add_device_arguments, integer_list
+from dofla.commands._common import (
+    add_device_arguments,
+    add_threads_argument,
+    integer_list,
+)
 from dofla.config import DEFAULT_WINDOW, LayerPlan
 
 FRONTIER_KIND = "frontier grid"  # the kind in the marker of the grid's folder (dofla.outputs)
@@ -60,6 +64,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--seed", type=int, default=None, help="default 0")
     add_device_arguments(parser)
+    add_threads_argument(parser)
     parser.set_defaults(func=run)
 
 

@@ -6,6 +6,7 @@ import argparse
 
 from dofla.commands._common import (
     add_position_arguments,
+    add_threads_argument,
     apply_position_arguments,
     check_device_and_dtype,
     check_position_arguments,
@@ -57,6 +58,7 @@ def register(subparsers) -> None:
     add_position_arguments(parser)
     parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
     parser.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
+    add_threads_argument(parser)
     parser.set_defaults(func=run)
 
 

@@ -12,6 +12,7 @@ import sys
 
 
 def register(subparsers) -> None:
+    from dofla.commands._common import add_threads_argument
     from dofla.commands._config_flags import add_config_arguments
 
     parser = subparsers.add_parser(
@@ -31,6 +32,7 @@ def register(subparsers) -> None:
         help="distil on N local processes, sharded as --sharding says (launches torchrun; same as "
         "`torchrun --nproc-per-node N -m dofla linearize ...`)",
     )
+    add_threads_argument(parser)
     parser.set_defaults(func=run)
 
 

@@ -6,7 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dofla.commands._common import add_model_arguments, check_at_least, check_device_and_dtype
+from dofla.commands._common import (
+    add_model_arguments,
+    add_threads_argument,
+    check_at_least,
+    check_device_and_dtype,
+)
 
 STATES_KIND = "teacher states"  # the kind in the marker of the output folder (dofla.outputs)
 
@@ -60,6 +65,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the train / held-out split")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_threads_argument(parser)
     parser.set_defaults(func=run)
 
 

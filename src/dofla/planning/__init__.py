@@ -42,10 +42,19 @@ __all__ = [
     "curve_cache",
     "measure_and_plan",
     "measure_error_curves",
+    "measures_text",
     "recall_layer_order",
     "settings_for",
     "window_costs",
 ]
+
+
+def measures_text(plan: PlanSettings) -> bool:
+    """Whether :func:`measure_and_plan` runs the teacher on its calibration batches for ``plan`` (the
+    allocation's measure or error curves, or the choice of the kept softmax layers); False: the batches are
+    not read (e.g. ``allocation="fix"`` without ``keep_softmax``)."""
+    rule, choice, kept = ALLOCATIONS[plan.allocation], plan.softmax_choice, plan.keep_softmax
+    return rule.needs_measure or rule.needs_curves or bool(kept and choice != "uniform")
 
 
 def measure_and_plan(
