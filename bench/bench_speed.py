@@ -58,7 +58,6 @@ from pathlib import Path
 import torch
 from timing import (
     PeakMemory,
-    available_memory_bytes,
     kv_cache_bytes,
     release_freed_memory,
     student_cache_at,
@@ -76,6 +75,7 @@ from dofla.convert import (
     set_sinks_at_edge,
     unconvert,
 )
+from dofla.evaluation.logits import available_memory_bytes  # the host's MemAvailable, as the library reads it
 from dofla.recipes import plan_for_arguments
 
 HERE = Path(__file__).resolve().parent

@@ -56,18 +56,6 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable of ``/proc/meminfo`` (Linux), else None."""
-    try:
-        with open("/proc/meminfo") as stream:
-            for line in stream:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def release_freed_memory(collect: bool = False) -> None:
     """Return freed heap memory to the system (glibc ``malloc_trim``), so resident memory measures are honest;
     ``collect`` runs Python's cycle collector first (about 0.5 s with torch and transformers loaded)."""
