@@ -979,3 +979,12 @@ def test_a_batch_draws_one_permutation_per_pass_over_the_data():
     drawn = batch_indices(0, 200_000, 50_000, seed=0)  # it drew one permutation per slot: about a minute
     assert len(drawn) == 200_000 and torch.bincount(torch.tensor(drawn)).tolist() == [4] * 50_000
     assert batch_indices(0, 7, 3, seed=1)[:3] == batch_indices(0, 3, 3, seed=1)  # the same order as before
+
+
+def test_a_recall_cache_beyond_the_context_is_refused_before_training(world, tmp_path, capsys):
+    run = ["linearize", str(world["teacher"]), "--data", str(world["text"]), *RUN, "--tokens", "128"]
+    run += ["--cell", "gated_delta", "--kind", "hybrid", "--window", "8", "--loss", "output_mse"]
+    assert main([*run, "--recall-cache", "1000000000", "--out", str(tmp_path / "run")]) == 1
+    error = capsys.readouterr().err
+    assert "--recall-cache 1000000000 keeps more tokens per head than the teacher's context of 512" in error
+    assert not (tmp_path / "run" / "distill").exists()

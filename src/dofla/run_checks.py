@@ -24,6 +24,7 @@ def check_teacher_for_run(config: LinearizeConfig, teacher, tokenizer, sequences
     if config.lora.enabled:
         check_targets(teacher, config.lora.targets)
     check_memory_for_run(config, teacher)
+    check_recall_cache_size(config, teacher)
     # the saved model holds the teacher's weights: refused now if the disk has no room, not after training
     size = sum(parameter.numel() * parameter.element_size() for parameter in teacher.parameters())
     check_free_space(config.out_dir, size, "the converted model this run saves")
@@ -117,3 +118,20 @@ def check_step_memory(config: LinearizeConfig, model, free: int, device) -> None
             f"tokens needs more than {need / gib:.1f} GiB for its hidden states alone and {free / gib:.1f} GiB "
             f"are free on {device}; pass --batch-size {max(1, fits // 2)} or less."
         )
+
+
+def check_recall_cache_size(config: LinearizeConfig, model) -> None:
+    """Refuse a recall cache (``--recall-cache``, or the cell option ``recall_cache``) that keeps more tokens
+    per head than the teacher's context: its keys and values are allocated whole for every sequence."""
+    from dofla.data import context_length
+
+    limit = context_length(model)
+    for name, slots in (
+        ("--recall-cache", config.student.recall_cache),
+        ("the cell option recall_cache", config.student.cell_options.get("recall_cache")),
+    ):
+        if limit is not None and isinstance(slots, int | float) and slots > limit:
+            raise DoflaError(
+                f"{name} {slots} keeps more tokens per head than the teacher's context of {limit} tokens; use "
+                f"at most {limit}."
+            )
