@@ -14,14 +14,15 @@ teacher's output projection follows, by reference (it is the Qwen3.5 layer's ``o
 
 Initialisation from the teacher's attention module: ``in_proj_qkv`` holds its q, k, v weights (key/value
 heads repeated for grouped-query attention; biases, which the Qwen3.5 layer has not, are dropped), the
-convolution passes each token's own inputs scaled by ``conv_scale`` (small: SiLU is then close to linear
-there, and the normalisations remove the scale), ``in_proj_a`` and ``in_proj_b`` start at 0 (a constant
-decay per head, with memories ``1 / (1 - a)`` spread geometrically over ``decay_memory`` tokens, and
-beta = 1/2), and ``in_proj_z`` is the teacher's value projection times ``gate_scale`` with the read-out norm's
-weight ``output_scale / gate_scale`` (the output follows ``silu(gate_scale v) / gate_scale`` of the token's values v,
-between ``silu(v)`` and ``relu(v)``, until training finds its own gate). The defaults of ``conv_scale``,
-``gate_scale`` and ``decay_memory`` are those that started SmolLM2-135M's layers closest in direction
-(cosine) to its attention outputs, ``output_scale`` the one closest in size (relative error), ``experiments/gated_delta_net_init.py`` (docs/results/export/).
+convolution passes each token's own inputs scaled by ``conv_scale`` (the normalisations remove the scale
+from q and k, so it sets how far SiLU is from linear there), ``in_proj_a`` and ``in_proj_b`` start at 0 (a
+constant decay per head, with memories ``1 / (1 - a)`` spread geometrically over ``decay_memory`` tokens,
+and beta = 1/2), and ``in_proj_z`` is the teacher's value projection times ``gate_scale`` with the read-out
+norm's weight ``output_scale / gate_scale`` (the output follows ``silu(gate_scale v) / gate_scale`` of the
+token's values v, between ``silu(v)`` and ``relu(v)``, times ``output_scale``, until training finds its own
+gate). The defaults of ``conv_scale``, ``gate_scale`` and ``decay_memory`` are those that started
+SmolLM2-135M's layers closest in direction (cosine) to its attention outputs, ``output_scale`` the one
+closest in size (relative error): ``experiments/gated_delta_net_init.py``, docs/results/export/.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ from dofla.ops.gated_delta_net import (
 from dofla.ops.gated_delta_net.common import empty_state
 
 DEFAULT_CONV_SIZE = 4
-DEFAULT_DECAY_MEMORY = (16.0, 1024.0)
-DEFAULT_CONV_SCALE = 0.25
-DEFAULT_GATE_SCALE = 1.0
-DEFAULT_OUTPUT_SCALE = 1.0
+# chosen by experiments/gated_delta_net_init.py on SmolLM2-135M (docs/results/export/)
+DEFAULT_DECAY_MEMORY = (4.0, 64.0)
+DEFAULT_CONV_SCALE = 4.0
+DEFAULT_GATE_SCALE = 16.0
+DEFAULT_OUTPUT_SCALE = 0.1
 PROJECTION_LR = 0.1  # the projections copied from the teacher train at this multiple of the base rate
 
 
@@ -85,9 +87,9 @@ class GatedDeltaNet(LinearAttention):
     with :meth:`from_teacher_attention`. Kind "linear" only (no window).
 
     Options: ``conv_size`` W (default 4), ``decay_memory`` (shortest, longest) initial memories in tokens
-    (default 16, 1024), ``conv_scale`` the convolution's initial tap on the token itself (default 0.25),
-    ``gate_scale`` the factor on the teacher's value projection that starts ``in_proj_z`` (default 1),
-    ``output_scale`` the read-out norm's initial weight times ``gate_scale`` (default 1).
+    (default 4, 64), ``conv_scale`` the convolution's initial tap on the token itself (default 4),
+    ``gate_scale`` the factor on the teacher's value projection that starts ``in_proj_z`` (default 16),
+    ``output_scale`` the read-out norm's initial weight times ``gate_scale`` (default 0.1).
     """
 
     CELL_OPTIONS = ("conv_size", "decay_memory", "conv_scale", "gate_scale", "output_scale")
