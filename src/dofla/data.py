@@ -325,10 +325,13 @@ def start_rows(rows: torch.Tensor, token: int | None) -> torch.Tensor:
     return started
 
 
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length")  # where configs say it
+
+
 def context_length(model) -> int | None:
     """The longest sequence the model's config allows, if it says."""
     config = model.config.get_text_config(decoder=True)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+    for name in CONTEXT_FIELDS:
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value

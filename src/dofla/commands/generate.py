@@ -115,6 +115,8 @@ def model_context(folder: str) -> int | None:
     import json
     from pathlib import Path
 
+    from dofla.data import CONTEXT_FIELDS
+
     try:
         config = json.loads((Path(folder).expanduser() / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -124,7 +126,7 @@ def model_context(folder: str) -> int | None:
         section = sections.pop()
         if not isinstance(section, dict):
             continue
-        for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        for name in CONTEXT_FIELDS:
             value = section.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
