@@ -3,7 +3,7 @@ recipe's fixed initialisation, before any training.
 
 The ``gated-delta`` recipe starts every head with the window's share gamma = 0.95 and decay memories spread
 geometrically over 128-2,048 tokens, whatever the teacher does. Here the teacher's attention on ``--text``
-gives, per query head, the share of its attention mass that the window (``--window`` keys) and the sinks see
+gives, per query head, the share of its attention mass that the recipe's window and sinks see
 (the near mass; gamma's initial value is 1 - s x the far mass for each s of ``--far-scales``, clamped to
 ``--gamma-range``), and per state (key-value) head the mean distance past the window's edge of the rest (the
 decay memory, clamped to ``--memory-range``). Each initialisation is
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from dofla.cells.gated import DEFAULT_DECAY_MEMORY
 from dofla.convert import convert, plan_for, unconvert
 from dofla.data import load_texts
 from dofla.demo import DEMO_HELDOUT_TEXT, DEMO_TRAIN_TEXT
@@ -38,7 +39,10 @@ from dofla.evaluation.perplexity import perplexity
 from dofla.io import write_text_atomic
 from dofla.models import load_teacher
 from dofla.models.surgery import students
+from dofla.recipes import plan_for_arguments
 from dofla.run_config import LinearizeConfig
+
+RECIPE = "gated-delta"
 
 
 def token_rows(tokenizer, path, length: int, rows: int) -> torch.Tensor:
@@ -111,9 +115,6 @@ def main() -> None:
     parser.add_argument("--teacher", default="smollm2-135m")
     parser.add_argument("--text", default=str(DEMO_TRAIN_TEXT), help="where the statistics come from")
     parser.add_argument("--heldout", default=str(DEMO_HELDOUT_TEXT), help="where the errors are measured")
-    parser.add_argument("--window", type=int, default=128)
-    parser.add_argument("--sinks", type=int, default=4)
-    parser.add_argument("--key-dim", type=int, default=64)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--stat-rows", type=int, default=2)
     parser.add_argument("--rows", type=int, default=2)
@@ -133,32 +134,23 @@ def main() -> None:
     memory_range = tuple(float(x) for x in arguments.memory_range.split(","))
     teacher = load_teacher(arguments.teacher, dtype="float32", device="cpu", attn_implementation="eager")
     model, tokenizer = teacher.model, teacher.tokenizer
+    recipe = plan_for_arguments(RECIPE)  # the students every initialisation starts from
+    plan = plan_for(model, **recipe)
+    window, sinks, gamma = recipe["window"], recipe["sinks"], recipe["options"]["window_factor"]
     statistics = teacher_statistics(
-        model,
-        token_rows(tokenizer, arguments.text, arguments.length, arguments.stat_rows),
-        arguments.window,
-        arguments.sinks,
+        model, token_rows(tokenizer, arguments.text, arguments.length, arguments.stat_rows), window, sinks
     )
     heldout = token_rows(tokenizer, arguments.heldout, arguments.length, arguments.rows)
     teacher_perplexity = perplexity(model, heldout, batch_size=1)["perplexity"]
     results, trained = {}, {}
+    shortest, longest = DEFAULT_DECAY_MEMORY
     variants = {
-        "recipe (gamma 0.95, memories 128-2,048)": False,
-        "memories from the teacher, gamma 0.95": None,
+        f"recipe (gamma {gamma:g}, memories {shortest:,.0f}-{longest:,.0f})": False,
+        f"memories from the teacher, gamma {gamma:g}": None,
     }
     for scale in arguments.far_scales:
         variants[f"memories and gamma = 1 - {scale:g} x far mass from the teacher"] = scale
     for name, far_scale in variants.items():
-        plan = plan_for(
-            model,
-            kind="hybrid",
-            cell="gated_delta",
-            feature_map="projection",
-            feature_dim=arguments.key_dim,
-            window=arguments.window,
-            sinks=arguments.sinks,
-            options={"window_factor": 0.95},
-        )
         convert(model, plan)
         if far_scale is not False:
             set_from_teacher(model, statistics, gamma_range, memory_range, far_scale)
@@ -168,7 +160,7 @@ def main() -> None:
             rows = arguments.distill_tokens // arguments.length
             train = token_rows(tokenizer, arguments.text, arguments.length, rows + arguments.stat_rows)
             config = LinearizeConfig.from_dict(
-                {"out_dir": "unused", "recipe": "gated-delta", "distill": {"tokens": rows * arguments.length}}
+                {"out_dir": "unused", "recipe": RECIPE, "distill": {"tokens": rows * arguments.length}}
             )
             run = distill(model, train[arguments.stat_rows :], heldout, config)
             errors = attention_errors(model, [heldout[i : i + 1] for i in range(len(heldout))])
@@ -187,8 +179,8 @@ def main() -> None:
         "",
         f"Command: `{command}` ({time.time() - started:.0f} s, {arguments.threads} thread(s)). Statistics from "
         f"{arguments.stat_rows} rows of {arguments.length} tokens of `{Path(arguments.text).name}`; errors on "
-        f"{arguments.rows} rows of `{Path(arguments.heldout).name}`; window {arguments.window} + "
-        f"{arguments.sinks} sinks, projection keys of {arguments.key_dim}.",
+        f"{arguments.rows} rows of `{Path(arguments.heldout).name}`; the `{RECIPE}` recipe's students (window "
+        f"{window} + {sinks} sinks, {recipe['feature_map']} keys of {recipe['feature_dim']}).",
         "",
         "| initialisation | mean relative error | mean cosine |",
         "|---|---|---|",
