@@ -25,7 +25,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dofla.ops import chunked_gated_delta_rule, chunked_linear_attention, chunked_window_attention
+from dofla.ops import (
+    DeltaInputs,
+    chunked_gated_delta_rule,
+    chunked_linear_attention,
+    chunked_window_attention,
+)
 
 HERE = Path(__file__).resolve().parent
 OPS = ("linear", "delta", "window")
@@ -61,11 +66,7 @@ def run_op(op: str, inputs: dict, chunk_size: int, window: int, sinks: int = 0) 
         )
     elif op == "delta":
         chunked_gated_delta_rule(
-            inputs["query"],
-            inputs["key"],
-            inputs["value"],
-            inputs["log_decay"],
-            inputs["beta"],
+            DeltaInputs(inputs["query"], inputs["key"], inputs["value"], inputs["log_decay"], inputs["beta"]),
             chunk_size=chunk_size,
             return_state=True,
         )

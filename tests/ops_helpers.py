@@ -3,9 +3,25 @@ force window and hybrid outputs (one query, one key at a time)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
+
+
+def by_keywords(form, inputs_type, options_type=None):
+    """``form`` (an op form taking its bundles) called with keywords, as the op tests write their cases: the
+    keywords that are fields of ``inputs_type`` (and of ``options_type``) go into that bundle, the rest
+    (state, chunk size, ...) to the form as they are."""
+    bundles = [inputs_type] if options_type is None else [inputs_type, options_type]
+    names = [{field.name for field in dataclasses.fields(bundle)} for bundle in bundles]
+
+    def call(**keywords):
+        parts = [bundle(**{name: keywords.pop(name) for name in fields & keywords.keys()})
+                 for bundle, fields in zip(bundles, names, strict=True)]  # fmt: skip
+        return form(*parts, **keywords)
+
+    return call
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-2) -> float:

@@ -31,6 +31,7 @@ from dofla.convert import convert, plan_for
 from dofla.errors import DoflaError
 from dofla.models import build_tiny_model
 from dofla.ops import (
+    DeltaInputs,
     chunked_gated_delta_rule,
     chunked_hybrid_attention,
     chunked_linear_attention,
@@ -253,12 +254,14 @@ class DeltaCase:
         results, state = [], None
         for part in (slice(0, self.split), slice(self.split, None)):
             out, state = chunked_gated_delta_rule(
-                x["q"][:, :, part],
-                x["k"][:, :, part],
-                x["v"][:, :, part],
-                log_decay[:, :, part],
-                beta[:, :, part],
-                key_mask=self.mask[:, part],
+                DeltaInputs(
+                    x["q"][:, :, part],
+                    x["k"][:, :, part],
+                    x["v"][:, :, part],
+                    log_decay[:, :, part],
+                    beta[:, :, part],
+                    self.mask[:, part],
+                ),
                 normalize_keys=True,
                 chunk_size=4,
                 initial_state=state,

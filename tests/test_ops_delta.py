@@ -8,19 +8,21 @@ import torch
 import torch.nn.functional as F
 from ops_helpers import (
     assert_matches_reference,
+    by_keywords,
     first,
     random_key_mask,
     relative_error,
     split,
 )
 
+from dofla import ops
 from dofla.errors import DoflaError
-from dofla.ops import (
-    DeltaState,
-    chunked_gated_delta_rule,
-    gated_delta_rule,
-    recurrent_gated_delta_rule,
-)
+from dofla.ops import DeltaInputs, DeltaState
+
+# the forms called with the inputs' tensors by keyword, as the cases below write them
+gated_delta_rule = by_keywords(ops.gated_delta_rule, DeltaInputs)
+chunked_gated_delta_rule = by_keywords(ops.chunked_gated_delta_rule, DeltaInputs)
+recurrent_gated_delta_rule = by_keywords(ops.recurrent_gated_delta_rule, DeltaInputs)
 
 DELTA_NAMES = ("q", "k", "v", "log_decay", "beta")
 
@@ -147,10 +149,11 @@ def test_delta_without_decay_and_full_beta_overwrites_orthonormal_keys():
             last = max(i for i in range(t + 1) if slot[i] == s)
             memory += torch.outer(basis[:, s], v[0, 0, last])  # slot s holds its latest value only
         expected[0, :, t] = q[0, :, t] @ memory
+    inputs = DeltaInputs(q, k, v, log_decay, beta)
     for out in (
-        gated_delta_rule(q, k, v, log_decay, beta),
-        chunked_gated_delta_rule(q, k, v, log_decay, beta, chunk_size=4),
-        recurrent_gated_delta_rule(q, k, v, log_decay, beta)[0],
+        ops.gated_delta_rule(inputs),
+        ops.chunked_gated_delta_rule(inputs, chunk_size=4),
+        ops.recurrent_gated_delta_rule(inputs)[0],
     ):
         assert relative_error(out, expected) < 1e-12
 
@@ -166,10 +169,9 @@ def test_delta_long_sequence_is_finite_and_chunked_matches_recurrent():
         [torch.zeros(1, 1, 512), 30 * torch.rand(1, 1, 512), torch.rand(1, 1, 1024) * 0.05], -1
     )
     beta = torch.sigmoid(torch.randn(1, 1, length))
-    chunked, chunked_state = chunked_gated_delta_rule(
-        q, k, v, log_decay, beta, chunk_size=64, return_state=True
-    )
-    recurrent, recurrent_state = recurrent_gated_delta_rule(q, k, v, log_decay, beta)
+    inputs = DeltaInputs(q, k, v, log_decay, beta)
+    chunked, chunked_state = ops.chunked_gated_delta_rule(inputs, chunk_size=64, return_state=True)
+    recurrent, recurrent_state = ops.recurrent_gated_delta_rule(inputs)
     assert torch.isfinite(chunked).all() and torch.isfinite(chunked_state.kv).all()
     assert relative_error(chunked, recurrent) < 1e-4
     assert relative_error(chunked_state.kv, recurrent_state.kv) < 1e-4

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dofla.ops import chunked_gated_delta_rule, chunked_window_attention
+from dofla.ops import DeltaInputs, chunked_gated_delta_rule, chunked_window_attention
 from dofla.ops.recall_cache import (
     RecallCache,
     leaving_tokens,
@@ -40,11 +40,7 @@ def fast_scores(key, value, log_decay, beta, window_state=None, memory_state=Non
     before = None if window_state is None else window_state
     leaving_key, leaving_value, positions, valid = leaving_tokens(key, value, before, WINDOW, SINKS)
     recalled, memory = chunked_gated_delta_rule(
-        F.normalize(leaving_key, dim=-1),
-        keys,
-        value,
-        log_decay,
-        beta,
+        DeltaInputs(F.normalize(leaving_key, dim=-1), keys, value, log_decay, beta),
         chunk_size=4,
         initial_state=memory_state,
         return_state=True,

@@ -45,6 +45,7 @@ from dofla.derived import DerivedTensor
 from dofla.errors import DoflaError
 from dofla.masks import key_mask_from_attention_mask
 from dofla.ops import (
+    DeltaInputs,
     DeltaState,
     WindowState,
     chunked_gated_delta_rule,
@@ -215,23 +216,17 @@ class GatedDeltaAttention(LinearAttention):
             )
         q = F.normalize(q_features, dim=-1)  # (B, H, T, K)
         k = F.normalize(k_features, dim=-1)  # (B, Hs, T, K); a map's log scale cancels here
+        delta_inputs = DeltaInputs(q, k, written, log_decay, beta, key_mask)
         if form == "naive":
-            memory, new_memory = gated_delta_rule(q, k, written, log_decay, beta, key_mask=key_mask), None
+            memory, new_memory = gated_delta_rule(delta_inputs), None
         elif form == "recurrent":
-            memory, new_memory = recurrent_gated_delta_rule(
-                q, k, written, log_decay, beta, state=memory_state, key_mask=key_mask
-            )
+            memory, new_memory = recurrent_gated_delta_rule(delta_inputs, state=memory_state)
         else:
             memory, new_memory = chunked_gated_delta_rule(
-                q,
-                k,
-                written,
-                log_decay,
-                beta,
+                delta_inputs,
                 chunk_size=self.chunk_size_for("delta", q.shape[2]),
                 initial_state=memory_state,
                 return_state=True,
-                key_mask=key_mask,
                 kernel=fla_backend.gated_delta_kernel(values, q.shape[-1]),  # None unless CUDA with fla
             )
         memory = memory.to(values.dtype)

@@ -19,7 +19,7 @@ from torch import Tensor
 from dofla.cell_inputs import AttendInputs
 from dofla.cells.window import window_part
 from dofla.errors import DoflaError
-from dofla.ops import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from dofla.ops import DeltaInputs, chunked_gated_delta_rule, recurrent_gated_delta_rule
 from dofla.ops.recall_cache import (
     RecallCache,
     leaving_tokens,
@@ -168,17 +168,12 @@ def window_with_recall_cache(
     with torch.no_grad():  # the score only selects
         features, _ = cell.feature_map(leaving_key, is_query=False)
         reads = F.normalize(features, dim=-1)
+        read_inputs = DeltaInputs(reads, memory_keys, values, log_decay, beta)
         if form == "recurrent":
-            recalled, _ = recurrent_gated_delta_rule(
-                reads, memory_keys, values, log_decay, beta, state=memory_state
-            )
+            recalled, _ = recurrent_gated_delta_rule(read_inputs, state=memory_state)
         else:
             recalled = chunked_gated_delta_rule(
-                reads,
-                memory_keys,
-                values,
-                log_decay,
-                beta,
+                read_inputs,
                 chunk_size=cell.chunk_size_for("delta", reads.shape[2]),
                 initial_state=memory_state,
             )

@@ -51,6 +51,7 @@ whose given log scale is -inf is absent in the same way. A query with no present
 """
 
 from dofla.ops.delta import (
+    DeltaInputs,
     chunked_gated_delta_rule,
     gated_delta_rule,
     recurrent_gated_delta_rule,
@@ -72,6 +73,7 @@ from dofla.ops.state import DeltaState, HybridState, LinearState, WindowState, e
 from dofla.ops.window import chunked_window_attention, recurrent_window_attention, window_attention
 
 __all__ = [
+    "DeltaInputs",
     "DeltaState",
     "HybridState",
     "LinearState",

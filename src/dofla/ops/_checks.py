@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dofla.errors import DoflaError
+from dofla.ops.inputs import DeltaInputs
 from dofla.ops.state import DeltaState
 
 
@@ -174,11 +175,19 @@ def stack_tokens(outputs: list[Tensor]) -> Tensor:
     return outputs[0].unsqueeze(3) if len(outputs) == 1 else torch.stack(outputs, dim=3)
 
 
-def prepare_delta_inputs(q, k, v, log_decay, beta, key_mask, normalize_keys):
+def prepare_delta_inputs(inputs: DeltaInputs, normalize_keys: bool):
     """Checks, compute dtype, optional key normalisation and masking of absent keys (a = 1, beta = 0).
 
     Returns group H // Hk, q, k, v, log_decay, beta, all in the compute dtype.
     """
+    q, k, v, log_decay, beta, key_mask = (
+        inputs.q,
+        inputs.k,
+        inputs.v,
+        inputs.log_decay,
+        inputs.beta,
+        inputs.key_mask,
+    )
     group = check_delta_inputs(q, k, v, log_decay, beta)
     dtype = compute_dtype(q, k, v, log_decay, beta)
     q, k, v, log_decay, beta = (tensor.to(dtype) for tensor in (q, k, v, log_decay, beta))

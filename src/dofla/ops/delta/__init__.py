@@ -11,15 +11,18 @@ over what S held for k_t, by a fraction beta_t. Absent keys (``key_mask`` False)
 a = 1 and beta = 0 there; their queries still read the state.
 
 ``gated_delta_rule`` (the literal token loop, tests only), ``chunked_gated_delta_rule`` (training and
-prefill), ``recurrent_gated_delta_rule`` (decoding). States (``DeltaState``) pass between the forms.
+prefill), ``recurrent_gated_delta_rule`` (decoding), each taking the call's tensors as one ``DeltaInputs``.
+States (``DeltaState``) pass between the forms.
 """
 
 from dofla.ops.delta.chunked import chunked_gated_delta_rule
 from dofla.ops.delta.naive import gated_delta_rule
 from dofla.ops.delta.recurrent import recurrent_gated_delta_rule, update_delta_state
 from dofla.ops.delta.step import DeltaStepWeights, gated_delta_step
+from dofla.ops.inputs import DeltaInputs
 
 __all__ = [
+    "DeltaInputs",
     "chunked_gated_delta_rule",
     "gated_delta_rule",
     "DeltaStepWeights",

@@ -20,33 +20,28 @@ from torch import Tensor
 from dofla.errors import DoflaError
 from dofla.ops._checks import initial_delta_kv, prepare_delta_inputs
 from dofla.ops.fla_backend import GatedDeltaKernel, kernel_gated_delta_rule
+from dofla.ops.inputs import DeltaInputs
 from dofla.ops.state import DeltaState
 
 
 def chunked_gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_decay: Tensor,
-    beta: Tensor,
+    inputs: DeltaInputs,
     *,
     chunk_size: int = 64,
     initial_state: DeltaState | None = None,
     return_state: bool = False,
-    key_mask: Tensor | None = None,
     normalize_keys: bool = False,
     kernel: GatedDeltaKernel | None = None,
 ):
-    """Chunkwise-parallel form (see the module docstring); shapes as in ``gated_delta_rule``.
+    """Chunkwise-parallel form (see the module docstring); inputs as in ``gated_delta_rule``.
 
     Returns out (B, H, T, Dv) in v's dtype, or (out, DeltaState) when return_state. kernel: fla's gated
     delta rule kernel to run it on (``dofla.ops.fla_backend``), None for PyTorch.
     """
     if int(chunk_size) <= 0:
         raise DoflaError(f"chunk_size must be a positive number of tokens, got {chunk_size}.")
-    group, q, k, v_in, log_decay, beta = prepare_delta_inputs(
-        q, k, v, log_decay, beta, key_mask, normalize_keys
-    )
+    group, q, k, v_in, log_decay, beta = prepare_delta_inputs(inputs, normalize_keys)
+    v = inputs.v
     batch, num_heads, length, key_dim = q.shape
     num_kv_heads, value_dim = k.shape[1], v.shape[-1]
     memory = initial_delta_kv(initial_state, k, value_dim)  # (B, Hk, K, Dv)

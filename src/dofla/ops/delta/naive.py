@@ -9,28 +9,19 @@ from dofla.ops._checks import (
     initial_delta_kv,
     prepare_delta_inputs,
 )
+from dofla.ops.inputs import DeltaInputs
 from dofla.ops.state import DeltaState
 
 
 def gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_decay: Tensor,
-    beta: Tensor,
-    *,
-    initial_state: DeltaState | None = None,
-    key_mask: Tensor | None = None,
-    normalize_keys: bool = False,
+    inputs: DeltaInputs, *, initial_state: DeltaState | None = None, normalize_keys: bool = False
 ) -> Tensor:
     """The literal token loop, one state per query head with the K x K transition written out. Tests only.
 
-    q (B, H, T, K), k (B, Hk, T, K), v (B, Hk, T, Dv), log_decay (B, Hk, T) <= 0, beta (B, Hk, T) in (0, 1).
-    Returns (B, H, T, Dv) in v's dtype.
+    inputs: the call's tensors (shapes in ``DeltaInputs``). Returns (B, H, T, Dv) in v's dtype.
     """
-    group, q, k, v_in, log_decay, beta = prepare_delta_inputs(
-        q, k, v, log_decay, beta, key_mask, normalize_keys
-    )
+    group, q, k, v_in, log_decay, beta = prepare_delta_inputs(inputs, normalize_keys)
+    v = inputs.v
     length, key_dim = q.shape[2], q.shape[3]
 
     def per_query_head(tensor: Tensor) -> Tensor:

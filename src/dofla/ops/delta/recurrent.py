@@ -10,6 +10,7 @@ from dofla.ops._checks import (
     prepare_delta_inputs,
     stack_tokens,
 )
+from dofla.ops.inputs import DeltaInputs
 from dofla.ops.state import DeltaState
 
 
@@ -30,22 +31,13 @@ def update_delta_state(state: DeltaState, k: Tensor, v: Tensor, decay: Tensor, b
 
 
 def recurrent_gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_decay: Tensor,
-    beta: Tensor,
-    *,
-    state: DeltaState | None = None,
-    key_mask: Tensor | None = None,
-    normalize_keys: bool = False,
+    inputs: DeltaInputs, *, state: DeltaState | None = None, normalize_keys: bool = False
 ) -> tuple[Tensor, DeltaState]:
-    """Token by token (decoding); shapes as in ``gated_delta_rule``, state from an earlier call of either
+    """Token by token (decoding); inputs as in ``gated_delta_rule``, state from an earlier call of either
     form or None. Returns out (B, H, T, Dv) in v's dtype and the state (float32, float64 for float64 inputs).
     """
-    group, q, k, v_in, log_decay, beta = prepare_delta_inputs(
-        q, k, v, log_decay, beta, key_mask, normalize_keys
-    )
+    group, q, k, v_in, log_decay, beta = prepare_delta_inputs(inputs, normalize_keys)
+    v = inputs.v
     batch, num_heads, length, key_dim = q.shape
     num_kv_heads = k.shape[1]
     current = DeltaState(initial_delta_kv(state, k, v.shape[-1]), 0 if state is None else state.num_tokens)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dofla.ops.delta import chunked_gated_delta_rule
+from dofla.ops.delta import DeltaInputs, chunked_gated_delta_rule
 from dofla.ops.fla_backend import gated_delta_kernel
 from dofla.ops.gated_delta_net.common import (
     GatedDeltaNetShape,
@@ -45,15 +45,10 @@ def chunked_gated_delta_net(
     ).transpose(1, 2)  # (B, T, C): output t from inputs t .. t + W - 1 of the padded sequence
     query, key, value = delta_rule_inputs(convolved, shape)
     out, memory = chunked_gated_delta_rule(
-        query,
-        key,
-        value,
-        log_decay.transpose(1, 2),
-        beta.transpose(1, 2).to(dtype),
+        DeltaInputs(query, key, value, log_decay.transpose(1, 2), beta.transpose(1, 2).to(dtype), key_mask),
         chunk_size=chunk_size,
         initial_state=state.memory,
         return_state=True,
-        key_mask=key_mask,
         kernel=gated_delta_kernel(value, shape.head_k_dim),  # None unless CUDA with fla
     )
     tail = inputs[:, length:].clone()  # a copy: a view would keep the whole input alive in the state

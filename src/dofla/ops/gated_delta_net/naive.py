@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dofla.ops.delta import gated_delta_rule
+from dofla.ops.delta import DeltaInputs, gated_delta_rule
 from dofla.ops.gated_delta_net.common import (
     GatedDeltaNetShape,
     check_inputs,
@@ -43,6 +43,6 @@ def gated_delta_net(
         convolved.append(total)
     query, key, value = delta_rule_inputs(torch.stack(convolved, dim=1), shape)
     out = gated_delta_rule(
-        query, key, value, log_decay.transpose(1, 2), beta.transpose(1, 2).to(dtype), key_mask=key_mask
+        DeltaInputs(query, key, value, log_decay.transpose(1, 2), beta.transpose(1, 2).to(dtype), key_mask)
     )
     return out.transpose(1, 2).to(mixed.dtype)  # (B, T, Hv, Dv)
