@@ -237,6 +237,14 @@ def test_lora_baseline_is_reported_and_leaves_the_student_unchanged(tmp_path):
     assert f"| teacher + the same LoRA stage | {baseline:.3f} |" in result.report_path.read_text()
 
 
+def test_lora_baseline_trains_the_teachers_adapters_when_the_students_train_end_to_end(tmp_path):
+    # the teacher has no converted layers: its baseline trains only the adapters instead of refusing
+    changes = dict(recipe="lolcats", lora=dict(tokens=4 * LENGTH * 4, train_students=True, baseline=True))
+    result = linearize(config(tmp_path, **changes), teacher=tiny_teacher(), sequences=sequences())
+    baseline = json.loads((tmp_path / "run" / "result.json").read_text())["lora_teacher_ppl"]
+    assert baseline is not None and baseline != pytest.approx(result.teacher_ppl, rel=1e-4)
+
+
 @pytest.mark.parametrize(
     "changes, data, message",
     [

@@ -11,6 +11,7 @@ measured on sequences split off before training and never trained on.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from pathlib import Path
 
@@ -370,10 +371,12 @@ def lora_adapted_teacher_perplexity(
     """Held-out perplexity of the unconverted teacher after the same LoRA stage as the student's.
 
     The LoRA stage also fits the training text's domain; this is the reference that separates that
-    from recovering what the attention change lost. The teacher's weights are restored afterwards.
+    from recovering what the attention change lost. The teacher has no converted layers, so only the
+    adapters train (``lora.train_students`` does not apply). Its weights are restored afterwards.
     """
     from dofla.distill.lora import train_lora
 
+    config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, train_students=False))
     saved = {name: tensor.detach().clone() for name, tensor in teacher.state_dict().items()}
     flags = {name: parameter.requires_grad for name, parameter in teacher.named_parameters()}
     try:
