@@ -24,6 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 from dofla.cache import held_bytes
 from dofla.feature_maps import build_feature_map
 from dofla.ops import (
+    HybridInputs,
+    HybridOptions,
     chunked_hybrid_attention,
     chunked_linear_attention,
     recurrent_hybrid_attention,
@@ -64,12 +66,12 @@ def main(argv=None) -> int:
         q_features, k_features, k_log_scale = features(query, key)
         return recurrent_linear_attention(q_features, k_features, value, k_log_scale=k_log_scale, state=state)
 
+    options = HybridOptions(scaling=scaling, window=args.window)
+
     def hybrid_step(query, key, value, state):
         q_features, k_features, k_log_scale = features(query, key)
-        return recurrent_hybrid_attention(
-            query, key, q_features, k_features, value, scaling=scaling, window=args.window,
-            window_factor=window_factor, k_log_scale=k_log_scale, state=state,
-        )  # fmt: skip
+        inputs = HybridInputs(query, key, q_features, k_features, value, window_factor, k_log_scale)
+        return recurrent_hybrid_attention(inputs, options, state=state)
 
     def softmax_step(query, key, value, cache):
         keys, values = torch.cat([cache[0], key], dim=2), torch.cat([cache[1], value], dim=2)
@@ -89,9 +91,10 @@ def main(argv=None) -> int:
                 q_features, k_features, prompt[2], k_log_scale=k_log_scale, return_state=True
             )
             _, hybrid_state = chunked_hybrid_attention(
-                prompt[0], prompt[1], q_features, k_features, prompt[2], scaling=scaling, window=args.window,
-                window_factor=window_factor, k_log_scale=k_log_scale, return_state=True,
-            )  # fmt: skip
+                HybridInputs(*prompt[:2], q_features, k_features, prompt[2], window_factor, k_log_scale),
+                options,
+                return_state=True,
+            )
             cache = (prompt[1].clone(), prompt[2].clone())
             _, new_linear = linear_step(*step, linear_state)
             _, new_hybrid = hybrid_step(*step, hybrid_state)

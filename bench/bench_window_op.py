@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from dofla.ops import chunked_window_attention
+from dofla.ops import WindowInputs, WindowOptions, chunked_window_attention
 
 
 def main(argv=None) -> int:
@@ -48,8 +48,8 @@ def main(argv=None) -> int:
         return torch.randn(1, heads, total, args.head_dim, generator=generator)
 
     query, key, value = draw(args.heads), draw(args.kv_heads), draw(args.kv_heads)
-    settings = dict(scaling=args.head_dim**-0.5, window=args.window, sinks=args.sinks)
-    settings["chunk_size"] = args.chunk_size
+    options = WindowOptions(scaling=args.head_dim**-0.5, window=args.window, sinks=args.sinks)
+    settings = dict(chunk_size=args.chunk_size)
     piece = slice(args.fill, total)
     all_present = torch.ones(1, args.length, dtype=torch.bool)
     times: dict[str, list[float]] = {"fused": [], "general": []}
@@ -58,18 +58,22 @@ def main(argv=None) -> int:
         if args.fill:
             head = slice(0, args.fill)
             _, state = chunked_window_attention(
-                query[:, :, head], key[:, :, head], value[:, :, head], return_state=True, **settings
+                WindowInputs(query[:, :, head], key[:, :, head], value[:, :, head]),
+                options,
+                return_state=True,
+                **settings,
             )
         calls = {
             "fused": lambda: chunked_window_attention(
-                query[:, :, piece], key[:, :, piece], value[:, :, piece], initial_state=state, **settings
+                WindowInputs(query[:, :, piece], key[:, :, piece], value[:, :, piece]),
+                options,
+                initial_state=state,
+                **settings,
             ),
             "general": lambda: chunked_window_attention(
-                query[:, :, piece],
-                key[:, :, piece],
-                value[:, :, piece],
+                WindowInputs(query[:, :, piece], key[:, :, piece], value[:, :, piece], all_present),
+                options,
                 initial_state=state,
-                key_mask=all_present,
                 **settings,
             ),
         }

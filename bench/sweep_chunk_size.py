@@ -27,6 +27,8 @@ import torch.nn.functional as F
 
 from dofla.ops import (
     DeltaInputs,
+    WindowInputs,
+    WindowOptions,
     chunked_gated_delta_rule,
     chunked_linear_attention,
     chunked_window_attention,
@@ -72,12 +74,8 @@ def run_op(op: str, inputs: dict, chunk_size: int, window: int, sinks: int = 0) 
         )
     else:
         chunked_window_attention(
-            inputs["query"],
-            inputs["key"],
-            inputs["value"],
-            scaling=inputs["query"].shape[-1] ** -0.5,
-            window=window,
-            sinks=sinks,
+            WindowInputs(inputs["query"], inputs["key"], inputs["value"]),
+            WindowOptions(scaling=inputs["query"].shape[-1] ** -0.5, window=window, sinks=sinks),
             chunk_size=chunk_size,
             return_state=True,
         )

@@ -10,16 +10,23 @@ import torch
 
 
 def by_keywords(form, inputs_type, options_type=None):
-    """``form`` (an op form taking its bundles) called with keywords, as the op tests write their cases: the
-    keywords that are fields of ``inputs_type`` (and of ``options_type``) go into that bundle, the rest
-    (state, chunk size, ...) to the form as they are."""
-    bundles = [inputs_type] if options_type is None else [inputs_type, options_type]
-    names = [{field.name for field in dataclasses.fields(bundle)} for bundle in bundles]
+    """``form`` (an op form taking its bundles) called as the op tests write their cases: the leading
+    positional tensors and the keywords that are fields of ``inputs_type`` go into that bundle, the keywords
+    that are fields of ``options_type`` into that one, the rest (state, chunk size, ...) to the form as
+    they are."""
 
-    def call(**keywords):
-        parts = [bundle(**{name: keywords.pop(name) for name in fields & keywords.keys()})
-                 for bundle, fields in zip(bundles, names, strict=True)]  # fmt: skip
-        return form(*parts, **keywords)
+    def taken(bundle, keywords):  # the keywords that are fields of ``bundle``, removed from ``keywords``
+        return {
+            field.name: keywords.pop(field.name)
+            for field in dataclasses.fields(bundle)
+            if field.name in keywords
+        }
+
+    def call(*tensors, **keywords):
+        inputs = inputs_type(*tensors, **taken(inputs_type, keywords))
+        if options_type is None:
+            return form(inputs, **keywords)
+        return form(inputs, options_type(**taken(options_type, keywords)), **keywords)
 
     return call
 

@@ -271,7 +271,15 @@ def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill,
     order) against the recurrent form's; the hybrid with key log scales, the window alone. ``frozen``: once
     a ring is in its steady state its token count stays put and the steps write the slot kept as a tensor
     (as a frozen decoding step does)."""
-    from dofla.ops import hybrid_attention, recurrent_window_attention, window_attention
+    from dofla.ops import (
+        HybridInputs,
+        HybridOptions,
+        WindowInputs,
+        WindowOptions,
+        hybrid_attention,
+        recurrent_window_attention,
+        window_attention,
+    )
     from dofla.ops.hybrid.recurrent import empty_hybrid_state, recurrent_hybrid_attention
     from dofla.ops.hybrid.step import hybrid_decode_step
     from dofla.ops.state import WindowState
@@ -285,13 +293,13 @@ def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill,
     query, key, v, log_scale = inputs["query"], inputs["key"], inputs["v"], inputs["k_log_scale"]
     q_features, k_features, gamma = inputs["q_features"], inputs["k_features"], inputs["window_factor"]
     settings = dict(scaling=0.5, window=window, sinks=sinks)
-    hybrid = dict(q_features=q_features, k_features=k_features, v=v, k_log_scale=log_scale)
-    expected, expected_state = recurrent_hybrid_attention(
-        query, key, window_factor=gamma, **hybrid, **settings
+    hybrid = HybridInputs(query, key, q_features, k_features, v, window_factor=gamma, k_log_scale=log_scale)
+    expected, expected_state = recurrent_hybrid_attention(hybrid, HybridOptions(**settings))
+    naive = hybrid_attention(hybrid, HybridOptions(**settings))
+    expected_window, expected_window_state = recurrent_window_attention(
+        WindowInputs(query, key, v), WindowOptions(**settings)
     )
-    naive = hybrid_attention(query, key, window_factor=gamma, **hybrid, **settings)
-    expected_window, expected_window_state = recurrent_window_attention(query, key, v, **settings)
-    naive_window = window_attention(query, key, v, **settings)
+    naive_window = window_attention(WindowInputs(query, key, v), WindowOptions(**settings))
     torch.testing.assert_close(expected, naive, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(expected_window, naive_window, rtol=1e-10, atol=1e-12)
 
@@ -300,15 +308,13 @@ def test_ring_decode_steps_in_place_equal_the_recurrent_and_naive_forms(prefill,
 
     with torch.no_grad():
         if prefill:
+            first = [tensor[:, :, :prefill] for tensor in (query, key, q_features, k_features, v)]
             _, state = recurrent_hybrid_attention(
-                query[:, :, :prefill],
-                key[:, :, :prefill],
-                window_factor=gamma,
-                **{name: tensor[:, :, :prefill] for name, tensor in hybrid.items()},
-                **settings,
+                HybridInputs(*first, window_factor=gamma, k_log_scale=log_scale[:, :, :prefill]),
+                HybridOptions(**settings),
             )
             _, ring = recurrent_window_attention(
-                query[:, :, :prefill], key[:, :, :prefill], v[:, :, :prefill], **settings
+                WindowInputs(first[0], first[1], first[4]), WindowOptions(**settings)
             )
         else:
             state = empty_hybrid_state(
@@ -376,7 +382,7 @@ def test_ring_state_made_in_inference_mode_decodes_on_outside_it():
 def test_ring_layout_round_trip_keeps_padded_keys_sinks_and_a_partial_window():
     """A general hybrid state (left-padded rows, sinks, window not yet full in one call and wrapped in the
     other) put in the decoding layout and back is the same state, exactly."""
-    from dofla.ops import chunked_hybrid_attention
+    from dofla.ops import HybridInputs, HybridOptions, chunked_hybrid_attention
     from dofla.ops.hybrid.step import ring_hybrid_state
 
     for length in (5, 11):  # window 7: partial, then wrapped
@@ -385,17 +391,8 @@ def test_ring_layout_round_trip_keeps_padded_keys_sinks_and_a_partial_window():
         key_mask[1, :3] = False  # left padding: absent keys, sinks counted from the first real token
         with torch.no_grad():
             _, state = chunked_hybrid_attention(
-                inputs["query"],
-                inputs["key"],
-                inputs["q_features"],
-                inputs["k_features"],
-                inputs["v"],
-                k_log_scale=inputs["k_log_scale"],
-                window_factor=inputs["window_factor"],
-                scaling=0.5,
-                window=7,
-                sinks=2,
-                key_mask=key_mask,
+                HybridInputs(**inputs, key_mask=key_mask),
+                HybridOptions(scaling=0.5, window=7, sinks=2),
                 chunk_size=4,
                 return_state=True,
             )

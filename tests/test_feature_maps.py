@@ -304,7 +304,7 @@ def test_stabilised_prf_through_the_ops_has_the_gradient_of_the_plain_formula():
 @pytest.mark.parametrize("name", ["prf", "hedgehog"])
 def test_feature_map_and_chunked_hybrid_pass_gradcheck(name):
     """float64 end to end: the map, the window softmax and the linear part, against finite differences."""
-    from dofla.ops import chunked_hybrid_attention
+    from dofla.ops import HybridInputs, HybridOptions, chunked_hybrid_attention
 
     torch.manual_seed(4)
     feature_map = build(name, num_heads=1, head_dim=4, feature_dim=4, scaling=0.5).double()
@@ -315,9 +315,10 @@ def test_feature_map_and_chunked_hybrid_pass_gradcheck(name):
         q_features, _ = feature_map(query, is_query=True)
         k_features, k_log_scale = feature_map(key, is_query=False)
         return chunked_hybrid_attention(
-            query, key, q_features, k_features, value, scaling=0.5, window=3, window_factor=gamma,
-            k_log_scale=k_log_scale, chunk_size=4,
-        )  # fmt: skip
+            HybridInputs(query, key, q_features, k_features, value, gamma, k_log_scale),
+            HybridOptions(scaling=0.5, window=3),
+            chunk_size=4,
+        )
 
     query = torch.randn(1, 2, 7, 4, dtype=torch.float64, requires_grad=True)
     key = torch.randn(1, 1, 7, 4, dtype=torch.float64, requires_grad=True)

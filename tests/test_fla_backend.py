@@ -32,6 +32,8 @@ from dofla.errors import DoflaError
 from dofla.models import build_tiny_model
 from dofla.ops import (
     DeltaInputs,
+    HybridInputs,
+    HybridOptions,
     chunked_gated_delta_rule,
     chunked_hybrid_attention,
     chunked_linear_attention,
@@ -195,30 +197,18 @@ class HybridCase:
         x = self.inputs
         log_scale = gla_log_scales(x["gate_logits"], x["k_log_scale"])
         gamma = torch.sigmoid(x["window_logits"])
-        common = dict(scaling=0.5, window=self.window, window_factor=gamma, sinks=self.sinks)
+        options = HybridOptions(scaling=0.5, window=self.window, sinks=self.sinks)
         results, state = [], None
         parts = (slice(0, self.split), slice(self.split, self.length), slice(self.length, None))
         for index, part in enumerate(parts):
             tensors = [x[name][:, :, part] for name in ("query", "key", "q_features", "k_features", "v")]
+            inputs = HybridInputs(*tensors, gamma, log_scale[:, :, part], self.mask[:, part])
             if index < 2:  # prefill: the chunked form (on the kernel when given)
                 out, state = chunked_hybrid_attention(
-                    *tensors,
-                    k_log_scale=log_scale[:, :, part],
-                    key_mask=self.mask[:, part],
-                    chunk_size=4,
-                    initial_state=state,
-                    return_state=True,
-                    kernel=kernel,
-                    **common,
+                    inputs, options, chunk_size=4, initial_state=state, return_state=True, kernel=kernel
                 )
             else:  # decoding: the recurrent form continues from the state
-                out, state = recurrent_hybrid_attention(
-                    *tensors,
-                    k_log_scale=log_scale[:, :, part],
-                    key_mask=self.mask[:, part],
-                    state=state,
-                    **common,
-                )
+                out, state = recurrent_hybrid_attention(inputs, options, state=state)
             results.append(out)
         linear = state.linear
         return [*results, linear.kv, linear.normalizer], [

@@ -13,21 +13,27 @@ from ops_helpers import (
     LINEAR_NAMES,
     assert_matches_reference,
     brute_force_hybrid,
+    by_keywords,
     make_inputs,
     random_key_mask,
     relative_error,
     split,
 )
 
+from dofla import ops
 from dofla.errors import DoflaError
 from dofla.ops import (
-    chunked_hybrid_attention,
+    HybridInputs,
+    HybridOptions,
     chunked_linear_attention,
-    hybrid_attention,
     linear_attention,
-    recurrent_hybrid_attention,
     recurrent_linear_attention,
 )
+
+# the forms called with keywords, as the cases below write them
+chunked_hybrid_attention = by_keywords(ops.chunked_hybrid_attention, HybridInputs, HybridOptions)
+hybrid_attention = by_keywords(ops.hybrid_attention, HybridInputs, HybridOptions)
+recurrent_hybrid_attention = by_keywords(ops.recurrent_hybrid_attention, HybridInputs, HybridOptions)
 
 # (batch, heads, kv heads, tokens, features, chunk, window): window 1, window not dividing chunk,
 # window > chunk, T < window, T < chunk.

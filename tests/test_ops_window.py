@@ -13,6 +13,7 @@ from ops_helpers import (
     assert_matches_reference,
     brute_force_window,
     brute_force_window_lse,
+    by_keywords,
     first,
     make_inputs,
     padded_copy,
@@ -22,17 +23,24 @@ from ops_helpers import (
     weighted_gradients,
 )
 
+from dofla import ops
 from dofla.errors import DoflaError
 from dofla.ops import (
+    HybridInputs,
+    HybridOptions,
+    WindowInputs,
+    WindowOptions,
     WindowState,
-    chunked_hybrid_attention,
-    chunked_window_attention,
     empty_hybrid_state,
-    hybrid_attention,
-    recurrent_hybrid_attention,
-    recurrent_window_attention,
-    window_attention,
 )
+
+# the forms called with keywords, as the cases below write them
+chunked_hybrid_attention = by_keywords(ops.chunked_hybrid_attention, HybridInputs, HybridOptions)
+chunked_window_attention = by_keywords(ops.chunked_window_attention, WindowInputs, WindowOptions)
+hybrid_attention = by_keywords(ops.hybrid_attention, HybridInputs, HybridOptions)
+recurrent_hybrid_attention = by_keywords(ops.recurrent_hybrid_attention, HybridInputs, HybridOptions)
+recurrent_window_attention = by_keywords(ops.recurrent_window_attention, WindowInputs, WindowOptions)
+window_attention = by_keywords(ops.window_attention, WindowInputs, WindowOptions)
 
 
 @pytest.mark.parametrize("sinks", [0, 3])
@@ -289,7 +297,6 @@ def test_fused_window_attention_matches_the_reference_and_the_general_chunked_pa
     """A window prefill with no padding or soft-capping takes one fused softmax call per chunk, from no state
     or continuing one, with or without sinks: against the naive form over the whole sequence (forward and
     gradients) and the general blocked path (output, state) call by call."""
-    from dofla.ops import chunked_window_attention, window_attention
 
     generator = torch.Generator().manual_seed(3)
     query, key, value = (
@@ -330,7 +337,6 @@ def test_fused_window_attention_matches_the_reference_and_the_general_chunked_pa
 def test_fused_window_attention_after_padding_keeps_one_mask_per_row(sinks, return_lse):
     """The fused path shares one mask between the (batch, head) rows only where they see alike; after a
     left-padded first call the rows' absent keys and sink positions differ, and each row keeps its own."""
-    from dofla.ops import chunked_window_attention
     from dofla.ops.window.chunked import _rows_alike
 
     generator = torch.Generator().manual_seed(5)
@@ -361,7 +367,6 @@ def test_fused_window_log_sum_exp_without_gradients_matches_the_blocked_path(
 ):
     """``return_lse`` without gradients to track takes the fused kernel's entry point that returns the
     log-sum-exp; with them, the blocked path (the fused kernel gives no gradient for it)."""
-    from dofla.ops import chunked_window_attention
     from dofla.ops.window.chunked import takes_fused_lse
 
     generator = torch.Generator().manual_seed(4)

@@ -5,7 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dofla.ops import DeltaInputs, chunked_gated_delta_rule, chunked_window_attention
+from dofla.ops import (
+    DeltaInputs,
+    WindowInputs,
+    WindowOptions,
+    chunked_gated_delta_rule,
+    chunked_window_attention,
+)
 from dofla.ops.recall_cache import (
     RecallCache,
     leaving_tokens,
@@ -72,12 +78,8 @@ def fast_window_with_cache(
 ):
     window_state, cache = (None, None) if state is None else state
     window, lse, new_window = chunked_window_attention(
-        query,
-        key,
-        value,
-        scaling=0.5,
-        window=WINDOW,
-        sinks=SINKS,
+        WindowInputs(query, key, value),
+        WindowOptions(scaling=0.5, window=WINDOW, sinks=SINKS),
         chunk_size=4,
         initial_state=window_state,
         return_state=True,
@@ -114,7 +116,9 @@ def test_window_with_cache_matches_the_dense_reference(chunk_size):
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
     # the cache changes the output: without it the window alone differs
-    window_only = chunked_window_attention(query, key, value, scaling=0.5, window=WINDOW, sinks=SINKS)
+    window_only = chunked_window_attention(
+        WindowInputs(query, key, value), WindowOptions(scaling=0.5, window=WINDOW, sinks=SINKS)
+    )
     assert (window_only - reference).abs().max() > 1e-3
 
 

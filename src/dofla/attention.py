@@ -21,6 +21,8 @@ from dofla.errors import DoflaError
 from dofla.feature_maps import FEATURE_MAPS, build_feature_map
 from dofla.masks import key_mask_from_attention_mask
 from dofla.ops import (
+    HybridInputs,
+    HybridOptions,
     chunked_hybrid_attention,
     chunked_linear_attention,
     fla_backend,
@@ -413,26 +415,23 @@ class LinearAttention(PositionTurns, nn.Module):
             return chunked_linear_attention(
                 q_features, k_features, values, kernel=kernel, **chunked, **common
             )
-        query, keys = inputs.query, self.state_heads_view(inputs.key)  # (B, Hs, T, D)
-        hybrid = dict(
-            scaling=inputs.scaling,
-            window=self.window,
+        hybrid = HybridInputs(
+            query=inputs.query,
+            key=self.state_heads_view(inputs.key),  # (B, Hs, T, D)
+            q_features=q_features,
+            k_features=k_features,
+            v=values,
             window_factor=self.window_factor(),
-            sinks=self.sinks,
-            softcap=self.softcap,
             sink_query=inputs.sink_query,
             **common,
         )
+        options = HybridOptions(inputs.scaling, self.window, self.sinks, self.softcap)
         if form == "naive":
-            return hybrid_attention(query, keys, q_features, k_features, values, **hybrid), None
+            return hybrid_attention(hybrid, options), None
         if form == "recurrent":
-            return recurrent_hybrid_attention(
-                query, keys, q_features, k_features, values, state=state, **hybrid
-            )
+            return recurrent_hybrid_attention(hybrid, options, state=state)
         kernel = fla_backend.simple_gla_kernel(values)  # None (PyTorch) unless CUDA with fla
-        return chunked_hybrid_attention(
-            query, keys, q_features, k_features, values, kernel=kernel, **chunked, **hybrid
-        )
+        return chunked_hybrid_attention(hybrid, options, kernel=kernel, **chunked)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [parameter for parameter in self.parameters() if parameter.requires_grad]

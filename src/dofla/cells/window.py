@@ -10,7 +10,14 @@ from dofla.attention import LinearAttention
 from dofla.cell_inputs import AttendInputs, StepInputs
 from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
-from dofla.ops import WindowState, chunked_window_attention, recurrent_window_attention, window_attention
+from dofla.ops import (
+    WindowInputs,
+    WindowOptions,
+    WindowState,
+    chunked_window_attention,
+    recurrent_window_attention,
+    window_attention,
+)
 from dofla.ops.window.step import RingWindow, ring_window, ring_window_step
 
 
@@ -18,29 +25,21 @@ def window_part(cell: LinearAttention, form: str, inputs: AttendInputs, state, r
     """The sliding-window softmax (+ sinks, scored by ``inputs.sink_query`` where given) of a call in
     ``form``, continuing the window ``state``: out (B, H, T, Dv) and its WindowState (or None); with
     ``return_lse`` (out, lse (B, H, T), state), lse the log-sum-exp of each query's scores."""
-    query, keys, values = inputs.query, cell.state_heads_view(inputs.key), inputs.values  # keys (B, Hs, T, D)
-    common = dict(
-        scaling=inputs.scaling,
-        window=cell.window,
-        sinks=cell.sinks,
-        key_mask=inputs.key_mask,
-        softcap=cell.softcap,
-        return_lse=return_lse,
-        sink_query=inputs.sink_query,
-    )
+    keys = cell.state_heads_view(inputs.key)  # (B, Hs, T, D)
+    window = WindowInputs(inputs.query, keys, inputs.values, inputs.key_mask, inputs.sink_query)
+    options = WindowOptions(inputs.scaling, cell.window, cell.sinks, cell.softcap)
     if form == "naive":
-        result = window_attention(query, keys, values, **common)
+        result = window_attention(window, options, return_lse=return_lse)
         return (*result, None) if return_lse else (result, None)
     if form == "recurrent":
-        return recurrent_window_attention(query, keys, values, state=state, **common)
+        return recurrent_window_attention(window, options, state=state, return_lse=return_lse)
     return chunked_window_attention(
-        query,
-        keys,
-        values,
-        chunk_size=cell.chunk_size_for("window+sinks" if cell.sinks else "window", query.shape[2]),
+        window,
+        options,
+        chunk_size=cell.chunk_size_for("window+sinks" if cell.sinks else "window", inputs.query.shape[2]),
         initial_state=state,
         return_state=True,
-        **common,
+        return_lse=return_lse,
     )
 
 

@@ -3,7 +3,8 @@ softmax with sinks), ``hybrid`` (the two mixed in one normalisation), ``delta`` 
 ``gated_delta_net`` (Qwen3.5's gated delta net) and ``recall_cache`` (kept tokens read in the window's
 softmax).
 
-Each folder holds the operation's forms, with identical semantics: ``naive`` (the quadratic reference, every
+Each folder holds the operation's forms, with identical semantics and one signature (the call's tensors
+and the op's options each as one bundle of ``dofla.ops.inputs``): ``naive`` (the quadratic reference, every
 pair written out; tests only), ``chunked`` (training and prefill), ``recurrent`` (decoding, any number of
 tokens) and ``step`` (one token, in the fewest operators: generation, and the frozen decoding steps that a
 CUDA graph replays or ``torch.compile`` traces). States from the chunked form continue in the recurrent
@@ -58,6 +59,8 @@ from dofla.ops.delta import (
     update_delta_state,
 )
 from dofla.ops.hybrid import (
+    HybridInputs,
+    HybridOptions,
     chunked_hybrid_attention,
     empty_hybrid_state,
     hybrid_attention,
@@ -70,13 +73,23 @@ from dofla.ops.linear import (
     update_linear_state,
 )
 from dofla.ops.state import DeltaState, HybridState, LinearState, WindowState, exp_relative
-from dofla.ops.window import chunked_window_attention, recurrent_window_attention, window_attention
+from dofla.ops.window import (
+    WindowInputs,
+    WindowOptions,
+    chunked_window_attention,
+    recurrent_window_attention,
+    window_attention,
+)
 
 __all__ = [
     "DeltaInputs",
     "DeltaState",
+    "HybridInputs",
+    "HybridOptions",
     "HybridState",
     "LinearState",
+    "WindowInputs",
+    "WindowOptions",
     "WindowState",
     "chunked_gated_delta_rule",
     "chunked_hybrid_attention",

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dofla.errors import DoflaError
-from dofla.ops.inputs import DeltaInputs
+from dofla.ops.inputs import DeltaInputs, HybridInputs, WindowOptions
 from dofla.ops.state import DeltaState
 
 
@@ -73,6 +73,15 @@ def check_hybrid_inputs(
             f"window_factor must be a tensor of one factor per query head, shape ({query.shape[1]},), "
             f"got {getattr(window_factor, 'shape', window_factor)}."
         )
+
+
+def check_hybrid_call(inputs: HybridInputs, options: WindowOptions) -> tuple[int, int, int]:
+    """Check one hybrid call (its linear part's inputs, its window's, its sink queries); return the group
+    size H // Hk, the window and the number of sinks as ints."""
+    group = check_linear_inputs(inputs.q_features, inputs.k_features, inputs.v, inputs.k_log_scale)
+    check_hybrid_inputs(inputs.query, inputs.key, inputs.q_features, options.window, inputs.window_factor)
+    check_sink_query(inputs.query, inputs.sink_query)
+    return group, int(options.window), check_sinks(options.sinks)
 
 
 def check_sinks(sinks: int) -> int:

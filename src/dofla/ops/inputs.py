@@ -1,6 +1,7 @@
-"""What each op's forms read, as bundles passed whole: the tensors of one call (``DeltaInputs``), so that the
-naive, chunked and recurrent forms of an op share one signature and the checks that read it, as the cells'
-``dofla.cell_inputs`` bundles do one level up."""
+"""What each op's forms read, as bundles passed whole: the tensors of one call (``DeltaInputs``,
+``WindowInputs``, ``HybridInputs``) and the op's fixed options (``WindowOptions``, ``HybridOptions``), so that
+the naive, chunked and recurrent forms of an op share one signature and each default is written once, as
+the cells' ``dofla.cell_inputs`` bundles do one level up."""
 
 from __future__ import annotations
 
@@ -21,3 +22,53 @@ class DeltaInputs:
     log_decay: Tensor
     beta: Tensor
     key_mask: Tensor | None = None
+
+
+@dataclass
+class WindowInputs:
+    """One call of sliding-window softmax attention (``dofla.ops.window``): ``query`` (B, H, T, D), ``key``
+    (B, Hk, T, D) after rotary, ``v`` (B, Hk, T, Dv); ``key_mask`` (B, T), True for real tokens, or None;
+    ``sink_query`` (B, H, T, D) the queries that score the sinks, or None (the queries)."""
+
+    query: Tensor
+    key: Tensor
+    v: Tensor
+    key_mask: Tensor | None = None
+    sink_query: Tensor | None = None
+
+
+@dataclass
+class HybridInputs:
+    """One call of hybrid attention (``dofla.ops.hybrid``): ``query``, ``key``, ``v``, ``key_mask`` and
+    ``sink_query`` as in ``WindowInputs``; ``q_features`` (B, H, T, F) and ``k_features`` (B, Hk, T, F) >= 0,
+    ``k_log_scale`` (B, Hk, T) or None, as in ``dofla.ops.linear``; ``window_factor`` (H,) the window's
+    share gamma in (0, 1) per query head."""
+
+    query: Tensor
+    key: Tensor
+    q_features: Tensor
+    k_features: Tensor
+    v: Tensor
+    window_factor: Tensor
+    k_log_scale: Tensor | None = None
+    key_mask: Tensor | None = None
+    sink_query: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class WindowOptions:
+    """How the sliding-window softmax of the window and hybrid ops scores (semantics in ``dofla.ops``):
+    ``scaling`` the logit scale, ``window`` the keys a query sees (> 0), ``sinks`` the attention-sink keys
+    (>= 0) and ``softcap`` the teacher's logit soft-capping (Gemma-2), or None."""
+
+    scaling: float
+    window: int
+    sinks: int = 0
+    softcap: float | None = None
+
+
+@dataclass(frozen=True)
+class HybridOptions(WindowOptions):
+    """The window's options and ``eps``, the floor of the mixed normaliser (see ``dofla.ops``)."""
+
+    eps: float = 1e-6

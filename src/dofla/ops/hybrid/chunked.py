@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 
-from dofla.ops._checks import (
-    check_hybrid_inputs,
-    check_linear_inputs,
-    check_sink_query,
-    check_sinks,
-    compute_dtype,
-    mask_absent_keys,
-)
+from dofla.ops._checks import check_hybrid_call, compute_dtype, mask_absent_keys
 from dofla.ops.chunk_sizes import check_chunk_size
 from dofla.ops.fla_backend import SimpleGLAKernel
+from dofla.ops.inputs import HybridInputs, HybridOptions
 from dofla.ops.linear.chunked import linear_sums_by
 from dofla.ops.state import HybridState
 from dofla.ops.window.chunked import grouped_queries, window_part_sums
@@ -24,41 +17,27 @@ NEGATIVE_INFINITY = float("-inf")
 
 
 def chunked_hybrid_attention(
-    query: Tensor,
-    key: Tensor,
-    q_features: Tensor,
-    k_features: Tensor,
-    v: Tensor,
+    inputs: HybridInputs,
+    options: HybridOptions,
     *,
-    scaling: float,
-    window: int,
-    window_factor: Tensor,
-    sinks: int = 0,
-    k_log_scale: Tensor | None = None,
     chunk_size: int = 64,
     initial_state: HybridState | None = None,
     return_state: bool = False,
-    key_mask: Tensor | None = None,
-    softcap: float | None = None,
-    eps: float = 1e-6,
     kernel: SimpleGLAKernel | None = None,
-    sink_query: Tensor | None = None,
 ):
-    """Sliding-window softmax (plus ``sinks`` sink keys) + linear attention (LoLCATs), chunked; semantics in
-    ``dofla.ops``.
+    """Sliding-window softmax (plus ``options.sinks`` sink keys) + linear attention (LoLCATs), chunked;
+    semantics in ``dofla.ops``.
 
-    query (B, H, T, D), key (B, Hk, T, D) after rotary, features and v as in ``chunked_linear_attention``,
-    window_factor (H,) = gamma, sink_query (B, H, T, D) the queries that score the sinks (None: query).
-    The linear part is linear attention on keys delayed by ``window`` tokens (sinks get log scale -inf
+    inputs: the call's tensors (shapes in ``HybridInputs``). The linear part is linear attention on keys delayed by ``window`` tokens (sinks get log scale -inf
     there, i.e. take no part), on fla's ``kernel`` when one is given (the window part is always PyTorch).
     Returns out (B, H, T, Dv) in v's dtype, or (out, HybridState) when return_state.
     """
-    group = check_linear_inputs(q_features, k_features, v, k_log_scale)
-    check_hybrid_inputs(query, key, q_features, window, window_factor)
-    check_sink_query(query, sink_query)
+    group, window, sinks = check_hybrid_call(inputs, options)
     size = check_chunk_size(chunk_size)
-    window, sinks = int(window), check_sinks(sinks)
-    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
+    query, key, q_features, window_factor = inputs.query, inputs.key, inputs.q_features, inputs.window_factor
+    k_features, v, k_log_scale = mask_absent_keys(
+        inputs.k_features, inputs.v, inputs.k_log_scale, inputs.key_mask
+    )
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
     batch, num_heads, length, feature_dim = q_features.shape
     num_kv_heads, head_dim, value_dim = key.shape[1], key.shape[-1], v.shape[-1]
@@ -75,12 +54,9 @@ def chunked_hybrid_attention(
         v,
         ~torch.isneginf(log_scale),
         None if initial_state is None else initial_state.window_state(),
-        scaling=scaling,
-        window=window,
-        sinks=sinks,
+        options,
         chunk_size=size,
-        softcap=softcap,
-        sink_queries=grouped_queries(sink_query, dtype, num_kv_heads),
+        sink_queries=grouped_queries(inputs.sink_query, dtype, num_kv_heads),
     )
     if sinks:
         log_scale = log_scale.masked_fill(is_sink, NEGATIVE_INFINITY)  # sinks never reach the linear part
@@ -112,7 +88,9 @@ def chunked_hybrid_attention(
     numerator = gamma[..., None] * window_numerator + (1 - gamma[..., None]) * linear_numerator
     denominator = gamma * window_denominator + (1 - gamma) * linear_denominator
     out = (
-        (numerator / (denominator[..., None] + eps)).reshape(batch, num_heads, length, value_dim).to(v.dtype)
+        (numerator / (denominator[..., None] + options.eps))
+        .reshape(batch, num_heads, length, value_dim)
+        .to(v.dtype)
     )
     if not return_state:
         return out

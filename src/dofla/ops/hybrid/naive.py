@@ -7,48 +7,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dofla.ops._checks import (
-    check_hybrid_inputs,
-    check_linear_inputs,
-    check_sink_query,
-    check_sinks,
-    compute_dtype,
-    expand_kv_heads,
-    mask_absent_keys,
-)
+from dofla.ops._checks import check_hybrid_call, compute_dtype, expand_kv_heads, mask_absent_keys
+from dofla.ops.inputs import HybridInputs, HybridOptions
 from dofla.ops.state import exp_relative
 from dofla.ops.window.naive import softmax_part_weights
 
 
-def hybrid_attention(
-    query: Tensor,
-    key: Tensor,
-    q_features: Tensor,
-    k_features: Tensor,
-    v: Tensor,
-    *,
-    scaling: float,
-    window: int,
-    window_factor: Tensor,
-    sinks: int = 0,
-    k_log_scale: Tensor | None = None,
-    key_mask: Tensor | None = None,
-    softcap: float | None = None,
-    eps: float = 1e-6,
-    sink_query: Tensor | None = None,
-) -> Tensor:
-    """Sliding-window softmax (plus ``sinks`` attention-sink keys) + linear attention (LoLCATs), quadratic.
+def hybrid_attention(inputs: HybridInputs, options: HybridOptions) -> Tensor:
+    """Sliding-window softmax (plus ``options.sinks`` attention-sink keys) + linear attention (LoLCATs),
+    quadratic.
 
-    query (B, H, T, D), key (B, Hk, T, D) after rotary; features as in ``linear_attention``;
-    window_factor (H,) = gamma in (0, 1); softcap: the teacher's logit soft-capping (Gemma-2), applied to
-    the window's softmax scores; sink_query (B, H, T, D): the queries that score the sinks (None: query).
-    Returns (B, H, T, Dv) in v's dtype.
+    inputs: the call's tensors (shapes in ``HybridInputs``); the soft-capping of ``options`` applies to the
+    window's softmax scores. Returns (B, H, T, Dv) in v's dtype.
     """
-    group = check_linear_inputs(q_features, k_features, v, k_log_scale)
-    check_hybrid_inputs(query, key, q_features, window, window_factor)
-    check_sink_query(query, sink_query)
-    sinks = check_sinks(sinks)
-    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
+    group, window, _ = check_hybrid_call(inputs, options)
+    query, key, q_features, window_factor = inputs.query, inputs.key, inputs.q_features, inputs.window_factor
+    k_features, v, k_log_scale = mask_absent_keys(
+        inputs.k_features, inputs.v, inputs.k_log_scale, inputs.key_mask
+    )
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
     length = q_features.shape[2]
     num_heads = q_features.shape[1]
@@ -62,15 +38,9 @@ def hybrid_attention(
         log_scale = expand_kv_heads(k_log_scale, group).to(dtype)
 
     present = ~torch.isneginf(log_scale)  # (B, H, T): absent keys have log scale -inf
+    sink_query = inputs.sink_query
     window_weights, is_sink, _ = softmax_part_weights(
-        query.to(dtype),
-        keys,
-        present,
-        scaling=scaling,
-        window=window,
-        sinks=sinks,
-        softcap=softcap,
-        sink_query=None if sink_query is None else sink_query.to(dtype),
+        query.to(dtype), keys, present, options, None if sink_query is None else sink_query.to(dtype)
     )  # (B, H, T, T), 0 outside the softmax set
 
     position = torch.arange(length, device=q.device)
@@ -82,5 +52,5 @@ def hybrid_attention(
 
     gamma = window_factor.to(dtype).view(1, num_heads, 1, 1)
     weights = gamma * window_weights + (1 - gamma) * linear_weights  # (B, H, T, T)
-    out = (weights @ values) / (weights.sum(-1, keepdim=True) + eps)
+    out = (weights @ values) / (weights.sum(-1, keepdim=True) + options.eps)
     return out.to(v.dtype)

@@ -6,15 +6,13 @@ import torch
 from torch import Tensor
 
 from dofla.ops._checks import (
-    check_hybrid_inputs,
-    check_linear_inputs,
-    check_sink_query,
-    check_sinks,
+    check_hybrid_call,
     check_state_window,
     compute_dtype,
     mask_absent_keys,
     stack_tokens,
 )
+from dofla.ops.inputs import HybridInputs, HybridOptions
 from dofla.ops.linear.step import log_scale_or_zeros, read_linear_state, update_linear_state
 from dofla.ops.state import HybridState, LinearState, WindowState
 from dofla.ops.window.recurrent import advance_window, read_window
@@ -55,36 +53,20 @@ def empty_hybrid_state(
 
 
 def recurrent_hybrid_attention(
-    query: Tensor,
-    key: Tensor,
-    q_features: Tensor,
-    k_features: Tensor,
-    v: Tensor,
-    *,
-    scaling: float,
-    window: int,
-    window_factor: Tensor,
-    sinks: int = 0,
-    k_log_scale: Tensor | None = None,
-    state: HybridState | None = None,
-    key_mask: Tensor | None = None,
-    softcap: float | None = None,
-    eps: float = 1e-6,
-    sink_query: Tensor | None = None,
+    inputs: HybridInputs, options: HybridOptions, *, state: HybridState | None = None
 ) -> tuple[Tensor, HybridState]:
-    """Sliding-window softmax (plus ``sinks`` sink keys) + linear attention token by token (semantics in
-    ``dofla.ops``).
+    """Sliding-window softmax (plus ``options.sinks`` sink keys) + linear attention token by token
+    (semantics in ``dofla.ops``).
 
-    query (B, H, T, D), key (B, Hk, T, D), window_factor (H,), sink_query (B, H, T, D) the queries that
-    score the sinks (None: query). The state keeps the last ``window`` keys,
+    inputs: the call's tensors (shapes in ``HybridInputs``). The state keeps the last ``window`` keys,
     values, key features and log scales, the sink keys and values, and the linear state of everything
     older. Returns out (B, H, T, Dv) in v's dtype and the new HybridState.
     """
-    group = check_linear_inputs(q_features, k_features, v, k_log_scale)
-    check_hybrid_inputs(query, key, q_features, window, window_factor)
-    check_sink_query(query, sink_query)
-    window, sinks = int(window), check_sinks(sinks)
-    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
+    group, window, sinks = check_hybrid_call(inputs, options)
+    query, key, q_features, window_factor = inputs.query, inputs.key, inputs.q_features, inputs.window_factor
+    k_features, v, k_log_scale = mask_absent_keys(
+        inputs.k_features, inputs.v, inputs.k_log_scale, inputs.key_mask
+    )
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
     batch, num_heads, length, feature_dim = q_features.shape
     num_kv_heads, head_dim, value_dim = key.shape[1], key.shape[-1], v.shape[-1]
@@ -102,7 +84,7 @@ def recurrent_hybrid_attention(
     gamma = window_factor.to(dtype).view(num_kv_heads, group)  # (Hk, G)
     q = q_features.to(dtype).view(batch, num_kv_heads, group, length, feature_dim)  # (B, Hk, G, T, F)
     queries = query.to(dtype).view(batch, num_kv_heads, group, length, head_dim)  # (B, Hk, G, T, D)
-    sink_queries = None if sink_query is None else sink_query.to(dtype).view_as(queries)
+    sink_queries = None if inputs.sink_query is None else inputs.sink_query.to(dtype).view_as(queries)
     outputs = []
     for t in range(length):
         if scales.shape[2] == window:  # the oldest key leaves the window and joins the linear state
@@ -127,13 +109,13 @@ def recurrent_hybrid_attention(
         window_numerator, window_denominator, _ = read_window(
             window_state,
             queries[:, :, :, t],
-            scaling=scaling,
-            softcap=softcap,
+            scaling=options.scaling,
+            softcap=options.softcap,
             sink_queries=None if sink_queries is None else sink_queries[:, :, :, t],
         )
         numerator = gamma[..., None] * window_numerator + (1 - gamma[..., None]) * linear_numerator
         denominator = gamma * window_denominator + (1 - gamma) * linear_denominator  # (B, Hk, G)
-        outputs.append(numerator / (denominator[..., None] + eps))
+        outputs.append(numerator / (denominator[..., None] + options.eps))
     out = stack_tokens(outputs).reshape(batch, num_heads, length, value_dim)
     new_state = HybridState(
         linear=linear,

@@ -20,6 +20,7 @@ from dofla.ops._checks import (
     soft_cap,
 )
 from dofla.ops.chunk_sizes import check_chunk_size
+from dofla.ops.inputs import WindowInputs, WindowOptions
 from dofla.ops.sinks import SinkUpdate, add_sinks
 from dofla.ops.state import WindowState, exp_relative, log_sum_exp
 
@@ -172,15 +173,13 @@ def window_part_sums(
     value: Tensor,
     present: Tensor,
     state: WindowState | None,
+    options: WindowOptions,
     *,
-    scaling: float,
-    window: int,
-    sinks: int,
     chunk_size: int,
-    softcap: float | None,
     sink_queries: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, WindowState]:
-    """The softmax part shared by window and hybrid attention: the last ``window`` keys plus the sinks.
+    """The softmax part shared by window and hybrid attention: the last ``options.window`` keys plus the
+    sinks.
 
     queries (B, Hk, G, T, D) in the compute dtype; key (B, Hk, T, D), value (B, Hk, T, Dv) as given;
     present (B, Hk, T) bool; state: the window state before this call (None: nothing seen); sink_queries
@@ -189,6 +188,7 @@ def window_part_sums(
     maximum, that maximum (B, Hk, G, T) (-inf for a query that sees no key), is_sink (B, Hk, T) (the keys
     that became sinks) and the state after the call.
     """
+    window, sinks = int(options.window), int(options.sinks)
     dtype, length = queries.dtype, queries.shape[3]
     state, sink, all_keys, all_values, all_present = _window_keys(state, key, value, present, window, sinks)
     buffered = state.keys.shape[2]  # L <= window; its positions get dummy queries that are dropped
@@ -198,10 +198,10 @@ def window_part_sums(
         all_keys.to(dtype),
         all_values.to(dtype),
         all_present,
-        scaling=scaling,
+        scaling=options.scaling,
         window=window,
         chunk_size=chunk_size,
-        softcap=softcap,
+        softcap=options.softcap,
     )
     numerator, denominator = numerator[..., buffered:, :], denominator[..., buffered:]
     maximum = window_max[..., buffered:]
@@ -209,7 +209,10 @@ def window_part_sums(
         numerator, denominator, maximum = merge_softmax_sums(
             (numerator, denominator, maximum),
             sink_sums(
-                queries if sink_queries is None else sink_queries, sink, scaling=scaling, softcap=softcap
+                queries if sink_queries is None else sink_queries,
+                sink,
+                scaling=options.scaling,
+                softcap=options.softcap,
             ),
         )
     new_state = _window_state_after(state, all_keys, all_values, all_present, sink, length)
@@ -230,17 +233,12 @@ def _rows_alike(tensor: Tensor) -> bool:
 
 
 def _fused_window_attention(
-    query: Tensor,
-    key: Tensor,
-    v: Tensor,
+    inputs: WindowInputs,
     state: WindowState | None,
+    options: WindowOptions,
     *,
-    scaling: float,
-    window: int,
-    sinks: int,
     chunk_size: int,
     return_lse: bool = False,
-    sink_query: Tensor | None = None,
 ):
     """``chunked_window_attention`` with every key of the call present and no soft-capping, from ``state``
     (None: nothing seen): per chunk of C queries, one fused softmax attention call over the sink slots and
@@ -253,6 +251,8 @@ def _fused_window_attention(
     (finite, then dropped). Returns out (B, H, T, Dv) in v's dtype (a transposed view of a (B, T, H, Dv)
     tensor) and the WindowState after the call; with ``return_lse`` (out, lse (B, H, T), state) from
     PyTorch's fused CPU kernel, which gives the log-sum-exp but no gradient for it (see ``takes_fused_lse``)."""
+    query, key, v, sink_query = inputs.query, inputs.key, inputs.v, inputs.sink_query
+    scaling, window, sinks = options.scaling, int(options.window), int(options.sinks)
     dtype = compute_dtype(query, key, v)
     batch, num_heads, length, head_dim = query.shape
     num_kv_heads, value_dim = key.shape[1], v.shape[-1]
@@ -401,44 +401,29 @@ def takes_fused_lse(query: Tensor, key: Tensor, v: Tensor) -> bool:
 
 
 def chunked_window_attention(
-    query: Tensor,
-    key: Tensor,
-    v: Tensor,
+    inputs: WindowInputs,
+    options: WindowOptions,
     *,
-    scaling: float,
-    window: int,
-    sinks: int = 0,
     chunk_size: int = 64,
     initial_state: WindowState | None = None,
     return_state: bool = False,
-    key_mask: Tensor | None = None,
-    softcap: float | None = None,
     return_lse: bool = False,
-    sink_query: Tensor | None = None,
 ):
-    """Sliding-window softmax attention with ``sinks`` sink keys, chunked; semantics in ``dofla.ops``.
+    """Sliding-window softmax attention with ``options.sinks`` sink keys, chunked; semantics in ``dofla.ops``.
 
-    query (B, H, T, D), key (B, Hk, T, D) after rotary, v (B, Hk, T, Dv), key_mask (B, T) True for real
-    tokens; sink_query (B, H, T, D) the queries that score the sinks (None: query); initial_state: a
-    WindowState from an earlier call of either form. Returns out (B, H, T, Dv) in
-    v's dtype, or (out, WindowState) when return_state; ``return_lse`` puts lse (B, H, T), the log-sum-exp
-    of each query's softmax scores in the compute dtype (-inf when it sees no key), after out.
+    inputs: the call's tensors (shapes in ``WindowInputs``); initial_state: a WindowState from an earlier
+    call of either form. Returns out (B, H, T, Dv) in v's dtype, or (out, WindowState) when return_state;
+    ``return_lse`` puts lse (B, H, T), the log-sum-exp of each query's softmax scores in the compute dtype
+    (-inf when it sees no key), after out.
     """
-    group = check_window_inputs(query, key, v, window, sinks)
+    query, key, v = inputs.query, inputs.key, inputs.v
+    key_mask, sink_query = inputs.key_mask, inputs.sink_query
+    group = check_window_inputs(query, key, v, options.window, options.sinks)
     check_sink_query(query, sink_query)
     size = check_chunk_size(chunk_size)
-    if not softcap and key_mask is None and (not return_lse or takes_fused_lse(query, key, v)):
+    if not options.softcap and key_mask is None and (not return_lse or takes_fused_lse(query, key, v)):
         *results, state = _fused_window_attention(
-            query,
-            key,
-            v,
-            initial_state,
-            scaling=scaling,
-            window=int(window),
-            sinks=int(sinks),
-            chunk_size=size,
-            return_lse=return_lse,
-            sink_query=sink_query,
+            inputs, initial_state, options, chunk_size=size, return_lse=return_lse
         )
         results = (*results, state) if return_state else tuple(results)
         return results if len(results) > 1 else results[0]
@@ -454,11 +439,8 @@ def chunked_window_attention(
         v,
         present,
         initial_state,
-        scaling=scaling,
-        window=int(window),
-        sinks=int(sinks),
+        options,
         chunk_size=size,
-        softcap=softcap,
         sink_queries=grouped_queries(sink_query, dtype, key.shape[1]),
     )
     results = [None]

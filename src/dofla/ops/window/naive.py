@@ -13,32 +13,26 @@ from dofla.ops._checks import (
     present_keys,
     soft_cap,
 )
+from dofla.ops.inputs import WindowInputs, WindowOptions
 from dofla.ops.sinks import sink_flags
 from dofla.ops.state import log_sum_exp
 
 
 def softmax_part_weights(
-    query: Tensor,
-    keys: Tensor,
-    present: Tensor,
-    *,
-    scaling: float,
-    window: int,
-    sinks: int,
-    softcap: float | None,
-    sink_query: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+    query: Tensor, keys: Tensor, present: Tensor, options: WindowOptions, sink_query: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """The window part: query (B, H, T, D), keys (B, H, T, D), present (B, H, T) bool, compute dtype;
     sink_query (B, H, T, D) or None: the queries that score the sinks.
 
     Returns weights (B, H, T, T) = exp(score - c_i) on the softmax set W_i (window and sinks), 0 elsewhere,
     is_sink (B, H, T), which keys are sinks, and c_i (B, H, T, 1) (0 where W_i is empty).
     """
+    scaling, window, softcap = options.scaling, int(options.window), options.softcap
     length = query.shape[2]
     position = torch.arange(length, device=query.device)
     query_index, key_index = position[:, None], position[None, :]
     in_window = (key_index <= query_index) & (key_index > query_index - window)  # (T, T)
-    is_sink, _ = sink_flags(present, torch.zeros_like(present[..., 0], dtype=torch.long), sinks)
+    is_sink, _ = sink_flags(present, torch.zeros_like(present[..., 0], dtype=torch.long), int(options.sinks))
     sink_seen = is_sink[:, :, None, :] & (key_index <= query_index)  # (B, H, T, T)
     softmax_set = (in_window | sink_seen) & present[:, :, None, :]
     scores = soft_cap(scaling * (query @ keys.transpose(-1, -2)), softcap)  # (B, H, T, T)
@@ -51,27 +45,16 @@ def softmax_part_weights(
     return torch.exp(scores - window_max), is_sink, window_max
 
 
-def window_attention(
-    query: Tensor,
-    key: Tensor,
-    v: Tensor,
-    *,
-    scaling: float,
-    window: int,
-    sinks: int = 0,
-    key_mask: Tensor | None = None,
-    softcap: float | None = None,
-    return_lse: bool = False,
-    sink_query: Tensor | None = None,
-):
-    """Sliding-window softmax attention with ``sinks`` attention-sink keys, quadratic reference.
+def window_attention(inputs: WindowInputs, options: WindowOptions, *, return_lse: bool = False):
+    """Sliding-window softmax attention with ``options.sinks`` attention-sink keys, quadratic reference.
 
-    query (B, H, T, D), key (B, Hk, T, D) after rotary, v (B, Hk, T, Dv), key_mask (B, T) True for real
-    tokens, sink_query (B, H, T, D) the queries that score the sinks (None: query). Returns (B, H, T, Dv)
-    in v's dtype; a query with no visible key gets 0. With ``return_lse`` also the log-sum-exp of each
-    query's softmax scores, (B, H, T) in the compute dtype (-inf when it sees no key).
+    inputs: the call's tensors (shapes in ``WindowInputs``). Returns (B, H, T, Dv) in v's dtype; a query
+    with no visible key gets 0. With ``return_lse`` also the log-sum-exp of each query's softmax scores,
+    (B, H, T) in the compute dtype (-inf when it sees no key).
     """
-    group = check_window_inputs(query, key, v, window, sinks)
+    query, key, v = inputs.query, inputs.key, inputs.v
+    key_mask, sink_query = inputs.key_mask, inputs.sink_query
+    group = check_window_inputs(query, key, v, options.window, options.sinks)
     check_sink_query(query, sink_query)
     present = present_keys(key_mask, key)
     dtype = compute_dtype(query, key, v)
@@ -81,11 +64,8 @@ def window_attention(
         query.to(dtype),
         keys,
         expand_kv_heads(present, group),
-        scaling=scaling,
-        window=int(window),
-        sinks=int(sinks),
-        softcap=softcap,
-        sink_query=None if sink_query is None else sink_query.to(dtype),
+        options,
+        None if sink_query is None else sink_query.to(dtype),
     )  # (B, H, T, T)
     total = weights.sum(-1, keepdim=True)
     out = ((weights @ values) / torch.where(total > 0, total, torch.ones_like(total))).to(v.dtype)

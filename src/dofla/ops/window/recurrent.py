@@ -14,6 +14,7 @@ from dofla.ops._checks import (
     soft_cap,
     stack_tokens,
 )
+from dofla.ops.inputs import WindowInputs, WindowOptions
 from dofla.ops.sinks import add_sinks
 from dofla.ops.state import WindowState, exp_relative, log_sum_exp
 
@@ -75,31 +76,25 @@ def read_window(
 
 
 def recurrent_window_attention(
-    query: Tensor,
-    key: Tensor,
-    v: Tensor,
+    inputs: WindowInputs,
+    options: WindowOptions,
     *,
-    scaling: float,
-    window: int,
-    sinks: int = 0,
     state: WindowState | None = None,
-    key_mask: Tensor | None = None,
-    softcap: float | None = None,
     return_lse: bool = False,
-    sink_query: Tensor | None = None,
 ):
-    """Sliding-window softmax attention with ``sinks`` sink keys, token by token (semantics in
+    """Sliding-window softmax attention with ``options.sinks`` sink keys, token by token (semantics in
     ``dofla.ops``).
 
-    query (B, H, T, D), key (B, Hk, T, D) after rotary, v (B, Hk, T, Dv), key_mask (B, T) True for real
-    tokens, sink_query (B, H, T, D) the queries that score the sinks (None: query); state from an earlier
-    call of either form, or None. Returns out (B, H, T, Dv) in v's dtype and
-    the new WindowState (memory bounded by window + sinks keys); with ``return_lse`` (out, lse, state),
-    lse (B, H, T) the log-sum-exp of each query's softmax scores (-inf when it sees no key).
+    inputs: the call's tensors (shapes in ``WindowInputs``); state from an earlier call of either form, or
+    None. Returns out (B, H, T, Dv) in v's dtype and the new WindowState (memory bounded by window + sinks
+    keys); with ``return_lse`` (out, lse, state), lse (B, H, T) the log-sum-exp of each query's softmax
+    scores (-inf when it sees no key).
     """
-    group = check_window_inputs(query, key, v, window, sinks)
+    query, key, v = inputs.query, inputs.key, inputs.v
+    key_mask, sink_query = inputs.key_mask, inputs.sink_query
+    group = check_window_inputs(query, key, v, options.window, options.sinks)
     check_sink_query(query, sink_query)
-    window, sinks = int(window), int(sinks)
+    window, sinks = int(options.window), int(options.sinks)
     present = present_keys(key_mask, key)  # (B, Hk, T)
     if key_mask is not None:
         v = v.masked_fill(~present[..., None], 0)
@@ -118,8 +113,8 @@ def recurrent_window_attention(
         numerator, denominator, maximum = read_window(
             state,
             queries[:, :, :, t],
-            scaling=scaling,
-            softcap=softcap,
+            scaling=options.scaling,
+            softcap=options.softcap,
             sink_queries=None if sink_queries is None else sink_queries[:, :, :, t],
         )
         # a visible key contributes exp(0) = 1, so the sum is 0 (nothing seen: output 0) or >= 1
