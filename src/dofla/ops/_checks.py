@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -75,13 +77,19 @@ def check_hybrid_inputs(
         )
 
 
-def check_hybrid_call(inputs: HybridInputs, options: WindowOptions) -> tuple[int, int, int]:
-    """Check one hybrid call (its linear part's inputs, its window's, its sink queries); return the group
-    size H // Hk, the window and the number of sinks as ints."""
+def prepare_hybrid_inputs(inputs: HybridInputs, options: WindowOptions) -> tuple[int, int, int, HybridInputs]:
+    """Check one hybrid call (its linear part's inputs, its window's, its sink queries) and mask its absent
+    keys (``mask_absent_keys``). Returns the group size H // Hk, the window and the number of sinks as
+    ints, and the inputs with the masked key features, values and log scales."""
     group = check_linear_inputs(inputs.q_features, inputs.k_features, inputs.v, inputs.k_log_scale)
     check_hybrid_inputs(inputs.query, inputs.key, inputs.q_features, options.window, inputs.window_factor)
     check_sink_query(inputs.query, inputs.sink_query)
-    return group, int(options.window), check_sinks(options.sinks)
+    sinks = check_sinks(options.sinks)
+    k_features, v, k_log_scale = mask_absent_keys(
+        inputs.k_features, inputs.v, inputs.k_log_scale, inputs.key_mask
+    )
+    masked = replace(inputs, k_features=k_features, v=v, k_log_scale=k_log_scale)
+    return group, int(options.window), sinks, masked
 
 
 def check_sinks(sinks: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dofla.ops._checks import check_hybrid_call, compute_dtype, mask_absent_keys
+from dofla.ops._checks import compute_dtype, prepare_hybrid_inputs
 from dofla.ops.chunk_sizes import check_chunk_size
 from dofla.ops.fla_backend import SimpleGLAKernel
 from dofla.ops.inputs import HybridInputs, HybridOptions
@@ -28,16 +28,15 @@ def chunked_hybrid_attention(
     """Sliding-window softmax (plus ``options.sinks`` sink keys) + linear attention (LoLCATs), chunked;
     semantics in ``dofla.ops``.
 
-    inputs: the call's tensors (shapes in ``HybridInputs``). The linear part is linear attention on keys delayed by ``window`` tokens (sinks get log scale -inf
-    there, i.e. take no part), on fla's ``kernel`` when one is given (the window part is always PyTorch).
+    inputs: the call's tensors (shapes in ``HybridInputs``). The linear part is linear attention on keys
+    delayed by ``window`` tokens (sinks get log scale -inf there, i.e. take no part), on fla's ``kernel``
+    when one is given (the window part is always PyTorch).
     Returns out (B, H, T, Dv) in v's dtype, or (out, HybridState) when return_state.
     """
-    group, window, sinks = check_hybrid_call(inputs, options)
+    group, window, sinks, inputs = prepare_hybrid_inputs(inputs, options)
     size = check_chunk_size(chunk_size)
-    query, key, q_features, window_factor = inputs.query, inputs.key, inputs.q_features, inputs.window_factor
-    k_features, v, k_log_scale = mask_absent_keys(
-        inputs.k_features, inputs.v, inputs.k_log_scale, inputs.key_mask
-    )
+    query, key, v, window_factor = inputs.query, inputs.key, inputs.v, inputs.window_factor
+    q_features, k_features, k_log_scale = inputs.q_features, inputs.k_features, inputs.k_log_scale
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
     batch, num_heads, length, feature_dim = q_features.shape
     num_kv_heads, head_dim, value_dim = key.shape[1], key.shape[-1], v.shape[-1]

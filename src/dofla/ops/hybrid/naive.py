@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dofla.ops._checks import check_hybrid_call, compute_dtype, expand_kv_heads, mask_absent_keys
+from dofla.ops._checks import compute_dtype, expand_kv_heads, prepare_hybrid_inputs
 from dofla.ops.inputs import HybridInputs, HybridOptions
 from dofla.ops.state import exp_relative
 from dofla.ops.window.naive import softmax_part_weights
@@ -20,11 +20,9 @@ def hybrid_attention(inputs: HybridInputs, options: HybridOptions) -> Tensor:
     inputs: the call's tensors (shapes in ``HybridInputs``); the soft-capping of ``options`` applies to the
     window's softmax scores. Returns (B, H, T, Dv) in v's dtype.
     """
-    group, window, _ = check_hybrid_call(inputs, options)
-    query, key, q_features, window_factor = inputs.query, inputs.key, inputs.q_features, inputs.window_factor
-    k_features, v, k_log_scale = mask_absent_keys(
-        inputs.k_features, inputs.v, inputs.k_log_scale, inputs.key_mask
-    )
+    group, window, _, inputs = prepare_hybrid_inputs(inputs, options)
+    query, key, v, window_factor = inputs.query, inputs.key, inputs.v, inputs.window_factor
+    q_features, k_features, k_log_scale = inputs.q_features, inputs.k_features, inputs.k_log_scale
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
     length = q_features.shape[2]
     num_heads = q_features.shape[1]

@@ -6,10 +6,9 @@ import torch
 from torch import Tensor
 
 from dofla.ops._checks import (
-    check_hybrid_call,
     check_state_window,
     compute_dtype,
-    mask_absent_keys,
+    prepare_hybrid_inputs,
     stack_tokens,
 )
 from dofla.ops.inputs import HybridInputs, HybridOptions
@@ -62,11 +61,9 @@ def recurrent_hybrid_attention(
     values, key features and log scales, the sink keys and values, and the linear state of everything
     older. Returns out (B, H, T, Dv) in v's dtype and the new HybridState.
     """
-    group, window, sinks = check_hybrid_call(inputs, options)
-    query, key, q_features, window_factor = inputs.query, inputs.key, inputs.q_features, inputs.window_factor
-    k_features, v, k_log_scale = mask_absent_keys(
-        inputs.k_features, inputs.v, inputs.k_log_scale, inputs.key_mask
-    )
+    group, window, sinks, inputs = prepare_hybrid_inputs(inputs, options)
+    query, key, v, window_factor = inputs.query, inputs.key, inputs.v, inputs.window_factor
+    q_features, k_features, k_log_scale = inputs.q_features, inputs.k_features, inputs.k_log_scale
     dtype = compute_dtype(query, key, q_features, k_features, v, k_log_scale)
     batch, num_heads, length, feature_dim = q_features.shape
     num_kv_heads, head_dim, value_dim = key.shape[1], key.shape[-1], v.shape[-1]
