@@ -26,6 +26,7 @@ from dofla.feature_maps import build_feature_map
 from dofla.ops import (
     HybridInputs,
     HybridOptions,
+    LinearInputs,
     chunked_hybrid_attention,
     chunked_linear_attention,
     recurrent_hybrid_attention,
@@ -64,7 +65,9 @@ def main(argv=None) -> int:
 
     def linear_step(query, key, value, state):
         q_features, k_features, k_log_scale = features(query, key)
-        return recurrent_linear_attention(q_features, k_features, value, k_log_scale=k_log_scale, state=state)
+        return recurrent_linear_attention(
+            LinearInputs(q_features, k_features, value, k_log_scale), state=state
+        )
 
     options = HybridOptions(scaling=scaling, window=args.window)
 
@@ -88,7 +91,7 @@ def main(argv=None) -> int:
             step = (query[:, :, context:], key[:, :, context:], value[:, :, context:])
             q_features, k_features, k_log_scale = features(prompt[0], prompt[1])
             _, linear_state = chunked_linear_attention(
-                q_features, k_features, prompt[2], k_log_scale=k_log_scale, return_state=True
+                LinearInputs(q_features, k_features, prompt[2], k_log_scale), return_state=True
             )
             _, hybrid_state = chunked_hybrid_attention(
                 HybridInputs(*prompt[:2], q_features, k_features, prompt[2], window_factor, k_log_scale),

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dofla.feature_maps import build_feature_map
-from dofla.ops import chunked_linear_attention, linear_attention
+from dofla.ops import LinearInputs, chunked_linear_attention, linear_attention
 
 
 def synchronize(device: str) -> None:
@@ -75,13 +75,13 @@ def main(argv=None) -> int:
         q_features, _ = feature_map(query, is_query=True)
         k_features, k_log_scale = feature_map(key, is_query=False)
         return chunked_linear_attention(
-            q_features, k_features, value, k_log_scale=k_log_scale, chunk_size=chunk_size
+            LinearInputs(q_features, k_features, value, k_log_scale), chunk_size=chunk_size
         )
 
     def naive_layer(query, key, value):
         q_features, _ = feature_map(query, is_query=True)
         k_features, k_log_scale = feature_map(key, is_query=False)
-        return linear_attention(q_features, k_features, value, k_log_scale=k_log_scale)
+        return linear_attention(LinearInputs(q_features, k_features, value, k_log_scale))
 
     def softmax_layer(query, key, value):
         return F.scaled_dot_product_attention(

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from dofla.ops import (
     DeltaInputs,
+    LinearInputs,
     WindowInputs,
     WindowOptions,
     chunked_gated_delta_rule,
@@ -59,10 +60,7 @@ def make_inputs(length: int, heads: int, kv_heads: int, dim: int, seed: int = 0)
 def run_op(op: str, inputs: dict, chunk_size: int, window: int, sinks: int = 0) -> None:
     if op == "linear":
         chunked_linear_attention(
-            inputs["q_features"],
-            inputs["k_features"],
-            inputs["value"],
-            k_log_scale=inputs["log_scale"],
+            LinearInputs(inputs["q_features"], inputs["k_features"], inputs["value"], inputs["log_scale"]),
             chunk_size=chunk_size,
             return_state=True,
         )

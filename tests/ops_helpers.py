@@ -117,11 +117,11 @@ def random_key_mask(batch, length, seed=2):
 
 def assert_chunked_linear_matches_naive(inputs, chunk_size, dtype=torch.float32, tolerance=1e-4):
     """The chunked linear attention against the naive one, forward and gradients, at this chunk size."""
-    from dofla.ops import chunked_linear_attention, linear_attention
+    from dofla.ops import LinearInputs, chunked_linear_attention, linear_attention
 
     assert_matches_reference(
-        chunked_linear_attention,
-        linear_attention,
+        by_keywords(chunked_linear_attention, LinearInputs),
+        by_keywords(linear_attention, LinearInputs),
         inputs,
         LINEAR_NAMES,
         dtype,

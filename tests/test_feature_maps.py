@@ -12,7 +12,7 @@ from ops_helpers import (
 
 from dofla.errors import DoflaError
 from dofla.feature_maps import FEATURE_MAPS, FeatureMap, build_feature_map, register_feature_map
-from dofla.ops import chunked_linear_attention, linear_attention
+from dofla.ops import LinearInputs, chunked_linear_attention, linear_attention
 
 ALL_MAPS = ("prf", "learnable_prf", "hedgehog", "t2r", "elu1", "dijiang")
 
@@ -93,7 +93,7 @@ def test_prf_linear_attention_approaches_softmax_attention_with_many_features():
     feature_map = build("prf", num_heads=2, head_dim=head_dim, feature_dim=4096, scaling=scaling)
     q_features, _ = feature_map(query, is_query=True)
     k_features, k_log_scale = feature_map(key, is_query=False)
-    linear = chunked_linear_attention(q_features, k_features, v, k_log_scale=k_log_scale, chunk_size=4)
+    linear = chunked_linear_attention(LinearInputs(q_features, k_features, v, k_log_scale), chunk_size=4)
     assert (linear - softmax).norm() / softmax.norm() < 0.05
 
 
@@ -287,10 +287,10 @@ def test_stabilised_prf_through_the_ops_has_the_gradient_of_the_plain_formula():
             q_features, _ = feature_map(query, is_query=True)
             k_features, k_log_scale = feature_map(key, is_query=False)
             out = chunked_linear_attention(
-                q_features, k_features, v, k_log_scale=k_log_scale, chunk_size=4, eps=0
+                LinearInputs(q_features, k_features, v, k_log_scale), chunk_size=4, eps=0
             )
         else:
-            out = linear_attention(plain_features(query), plain_features(key), v, eps=0)
+            out = linear_attention(LinearInputs(plain_features(query), plain_features(key), v), eps=0)
         inputs = [query, key, feature_map.z, feature_map.log_alpha]
         gradients.append(
             torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), inputs)
@@ -392,9 +392,9 @@ def test_taylor_features_serve_normalised_linear_attention_chunked_as_naive():
         q_features, _ = feature_map(query, is_query=True)
         k_features, _ = feature_map(key, is_query=False)
         if chunked:
-            out = chunked_linear_attention(q_features, k_features, v, chunk_size=4)
+            out = chunked_linear_attention(LinearInputs(q_features, k_features, v), chunk_size=4)
         else:
-            out = linear_attention(q_features, k_features, v)
+            out = linear_attention(LinearInputs(q_features, k_features, v))
         outputs.append(out)
         gradients.append(torch.autograd.grad(out.sin().sum(), [query, key, feature_map.weight]))
     torch.testing.assert_close(outputs[1], outputs[0])
@@ -478,5 +478,5 @@ def test_prf_key_with_an_overflowing_norm_is_not_silently_dropped():
     for features in (feature_map, feature_map.reference_forward):
         q_features, _ = features(query, is_query=True)
         k_features, k_log_scale = features(key, is_query=False)
-        out = chunked_linear_attention(q_features, k_features, value, k_log_scale=k_log_scale, chunk_size=2)
+        out = chunked_linear_attention(LinearInputs(q_features, k_features, value, k_log_scale), chunk_size=2)
         assert torch.isnan(out[:, :, 1:]).all()  # every query that sees the key

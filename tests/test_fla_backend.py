@@ -34,6 +34,7 @@ from dofla.ops import (
     DeltaInputs,
     HybridInputs,
     HybridOptions,
+    LinearInputs,
     chunked_gated_delta_rule,
     chunked_hybrid_attention,
     chunked_linear_attention,
@@ -155,11 +156,13 @@ class LinearCase:
         results, state = [], None
         for part in (slice(0, self.split), slice(self.split, None)):
             out, state = chunked_linear_attention(
-                x["q_features"][:, :, part],
-                x["k_features"][:, :, part],
-                x["v"][:, :, part],
-                k_log_scale=None if log_scale is None else log_scale[:, :, part],
-                key_mask=None if self.mask is None else self.mask[:, part],
+                LinearInputs(
+                    x["q_features"][:, :, part],
+                    x["k_features"][:, :, part],
+                    x["v"][:, :, part],
+                    None if log_scale is None else log_scale[:, :, part],
+                    None if self.mask is None else self.mask[:, part],
+                ),
                 chunk_size=4,
                 initial_state=state,
                 return_state=True,

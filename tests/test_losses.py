@@ -9,7 +9,7 @@ import torch
 from dofla.distill import losses
 from dofla.distill.losses import direct_loss, kernel_loss, output_mse_loss
 from dofla.errors import DoflaError
-from dofla.ops import HybridInputs, HybridOptions, hybrid_attention, linear_attention
+from dofla.ops import HybridInputs, HybridOptions, LinearInputs, hybrid_attention, linear_attention
 
 B, H, HKV, T, D, F_DIM = 2, 4, 2, 11, 8, 6
 SCALING = D**-0.5
@@ -113,22 +113,14 @@ def test_compared_kernel_is_the_one_the_attention_uses(hybrid):
     values = torch.randn(B, HKV, T, 5, dtype=torch.float64)
     gamma = torch.full((H,), 0.3, dtype=torch.float64)
     weights = student_weights(tensors, 4 if hybrid else None, gamma if hybrid else None)
+    features = (tensors["q_features"], tensors["k_features"], values)
     if hybrid:
         out = hybrid_attention(
-            HybridInputs(
-                tensors["query"], tensors["key"], tensors["q_features"], tensors["k_features"], values,
-                gamma, tensors["k_log_scale"],
-            ),
+            HybridInputs(tensors["query"], tensors["key"], *features, gamma, tensors["k_log_scale"]),
             HybridOptions(scaling=SCALING, window=4, eps=1e-12),
-        )  # fmt: skip
-    else:
-        out = linear_attention(
-            tensors["q_features"],
-            tensors["k_features"],
-            values,
-            k_log_scale=tensors["k_log_scale"],
-            eps=1e-12,
         )
+    else:
+        out = linear_attention(LinearInputs(*features, tensors["k_log_scale"]), eps=1e-12)
     torch.testing.assert_close(
         weights @ values.repeat_interleave(H // HKV, 1), out.detach(), rtol=1e-8, atol=1e-9
     )

@@ -25,12 +25,13 @@ from dofla.errors import DoflaError
 from dofla.ops import (
     HybridInputs,
     HybridOptions,
-    chunked_linear_attention,
-    linear_attention,
-    recurrent_linear_attention,
+    LinearInputs,
 )
 
 # the forms called with keywords, as the cases below write them
+chunked_linear_attention = by_keywords(ops.chunked_linear_attention, LinearInputs)
+linear_attention = by_keywords(ops.linear_attention, LinearInputs)
+recurrent_linear_attention = by_keywords(ops.recurrent_linear_attention, LinearInputs)
 chunked_hybrid_attention = by_keywords(ops.chunked_hybrid_attention, HybridInputs, HybridOptions)
 hybrid_attention = by_keywords(ops.hybrid_attention, HybridInputs, HybridOptions)
 recurrent_hybrid_attention = by_keywords(ops.recurrent_hybrid_attention, HybridInputs, HybridOptions)

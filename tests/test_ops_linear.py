@@ -9,19 +9,24 @@ from ops_helpers import (
     LINEAR_NAMES,
     assert_chunked_linear_matches_naive,
     assert_matches_reference,
+    by_keywords,
     make_inputs,
     relative_error,
     split,
 )
 
 import dofla.ops.linear.chunked as chunked_module
+from dofla import ops
 from dofla.feature_maps import build_feature_map
 from dofla.ops import (
+    LinearInputs,
     LinearState,
-    chunked_linear_attention,
-    linear_attention,
-    recurrent_linear_attention,
 )
+
+# the forms called with keywords, as the cases below write them
+chunked_linear_attention = by_keywords(ops.chunked_linear_attention, LinearInputs)
+linear_attention = by_keywords(ops.linear_attention, LinearInputs)
+recurrent_linear_attention = by_keywords(ops.recurrent_linear_attention, LinearInputs)
 
 # (batch, heads, kv heads, tokens, features, chunk): T = 1, T < chunk, T not divisible by chunk, divisible;
 # GQA 6/2 and 4/1 and H == Hk; feature dims differ from call to call.

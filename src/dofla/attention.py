@@ -23,6 +23,7 @@ from dofla.masks import key_mask_from_attention_mask
 from dofla.ops import (
     HybridInputs,
     HybridOptions,
+    LinearInputs,
     chunked_hybrid_attention,
     chunked_linear_attention,
     fla_backend,
@@ -397,33 +398,29 @@ class LinearAttention(PositionTurns, nn.Module):
     def attend(self, form: str, inputs: AttendInputs):
         """Run one form ("naive", "chunked" or "recurrent") on a call's inputs: out (B, H, T, Dv) and the new
         state (None for the naive form)."""
-        q_features, k_features, values, state = (
-            inputs.q_features,
-            inputs.k_features,
-            inputs.values,
-            inputs.state,
-        )
-        common = dict(k_log_scale=inputs.k_log_scale, key_mask=inputs.key_mask)
-        chunk_size = self.chunk_size_for("linear", q_features.shape[2])
+        state, values = inputs.state, inputs.values
+        chunk_size = self.chunk_size_for("linear", inputs.q_features.shape[2])
         chunked = dict(chunk_size=chunk_size, initial_state=state, return_state=True)
         if self.kind == "linear":
-            if form == "naive":
-                return linear_attention(q_features, k_features, values, **common), None
-            if form == "recurrent":
-                return recurrent_linear_attention(q_features, k_features, values, state=state, **common)
-            kernel = fla_backend.simple_gla_kernel(values)  # None (PyTorch) unless CUDA with fla
-            return chunked_linear_attention(
-                q_features, k_features, values, kernel=kernel, **chunked, **common
+            linear = LinearInputs(
+                inputs.q_features, inputs.k_features, values, inputs.k_log_scale, inputs.key_mask
             )
+            if form == "naive":
+                return linear_attention(linear), None
+            if form == "recurrent":
+                return recurrent_linear_attention(linear, state=state)
+            kernel = fla_backend.simple_gla_kernel(values)  # None (PyTorch) unless CUDA with fla
+            return chunked_linear_attention(linear, kernel=kernel, **chunked)
         hybrid = HybridInputs(
             query=inputs.query,
             key=self.state_heads_view(inputs.key),  # (B, Hs, T, D)
-            q_features=q_features,
-            k_features=k_features,
+            q_features=inputs.q_features,
+            k_features=inputs.k_features,
             v=values,
             window_factor=self.window_factor(),
+            k_log_scale=inputs.k_log_scale,
+            key_mask=inputs.key_mask,
             sink_query=inputs.sink_query,
-            **common,
         )
         options = HybridOptions(inputs.scaling, self.window, self.sinks, self.softcap)
         if form == "naive":

@@ -67,6 +67,7 @@ from dofla.ops.hybrid import (
     recurrent_hybrid_attention,
 )
 from dofla.ops.linear import (
+    LinearInputs,
     chunked_linear_attention,
     linear_attention,
     recurrent_linear_attention,
@@ -87,6 +88,7 @@ __all__ = [
     "HybridInputs",
     "HybridOptions",
     "HybridState",
+    "LinearInputs",
     "LinearState",
     "WindowInputs",
     "WindowOptions",

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dofla.errors import DoflaError
-from dofla.ops.inputs import DeltaInputs, HybridInputs, WindowOptions
+from dofla.ops.inputs import DeltaInputs, HybridInputs, LinearInputs, WindowOptions
 from dofla.ops.state import DeltaState
 
 
@@ -75,6 +75,13 @@ def check_hybrid_inputs(
             f"window_factor must be a tensor of one factor per query head, shape ({query.shape[1]},), "
             f"got {getattr(window_factor, 'shape', window_factor)}."
         )
+
+
+def prepare_linear_inputs(inputs: LinearInputs) -> tuple[int, Tensor, Tensor, Tensor | None]:
+    """Check one linear call and mask its absent keys (``mask_absent_keys``): returns the group size H // Hk
+    and the masked k_features, v and k_log_scale."""
+    group = check_linear_inputs(inputs.q_features, inputs.k_features, inputs.v, inputs.k_log_scale)
+    return group, *mask_absent_keys(inputs.k_features, inputs.v, inputs.k_log_scale, inputs.key_mask)
 
 
 def prepare_hybrid_inputs(inputs: HybridInputs, options: WindowOptions) -> tuple[int, int, int, HybridInputs]:

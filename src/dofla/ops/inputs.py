@@ -1,5 +1,5 @@
 """What each op's forms read, as bundles passed whole: the tensors of one call (``DeltaInputs``,
-``WindowInputs``, ``HybridInputs``) and the op's fixed options (``WindowOptions``, ``HybridOptions``), so that
+``LinearInputs``, ``WindowInputs``, ``HybridInputs``) and the op's fixed options (``WindowOptions``, ``HybridOptions``), so that
 the naive, chunked and recurrent forms of an op share one signature and each default is written once, as
 the cells' ``dofla.cell_inputs`` bundles do one level up."""
 
@@ -21,6 +21,19 @@ class DeltaInputs:
     v: Tensor
     log_decay: Tensor
     beta: Tensor
+    key_mask: Tensor | None = None
+
+
+@dataclass
+class LinearInputs:
+    """One call of linear attention (``dofla.ops.linear``): ``q_features`` (B, H, T, F) and ``k_features``
+    (B, Hk, T, F) >= 0, ``v`` (B, Hk, T, Dv), ``k_log_scale`` (B, Hk, T) or None (all 0); ``key_mask``
+    (B, T), True for real tokens, or None."""
+
+    q_features: Tensor
+    k_features: Tensor
+    v: Tensor
+    k_log_scale: Tensor | None = None
     key_mask: Tensor | None = None
 
 

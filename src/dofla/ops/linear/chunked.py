@@ -8,13 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dofla.ops._checks import (
-    check_linear_inputs,
-    compute_dtype,
-    mask_absent_keys,
-)
+from dofla.ops._checks import compute_dtype, prepare_linear_inputs
 from dofla.ops.chunk_sizes import check_chunk_size
 from dofla.ops.fla_backend import SimpleGLAKernel, kernel_linear_attention_sums
+from dofla.ops.inputs import LinearInputs
 from dofla.ops.state import LinearState, exp_relative
 
 NEGATIVE_INFINITY = float("-inf")
@@ -189,28 +186,23 @@ def _joined_state(state: LinearState, dtype: torch.dtype) -> Tensor:
 
 
 def chunked_linear_attention(
-    q_features: Tensor,
-    k_features: Tensor,
-    v: Tensor,
+    inputs: LinearInputs,
     *,
-    k_log_scale: Tensor | None = None,
     chunk_size: int = 64,
     initial_state: LinearState | None = None,
     return_state: bool = False,
-    key_mask: Tensor | None = None,
     eps: float = 1e-6,
     kernel: SimpleGLAKernel | None = None,
 ):
     """Causal linear attention, chunked.
 
-    q_features (B, H, T, F), k_features (B, Hk, T, F), v (B, Hk, T, Dv), k_log_scale (B, Hk, T) or None.
-    initial_state: a LinearState from an earlier call of either form. Returns out (B, H, T, Dv) in v's
-    dtype, or (out, LinearState) when return_state. kernel: fla's simple GLA kernel to compute the sums
-    (``dofla.ops.fla_backend``), None for PyTorch.
+    inputs: the call's tensors (shapes in ``LinearInputs``); initial_state: a LinearState from an earlier
+    call of either form. Returns out (B, H, T, Dv) in v's dtype, or (out, LinearState) when return_state.
+    kernel: fla's simple GLA kernel to compute the sums (``dofla.ops.fla_backend``), None for PyTorch.
     """
-    group = check_linear_inputs(q_features, k_features, v, k_log_scale)
+    q_features = inputs.q_features
+    group, k_features, v, k_log_scale = prepare_linear_inputs(inputs)
     size = check_chunk_size(chunk_size)
-    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
     dtype = compute_dtype(q_features, k_features, v, k_log_scale)
     batch, num_heads, length, feature_dim = q_features.shape
     num_kv_heads = k_features.shape[1]

@@ -5,31 +5,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dofla.ops._checks import (
-    check_linear_inputs,
-    compute_dtype,
-    expand_kv_heads,
-    mask_absent_keys,
-)
+from dofla.ops._checks import compute_dtype, expand_kv_heads, prepare_linear_inputs
+from dofla.ops.inputs import LinearInputs
 from dofla.ops.state import exp_relative
 
 
-def linear_attention(
-    q_features: Tensor,
-    k_features: Tensor,
-    v: Tensor,
-    *,
-    k_log_scale: Tensor | None = None,
-    key_mask: Tensor | None = None,
-    eps: float = 1e-6,
-) -> Tensor:
+def linear_attention(inputs: LinearInputs, *, eps: float = 1e-6) -> Tensor:
     """Causal linear attention, quadratic reference.
 
-    q_features (B, H, T, F) >= 0, k_features (B, Hk, T, F) >= 0, v (B, Hk, T, Dv), k_log_scale (B, Hk, T).
-    Returns (B, H, T, Dv) in v's dtype; computed in float64 when any input is float64, else float32.
+    inputs: the call's tensors (shapes in ``LinearInputs``). Returns (B, H, T, Dv) in v's dtype; computed
+    in float64 when any input is float64, else float32.
     """
-    group = check_linear_inputs(q_features, k_features, v, k_log_scale)
-    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
+    q_features = inputs.q_features
+    group, k_features, v, k_log_scale = prepare_linear_inputs(inputs)
     dtype = compute_dtype(q_features, k_features, v, k_log_scale)
     length = q_features.shape[2]
     q = q_features.to(dtype)  # (B, H, T, F)

@@ -4,35 +4,23 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from dofla.ops._checks import (
-    check_linear_inputs,
-    compute_dtype,
-    mask_absent_keys,
-    stack_tokens,
-)
+from dofla.ops._checks import compute_dtype, prepare_linear_inputs, stack_tokens
+from dofla.ops.inputs import LinearInputs
 from dofla.ops.linear.step import linear_decode_step, log_scale_or_zeros
 from dofla.ops.state import LinearState
 
 
 def recurrent_linear_attention(
-    q_features: Tensor,
-    k_features: Tensor,
-    v: Tensor,
-    *,
-    k_log_scale: Tensor | None = None,
-    state: LinearState | None = None,
-    key_mask: Tensor | None = None,
-    eps: float = 1e-6,
+    inputs: LinearInputs, *, state: LinearState | None = None, eps: float = 1e-6
 ) -> tuple[Tensor, LinearState]:
     """Causal linear attention token by token.
 
-    q_features (B, H, T, F), k_features (B, Hk, T, F), v (B, Hk, T, Dv), k_log_scale (B, Hk, T) or None;
-    state from an earlier call (recurrent or chunked with return_state=True) or None.
-    key_mask (B, T) bool, True for real tokens: absent keys take no part (see ``dofla.ops``).
-    Returns out (B, H, T, Dv) in v's dtype and the state after the T tokens (float32, or float64 inputs).
+    inputs: the call's tensors (shapes in ``LinearInputs``; absent keys take no part, see ``dofla.ops``);
+    state from an earlier call (recurrent or chunked with return_state=True) or None. Returns out
+    (B, H, T, Dv) in v's dtype and the state after the T tokens (float32, or float64 inputs).
     """
-    group = check_linear_inputs(q_features, k_features, v, k_log_scale)
-    k_features, v, k_log_scale = mask_absent_keys(k_features, v, k_log_scale, key_mask)
+    q_features = inputs.q_features
+    group, k_features, v, k_log_scale = prepare_linear_inputs(inputs)
     dtype = compute_dtype(q_features, k_features, v, k_log_scale)
     batch, num_heads, length, feature_dim = q_features.shape
     num_kv_heads, value_dim = k_features.shape[1], v.shape[-1]
