@@ -361,6 +361,25 @@ def test_export_smollm2_compares_a_plain_transformers_run_of_the_export_in_both_
     assert (tmp_path / "exported-float64" / "model.safetensors").is_file()
 
 
+def test_export_logit_floor_compares_both_implementations_and_their_forms(tiny, tmp_path, capsys):
+    from dofla.cli import main as dofla_main
+
+    student = tmp_path / "student"
+    assert dofla_main(["convert", tiny[0], "--recipe", "portable", "--out", str(student)]) == 0
+    capsys.readouterr()
+    arguments = [str(student), "--tokens", "24", "--rows", "2", "--work", str(tmp_path / "work")]
+    assert experiment("export_logit_floor").main(arguments) == 0
+    out = capsys.readouterr().out
+    tables = [line for line in out.splitlines() if line.startswith("| dofla chunked |")]
+    assert len(tables) == 4
+    for table in tables:  # every pair measured, each one small
+        figures = [float(cell) for cell in table.split("|")[2:-1] if cell.strip()]
+        assert len(figures) >= 4 and max(figures) < 1e-3
+    summary = out.splitlines()[-1]
+    # float64 with the float32 casts widened: the two implementations agree to rounding of float64
+    assert float(summary.rsplit("float64 widened, dofla vs transformers ", 1)[1]) < 1e-9
+
+
 def test_gated_delta_net_init_measures_each_setting_against_the_teacher(tiny, capsys):
     arguments = ["--teacher", tiny[0], "--sequences", "2", "--seq-len", "32"]
     assert experiment("gated_delta_net_init").main(arguments) == 0
