@@ -16,8 +16,6 @@ PyTorch; on a GPU with flash-linear-attention it runs fla's kernels), and engine
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -176,7 +174,7 @@ def export_model(model: nn.Module, out_dir: str | Path, *, tokenizer=None, input
     sentence with nothing written. Returns the folder."""
     from transformers import Qwen3_5ForCausalLM
 
-    from dofla.io import temporary_prefix
+    from dofla.io import temporary_folder
     from dofla.loading import skipped_weight_initialisation
 
     out_dir = check_export_folder(out_dir, inputs)
@@ -209,12 +207,9 @@ def export_model(model: nn.Module, out_dir: str | Path, *, tokenizer=None, input
     exported.generation_config = model.generation_config
     exported.config.dtype = dtype
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    temporary = Path(
-        tempfile.mkdtemp(prefix=temporary_prefix(out_dir.name), suffix=".tmp", dir=out_dir.parent)
-    )
     umask = os.umask(0)
     os.umask(umask)
-    try:
+    with temporary_folder(out_dir.parent, out_dir.name) as temporary:
         exported.save_pretrained(temporary)
         if tokenizer is not None:
             tokenizer.save_pretrained(temporary)
@@ -225,9 +220,6 @@ def export_model(model: nn.Module, out_dir: str | Path, *, tokenizer=None, input
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked just above)
         os.replace(temporary, out_dir)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
     return out_dir
 
 

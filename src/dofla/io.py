@@ -14,7 +14,8 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,28 @@ def _write_errors() -> tuple[type[BaseException], ...]:
 
 
 WRITE_ERRORS = _write_errors()
+
+
+@contextmanager
+def temporary_folder(
+    parent: Path, name: str, failure: Callable[[str], str] | None = None, errors=WRITE_ERRORS
+) -> Iterator[Path]:
+    """A fresh temporary folder for ``name`` in ``parent`` (see :func:`temporary_prefix`) that the block
+    fills and moves into place; if the block raises, the folder is removed. A write error (one of
+    ``errors``, e.g. a full disk) then becomes a DoflaError whose sentence is ``failure(reason)`` where
+    ``failure`` is given; anything else is raised as it is."""
+    temporary = Path(tempfile.mkdtemp(prefix=temporary_prefix(name), suffix=".tmp", dir=parent))
+    try:
+        yield temporary
+    except errors as error:
+        shutil.rmtree(temporary, ignore_errors=True)
+        if failure is None:
+            raise
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise DoflaError(failure((reason or repr(error)).splitlines()[0])) from error
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
 
 
 def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:

@@ -23,9 +23,9 @@ from dofla._registration import MODEL_TYPE
 from dofla.config import ConversionPlan
 from dofla.errors import DoflaError
 from dofla.io import (
-    WRITE_ERRORS,
     remove_stale_temporaries,
     save_safetensors_atomic,
+    temporary_folder,
     temporary_prefix,
     to_json,
     write_text_atomic,
@@ -195,12 +195,16 @@ def save_converted(
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(out_dir.parent, out_dir.name)
         remove_stale_temporaries(out_dir)
-        temporary = Path(
-            tempfile.mkdtemp(prefix=temporary_prefix(out_dir.name), suffix=".tmp", dir=out_dir.parent)
-        )
         umask = os.umask(0)
         os.umask(umask)
-        try:
+
+        def failure(reason: str) -> str:
+            return (
+                f"could not write the converted model to {out_dir} ({reason}); nothing was replaced: free some "
+                "disk space or choose another --out."
+            )
+
+        with temporary_folder(out_dir.parent, out_dir.name, failure) as temporary:
             # the registered "dofla" config (dofla.auto.DoflaConfig): the teacher's config and the plan
             config = AutoConfig.for_model(
                 MODEL_TYPE, base_config=model.config.to_dict(), plan=saved_plan.to_dict()
@@ -228,16 +232,6 @@ def save_converted(
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(temporary, out_dir)
-        except WRITE_ERRORS as error:  # e.g. a full disk, raised by whichever library was writing
-            shutil.rmtree(temporary, ignore_errors=True)
-            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-            raise DoflaError(
-                f"could not write the converted model to {out_dir} ({(reason or repr(error)).splitlines()[0]}); "
-                "nothing was replaced: free some disk space or choose another --out."
-            ) from error
-        except BaseException:
-            shutil.rmtree(temporary, ignore_errors=True)
-            raise
     return given
 
 

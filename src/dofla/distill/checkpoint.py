@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from dofla.errors import DoflaError
 from dofla.io import (
     remove_stale_temporaries,
     save_safetensors_atomic,
-    temporary_prefix,
+    temporary_folder,
     to_json,
     write_atomic,
     write_text_atomic,
@@ -59,8 +58,14 @@ def save_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(folder, "step-*")  # left by a process killed while writing a checkpoint
     name = f"step-{step:08d}"
-    temporary = Path(tempfile.mkdtemp(prefix=temporary_prefix(name), suffix=".tmp", dir=folder))
-    try:
+
+    def failure(reason: str) -> str:
+        return (
+            f"could not write the checkpoint of step {step} in {folder} ({reason}); the previous checkpoint "
+            "was kept: free some disk space and rerun with --resume."
+        )
+
+    with temporary_folder(folder, name, failure, errors=(OSError, DoflaError)) as temporary:
         save_safetensors_atomic(tensors, temporary / TENSORS_FILE)
         write_atomic(temporary / OPTIMIZER_FILE, lambda path: torch.save(optimizer_state, path))
         write_text_atomic(temporary / STATE_FILE, to_json(state, indent=1) + "\n")
@@ -69,16 +74,6 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(temporary, final)
         write_text_atomic(folder / LATEST_FILE, to_json({"step": step, "folder": name}) + "\n")
-    except (OSError, DoflaError) as error:
-        shutil.rmtree(temporary, ignore_errors=True)
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        raise DoflaError(
-            f"could not write the checkpoint of step {step} in {folder} ({reason}); the previous checkpoint "
-            "was kept: free some disk space and rerun with --resume."
-        ) from error
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
     old = sorted(path for path in folder.glob("step-*") if path.is_dir() and path.name != name)
     for path in old[: max(0, len(old) - (keep - 1))]:
         shutil.rmtree(path, ignore_errors=True)
