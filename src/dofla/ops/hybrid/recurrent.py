@@ -106,9 +106,8 @@ def recurrent_hybrid_attention(
         window_numerator, window_denominator, _ = read_window(
             window_state,
             queries[:, :, :, t],
-            scaling=options.scaling,
-            softcap=options.softcap,
-            sink_queries=None if sink_queries is None else sink_queries[:, :, :, t],
+            options,
+            None if sink_queries is None else sink_queries[:, :, :, t],
         )
         numerator = gamma[..., None] * window_numerator + (1 - gamma[..., None]) * linear_numerator
         denominator = gamma * window_denominator + (1 - gamma) * linear_denominator  # (B, Hk, G)

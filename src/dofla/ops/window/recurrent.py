@@ -44,16 +44,12 @@ def advance_window(
 
 
 def read_window(
-    state: WindowState,
-    queries: Tensor,
-    *,
-    scaling: float,
-    softcap: float | None,
-    sink_queries: Tensor | None = None,
+    state: WindowState, queries: Tensor, options: WindowOptions, sink_queries: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """queries (B, Hk, G, D) in the compute dtype -> numerator (B, Hk, G, Dv), denominator (B, Hk, G) of
-    exp(score - max) over the window's present keys and the filled sink slots, and that max (B, Hk, G)
-    (-inf for a query that sees no key); sink_queries (B, Hk, G, D) score the sinks (None: queries)."""
+    exp(score - max) over the window's present keys and the filled sink slots (scored with ``options``'
+    scaling and soft-capping), and that max (B, Hk, G) (-inf for a query that sees no key); sink_queries
+    (B, Hk, G, D) score the sinks (None: queries)."""
     dtype = queries.dtype
     keys, values, visible = state.keys, state.values, state.key_present  # (B, Hk, L, ...)
     own_sink_scores = bool(state.sinks) and sink_queries is not None
@@ -67,7 +63,7 @@ def read_window(
     if own_sink_scores:
         sink_scores = sink_queries @ state.sink_keys.to(dtype).transpose(-1, -2)  # (B, Hk, G, S)
         scores = torch.cat([scores, sink_scores], dim=-1)
-    scores = soft_cap(scaling * scores, softcap)  # (B, Hk, G, L + S)
+    scores = soft_cap(options.scaling * scores, options.softcap)  # (B, Hk, G, L + S)
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))  # absent keys
     # exp_relative: a query that sees no key has max -inf, and all its weights 0
     maximum = scores.amax(-1, keepdim=True)
@@ -111,11 +107,7 @@ def recurrent_window_attention(
         step = slice(t, t + 1)
         state, _ = advance_window(state, key[:, :, step], v[:, :, step], present[:, :, step])
         numerator, denominator, maximum = read_window(
-            state,
-            queries[:, :, :, t],
-            scaling=options.scaling,
-            softcap=options.softcap,
-            sink_queries=None if sink_queries is None else sink_queries[:, :, :, t],
+            state, queries[:, :, :, t], options, None if sink_queries is None else sink_queries[:, :, :, t]
         )
         # a visible key contributes exp(0) = 1, so the sum is 0 (nothing seen: output 0) or >= 1
         outputs.append(numerator / denominator.clamp_min(1.0)[..., None])  # (B, Hk, G, Dv)
