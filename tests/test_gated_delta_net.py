@@ -22,6 +22,7 @@ from dofla.loading import load_converted
 from dofla.models import build_tiny_model
 from dofla.models.surgery import students
 from dofla.ops.gated_delta_net import (
+    GatedDeltaNetInputs,
     GatedDeltaNetShape,
     chunked_gated_delta_net,
     gated_delta_net,
@@ -59,9 +60,11 @@ def test_the_ops_forms_agree_forward_and_gradients(shape, masked):
         key_mask = torch.ones(B, T, dtype=torch.bool)
         key_mask[0, :3] = False
     forms = {
-        "naive": lambda: gated_delta_net(*inputs, shape, key_mask=key_mask),
-        "chunked": lambda: chunked_gated_delta_net(*inputs, shape, key_mask=key_mask, chunk_size=4)[0],
-        "recurrent": lambda: recurrent_gated_delta_net(*inputs, shape, key_mask=key_mask)[0],
+        "naive": lambda: gated_delta_net(GatedDeltaNetInputs(*inputs, key_mask), shape),
+        "chunked": lambda: chunked_gated_delta_net(
+            GatedDeltaNetInputs(*inputs, key_mask), shape, chunk_size=4
+        )[0],
+        "recurrent": lambda: recurrent_gated_delta_net(GatedDeltaNetInputs(*inputs, key_mask), shape)[0],
     }
     results = {}
     for name, form in forms.items():
@@ -82,18 +85,15 @@ def test_the_ops_forms_agree_forward_and_gradients(shape, masked):
 def test_a_state_continues_across_forms_as_one_pass(split):
     shape = SHAPES[1]
     mixed, conv_weight, log_decay, beta = (tensor.detach() for tensor in op_inputs(shape))
-    whole, whole_state = chunked_gated_delta_net(mixed, conv_weight, log_decay, beta, shape, chunk_size=4)
-    pieces = (slice(0, split), slice(split, T))
-    first, state = chunked_gated_delta_net(
-        *(tensor[:, pieces[0]] for tensor in (mixed,)),
-        conv_weight,
-        log_decay[:, pieces[0]],
-        beta[:, pieces[0]],
-        shape,
+    whole, whole_state = chunked_gated_delta_net(
+        GatedDeltaNetInputs(mixed, conv_weight, log_decay, beta), shape, chunk_size=4
     )
-    second, state = recurrent_gated_delta_net(
-        mixed[:, pieces[1]], conv_weight, log_decay[:, pieces[1]], beta[:, pieces[1]], shape, state=state
-    )
+
+    def piece(part: slice) -> GatedDeltaNetInputs:
+        return GatedDeltaNetInputs(mixed[:, part], conv_weight, log_decay[:, part], beta[:, part])
+
+    first, state = chunked_gated_delta_net(piece(slice(0, split)), shape)
+    second, state = recurrent_gated_delta_net(piece(slice(split, T)), shape, state=state)
     torch.testing.assert_close(torch.cat([first, second], dim=1), whole, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(state.memory.kv, whole_state.memory.kv, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(state.conv, whole_state.conv)
@@ -103,7 +103,7 @@ def test_a_state_continues_across_forms_as_one_pass(split):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_op_is_transformers_convolution_and_gated_delta_rule(shape):
     mixed, conv_weight, log_decay, beta = (tensor.detach().float() for tensor in op_inputs(shape))
-    ours = gated_delta_net(mixed, conv_weight, log_decay, beta, shape)
+    ours = gated_delta_net(GatedDeltaNetInputs(mixed, conv_weight, log_decay, beta), shape)
     convolved = causal_conv1d_fn(mixed.transpose(1, 2), conv_weight, None, activation="silu").transpose(1, 2)
     width = shape.num_k_heads * shape.head_k_dim
     query, key, value = convolved.split([width, width, shape.num_v_heads * shape.head_v_dim], -1)

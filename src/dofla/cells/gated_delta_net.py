@@ -38,6 +38,7 @@ from dofla.cells.registry import register_cell
 from dofla.errors import DoflaError
 from dofla.masks import key_mask_from_attention_mask
 from dofla.ops.gated_delta_net import (
+    GatedDeltaNetInputs,
     GatedDeltaNetShape,
     GatedDeltaNetState,
     chunked_gated_delta_net,
@@ -230,11 +231,11 @@ class GatedDeltaNet(LinearAttention):
         beta = torch.sigmoid(self.in_proj_b(hidden))  # (B, T, H)
         log_decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
         conv_weight = self.conv1d.weight[:, 0]  # (C, W)
-        arguments = (mixed, conv_weight, log_decay, beta, self.shape)
+        inputs = GatedDeltaNetInputs(mixed, conv_weight, log_decay, beta, key_mask)
         if form is None:
             form = "recurrent" if state is not None and length <= self.decode_tokens else "chunked"
         if form == "naive":
-            core, new_state = gated_delta_net(*arguments, key_mask=key_mask), None
+            core, new_state = gated_delta_net(inputs, self.shape), None
         elif form == "recurrent" and length == 1 and key_mask is None:  # decoding: the one-token step
             start = empty_state(mixed, conv_weight.shape[1], self.shape) if state is None else state
             core, new_state = gated_delta_net_step(
@@ -242,12 +243,10 @@ class GatedDeltaNet(LinearAttention):
             )
             core = core[:, None].to(mixed.dtype)
         elif form == "recurrent":
-            core, new_state = recurrent_gated_delta_net(*arguments, state=state, key_mask=key_mask)
+            core, new_state = recurrent_gated_delta_net(inputs, self.shape, state=state)
         else:
             chunk_size = self.chunk_size_for("delta", length)
-            core, new_state = chunked_gated_delta_net(
-                *arguments, state=state, key_mask=key_mask, chunk_size=chunk_size
-            )
+            core, new_state = chunked_gated_delta_net(inputs, self.shape, state=state, chunk_size=chunk_size)
         return self.norm(core, gate), new_state
 
     def parameter_groups(self, base_lr: float) -> list[dict]:

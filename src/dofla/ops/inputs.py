@@ -1,5 +1,5 @@
 """What each op's forms read, as bundles passed whole: the tensors of one call (``DeltaInputs``,
-``LinearInputs``, ``WindowInputs``, ``HybridInputs``) and the op's fixed options (``WindowOptions``, ``HybridOptions``), so that
+``GatedDeltaNetInputs``, ``LinearInputs``, ``WindowInputs``, ``HybridInputs``) and the op's fixed options (``WindowOptions``, ``HybridOptions``), so that
 the naive, chunked and recurrent forms of an op share one signature and each default is written once, as
 the cells' ``dofla.cell_inputs`` bundles do one level up."""
 
@@ -19,6 +19,19 @@ class DeltaInputs:
     q: Tensor
     k: Tensor
     v: Tensor
+    log_decay: Tensor
+    beta: Tensor
+    key_mask: Tensor | None = None
+
+
+@dataclass
+class GatedDeltaNetInputs:
+    """One call of the gated delta net (``dofla.ops.gated_delta_net``): ``mixed`` (B, T, C) the projected q,
+    k, v; ``conv_weight`` (C, W) the short convolution's taps; ``log_decay`` (B, T, Hv) <= 0; ``beta``
+    (B, T, Hv) in (0, 1); ``key_mask`` (B, T), True for real tokens, or None."""
+
+    mixed: Tensor
+    conv_weight: Tensor
     log_decay: Tensor
     beta: Tensor
     key_mask: Tensor | None = None

@@ -18,23 +18,21 @@ from dofla.ops.gated_delta_net.common import (
     empty_state,
     masked_inputs,
 )
+from dofla.ops.inputs import GatedDeltaNetInputs
 
 
 def chunked_gated_delta_net(
-    mixed: Tensor,
-    conv_weight: Tensor,
-    log_decay: Tensor,
-    beta: Tensor,
+    inputs: GatedDeltaNetInputs,
     shape: GatedDeltaNetShape,
     *,
     state: GatedDeltaNetState | None = None,
-    key_mask: Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[Tensor, GatedDeltaNetState]:
-    """Shapes as in ``gated_delta_net``; state from an earlier call of any form or None. Returns the read-out
+    """Inputs as in ``gated_delta_net``; state from an earlier call of any form or None. Returns the read-out
     (B, T, Hv, Dv) in mixed's dtype and the state (float32, float64 for float64 inputs)."""
-    check_inputs(mixed, conv_weight, log_decay, beta, shape)
-    mixed, log_decay, beta = masked_inputs(mixed, log_decay, beta, key_mask)
+    check_inputs(inputs, shape)
+    mixed, log_decay, beta = masked_inputs(inputs)
+    conv_weight, key_mask = inputs.conv_weight, inputs.key_mask
     width, length = conv_weight.shape[1], mixed.shape[1]
     if state is None:
         state = empty_state(mixed, width, shape)

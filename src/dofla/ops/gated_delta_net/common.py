@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dofla.errors import DoflaError
+from dofla.ops.inputs import GatedDeltaNetInputs
 from dofla.ops.state import BatchedState, DeltaState
 
 L2_EPS = 1e-6  # as transformers' (and fla's) l2norm: x / sqrt(|x|^2 + eps)
@@ -48,8 +49,9 @@ def compute_dtype(tensor: Tensor) -> torch.dtype:
     return torch.promote_types(tensor.dtype, torch.float32)
 
 
-def check_inputs(mixed: Tensor, conv_weight: Tensor, log_decay: Tensor, beta: Tensor, shape) -> None:
+def check_inputs(inputs: GatedDeltaNetInputs, shape: GatedDeltaNetShape) -> None:
     """mixed (B, T, C), conv_weight (C, W), log_decay and beta (B, T, Hv)."""
+    mixed, conv_weight, log_decay, beta = inputs.mixed, inputs.conv_weight, inputs.log_decay, inputs.beta
     if mixed.dim() != 3 or mixed.shape[-1] != shape.channels:
         raise DoflaError(
             f"the gated delta net expects projected inputs (batch, tokens, {shape.channels}), got "
@@ -96,9 +98,10 @@ def delta_rule_inputs(convolved: Tensor, shape: GatedDeltaNetShape) -> tuple[Ten
     return query, key, heads(value, shape.num_v_heads)
 
 
-def masked_inputs(mixed, log_decay, beta, key_mask):
-    """Absent tokens (``key_mask`` (B, T) False) enter the convolution as zeros and leave the memory as it
-    was (no decay, no write)."""
+def masked_inputs(inputs: GatedDeltaNetInputs) -> tuple[Tensor, Tensor, Tensor]:
+    """mixed, log_decay and beta with the absent tokens (``key_mask`` (B, T) False) as zeros: they enter the
+    convolution as zeros and leave the memory as it was (no decay, no write)."""
+    mixed, log_decay, beta, key_mask = inputs.mixed, inputs.log_decay, inputs.beta, inputs.key_mask
     if key_mask is None:
         return mixed, log_decay, beta
     present = key_mask[:, :, None]

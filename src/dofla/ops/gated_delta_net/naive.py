@@ -14,21 +14,15 @@ from dofla.ops.gated_delta_net.common import (
     delta_rule_inputs,
     masked_inputs,
 )
+from dofla.ops.inputs import GatedDeltaNetInputs
 
 
-def gated_delta_net(
-    mixed: Tensor,
-    conv_weight: Tensor,
-    log_decay: Tensor,
-    beta: Tensor,
-    shape: GatedDeltaNetShape,
-    *,
-    key_mask: Tensor | None = None,
-) -> Tensor:
-    """mixed (B, T, C) projected q, k, v; conv_weight (C, W); log_decay (B, T, Hv) <= 0; beta (B, T, Hv) in
-    (0, 1); key_mask (B, T) or None. Returns the read-out (B, T, Hv, Dv) in mixed's dtype."""
-    check_inputs(mixed, conv_weight, log_decay, beta, shape)
-    mixed, log_decay, beta = masked_inputs(mixed, log_decay, beta, key_mask)
+def gated_delta_net(inputs: GatedDeltaNetInputs, shape: GatedDeltaNetShape) -> Tensor:
+    """inputs: the call's tensors (shapes in ``GatedDeltaNetInputs``). Returns the read-out (B, T, Hv, Dv) in
+    mixed's dtype."""
+    check_inputs(inputs, shape)
+    mixed, log_decay, beta = masked_inputs(inputs)
+    conv_weight, key_mask = inputs.conv_weight, inputs.key_mask
     dtype = compute_dtype(mixed)
     width, length = conv_weight.shape[1], mixed.shape[1]
     inputs, weight = mixed.to(dtype), conv_weight.to(dtype)

@@ -13,22 +13,17 @@ from dofla.ops.gated_delta_net.common import (
     masked_inputs,
 )
 from dofla.ops.gated_delta_net.step import gated_delta_net_step
+from dofla.ops.inputs import GatedDeltaNetInputs
 
 
 def recurrent_gated_delta_net(
-    mixed: Tensor,
-    conv_weight: Tensor,
-    log_decay: Tensor,
-    beta: Tensor,
-    shape: GatedDeltaNetShape,
-    *,
-    state: GatedDeltaNetState | None = None,
-    key_mask: Tensor | None = None,
+    inputs: GatedDeltaNetInputs, shape: GatedDeltaNetShape, *, state: GatedDeltaNetState | None = None
 ) -> tuple[Tensor, GatedDeltaNetState]:
-    """Shapes as in ``gated_delta_net``; state from an earlier call of any form or None. Returns the read-out
+    """Inputs as in ``gated_delta_net``; state from an earlier call of any form or None. Returns the read-out
     (B, T, Hv, Dv) in mixed's dtype and the state (float32, float64 for float64 inputs)."""
-    check_inputs(mixed, conv_weight, log_decay, beta, shape)
-    mixed, log_decay, beta = masked_inputs(mixed, log_decay, beta, key_mask)
+    check_inputs(inputs, shape)
+    mixed, log_decay, beta = masked_inputs(inputs)
+    conv_weight = inputs.conv_weight
     current = empty_state(mixed, conv_weight.shape[1], shape) if state is None else state
     outputs = []
     for t in range(mixed.shape[1]):
