@@ -14,7 +14,9 @@ float64 run removes float32 rounding everywhere else, not there.
 
     PYTHONPATH=src python experiments/export_smollm2.py [--work DIR] [--tokens 64] [--new-tokens 16]
 
-(``--teacher`` runs it on another Llama-like teacher, e.g. a tiny one in tests/test_experiments.py.)
+(``--teacher`` runs it on another Llama-like teacher, e.g. a tiny one in tests/test_experiments.py;
+``--student RUN/model`` on a saved student, e.g. a trained `portable` run's, instead of the teacher's
+untrained conversion.)
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--teacher", default="smollm2-135m")
     parser.add_argument("--work", help="folder for the student and the exports (default: a temporary one)")
+    parser.add_argument(
+        "--student", help="a saved student (all layers gated_delta_net) instead of converting --teacher"
+    )
     parser.add_argument("--tokens", type=int, default=64, help="prompt length")
     parser.add_argument("--new-tokens", type=int, default=16)
     args = parser.parse_args(argv)
@@ -77,28 +82,33 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="export-smollm2-"))
     work.mkdir(parents=True, exist_ok=True)
-    teacher = load_teacher(args.teacher, dtype="float32", device="cpu")
-    arguments = plan_for_arguments("portable")
-    arguments.pop("keep_softmax", None)
-    convert(teacher.model, plan_for(teacher.model, **arguments))
-    save_converted(
-        teacher.model,
-        work / "student",
-        tokenizer=teacher.tokenizer,
-        extra_metadata={"teacher": args.teacher},
-        student_only=True,
-    )
-    assert dofla_main(["export", str(work / "student"), "--out", str(work / "exported-float32")]) == 0
-    wide, _, _ = load_converted(work / "student", dtype="float64", device="cpu")
-    export_model(wide, work / "exported-float64", tokenizer=teacher.tokenizer)
+    if args.student:
+        student = Path(args.student)
+    else:
+        student = work / "student"
+        teacher = load_teacher(args.teacher, dtype="float32", device="cpu")
+        arguments = plan_for_arguments("portable")
+        arguments.pop("keep_softmax", None)
+        convert(teacher.model, plan_for(teacher.model, **arguments))
+        save_converted(
+            teacher.model,
+            student,
+            tokenizer=teacher.tokenizer,
+            extra_metadata={"teacher": args.teacher},
+            student_only=True,
+        )
+        del teacher
+    assert dofla_main(["export", str(student), "--out", str(work / "exported-float32")]) == 0
+    wide, tokenizer, _ = load_converted(student, dtype="float64", device="cpu")
+    export_model(wide, work / "exported-float64", tokenizer=tokenizer)
     del wide
-    ids = prompts(teacher.tokenizer, args.tokens)
+    ids = prompts(tokenizer, args.tokens)
     print(
         f"prompts: {tuple(ids.shape)} tokens of {TEXT.name}; greedy continuation of {args.new_tokens} tokens"
     )
     results, dofla_logits, plain_logits_of = {}, {}, {}
     for dtype in ("float32", "float64"):
-        model, tokenizer, _ = load_converted(work / "student", dtype=dtype, device="cpu")
+        model, tokenizer, _ = load_converted(student, dtype=dtype, device="cpu")
         model.eval()
         started = time.perf_counter()
         with torch.no_grad():
@@ -124,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if dtype == "float32":
             text = tokenizer.decode(continuation[0])
-            print(f"greedy continuation of prompt 0 (untrained student): {text!r}")
+            print(
+                f"greedy continuation of prompt 0 ({'the student' if args.student else 'untrained student'}): {text!r}"
+            )
 
     def largest(a: torch.Tensor, b: torch.Tensor) -> str:
         return f"{(a - b).abs().max().item():.3g}"

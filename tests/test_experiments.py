@@ -359,6 +359,15 @@ def test_export_smollm2_compares_a_plain_transformers_run_of_the_export_in_both_
         assert "dofla imported there: False" in line and "same greedy continuation: True" in line
     assert "float64 met" in out
     assert (tmp_path / "exported-float64" / "model.safetensors").is_file()
+    # a saved student instead of the teacher's conversion: the same student, the same comparison
+    again = ["--student", str(tmp_path / "student"), "--work", str(tmp_path / "again"), "--tokens", "24"]
+    assert experiment("export_smollm2").main(again + ["--teacher", tiny[0], "--new-tokens", "3"]) == 0
+
+    def figures(printed: str) -> list[str]:  # the float32 and float64 lines without their seconds
+        return [line.split(" (dofla ")[0] for line in printed.splitlines() if line.startswith("float")]
+
+    assert len(figures(out)) == 3 and figures(capsys.readouterr().out) == figures(out)
+    assert not (tmp_path / "again" / "student").exists()
 
 
 def test_export_logit_floor_compares_both_implementations_and_their_forms(tiny, tmp_path, capsys):
