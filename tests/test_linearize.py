@@ -445,6 +445,34 @@ def test_the_recall_cache_is_switched_on_after_training_evaluated_and_saved(tmp_
     assert perplexity(model, heldout) == pytest.approx(result.student_ppl, rel=1e-5)
 
 
+def test_a_recall_cache_trained_in_the_loop_reads_true_positions_to_the_end(tmp_path, monkeypatch):
+    """The cell option recall_cache: the hybrid trains with the cache, and the run gives it no position
+    period (the cache reads the true positions), so it evaluates and saves; an explicit period is refused
+    before any work."""
+    settings = dict(
+        recipe="gated-delta",
+        plan=dict(window=4, budget=8),
+        student=dict(cell_options={"window_factor": 0.9, "recall_cache": 3}),
+        evaluate=dict(passkey_trials=0, recall=False),
+        lora=dict(enabled=False),
+    )
+    from dofla import pipeline
+
+    trained_with, distill_stage = [], pipeline.distill_stage
+
+    def recording(config, model, *args):
+        trained_with.extend(student.recall_budget for student in students(model).values())
+        return distill_stage(config, model, *args)
+
+    monkeypatch.setattr(pipeline, "distill_stage", recording)
+    result = linearize(config(tmp_path / "run", **settings), teacher=tiny_teacher(), sequences=sequences())
+    assert trained_with == [3, 3]
+    _, _, plan = load_converted(result.out_dir)
+    assert plan.position_period is None
+    with pytest.raises(DoflaError, match="reads the true positions, and this run sets --position-period 8"):
+        linearize(config(tmp_path / "other", **{**settings, "plan": dict(window=4, budget=8, position_period=8)}))
+
+
 def test_rows_fall_back_to_the_longest_length_the_data_fills(tmp_path):
     from dofla.data import cut_rows, pack_rows
 

@@ -49,9 +49,10 @@ def apply_position_period(config: LinearizeConfig, model) -> None:
     none), else the longest length the students trained at, where the teacher has one rotary embedding
     with fixed frequencies (measured at 8 times the training length: it removed the pure-linear student's
     collapse and gained 5% for the constant-memory hybrid, 1% beside kept softmax layers); none where the
-    recall cache is switched on after training (``student.recall_cache``: it reads the true positions)."""
+    recall cache is on (``student.recall_cache`` after training or the cell option ``recall_cache`` during it: it
+    reads the true positions)."""
     period = config.plan.position_period
-    if period is None and config.student.recall_cache:
+    if period is None and (config.student.recall_cache or config.student.cell_options.get("recall_cache")):
         return
     if period is None:
         if fixed_rotary_frequencies(model) is None:  # none, several or length-dependent: true positions

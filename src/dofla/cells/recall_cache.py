@@ -54,9 +54,14 @@ def recall_budget(cell, options: dict) -> int:
 def check_recall_cache_run(
     slots: int, cell: str, kind: str, options: dict, position_period: int | None
 ) -> None:
-    """The settings of a run that switches the recall cache on after training (``--recall-cache slots``),
-    before any work: a gated_delta hybrid without short_conv, without the cell option (which trains with the
-    cache) and without a position period."""
+    """The settings of a run with a recall cache, before any work: switched on after training
+    (``--recall-cache slots``), a gated_delta hybrid without short_conv and without the cell option (which
+    trains with the cache); either way without a position period."""
+    if options.get("recall_cache") and position_period:  # the cell option trains with the cache
+        raise DoflaError(
+            f"the recall cache reads the true positions, and this run sets --position-period {position_period}; "
+            "drop it (or set 0) with the cell option recall_cache."
+        )
     if not slots:
         return
     if cell != "gated_delta" or kind != "hybrid":
