@@ -470,7 +470,9 @@ def test_a_recall_cache_trained_in_the_loop_reads_true_positions_to_the_end(tmp_
     _, _, plan = load_converted(result.out_dir)
     assert plan.position_period is None
     with pytest.raises(DoflaError, match="reads the true positions, and this run sets --position-period 8"):
-        linearize(config(tmp_path / "other", **{**settings, "plan": dict(window=4, budget=8, position_period=8)}))
+        linearize(
+            config(tmp_path / "other", **{**settings, "plan": dict(window=4, budget=8, position_period=8)})
+        )
 
 
 def test_rows_fall_back_to_the_longest_length_the_data_fills(tmp_path):
