@@ -4,7 +4,8 @@ The step is what ``generate()`` runs in every converted layer for each new token
 forward on one token's q, k, v with a cache layer holding the state (from a real chunked prefill of
 ``--fill`` tokens), as the conversion hook hands it over. Shape (defaults): SmolLM2-135M's attention,
 B=1, H=9 query heads, Hkv=3 key/value heads, head size 64, F=64 features, float32, one thread.
-The machine may be busy: each timing is the median over ``--rounds`` rounds of ``--steps`` steps.
+The machine may be busy: each timing is the median over ``--rounds`` rounds of ``--steps`` steps, on the
+wall clock and on the process's CPU clock (which time spent waiting for a busy core does not count).
 
 ``--prefill N`` times one uncached prefill of N tokens instead (the chunked form, no autograd, as
 ``generate()``'s prefill and evaluation run it): microseconds and aten operators per prefill.
@@ -14,7 +15,8 @@ mean of the A and B times against the mean dimension's: what a layer-wise alloca
 against the uniform (``fix``) one at the same mean dimension (a step's cost is additive over layers).
 
 ``--against SRC`` compares with another checkout's ``src`` folder (e.g. an exported older commit): the two
-run in alternating subprocesses, ``--runs`` times each, and the table gives the medians of both.
+run in alternating subprocesses, ``--runs`` times each, and the table gives the medians of both (wall and CPU
+clock), then each run's wall-clock figures and the load average before and after.
 
     python bench/bench_layer_step.py
     python bench/bench_layer_step.py --cells "gla+window,gated_delta+window" --against /tmp/before/src
@@ -46,6 +48,8 @@ CELLS = {
     "gated_delta+window": dict(kind="hybrid", cell="gated_delta", feature_map="projection", sinks=4),
     "linear+window": dict(kind="hybrid", cell="linear", feature_map="hedgehog", sinks=0),
     "gla": dict(kind="linear", cell="gla", feature_map="hedgehog"),
+    # the dof-paper recipe's cell: plain linear attention over a learnable positive random-feature map
+    "linear/prf": dict(kind="linear", cell="linear", feature_map="learnable_prf"),
     "window": dict(kind="hybrid", cell="window", feature_map="hedgehog", sinks=0),
     # the gated-delta-linear recipe's cell: no window, projection keys, an 8-token short convolution
     "gated_delta conv8": dict(
@@ -82,22 +86,24 @@ def build_layer(name: str, args):
     return student
 
 
-def timed(run, rounds: int, reset=lambda: None) -> tuple[float, int]:
-    """``run`` once to warm up, then ``rounds`` times (each after ``reset``): the median seconds of a round
-    and the aten operators of one more profiled round, without autograd."""
+def timed(run, rounds: int, reset=lambda: None) -> tuple[float, float, int]:
+    """``run`` once to warm up, then ``rounds`` times (each after ``reset``): the median seconds of a round on
+    the wall clock and on the process's CPU clock, and the aten operators of one more profiled round, without
+    autograd."""
     with torch.no_grad():
         run()  # warm-up
-        times = []
+        times, cpu_times = [], []
         for _ in range(rounds):
             reset()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             run()
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
         reset()
         with profile(activities=[ProfilerActivity.CPU]) as profiler:
             run()
     calls = sum(event.count for event in profiler.key_averages() if event.key.startswith("aten::"))
-    return statistics.median(times), calls
+    return statistics.median(times), statistics.median(cpu_times), calls
 
 
 def measure(name: str, args) -> dict:
@@ -117,8 +123,8 @@ def measure(name: str, args) -> dict:
             draw(args.kv_heads, args.prefill),
             draw(args.kv_heads, args.prefill),
         )
-        seconds, calls = timed(lambda: student(*inputs), args.rounds)
-        return dict(cell=name, us=seconds * 1e6, ops=calls)
+        seconds, cpu_seconds, calls = timed(lambda: student(*inputs), args.rounds)
+        return dict(cell=name, us=seconds * 1e6, cpu_us=cpu_seconds * 1e6, ops=calls)
 
     layer = RecurrentCacheLayer()
     steps = [(draw(args.heads, 1), draw(args.kv_heads, 1), draw(args.kv_heads, 1)) for _ in range(args.steps)]
@@ -136,8 +142,9 @@ def measure(name: str, args) -> dict:
     def reset() -> None:
         layer.state = prefilled
 
-    seconds, calls = timed(run_steps, args.rounds, reset)
-    return dict(cell=name, us=seconds / args.steps * 1e6, ops=calls / args.steps)
+    seconds, cpu_seconds, calls = timed(run_steps, args.rounds, reset)
+    per_step = 1e6 / args.steps
+    return dict(cell=name, us=seconds * per_step, cpu_us=cpu_seconds * per_step, ops=calls / args.steps)
 
 
 def run_here(args) -> list[dict]:
@@ -199,6 +206,7 @@ def run_in(source: str, args, argv: list[str]) -> list[dict]:
 def compare(args, argv: list[str]) -> str:
     """Alternate runs of ``--against`` and this checkout; a markdown table of the medians."""
     argv = [item for index, item in enumerate(argv) if not _is_against(argv, index)]
+    load_before = os.getloadavg()
     results = {"before": {}, "after": {}}
     for _ in range(args.runs):
         for side, source in (("before", args.against), ("after", str(SOURCE))):
@@ -210,16 +218,32 @@ def compare(args, argv: list[str]) -> str:
         f"F={args.feature_dim}, window {args.window}, {args.threads} thread(s), "
         f"median of {args.runs} alternating runs",
         "",
-        "| cell | before µs | after µs | speed-up | before ops | after ops |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| cell | before µs | after µs | speed-up | before CPU µs | after CPU µs | CPU speed-up | before ops "
+        "| after ops |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in args.cells:
-        before = statistics.median(row["us"] for row in results["before"][name])
-        after = statistics.median(row["us"] for row in results["after"][name])
+        before, after = (statistics.median(row["us"] for row in results[side][name]) for side in results)
+        cpu_before, cpu_after = (
+            statistics.median(row.get("cpu_us", row["us"]) for row in results[side][name]) for side in results
+        )
         ops = [results[side][name][0]["ops"] for side in ("before", "after")]
         lines.append(
-            f"| {name} | {before:.0f} | {after:.0f} | {before / after:.2f}x | {ops[0]:.0f} | {ops[1]:.0f} |"
+            f"| {name} | {before:.0f} | {after:.0f} | {before / after:.3f}x | {cpu_before:.0f} | {cpu_after:.0f} "
+            f"| {cpu_before / cpu_after:.3f}x | {ops[0]:.0f} | {ops[1]:.0f} |"
         )
+    lines += ["", "wall-clock µs of each run, in order:"]
+    for name in args.cells:
+        for side in results:
+            runs = ", ".join(f"{row['us']:.0f}" for row in results[side][name])
+            lines.append(f"- {name}, {side}: {runs}")
+    load_after = os.getloadavg()
+    lines.append(
+        "\nload average (1, 5, 15 min) before: "
+        + ", ".join(f"{value:.2f}" for value in load_before)
+        + "; after: "
+        + ", ".join(f"{value:.2f}" for value in load_after)
+    )
     return "\n".join(lines)
 
 
@@ -287,9 +311,9 @@ def main(argv=None) -> int:
         f"F={args.feature_dim}, window {args.window}, median of {args.rounds} rounds\n"
     )
     unit = "prefill" if args.prefill else "step"
-    print(f"| cell | µs per {unit} | aten ops per {unit} |\n|---|---:|---:|")
+    print(f"| cell | µs per {unit} | CPU µs per {unit} | aten ops per {unit} |\n|---|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['cell']} | {row['us']:.1f} | {row['ops']:.0f} |")
+        print(f"| {row['cell']} | {row['us']:.1f} | {row['cpu_us']:.1f} | {row['ops']:.0f} |")
     return 0
 
 

@@ -337,8 +337,11 @@ def test_layer_step_bench_prints_every_cell_alone_and_against_a_checkout(capsys,
     monkeypatch.setattr(bench, "run_in", run_in)
     assert bench.main([*tiny, "--against", "/elsewhere/src", "--runs", "1"]) == 0
     assert sides == ["/elsewhere/src", str(bench.SOURCE)]
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| g")]
-    assert len(rows) == 2 and all(line.count("|") == 7 for line in rows)
+    printed = capsys.readouterr().out.splitlines()
+    rows = [line for line in printed if line.startswith("| g")]
+    assert len(rows) == 2 and all(line.count("|") == 10 for line in rows)  # wall and CPU clock
+    assert sum(line.startswith("- gla+window, ") for line in printed) == 2  # each side's runs
+    assert any(line.startswith("load average") for line in printed)
     prefill = [*tiny[:-1], "gated_delta conv8", "--prefill", "10"]
     assert bench.main(prefill) == 0
     printed = capsys.readouterr().out
