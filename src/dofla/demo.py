@@ -17,10 +17,10 @@ def demo_config(out_dir: str | Path) -> LinearizeConfig:
     """The ``make demo`` run, sized to finish within 15 minutes on an idle 2-core CPU: the embedded
     SmolLM2-135M with every layer converted to the :data:`DEMO_RECIPE` recipe's cell (the gated delta rule
     over 64-dimensional learned keys beside a 64-token window of the teacher's own softmax that keeps 4 sink
-    tokens), trained without a cache, then given a recall cache of 128 tokens per head (the tokens its memory
-    recalls worst, read in the window's softmax). Attention-output MSE on 4k tokens of 1,024-token rows, then
-    LoRA (lr 3e-3, KL 1 to the teacher) on 6k tokens of 512-token rows, and the same LoRA stage on the
-    unconverted teacher for reference. Measured at 1,024 tokens beside the teacher and its no-training caches
+    tokens) and a recall cache of 128 tokens per head (the tokens its memory recalls worst, read in the
+    window's softmax), trained with the cache in the loop: attention-output MSE on 4k tokens of 1,024-token
+    rows, then LoRA (lr 3e-3, KL 1 to the teacher) on 6k tokens of 512-token rows, and the same LoRA stage on
+    the unconverted teacher for reference. Measured at 1,024 tokens beside the teacher and its no-training caches
     (the window with and without sinks; StreamingLLM and heavy hitters holding as many bytes as the student's
     state), and the pass key at 2,048 and 4,096 tokens (depths 0.1/0.5/0.9, one trial each). Data: real text
     shipped with dofla, of two sources: it trains on web text (:data:`DEMO_TRAIN_TEXT`) and is measured on 16
