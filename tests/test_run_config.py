@@ -293,7 +293,10 @@ def test_the_demo_is_the_recall_recipe_sized_for_a_2_core_cpu():
         "hybrid",
     )
     assert (demo.plan.window, demo.plan.sinks, demo.plan.budget, demo.student.recall_cache) == (64, 4, 64, 0)
-    assert demo.student.cell_options == {"window_factor": 0.999, "recall_cache": 128}  # trained with the cache
+    assert demo.student.cell_options == {
+        "window_factor": 0.999,
+        "recall_cache": 128,
+    }  # trained with the cache
     assert (
         demo.plan.position_period is None and demo.plan.sinks_at_edge is False
     )  # the cache's true positions
