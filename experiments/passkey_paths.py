@@ -86,9 +86,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", required=True, help="name=FOLDER, comma-separated")
     parser.add_argument("--lengths", default="1024,2048", help="pass-key context lengths, comma-separated")
     parser.add_argument("--trials", type=int, default=4, help="trials per length and depth")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}"
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    variants = [variant.strip() for variant in args.variants.split(",")]
+    unknown = [variant for variant in variants if variant not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown --variants {', '.join(unknown)}; use some of: {', '.join(VARIANTS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = integer_list(args.lengths, "--lengths", minimum=16)
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         model, tokenizer, plan = load_converted(path)
         model.eval()
         kept = kept_softmax_layers(plan)
-        for variant in VARIANTS:
+        for variant in variants:
             scores = variant_scores(model, tokenizer, plan, kept, variant, lengths, args.trials)
             rows.append(dict(run=name, folder=folder, kept_softmax=kept, variant=variant, scores=scores))
             print(name, variant, scores, flush=True)

@@ -308,6 +308,10 @@ def test_passkey_paths_scores_a_run_four_ways_and_memories_off_is_the_window_alo
     assert [row["variant"] for row in rows] == list(paths.VARIANTS)
     assert all(set(row["scores"]) == {"256"} and 0 <= row["scores"]["256"] <= 1 for row in rows)
     assert "| tiny | [" in (out / "passkey_paths.md").read_text()
+    paths.main(["--runs", f"tiny={run}", "--lengths", "256", "--variants", "as saved", "--out", str(out)])
+    assert [row["variant"] for row in json.loads((out / "passkey_paths.json").read_text())["rows"]] == [
+        "as saved"
+    ]
 
     student, _, plan = load_converted(run / "model")
     teacher = load_teacher(tiny[0]).model
