@@ -8,6 +8,9 @@ import itertools
 
 import torch
 
+from dofla import ops
+from dofla.ops import HybridInputs, HybridOptions, WindowInputs, WindowOptions
+
 
 def by_keywords(form, inputs_type, options_type=None):
     """``form`` (an op form taking its bundles) called as the op tests write their cases: the leading
@@ -29,6 +32,15 @@ def by_keywords(form, inputs_type, options_type=None):
         return form(inputs, options_type(**taken(options_type, keywords)), **keywords)
 
     return call
+
+
+# the window and hybrid forms called with keywords, as the op tests write their cases
+chunked_hybrid_attention = by_keywords(ops.chunked_hybrid_attention, HybridInputs, HybridOptions)
+chunked_window_attention = by_keywords(ops.chunked_window_attention, WindowInputs, WindowOptions)
+hybrid_attention = by_keywords(ops.hybrid_attention, HybridInputs, HybridOptions)
+recurrent_hybrid_attention = by_keywords(ops.recurrent_hybrid_attention, HybridInputs, HybridOptions)
+recurrent_window_attention = by_keywords(ops.recurrent_window_attention, WindowInputs, WindowOptions)
+window_attention = by_keywords(ops.window_attention, WindowInputs, WindowOptions)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor, floor: float = 1e-2) -> float:

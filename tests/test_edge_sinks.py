@@ -16,14 +16,18 @@ from ops_helpers import (
     HYBRID_NAMES,
     assert_matches_reference,
     brute_force_window,
-    by_keywords,
+    chunked_hybrid_attention,
+    chunked_window_attention,
+    hybrid_attention,
     make_inputs,
     random_key_mask,
+    recurrent_hybrid_attention,
+    recurrent_window_attention,
     split,
+    window_attention,
 )
 from test_position_period import decode_logits, record_decode_steps, rotate, tokens
 
-from dofla import ops
 from dofla.config import ConversionPlan
 from dofla.convert import convert, plan_for, set_sinks_at_edge
 from dofla.errors import DoflaError
@@ -31,25 +35,10 @@ from dofla.evaluation.window_baseline import window_restricted
 from dofla.loading import load_converted
 from dofla.models import build_tiny_model
 from dofla.models.surgery import students
-from dofla.ops import (
-    HybridInputs,
-    HybridOptions,
-    WindowInputs,
-    WindowOptions,
-)
 from dofla.ops.hybrid.step import hybrid_decode_step
 from dofla.ops.state import WindowState
 from dofla.ops.window.step import ring_window, ring_window_step
 from dofla.saving import save_converted
-
-# the forms called with keywords, as the cases below write them
-chunked_hybrid_attention = by_keywords(ops.chunked_hybrid_attention, HybridInputs, HybridOptions)
-chunked_window_attention = by_keywords(ops.chunked_window_attention, WindowInputs, WindowOptions)
-hybrid_attention = by_keywords(ops.hybrid_attention, HybridInputs, HybridOptions)
-recurrent_hybrid_attention = by_keywords(ops.recurrent_hybrid_attention, HybridInputs, HybridOptions)
-recurrent_window_attention = by_keywords(ops.recurrent_window_attention, WindowInputs, WindowOptions)
-window_attention = by_keywords(ops.window_attention, WindowInputs, WindowOptions)
-
 
 WINDOW_NAMES = ("query", "key", "v", "sink_query")
 EDGE_HYBRID_NAMES = (*HYBRID_NAMES, "sink_query")

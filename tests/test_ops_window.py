@@ -13,34 +13,26 @@ from ops_helpers import (
     assert_matches_reference,
     brute_force_window,
     brute_force_window_lse,
-    by_keywords,
+    chunked_hybrid_attention,
+    chunked_window_attention,
     first,
+    hybrid_attention,
     make_inputs,
     padded_copy,
     random_key_mask,
+    recurrent_hybrid_attention,
+    recurrent_window_attention,
     relative_error,
     split,
     weighted_gradients,
+    window_attention,
 )
 
-from dofla import ops
 from dofla.errors import DoflaError
 from dofla.ops import (
-    HybridInputs,
-    HybridOptions,
-    WindowInputs,
-    WindowOptions,
     WindowState,
     empty_hybrid_state,
 )
-
-# the forms called with keywords, as the cases below write them
-chunked_hybrid_attention = by_keywords(ops.chunked_hybrid_attention, HybridInputs, HybridOptions)
-chunked_window_attention = by_keywords(ops.chunked_window_attention, WindowInputs, WindowOptions)
-hybrid_attention = by_keywords(ops.hybrid_attention, HybridInputs, HybridOptions)
-recurrent_hybrid_attention = by_keywords(ops.recurrent_hybrid_attention, HybridInputs, HybridOptions)
-recurrent_window_attention = by_keywords(ops.recurrent_window_attention, WindowInputs, WindowOptions)
-window_attention = by_keywords(ops.window_attention, WindowInputs, WindowOptions)
 
 
 @pytest.mark.parametrize("sinks", [0, 3])
