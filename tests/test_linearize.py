@@ -415,6 +415,20 @@ def test_long_context_recipe_evaluates_every_length_beside_the_window_baselines(
     assert "window 64" not in report and "window 4 + 4 sinks" in report.replace("`", "")
 
 
+def recall_budgets_at_training(monkeypatch) -> list[int]:
+    """The list that the attention-transfer stage, when it starts, fills with each student's recall budget."""
+    from dofla import pipeline
+
+    trained_with, distill_stage = [], pipeline.distill_stage
+
+    def recording(config, model, *args):
+        trained_with.extend(student.recall_budget for student in students(model).values())
+        return distill_stage(config, model, *args)
+
+    monkeypatch.setattr(pipeline, "distill_stage", recording)
+    return trained_with
+
+
 def test_the_recall_cache_is_switched_on_after_training_evaluated_and_saved(tmp_path, monkeypatch):
     """--recall-cache K: the gated-delta hybrid trains without the cache, then takes it (no parameters) for the
     evaluation and the saved model, which reads the true positions (no position period)."""
@@ -425,15 +439,7 @@ def test_the_recall_cache_is_switched_on_after_training_evaluated_and_saved(tmp_
         evaluate=dict(passkey_trials=0, recall=False),
         lora=dict(enabled=False),
     )
-    from dofla import pipeline
-
-    trained_with, distill_stage = [], pipeline.distill_stage
-
-    def recording(config, model, *args):
-        trained_with.extend(student.recall_budget for student in students(model).values())
-        return distill_stage(config, model, *args)
-
-    monkeypatch.setattr(pipeline, "distill_stage", recording)
+    trained_with = recall_budgets_at_training(monkeypatch)
     result = linearize(config(tmp_path, **settings), teacher=tiny_teacher(), sequences=sequences())
     assert trained_with == [0, 0]  # trained without the cache
     model, _, plan = load_converted(result.out_dir)
@@ -456,15 +462,7 @@ def test_a_recall_cache_trained_in_the_loop_reads_true_positions_to_the_end(tmp_
         evaluate=dict(passkey_trials=0, recall=False),
         lora=dict(enabled=False),
     )
-    from dofla import pipeline
-
-    trained_with, distill_stage = [], pipeline.distill_stage
-
-    def recording(config, model, *args):
-        trained_with.extend(student.recall_budget for student in students(model).values())
-        return distill_stage(config, model, *args)
-
-    monkeypatch.setattr(pipeline, "distill_stage", recording)
+    trained_with = recall_budgets_at_training(monkeypatch)
     result = linearize(config(tmp_path / "run", **settings), teacher=tiny_teacher(), sequences=sequences())
     assert trained_with == [3, 3]
     _, _, plan = load_converted(result.out_dir)
