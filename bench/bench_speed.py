@@ -116,6 +116,9 @@ STUDENTS = {
     "gla recipe": (plan_for_arguments("gla"), None),
     "gated-delta-linear recipe": (plan_for_arguments("gated-delta-linear"), None),
     "gated-delta-retrieval recipe": (plan_for_arguments("gated-delta-retrieval"), None),
+    # the demo's recipe: the gated-delta cell beside a window of 64 + 4 sinks and a recall cache of 128 tokens
+    # per head (the tokens its memory recalls worst, read in the window's softmax)
+    "gated-delta-recall recipe": (plan_for_arguments("gated-delta-recall"), None),
     "gated_delta+window (3 softmax)": (
         dict(kind="hybrid", cell="gated_delta", sinks=4, keep_softmax=3),
         None,

@@ -113,6 +113,9 @@ DECODE_CASES = [  # ..., cell options
     ("gated_delta", "hybrid", "learnable_prf", False, 10, 8, {"short_conv": 3}),
     ("gated_delta", "linear", "projection", True, 64, 0, {"short_conv": 4, "output_gate": True}),
     ("gated_delta", "hybrid", "projection", True, 3, 2, {"output_gate": True}),
+    # the recall cache: full after the prefill (a kept token gives way), and still filling
+    ("gated_delta", "hybrid", "projection", True, 3, 2, {"recall_cache": 2}),
+    ("gated_delta", "hybrid", "learnable_prf", False, 3, 2, {"recall_cache": 3, "mix": "adaptive"}),
 ]
 
 

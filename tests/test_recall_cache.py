@@ -17,6 +17,7 @@ from dofla.ops.recall_cache import (
     leaving_tokens,
     merge_softmax_parts,
     recall_cache_attention,
+    recall_cache_step,
     recall_cache_window_attention,
     recall_errors,
     recall_scores_naive,
@@ -145,6 +146,43 @@ def test_two_calls_equal_one():
     assert state[1].scores.isfinite().sum() == state[1].scores.numel()  # every slot filled by then
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_one_token_step_equals_the_chunked_form_token_by_token(tied):
+    """``recall_cache_step`` (the cells' decoding step) against ``recall_cache_attention`` on chunks of one:
+    the same outputs and the same cache, tensor for tensor, while the cache fills, when a token is not kept
+    and when one gives way; ``tied`` draws scores from three values, so ties are decided by age."""
+    inputs = draw(seed=4)
+    query, key, value = (inputs[name].detach() for name in ("query", "key", "value"))
+    *leaving, scores, _ = fast_scores(key, value, inputs["log_decay"], inputs["beta"])
+    leaving_key, leaving_value, positions = leaving
+    if tied:
+        generator = torch.Generator().manual_seed(7)
+        drawn = torch.randint(0, 3, scores.shape, generator=generator).to(scores.dtype)
+        scores = torch.where(torch.isfinite(scores), drawn, scores)
+    batch, heads, _, head_dim = query.shape
+    group = heads // key.shape[1]
+    slow = fast = RecallCache.empty(key, value, BUDGET)
+    gave_way = 0
+    for t in range(LENGTH):
+        step = slice(t, t + 1)
+        expected, expected_lse, slow = recall_cache_attention(
+            query[:, :, step], leaving_key[:, :, step], leaving_value[:, :, step], scores[:, :, step],
+            positions[step], slow, scaling=0.5, chunk_size=1,
+        )  # fmt: skip
+        token = None
+        if positions[t] >= SINKS:
+            token = (leaving_key[:, :, t], leaving_value[:, :, t], scores[:, :, t], int(positions[t]))
+        before = fast
+        queries = query[:, :, t].view(batch, -1, group, head_dim)
+        out, lse, fast = recall_cache_step(fast, queries, token, scaling=0.5)
+        torch.testing.assert_close(out.reshape(batch, heads, 1, -1), expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse.reshape(batch, heads, 1), expected_lse, rtol=1e-12, atol=1e-12)
+        for got, want in zip(fast.tensors(), slow.tensors(), strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        gave_way += int((torch.isfinite(before.scores) & ~torch.isin(before.positions, fast.positions)).sum())
+    assert gave_way > 0  # tokens were evicted, not only added
+
+
 # --- the gated-delta cell with the recall cache (dofla.cells.recall_cache) ---
 
 from helpers import assert_student_forms_agree  # noqa: E402
@@ -224,9 +262,12 @@ def test_bad_recall_budgets_are_refused(kind, options, message):
         build_student(plan, **CELL_SHAPE)
 
 
-def test_a_converted_model_with_the_recall_cache_decodes_as_it_runs_whole():
+def test_a_converted_model_with_the_recall_cache_decodes_as_it_runs_whole(monkeypatch):
+    """Token by token through the cells' decoding step (``window_step_with_recall_cache``, counted), the
+    logits of one pass over the whole sequence."""
     from transformers import DynamicCache
 
+    import dofla.cells.delta as delta_module
     from dofla.convert import convert, plan_for
     from dofla.models import build_tiny_model
 
@@ -246,6 +287,14 @@ def test_a_converted_model_with_the_recall_cache_decodes_as_it_runs_whole():
             options=options,
         ),
     )
+    steps = []
+
+    def counted(*args, **kwargs):
+        steps.append(1)
+        return step(*args, **kwargs)
+
+    step = delta_module.window_step_with_recall_cache
+    monkeypatch.setattr(delta_module, "window_step_with_recall_cache", counted)
     with torch.no_grad():
         full = model(tokens).logits
         cache = DynamicCache(config=model.config)
@@ -255,6 +304,7 @@ def test_a_converted_model_with_the_recall_cache_decodes_as_it_runs_whole():
                 model(tokens[:, position : position + 1], past_key_values=cache, use_cache=True).logits
             )
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
+    assert len(steps) == 2 * (tokens.shape[1] - 11)  # every layer, every decoded token
 
 
 def tiny_hybrid(recall_cache=0):

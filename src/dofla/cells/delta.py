@@ -38,7 +38,12 @@ from torch import Tensor, nn
 from dofla.attention import LinearAttention
 from dofla.cell_inputs import AttendInputs, StepInputs
 from dofla.cells.gated import DEFAULT_DECAY_MEMORY, TokenGate, initial_gate_logits
-from dofla.cells.recall_cache import check_recall_call, recall_budget, window_with_recall_cache
+from dofla.cells.recall_cache import (
+    check_recall_call,
+    recall_budget,
+    window_step_with_recall_cache,
+    window_with_recall_cache,
+)
 from dofla.cells.registry import register_cell
 from dofla.cells.window import takes_window_step, window_part
 from dofla.derived import DerivedTensor
@@ -331,8 +336,8 @@ class GatedDeltaAttention(LinearAttention):
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
         if self.kind == "hybrid" and not isinstance(state, DeltaHybridState):
             return None
-        if self.recall_budget:  # the recall cache steps through the recurrent form
-            return None
+        if self.recall_budget and (step.slot is not None or not isinstance(state.recall, RecallCache)):
+            return None  # frozen decoding steps (dofla.graph_decode) and a state without the cache: the general forms
         tail = None
         if isinstance(memory_state, ConvDeltaState):
             memory_state, tail = memory_state.memory, memory_state.tail
@@ -363,15 +368,23 @@ class GatedDeltaAttention(LinearAttention):
             values,
         )
         ring_options = dict(scaling=step.scaling, slot=step.slot, **self.step_sinks(query, step.edge))
-        if self.adaptive_mix:
+        recall = None
+        if self.recall_budget:  # the window's softmax over the recall cache too (dofla.cells.recall_cache)
+            window, lse, ring, recall = window_step_with_recall_cache(
+                self, ring_inputs, updated.kv, state.recall, **ring_options
+            )
+        elif self.adaptive_mix:
             window, lse, ring = ring_window_step(*ring_inputs, return_lse=True, **ring_options)
+        else:
+            window, ring = ring_window_step(*ring_inputs, **ring_options)  # (B, Hs, G, Dv)
+        if self.adaptive_mix:
             logits = self.window_share_logits(lse.reshape(batch, -1, 1), values[:, :, None])  # (B, H, 1)
             gamma = torch.sigmoid(logits).view(batch, heads, group, 1)
         else:
-            window, ring = ring_window_step(*ring_inputs, **ring_options)  # (B, Hs, G, Dv)
             gamma = self.step_window_factor()
-        output = torch.lerp(output, window, gamma)
-        return output.view(batch, 1, self.num_heads, -1), DeltaHybridState(window=ring, delta=new_memory)
+        output = torch.lerp(output, window.to(output.dtype), gamma)
+        new_state = DeltaHybridState(window=ring, delta=new_memory, recall=recall)
+        return output.view(batch, 1, self.num_heads, -1), new_state
 
     def step_weights(self, dtype: torch.dtype) -> DeltaStepWeights:
         """The weights of ``gated_delta_step`` in ``dtype`` (the gates in at least float32), kept between

@@ -25,10 +25,12 @@ from dofla.ops.recall_cache import (
     leaving_tokens,
     merge_softmax_parts,
     recall_cache_attention,
+    recall_cache_step,
     recall_cache_window_attention,
     recall_errors,
     recall_scores_naive,
 )
+from dofla.ops.window.step import RingWindow, ring_window_step
 
 
 def recall_budget(cell, options: dict) -> int:
@@ -197,3 +199,31 @@ def window_with_recall_cache(
     )
     out, lse = merge_softmax_parts(window.to(kept.dtype), window_lse.to(kept.dtype), kept, kept_lse)
     return out, lse, new_window, cache
+
+
+def window_step_with_recall_cache(
+    cell, ring_inputs: tuple, memory: Tensor, cache: RecallCache, **ring_options
+) -> tuple[Tensor, Tensor, RingWindow, RecallCache]:
+    """One decoding token of :func:`window_with_recall_cache`: ring_inputs the window's ring step's (the ring
+    before the token, queries (B, Hs, G, D), key (B, Hs, D), values (B, Hs, Dv)), memory (B, Hs, K, Dv) the
+    memory after the token, cache the recall cache before it. The token leaving the window (the ring's next
+    slot, before the step writes over it) is scored by the memory's recall of it, as the chunked form
+    scores it. Returns out (B, Hs, G, Dv) and lse (B, Hs, G) of one softmax over window, sinks and cache,
+    the ring and the cache after the token."""
+    ring, queries = ring_inputs[0], ring_inputs[1]
+    position = ring.num_tokens - cell.window  # the token the query no longer sees in the window
+    leaving = None
+    if position >= cell.sinks:  # none before the window is full; sinks never leave
+        slot = ring.next_slot
+        key = ring.keys[:, :, slot].clone()  # the ring step writes over the slot in place
+        value = ring.values[:, :, slot, : ring.value_dim].clone()
+        with torch.no_grad():  # the score only selects
+            features, _ = cell.feature_map(key[:, :, None], is_query=False)
+            reads = F.normalize(features, dim=-1).to(memory.dtype)  # (B, Hs, 1, K)
+            valid = torch.ones(1, dtype=torch.bool, device=key.device)
+            score = recall_errors(reads @ memory, value[:, :, None], valid)[:, :, 0]  # (B, Hs)
+        leaving = (key, value, score, position)
+    window, window_lse, ring = ring_window_step(*ring_inputs, return_lse=True, **ring_options)
+    kept, kept_lse, cache = recall_cache_step(cache, queries, leaving, scaling=ring_options["scaling"])
+    out, lse = merge_softmax_parts(window.to(kept.dtype), window_lse.to(kept.dtype), kept, kept_lse)
+    return out, lse, ring, cache

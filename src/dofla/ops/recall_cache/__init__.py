@@ -10,7 +10,8 @@ merged by their log-sum-exps, which is one softmax over both key sets. Per token
 the context: ``budget`` keys read and one more memory read (the leaving token's recall).
 
 ``naive`` (references, tests only), ``chunked`` (every form of the cells: chunks of queries carry the cache
-from one to the next; a decoding step is a chunk of one token).
+from one to the next; the recurrent form is chunks of one token), ``step`` (the cells' decoding step: one
+token in O(budget), the cache equal to the chunked form's).
 """
 
 from dofla.ops.recall_cache.chunked import (
@@ -21,12 +22,15 @@ from dofla.ops.recall_cache.chunked import (
     recall_errors,
 )
 from dofla.ops.recall_cache.naive import recall_cache_window_attention, recall_scores_naive
+from dofla.ops.recall_cache.step import insert_recall_candidate, recall_cache_step
 
 __all__ = [
     "RecallCache",
+    "insert_recall_candidate",
     "leaving_tokens",
     "merge_softmax_parts",
     "recall_cache_attention",
+    "recall_cache_step",
     "recall_cache_window_attention",
     "recall_errors",
     "recall_scores_naive",
