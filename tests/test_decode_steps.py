@@ -184,10 +184,12 @@ def test_decode_step_equals_the_recurrent_form_forward_state_and_gradients(
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.parametrize("recall_cache", [0, 2])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_adaptive_mix_decoding_without_gradients_equals_the_recurrent_form(dtype):
-    """Generation (no autograd): the ring step's softmax and log-sum-exp come from one fused kernel call;
-    token by token, against the recurrent form from the same state."""
+def test_adaptive_mix_decoding_without_gradients_equals_the_recurrent_form(dtype, recall_cache):
+    """Generation (no autograd): the ring step's softmax and log-sum-exp come from one fused kernel call
+    (with ``recall_cache``, over the window and the cache); token by token, against the recurrent form from
+    the same state."""
     from dofla.cache import RecurrentCacheLayer
 
     plan = LayerPlan(
@@ -197,7 +199,7 @@ def test_adaptive_mix_decoding_without_gradients_equals_the_recurrent_form(dtype
         feature_dim=6,
         window=3,
         sinks=2,
-        options={"mix": "adaptive"},
+        options={"mix": "adaptive", **({"recall_cache": recall_cache} if recall_cache else {})},
     )
     torch.manual_seed(0)
     student = build_student(plan, layer_index=0, num_heads=4, num_kv_heads=2, head_dim=8, scaling=8**-0.5)

@@ -14,10 +14,10 @@ from dofla.ops import (
 )
 from dofla.ops.recall_cache import (
     RecallCache,
+    insert_recall_candidate,
     leaving_tokens,
     merge_softmax_parts,
     recall_cache_attention,
-    recall_cache_step,
     recall_cache_window_attention,
     recall_errors,
     recall_scores_naive,
@@ -147,10 +147,11 @@ def test_two_calls_equal_one():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_the_one_token_step_equals_the_chunked_form_token_by_token(tied):
-    """``recall_cache_step`` (the cells' decoding step) against ``recall_cache_attention`` on chunks of one:
-    the same outputs and the same cache, tensor for tensor, while the cache fills, when a token is not kept
-    and when one gives way; ``tied`` draws scores from three values, so ties are decided by age."""
+def test_the_one_token_insertion_keeps_the_cache_of_the_chunked_form(tied):
+    """``insert_recall_candidate`` (the cells' decoding step) against ``recall_cache_attention`` on chunks of
+    one: the same cache, tensor for tensor, while it fills, when a token is not kept and when one gives
+    way; ``tied`` draws scores from three values, so ties are decided by age. (The decoding step's
+    outputs: tests/test_decode_steps.py.)"""
     inputs = draw(seed=4)
     query, key, value = (inputs[name].detach() for name in ("query", "key", "value"))
     *leaving, scores, _ = fast_scores(key, value, inputs["log_decay"], inputs["beta"])
@@ -159,28 +160,26 @@ def test_the_one_token_step_equals_the_chunked_form_token_by_token(tied):
         generator = torch.Generator().manual_seed(7)
         drawn = torch.randint(0, 3, scores.shape, generator=generator).to(scores.dtype)
         scores = torch.where(torch.isfinite(scores), drawn, scores)
-    batch, heads, _, head_dim = query.shape
-    group = heads // key.shape[1]
     slow = fast = RecallCache.empty(key, value, BUDGET)
-    gave_way = 0
+    gave_way = refused = 0
     for t in range(LENGTH):
         step = slice(t, t + 1)
-        expected, expected_lse, slow = recall_cache_attention(
+        *_, slow = recall_cache_attention(
             query[:, :, step], leaving_key[:, :, step], leaving_value[:, :, step], scores[:, :, step],
             positions[step], slow, scaling=0.5, chunk_size=1,
         )  # fmt: skip
-        token = None
-        if positions[t] >= SINKS:
-            token = (leaving_key[:, :, t], leaving_value[:, :, t], scores[:, :, t], int(positions[t]))
+        if positions[t] < SINKS:  # no token leaves: the step leaves the cache as it is
+            continue
         before = fast
-        queries = query[:, :, t].view(batch, -1, group, head_dim)
-        out, lse, fast = recall_cache_step(fast, queries, token, scaling=0.5)
-        torch.testing.assert_close(out.reshape(batch, heads, 1, -1), expected, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(lse.reshape(batch, heads, 1), expected_lse, rtol=1e-12, atol=1e-12)
+        fast = insert_recall_candidate(
+            fast, leaving_key[:, :, t], leaving_value[:, :, t], scores[:, :, t], int(positions[t])
+        )
         for got, want in zip(fast.tensors(), slow.tensors(), strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-        gave_way += int((torch.isfinite(before.scores) & ~torch.isin(before.positions, fast.positions)).sum())
-    assert gave_way > 0  # tokens were evicted, not only added
+        full = torch.isfinite(before.scores).all(-1)
+        gave_way += int((full & torch.isin(fast.positions, positions[t]).any(-1)).sum())
+        refused += int((full & ~torch.isin(fast.positions, positions[t]).any(-1)).sum())
+    assert gave_way > 0 and refused > 0  # full caches both took tokens and turned them away
 
 
 # --- the gated-delta cell with the recall cache (dofla.cells.recall_cache) ---

@@ -336,8 +336,11 @@ class GatedDeltaAttention(LinearAttention):
         memory_state = state.delta if isinstance(state, DeltaHybridState) else state
         if self.kind == "hybrid" and not isinstance(state, DeltaHybridState):
             return None
-        if self.recall_budget and (step.slot is not None or not isinstance(state.recall, RecallCache)):
-            return None  # frozen decoding steps (dofla.graph_decode) and a state without the cache: the general forms
+        sinks = self.step_sinks(query, step.edge) if self.kind == "hybrid" else {}
+        if self.recall_budget and (
+            step.slot is not None or not isinstance(state.recall, RecallCache) or "sink_queries" in sinks
+        ):  # frozen decoding steps (dofla.graph_decode), a state without the cache, sinks scored by turned
+            return None  # queries: the general forms
         tail = None
         if isinstance(memory_state, ConvDeltaState):
             memory_state, tail = memory_state.memory, memory_state.tail
@@ -367,12 +370,13 @@ class GatedDeltaAttention(LinearAttention):
             self.state_heads_view(step.key).view(batch, heads, self.head_dim),
             values,
         )
-        ring_options = dict(scaling=step.scaling, slot=step.slot, **self.step_sinks(query, step.edge))
+        ring_options = dict(scaling=step.scaling, slot=step.slot, **sinks)
         recall = None
         if self.recall_budget:  # the window's softmax over the recall cache too (dofla.cells.recall_cache)
-            window, lse, ring, recall = window_step_with_recall_cache(
-                self, ring_inputs, updated.kv, state.recall, **ring_options
+            *window, ring, recall = window_step_with_recall_cache(
+                self, ring_inputs, updated.kv, state.recall, return_lse=self.adaptive_mix, **ring_options
             )
+            window, lse = window if self.adaptive_mix else (window[0], None)
         elif self.adaptive_mix:
             window, lse, ring = ring_window_step(*ring_inputs, return_lse=True, **ring_options)
         else:

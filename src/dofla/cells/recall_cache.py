@@ -22,15 +22,15 @@ from dofla.errors import DoflaError
 from dofla.ops import DeltaInputs, chunked_gated_delta_rule, recurrent_gated_delta_rule
 from dofla.ops.recall_cache import (
     RecallCache,
+    insert_recall_candidate,
     leaving_tokens,
     merge_softmax_parts,
     recall_cache_attention,
-    recall_cache_step,
     recall_cache_window_attention,
     recall_errors,
     recall_scores_naive,
 )
-from dofla.ops.window.step import RingWindow, ring_window_step
+from dofla.ops.window.step import ring_window_step
 
 
 def recall_budget(cell, options: dict) -> int:
@@ -202,15 +202,16 @@ def window_with_recall_cache(
 
 
 def window_step_with_recall_cache(
-    cell, ring_inputs: tuple, memory: Tensor, cache: RecallCache, **ring_options
-) -> tuple[Tensor, Tensor, RingWindow, RecallCache]:
+    cell, ring_inputs: tuple, memory: Tensor, cache: RecallCache, *, return_lse: bool = False, **ring_options
+) -> tuple:
     """One decoding token of :func:`window_with_recall_cache`: ring_inputs the window's ring step's (the ring
     before the token, queries (B, Hs, G, D), key (B, Hs, D), values (B, Hs, Dv)), memory (B, Hs, K, Dv) the
     memory after the token, cache the recall cache before it. The token leaving the window (the ring's next
     slot, before the step writes over it) is scored by the memory's recall of it, as the chunked form
-    scores it. Returns out (B, Hs, G, Dv) and lse (B, Hs, G) of one softmax over window, sinks and cache,
-    the ring and the cache after the token."""
-    ring, queries = ring_inputs[0], ring_inputs[1]
+    scores it, and joins the cache (``insert_recall_candidate``). Returns out (B, Hs, G, Dv) of one softmax
+    over window, sinks and cache (with ``return_lse`` then its log-sum-exp (B, Hs, G)), the ring and the
+    cache after the token. Sinks seen from the window's edge only as turned keys (``sink_key_turn``)."""
+    ring = ring_inputs[0]
     position = ring.num_tokens - cell.window  # the token the query no longer sees in the window
     leaving = None
     if position >= cell.sinks:  # none before the window is full; sinks never leave
@@ -223,7 +224,8 @@ def window_step_with_recall_cache(
             valid = torch.ones(1, dtype=torch.bool, device=key.device)
             score = recall_errors(reads @ memory, value[:, :, None], valid)[:, :, 0]  # (B, Hs)
         leaving = (key, value, score, position)
-    window, window_lse, ring = ring_window_step(*ring_inputs, return_lse=True, **ring_options)
-    kept, kept_lse, cache = recall_cache_step(cache, queries, leaving, scaling=ring_options["scaling"])
-    out, lse = merge_softmax_parts(window.to(kept.dtype), window_lse.to(kept.dtype), kept, kept_lse)
-    return out, lse, ring, cache
+    if leaving is not None:
+        cache = insert_recall_candidate(cache, *leaving)
+    extra = (cache.keys, cache.values, torch.isfinite(cache.scores))  # read in the window's own softmax
+    window = ring_window_step(*ring_inputs, return_lse=return_lse, extra=extra, **ring_options)
+    return (*window, cache)

@@ -11,7 +11,7 @@ the context: ``budget`` keys read and one more memory read (the leaving token's 
 
 ``naive`` (references, tests only), ``chunked`` (every form of the cells: chunks of queries carry the cache
 from one to the next; the recurrent form is chunks of one token), ``step`` (the cells' decoding step: one
-token in O(budget), the cache equal to the chunked form's).
+token joins the cache in O(budget), the cache equal to the chunked form's).
 """
 
 from dofla.ops.recall_cache.chunked import (
@@ -22,7 +22,7 @@ from dofla.ops.recall_cache.chunked import (
     recall_errors,
 )
 from dofla.ops.recall_cache.naive import recall_cache_window_attention, recall_scores_naive
-from dofla.ops.recall_cache.step import insert_recall_candidate, recall_cache_step
+from dofla.ops.recall_cache.step import insert_recall_candidate
 
 __all__ = [
     "RecallCache",
@@ -30,7 +30,6 @@ __all__ = [
     "leaving_tokens",
     "merge_softmax_parts",
     "recall_cache_attention",
-    "recall_cache_step",
     "recall_cache_window_attention",
     "recall_errors",
     "recall_scores_naive",

@@ -1,11 +1,12 @@
-"""The recall cache's decoding step: one token in O(budget) small operators.
+"""The recall cache's decoding step: one token's candidate joins the cache in O(budget) small operators.
 
 The chunked form (``recall_cache_attention``) decodes a token as a chunk of one: it ranks every candidate
 against every other, (budget + 1)^2 comparisons and some thirty operators per layer. One new candidate
 needs less: it is kept exactly when its score is above the lowest kept one (a tie goes to the older token,
 already kept), and then the lowest (the newest of those tied lowest) leaves. The slots come out in the
 chunked form's order (the kept ones in candidate order, then the empty ones), so the two forms' caches are
-equal tensor for tensor.
+equal tensor for tensor. The cells' decoding step reads the cache in the window's own fused softmax
+(``dofla.ops.window.step.ring_window_step``'s ``extra`` keys).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dofla.ops._checks import compute_dtype
-from dofla.ops.recall_cache.chunked import EMPTY_POSITION, RecallCache, masked_softmax_read
+from dofla.ops.recall_cache.chunked import EMPTY_POSITION, RecallCache
 
 
 def insert_recall_candidate(
@@ -47,24 +47,3 @@ def insert_recall_candidate(
         scores=joined(scores, score).masked_fill(~kept, float("-inf")),
         positions=joined(cache.positions, new_position).masked_fill(~kept, EMPTY_POSITION),
     )
-
-
-def recall_cache_step(
-    cache: RecallCache,
-    queries: Tensor,
-    leaving: tuple[Tensor, Tensor, Tensor, int] | None,
-    *,
-    scaling: float,
-) -> tuple[Tensor, Tensor, RecallCache]:
-    """One token of ``recall_cache_attention``: queries (B, Hs, G, D); ``leaving`` the token that leaves the
-    window at this step as (key (B, Hs, D), value (B, Hs, Dv), recall error (B, Hs), position), None where
-    none does. Returns the cache part of the window's softmax, out (B, Hs, G, Dv) and log-sum-exp
-    (B, Hs, G) (0 and -inf while the cache is empty), in the compute dtype, and the cache after the token.
-    No soft-capping (the cells' steps take none)."""
-    if leaving is not None:
-        cache = insert_recall_candidate(cache, *leaving)
-    dtype = compute_dtype(queries, cache.keys, cache.values)
-    logits = scaling * (queries.to(dtype) @ cache.keys.to(dtype).transpose(-1, -2))  # (B, Hs, G, K)
-    visible = torch.isfinite(cache.scores)[:, :, None, :]
-    out, lse = masked_softmax_read(logits, visible, cache.values.to(dtype))
-    return out, lse, cache

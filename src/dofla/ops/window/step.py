@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dofla.errors import DoflaError
 from dofla.ops.state import BatchedState, WindowState
 from dofla.ops.window.chunked import takes_fused_lse
 
@@ -179,12 +180,14 @@ def window_scores(
     scaling: float,
     sink_queries: Tensor | None = None,
     keys: Tensor | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """queries (B, Hk, G, D) -> scaling * q.k + bias (B * Hk, G, S + W) over every slot, in one operator;
-    with ``sink_queries`` (B, Hk, G, D) the sink slots' scores from those (one more, and a copy). ``keys``:
-    the slots' keys (default the ring's, see ``sink_seen_keys``)."""
+    with ``sink_queries`` (B, Hk, G, D) the sink slots' scores from those (one more, and a copy). ``keys``
+    and ``bias``: the slots' keys and score bias (default the ring's, see ``sink_seen_keys``), which may go
+    on past the ring's slots."""
     keys = (ring.keys if keys is None else keys).flatten(0, 1)  # (B * Hk, S + W, D)
-    bias = ring.bias.flatten(0, 1)  # (B * Hk, 1, S + W)
+    bias = (ring.bias if bias is None else bias).flatten(0, 1)  # (B * Hk, 1, S + W)
     scores = torch.baddbmm(bias, queries.flatten(0, 1), keys.transpose(1, 2), alpha=scaling)
     sinks = ring.sinks
     if sink_queries is None or not sinks:
@@ -206,6 +209,7 @@ def ring_window_step(
     sink_queries: Tensor | None = None,
     sink_key_turn=None,
     slot: Tensor | None = None,
+    extra: tuple[Tensor, Tensor, Tensor] | None = None,
 ):
     """One present token of ``recurrent_window_attention`` (sinks included, no soft-capping): queries
     (B, Hk, G, D), key (B, Hk, D), value (B, Hk, Dv), in the ring's dtype, sink_queries (B, Hk, G, D) the
@@ -213,7 +217,9 @@ def ring_window_step(
     same buffers, updated in place without autograd); with ``return_lse`` (out, lse, ring), lse (B, Hk, G)
     the log-sum-exp of the queries' softmax scores. ``sink_key_turn`` instead of ``sink_queries``: the sinks
     scored by the queries against their keys turned by it (``sink_seen_keys``), in the fused softmax.
-    ``slot``: a frozen ring's next slot (see ``write_key``), moved on in place."""
+    ``slot``: a frozen ring's next slot (see ``write_key``), moved on in place. ``extra``: more keys the
+    same softmax reads beside the window's, (keys (B, Hk, N, D), values (B, Hk, N, Dv), visible (B, Hk, N)
+    bool), e.g. a recall cache's (``dofla.cells.recall_cache``); not with ``sink_queries``."""
     ring = owned_state(ring, ring.keys)
     write_key(ring, key, value, slot)
     if slot is None:
@@ -221,20 +227,28 @@ def ring_window_step(
     else:
         advance_slot(slot, ring)
     own_sink_scores = sink_queries is not None and ring.sinks > 0
-    keys = sink_seen_keys(ring, sink_key_turn)
+    keys, values, bias = sink_seen_keys(ring, sink_key_turn), ring.values, ring.bias
+    if extra is not None:
+        if own_sink_scores:
+            raise DoflaError("a ring step reads extra keys only with its sinks scored by the queries.")
+        extra_keys, extra_values, visible = extra
+        width = values.shape[-1] - extra_values.shape[-1]  # the hybrid's column of ones, if any
+        keys = torch.cat([keys, extra_keys.to(keys.dtype)], dim=2)
+        values = torch.cat([values, F.pad(extra_values.to(values.dtype), (0, width), value=1.0)], dim=2)
+        bias = torch.cat([bias, visible_bias(visible, bias.dtype)], dim=-1)
     if not return_lse and not own_sink_scores:
         # one fused softmax over all slots; the new key is visible (in the window or as a sink)
-        out = F.scaled_dot_product_attention(queries, keys, ring.values, attn_mask=ring.bias, scale=scaling)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias, scale=scaling)
         return out, ring
-    fused = not own_sink_scores and takes_fused_lse(queries, keys, ring.values)
+    fused = not own_sink_scores and takes_fused_lse(queries, keys, values)
     if fused:  # generation: the fused kernel gives both
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            queries, keys, ring.values, attn_mask=ring.bias, scale=scaling
+            queries, keys, values, attn_mask=bias, scale=scaling
         )
         return out, lse, ring
-    scores = window_scores(ring, queries, scaling, sink_queries, keys)  # (B * Hk, G, S + W)
+    scores = window_scores(ring, queries, scaling, sink_queries, keys, bias)  # (B * Hk, G, S + W [+ N])
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # finite: the new key is visible
-    out = torch.bmm(torch.exp(scores - lse), ring.values.flatten(0, 1)).view(*queries.shape[:3], -1)
+    out = torch.bmm(torch.exp(scores - lse), values.flatten(0, 1)).view(*queries.shape[:3], -1)
     return (out, lse.view(queries.shape[:3]), ring) if return_lse else (out, ring)
 
 
