@@ -185,5 +185,11 @@ def test_the_portable_recipe_trains_every_layer_as_the_cell_and_its_result_expor
     saved = json.loads((tmp_path / "run" / "result.json").read_text())["config"]
     assert saved["student"]["cell"] == "gated_delta_net" and saved["plan"]["kind"] == "linear"
     assert saved["lora"]["train_students"] is True
+    # the cell reads no rotary positions and has no feature map: no position period, none in the plan table
+    from dofla.loading import load_converted
+
+    assert load_converted(result.out_dir)[2].position_period is None
+    assert all(row["feature_map"] == "" and not row["feature_dim"] for row in result.plan_table)
+    assert "modulo" not in result.report_path.read_text()
     exported = export_folder(result.out_dir, tmp_path / "exported")
     assert json.loads((exported / "config.json").read_text())["layer_types"] == ["linear_attention"] * 2

@@ -49,19 +49,25 @@ class Evaluation:
 
 def plan_table(plan) -> list[dict]:
     """One row per layer of a :class:`~dofla.config.ConversionPlan`: kind, feature map, dimensions, and what
-    the plan does with the layer and why (``attention``)."""
+    the plan does with the layer and why (``attention``). Layers without a feature map (kept softmax, and
+    cells with their own projections such as ``gated_delta_net``) show none."""
+    from dofla.cells.registry import cell_class
+
     reasons = plan.layer_reasons()
-    return [
-        dict(
-            layer=index,
-            kind=layer.kind,
-            attention=reasons[index],
-            feature_map=layer.feature_map if layer.kind != "softmax" else "",
-            feature_dim=layer.feature_dim if layer.kind != "softmax" else 0,
-            head_feature_dims=layer.head_feature_dims,
+    rows = []
+    for index, layer in enumerate(plan.layers):
+        featured = layer.kind != "softmax" and cell_class(layer.cell).uses_features
+        rows.append(
+            dict(
+                layer=index,
+                kind=layer.kind,
+                attention=reasons[index],
+                feature_map=layer.feature_map if featured else "",
+                feature_dim=layer.feature_dim if featured else 0,
+                head_feature_dims=layer.head_feature_dims if featured else None,
+            )
         )
-        for index, layer in enumerate(plan.layers)
-    ]
+    return rows
 
 
 def run_summary(
@@ -279,7 +285,7 @@ def _plan_lines(result: LinearizeResult, summary: dict, config: LinearizeConfig)
         error = errors.get(str(row["layer"]), {}).get("relative_error")
         lines.append(
             f"| {row['layer']} | {row['kind']} | {row.get('attention', '')} | {row['feature_map']} | "
-            f"{row['feature_dim']} | "
+            f"{row['feature_dim'] or ''} | "
             f"{row['head_feature_dims'] or ''} | {'' if loss is None else f'{loss:.4g}'} | "
             f"{'' if error is None else f'{error:.4f}'} |"
         )

@@ -50,9 +50,14 @@ def apply_position_period(config: LinearizeConfig, model) -> None:
     with fixed frequencies (measured at 8 times the training length: it removed the pure-linear student's
     collapse and gained 5% for the constant-memory hybrid, 1% beside kept softmax layers); none where the
     recall cache is on (``student.recall_cache`` after training or the cell option ``recall_cache`` during it: it
-    reads the true positions)."""
+    reads the true positions), and where no converted layer reads rotary positions (windows alone, cells
+    with their own projections such as ``gated_delta_net``)."""
+    from dofla.models.surgery import students
+
     period = config.plan.position_period
     if period is None and (config.student.recall_cache or config.student.cell_options.get("recall_cache")):
+        return
+    if period is None and not any(student.uses_features for student in students(model).values()):
         return
     if period is None:
         if fixed_rotary_frequencies(model) is None:  # none, several or length-dependent: true positions
