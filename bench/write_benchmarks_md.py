@@ -88,6 +88,15 @@ LATEST = [
         (DECODE_B8,),
     ),
     Benchmark(
+        "Generation with the recall cache: the demo's recipe against the teacher (CPU)",
+        "bench/results/generation_recall_recipe.md",
+        "`python bench/bench_generation.py --recipe gated-delta-recall --contexts 4096,16384 --new-tokens 32`: "
+        "the `gated-delta-recall` recipe's student (window 64 + 4 sinks, recall cache of 128 tokens per head, "
+        "untrained weights: speed does not depend on them) decoding through `generate()`, the teacher in the "
+        "same run. The cache's one-token step (`dofla.ops.recall_cache.step`) against the recurrent form it "
+        "replaced is in the file.",
+    ),
+    Benchmark(
         "What a layer-wise allocation costs a layer: 32 and 96 features against 64 (one layer, CPU, 1 thread)",
         "bench/results/layer_allocation.md",
         "`python bench/bench_layer_step.py --cells ... --window 128 --allocation 32,96` (eager decode; prefill "
