@@ -221,10 +221,11 @@ def test_a_window_only_plan_skips_attention_transfer_and_trains_its_lora_stage(t
 
 
 def test_lora_baseline_is_reported_and_leaves_the_student_unchanged(tmp_path):
-    changes = dict(recipe="lolcats", lora=dict(tokens=4 * LENGTH * 4))
-    plain = linearize(config(tmp_path / "a", **changes), teacher=tiny_teacher(), sequences=sequences())
+    changes = dict(recipe="lolcats", lora=dict(tokens=4 * LENGTH * 4), evaluate=dict(lengths=[2 * LENGTH]))
+    rows = torch.randint(0, VOCAB, (24, 2 * LENGTH), generator=torch.Generator().manual_seed(0))
+    plain = linearize(config(tmp_path / "a", **changes), teacher=tiny_teacher(), sequences=rows)
     with_baseline = merge(changes, dict(lora=dict(baseline=True)))
-    result = linearize(config(tmp_path / "b", **with_baseline), teacher=tiny_teacher(), sequences=sequences())
+    result = linearize(config(tmp_path / "b", **with_baseline), teacher=tiny_teacher(), sequences=rows)
     summary = json.loads((tmp_path / "b" / "run" / "result.json").read_text())
     # the baseline trains on a restored copy: the student comes out exactly as without it
     assert result.student_ppl == pytest.approx(plain.student_ppl, rel=1e-6)
@@ -235,6 +236,13 @@ def test_lora_baseline_is_reported_and_leaves_the_student_unchanged(tmp_path):
         and baseline != pytest.approx(result.teacher_ppl, rel=1e-4)
     )
     assert f"| teacher + the same LoRA stage | {baseline:.3f} |" in result.report_path.read_text()
+    # measured at every held-out length, the training length's as above
+    by_length = summary["lora_teacher_by_length"]
+    assert set(by_length) == {str(LENGTH), str(2 * LENGTH)} and by_length[str(LENGTH)] == baseline
+    assert (
+        f"{2 * LENGTH} tokens {by_length[str(2 * LENGTH)]:.3f}, student / it"
+        in result.report_path.read_text()
+    )
 
 
 def test_lora_baseline_trains_the_teachers_adapters_when_the_students_train_end_to_end(tmp_path):

@@ -121,7 +121,7 @@ def run_stages(
     timings.lap("data")
     baseline_ppl = None
     if config.lora.enabled and config.lora.baseline and rank == 0:
-        baseline_ppl = lora_adapted_teacher_perplexity(teacher, lora_train, data.heldout, config)
+        baseline_ppl = lora_adapted_perplexities(teacher, lora_train, data.heldout_by_length, config)
         timings.lap("LoRA baseline (teacher)")
     plan = shared_plan(config, teacher, data.train)
     plan.sinks_at_edge = resolve_sinks_at_edge(
@@ -183,7 +183,7 @@ def write_results(
     history: list[dict],
     timings: dict[str, float],
     converted_layers: list[int],
-    baseline_ppl: float | None,
+    baseline_ppl: dict[int, float] | None,
     processes: int,
 ) -> LinearizeResult:
     """The run's :class:`LinearizeResult`, and its plan.json, result.json, plots and report.md."""
@@ -198,7 +198,7 @@ def write_results(
         timings=timings,
         data_source=data.source,
         train_tokens=distilled.tokens,
-        lora_teacher_ppl=baseline_ppl,
+        lora_teacher_ppl=None if baseline_ppl is None else baseline_ppl[config.data.seq_len],
     )
     summary = report.run_summary(
         config,
@@ -365,14 +365,16 @@ def perplexity(model, sequences: torch.Tensor, batch_size: int = 4) -> float:
     return float(measure(model, sequences, batch_size=batch_size)["perplexity"])
 
 
-def lora_adapted_teacher_perplexity(
-    teacher, train: torch.Tensor, heldout: torch.Tensor, config: LinearizeConfig
-) -> float:
-    """Held-out perplexity of the unconverted teacher after the same LoRA stage as the student's.
+def lora_adapted_perplexities(
+    teacher, train: torch.Tensor, heldout_by_length: dict[int, torch.Tensor], config: LinearizeConfig
+) -> dict[int, float]:
+    """Held-out perplexity at every length of ``teacher`` after the same LoRA stage as the student's.
 
     The LoRA stage also fits the training text's domain; this is the reference that separates that
-    from recovering what the attention change lost. The teacher has no converted layers, so only the
-    adapters train (``lora.train_students`` does not apply). Its weights are restored afterwards.
+    from recovering what the attention change lost. ``teacher``: the unconverted teacher, or a baseline
+    made from it (e.g. its softmax cut to a window: ``experiments/lora_baselines_at_length.py``); its
+    converted layers, if any, do not train (``lora.train_students`` does not apply), only the adapters.
+    Its weights are restored afterwards.
     """
     from dofla.distill.lora import train_lora
 
@@ -381,7 +383,10 @@ def lora_adapted_teacher_perplexity(
     flags = {name: parameter.requires_grad for name, parameter in teacher.named_parameters()}
     try:
         adapted, _ = train_lora(teacher, train, config)
-        return perplexity(adapted, heldout, config.distill.batch_size)
+        return {
+            length: perplexity(adapted, rows, config.distill.batch_size)
+            for length, rows in sorted(heldout_by_length.items())
+        }
     finally:
         teacher.load_state_dict(saved)
         for name, parameter in teacher.named_parameters():

@@ -79,7 +79,7 @@ def run_summary(
     converted_layers: list[int],
     table: list[dict],
     timings: dict[str, float],
-    lora_teacher_ppl: float | None,
+    lora_teacher_ppl: dict[int, float] | None,
     processes: int = 1,
     position_period: int | None = None,
     sinks_at_edge: bool = False,
@@ -90,7 +90,10 @@ def run_summary(
         config=config.to_dict(),
         teacher_ppl=evaluation.teacher_ppl,
         student_ppl=evaluation.student_ppl,
-        lora_teacher_ppl=lora_teacher_ppl,
+        lora_teacher_ppl=None if lora_teacher_ppl is None else lora_teacher_ppl[config.data.seq_len],
+        lora_teacher_by_length=(
+            None if lora_teacher_ppl is None else {str(k): v for k, v in sorted(lora_teacher_ppl.items())}
+        ),
         long_context=evaluation.quality,
         skipped_lengths=data.skipped_lengths,
         passkey=evaluation.passkeys,
@@ -229,11 +232,26 @@ def _perplexity_lines(result: LinearizeResult, summary: dict, config: LinearizeC
         "",
         f"At the training length ({config.data.seq_len} tokens). The table below gives every length, by position"
         + (f"; {skipped} were asked for but the data was too short for them." if skipped else "."),
+        *_lora_baseline_lines(summary),
         "",
         long_context_markdown(summary["long_context"], plot="loss_by_position.png").rstrip(),
         *(["", passkey_markdown(summary["passkey"]).rstrip()] if summary.get("passkey") else []),
         *(["", recall_markdown(summary["recall"]).rstrip()] if summary.get("recall") else []),
     ]
+
+
+def _lora_baseline_lines(summary: dict) -> list[str]:
+    """The teacher after the same LoRA stage at every held-out length beside the student (none without it)."""
+    by_length = summary.get("lora_teacher_by_length") or {}
+    lengths = summary.get("long_context", {}).get("by_length", {})
+    if len(by_length) < 2:
+        return []
+    parts = []
+    for length, ppl in by_length.items():
+        student = lengths.get(length, {}).get("models", {}).get("student", {}).get("perplexity")
+        ratio = f", student / it {student / ppl:.3f}" if student and ppl else ""
+        parts.append(f"{length} tokens {ppl:.3f}{ratio}")
+    return ["", "The teacher after the same LoRA stage, at every held-out length: " + "; ".join(parts) + "."]
 
 
 def _plan_lines(result: LinearizeResult, summary: dict, config: LinearizeConfig) -> list[str]:
