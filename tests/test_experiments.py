@@ -401,3 +401,21 @@ def test_gated_delta_net_init_measures_each_setting_against_the_teacher(tiny, ca
     assert len(measured) == 4 + 4 + 5 + 4 + 1
     for _, _, error, cosine, at_best_gain, _ in measured:
         assert float(error) >= float(at_best_gain) - 1e-3 and -1 <= float(cosine) <= 1
+
+
+def test_lora_baselines_at_length_repeat_the_runs_teacher_baseline_and_train_streaming_llm(tiny, tmp_path):
+    run = tiny_run(tiny, tmp_path / "run", lora=dict(enabled=True, tokens=4 * 32, baseline=True))
+    experiment("lora_baselines_at_length").main(["--run", str(run), "--out", str(tmp_path / "out")])
+    measured = json.loads((tmp_path / "out" / "lora_baselines.json").read_text())
+    in_run = json.loads((run / "result.json").read_text())
+    teacher_lora = measured["perplexity"]["teacher + LoRA"]
+    # the run's own LoRA baseline, made again from its config and seed, at every length
+    assert set(teacher_lora) == {"32", "64"}
+    for length, value in in_run["lora_teacher_by_length"].items():
+        assert teacher_lora[length] == pytest.approx(value, rel=1e-5)
+    label = in_run["long_context"]["by_length"]["32"]["cache_baselines"]["streaming"]["label"]
+    streaming = in_run["long_context"]["by_length"]["32"]["models"]["streaming"]["perplexity"]
+    assert measured["untrained_streaming"] == pytest.approx(streaming, rel=1e-5)  # the run's baseline
+    trained = measured["perplexity"][f"{label} + LoRA"]
+    assert trained["32"] != pytest.approx(streaming, rel=1e-4)  # the LoRA stage changed it
+    assert "student / (teacher + LoRA)" in (tmp_path / "out" / "lora_baselines.md").read_text()
