@@ -50,3 +50,16 @@ def training_config(*, seed: int = 0, progress: bool = False, lora: dict | None 
         distill=DistillSettings(**distill),
         lora=LoraSettings(**(lora or {})),
     )
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Replace ``module.name`` for the test by a wrapper that records each call (the list returned grows by
+    one per call) and passes it on."""
+    calls, function = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import count_calls
 from ops_helpers import make_inputs, weighted_gradients
 
 from dofla.attention import LinearAttention
@@ -236,14 +237,7 @@ def test_greedy_generate_of_the_recipe_cell_takes_the_hybrid_step_and_equals_ful
     from dofla.models import build_tiny_model
     from dofla.models.tiny import TINY_VOCAB
 
-    steps = []
-
-    def counted(*args, **kwargs):
-        steps.append(1)
-        return hybrid_step(*args, **kwargs)
-
-    hybrid_step = attention_module.hybrid_decode_step
-    monkeypatch.setattr(attention_module, "hybrid_decode_step", counted)
+    steps = count_calls(monkeypatch, attention_module, "hybrid_decode_step")
     model = build_tiny_model("llama", seed=0)
     convert(
         model,

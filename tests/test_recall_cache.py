@@ -184,7 +184,7 @@ def test_the_one_token_insertion_keeps_the_cache_of_the_chunked_form(tied):
 
 # --- the gated-delta cell with the recall cache (dofla.cells.recall_cache) ---
 
-from helpers import assert_student_forms_agree  # noqa: E402
+from helpers import assert_student_forms_agree, count_calls  # noqa: E402
 
 from dofla.cache import RecurrentCacheLayer  # noqa: E402
 from dofla.cells import build_student  # noqa: E402
@@ -286,14 +286,7 @@ def test_a_converted_model_with_the_recall_cache_decodes_as_it_runs_whole(monkey
             options=options,
         ),
     )
-    steps = []
-
-    def counted(*args, **kwargs):
-        steps.append(1)
-        return step(*args, **kwargs)
-
-    step = delta_module.window_step_with_recall_cache
-    monkeypatch.setattr(delta_module, "window_step_with_recall_cache", counted)
+    steps = count_calls(monkeypatch, delta_module, "window_step_with_recall_cache")
     with torch.no_grad():
         full = model(tokens).logits
         cache = DynamicCache(config=model.config)
