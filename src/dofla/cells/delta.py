@@ -373,10 +373,9 @@ class GatedDeltaAttention(LinearAttention):
         ring_options = dict(scaling=step.scaling, slot=step.slot, **sinks)
         recall = None
         if self.recall_budget:  # the window's softmax over the recall cache too (dofla.cells.recall_cache)
-            *window, ring, recall = window_step_with_recall_cache(
+            window, lse, ring, recall = window_step_with_recall_cache(
                 self, ring_inputs, updated.kv, state.recall, return_lse=self.adaptive_mix, **ring_options
             )
-            window, lse = window if self.adaptive_mix else (window[0], None)
         elif self.adaptive_mix:
             window, lse, ring = ring_window_step(*ring_inputs, return_lse=True, **ring_options)
         else:

@@ -30,7 +30,7 @@ from dofla.ops.recall_cache import (
     recall_errors,
     recall_scores_naive,
 )
-from dofla.ops.window.step import ring_window_step
+from dofla.ops.window.step import RingWindow, ring_window_step
 
 
 def recall_budget(cell, options: dict) -> int:
@@ -203,17 +203,16 @@ def window_with_recall_cache(
 
 def window_step_with_recall_cache(
     cell, ring_inputs: tuple, memory: Tensor, cache: RecallCache, *, return_lse: bool = False, **ring_options
-) -> tuple:
+) -> tuple[Tensor, Tensor | None, RingWindow, RecallCache]:
     """One decoding token of :func:`window_with_recall_cache`: ring_inputs the window's ring step's (the ring
     before the token, queries (B, Hs, G, D), key (B, Hs, D), values (B, Hs, Dv)), memory (B, Hs, K, Dv) the
     memory after the token, cache the recall cache before it. The token leaving the window (the ring's next
     slot, before the step writes over it) is scored by the memory's recall of it, as the chunked form
     scores it, and joins the cache (``insert_recall_candidate``). Returns out (B, Hs, G, Dv) of one softmax
-    over window, sinks and cache (with ``return_lse`` then its log-sum-exp (B, Hs, G)), the ring and the
-    cache after the token. Sinks seen from the window's edge only as turned keys (``sink_key_turn``)."""
+    over window, sinks and cache, its log-sum-exp (B, Hs, G) with ``return_lse`` (else None), the ring and
+    the cache after the token. Sinks seen from the window's edge only as turned keys (``sink_key_turn``)."""
     ring = ring_inputs[0]
     position = ring.num_tokens - cell.window  # the token the query no longer sees in the window
-    leaving = None
     if position >= cell.sinks:  # none before the window is full; sinks never leave
         slot = ring.next_slot
         key = ring.keys[:, :, slot].clone()  # the ring step writes over the slot in place
@@ -223,9 +222,10 @@ def window_step_with_recall_cache(
             reads = F.normalize(features, dim=-1).to(memory.dtype)  # (B, Hs, 1, K)
             valid = torch.ones(1, dtype=torch.bool, device=key.device)
             score = recall_errors(reads @ memory, value[:, :, None], valid)[:, :, 0]  # (B, Hs)
-        leaving = (key, value, score, position)
-    if leaving is not None:
-        cache = insert_recall_candidate(cache, *leaving)
+        cache = insert_recall_candidate(cache, key, value, score, position)
     extra = (cache.keys, cache.values, torch.isfinite(cache.scores))  # read in the window's own softmax
-    window = ring_window_step(*ring_inputs, return_lse=return_lse, extra=extra, **ring_options)
-    return (*window, cache)
+    if return_lse:
+        out, lse, ring = ring_window_step(*ring_inputs, return_lse=True, extra=extra, **ring_options)
+    else:
+        (out, ring), lse = ring_window_step(*ring_inputs, extra=extra, **ring_options), None
+    return out, lse, ring, cache

@@ -117,6 +117,19 @@ def _take(tensor: Tensor, order: Tensor) -> Tensor:
     return tensor.gather(2, index)
 
 
+def kept_candidates(candidates: RecallCache, kept: Tensor, budget: int) -> RecallCache:
+    """The cache of ``budget`` slots the kept candidates make: candidates (N >= budget slots) and kept
+    (B, Hs, N) bool, at most ``budget`` per head; the kept ones first in candidate order, then empty slots."""
+    order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)[..., :budget]  # kept ones first
+    kept = kept.gather(-1, order)
+    return RecallCache(
+        keys=_take(candidates.keys, order),
+        values=_take(candidates.values, order),
+        scores=_take(candidates.scores, order).masked_fill(~kept, float("-inf")),
+        positions=_take(candidates.positions, order).masked_fill(~kept, EMPTY_POSITION),
+    )
+
+
 def recall_cache_attention(
     query: Tensor,
     leaving_keys: Tensor,
@@ -175,16 +188,8 @@ def recall_cache_attention(
         out, lse = masked_softmax_read(logits, visible[:, :, None], values.to(dtype)[:, :, None])
         outs.append(out)  # (B, Hs, G, C, Dv)
         lses.append(lse)
-        kept = visible[:, :, -1]  # (B, Hs, N): at most ``budget`` candidates
-        order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)[..., :budget]  # kept ones first
-        kept = kept.gather(-1, order)
-
-        cache = RecallCache(
-            keys=_take(keys, order),
-            values=_take(values, order),
-            scores=_take(candidate_scores, order).masked_fill(~kept, float("-inf")),
-            positions=_take(candidate_positions, order).masked_fill(~kept, EMPTY_POSITION),
-        )
+        candidates = RecallCache(keys, values, candidate_scores, candidate_positions)
+        cache = kept_candidates(candidates, visible[:, :, -1], budget)  # at most ``budget`` kept
     out = torch.cat(outs, dim=3).reshape(batch, heads * group, length, -1)
     lse = torch.cat(lses, dim=3).reshape(batch, heads * group, length)
     return out, lse, cache

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dofla.ops.recall_cache.chunked import EMPTY_POSITION, RecallCache
+from dofla.ops.recall_cache.chunked import RecallCache, kept_candidates
 
 
 def insert_recall_candidate(
@@ -32,18 +32,11 @@ def insert_recall_candidate(
     evicted = torch.where(scores == lowest, cache.positions, -1).argmax(-1, keepdim=True)  # (B, Hs, 1)
     slots = torch.arange(budget, device=scores.device)
     kept = torch.cat([torch.isfinite(scores) & ~(keep_new & (slots == evicted)), keep_new], dim=-1)
-    order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)[..., :budget]  # kept first
-    kept = kept.gather(-1, order)
-
-    def joined(held: Tensor, new: Tensor) -> Tensor:
-        candidates = torch.cat([held, new.to(held.dtype)[:, :, None]], dim=2)
-        index = order if held.dim() == 3 else order[..., None].expand(-1, -1, -1, held.shape[-1])
-        return candidates.gather(2, index)
-
     new_position = torch.full_like(score, position, dtype=cache.positions.dtype)
-    return RecallCache(
-        keys=joined(cache.keys, key),
-        values=joined(cache.values, value),
-        scores=joined(scores, score).masked_fill(~kept, float("-inf")),
-        positions=joined(cache.positions, new_position).masked_fill(~kept, EMPTY_POSITION),
+    candidates = RecallCache(
+        *(
+            torch.cat([held, new.to(held.dtype)[:, :, None]], dim=2)
+            for held, new in zip(cache.tensors(), (key, value, score, new_position), strict=True)
+        )
     )
+    return kept_candidates(candidates, kept, budget)

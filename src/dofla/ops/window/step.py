@@ -230,7 +230,7 @@ def ring_window_step(
     keys, values, bias = sink_seen_keys(ring, sink_key_turn), ring.values, ring.bias
     if extra is not None:
         if own_sink_scores:
-            raise DoflaError("a ring step reads extra keys only with its sinks scored by the queries.")
+            raise DoflaError("a ring step reads extra keys only where its queries score the sinks too.")
         extra_keys, extra_values, visible = extra
         width = values.shape[-1] - extra_values.shape[-1]  # the hybrid's column of ones, if any
         keys = torch.cat([keys, extra_keys.to(keys.dtype)], dim=2)
