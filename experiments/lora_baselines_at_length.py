@@ -78,15 +78,17 @@ def main(argv=None) -> int:
     )
     lengths = sorted(data.heldout_by_length)
     by_length = result["long_context"]["by_length"]
+
+    def in_run(model: str) -> dict[int, float]:  # the run's own perplexity of ``model`` at each length
+        return {n: by_length[str(n)]["models"][model]["perplexity"] for n in lengths}
+
     rows = {
-        "teacher": {n: by_length[str(n)]["models"]["teacher"]["perplexity"] for n in lengths},
+        "teacher": in_run("teacher"),
         "teacher + LoRA": measured["teacher + LoRA"],
-        streaming["label"]: {n: by_length[str(n)]["models"]["streaming"]["perplexity"] for n in lengths},
+        streaming["label"]: in_run("streaming"),
         f"{streaming['label']} + LoRA": measured[f"{streaming['label']} + LoRA"],
-        "heavy hitters (H2O)": {
-            n: by_length[str(n)]["models"]["heavy-hitter"]["perplexity"] for n in lengths
-        },
-        "student": {n: by_length[str(n)]["models"]["student"]["perplexity"] for n in lengths},
+        "heavy hitters (H2O)": in_run("heavy-hitter"),
+        "student": in_run("student"),
     }
     seconds = time.time() - started
     lines = [
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
     for name in measured:
         ratios = ", ".join(f"{n}: {student[n] / rows[name][n]:.3f}" for n in lengths)
         lines.append(f"\nstudent / ({name}): {ratios}")
-    run_streaming = by_length[str(config.data.seq_len)]["models"]["streaming"]["perplexity"]
+    run_streaming = rows[streaming["label"]][config.data.seq_len]
     lines.append(
         f"\nCheck: the StreamingLLM conversion untrained at {config.data.seq_len} tokens {untrained:.3f}, the "
         f"run's StreamingLLM row {run_streaming:.3f}; the teacher + LoRA at {config.data.seq_len} tokens "

@@ -208,7 +208,7 @@ def write_results(
         converted_layers=converted_layers,
         table=table,
         timings=result.timings,
-        lora_teacher_ppl=baseline_ppl,
+        lora_teacher_by_length=baseline_ppl,
         processes=processes,
         position_period=plan.position_period,
         sinks_at_edge=plan.sinks_at_edge,

@@ -79,7 +79,7 @@ def run_summary(
     converted_layers: list[int],
     table: list[dict],
     timings: dict[str, float],
-    lora_teacher_ppl: dict[int, float] | None,
+    lora_teacher_by_length: dict[int, float] | None,
     processes: int = 1,
     position_period: int | None = None,
     sinks_at_edge: bool = False,
@@ -90,9 +90,13 @@ def run_summary(
         config=config.to_dict(),
         teacher_ppl=evaluation.teacher_ppl,
         student_ppl=evaluation.student_ppl,
-        lora_teacher_ppl=None if lora_teacher_ppl is None else lora_teacher_ppl[config.data.seq_len],
+        lora_teacher_ppl=(
+            None if lora_teacher_by_length is None else lora_teacher_by_length[config.data.seq_len]
+        ),
         lora_teacher_by_length=(
-            None if lora_teacher_ppl is None else {str(k): v for k, v in sorted(lora_teacher_ppl.items())}
+            None
+            if lora_teacher_by_length is None
+            else {str(k): v for k, v in sorted(lora_teacher_by_length.items())}
         ),
         long_context=evaluation.quality,
         skipped_lengths=data.skipped_lengths,
