@@ -238,7 +238,7 @@ def tiny_run(tiny, run, **sections):
         evaluate=dict(lengths=[64], passkey_trials=0, error_sequences=0),
     )
     for section, values in sections.items():
-        settings[section] = {**settings.get(section, {}), **values}
+        settings[section] = {**settings.get(section, {}), **values} if isinstance(values, dict) else values
     linearize(LinearizeConfig.from_dict(settings))
     return run
 
@@ -419,3 +419,30 @@ def test_lora_baselines_at_length_repeat_the_runs_teacher_baseline_and_train_str
     trained = measured["perplexity"][f"{label} + LoRA"]
     assert trained["32"] != pytest.approx(streaming, rel=1e-4)  # the LoRA stage changed it
     assert "student / (teacher + LoRA)" in (tmp_path / "out" / "lora_baselines.md").read_text()
+
+
+def test_window_recall_split_repeats_the_runs_own_split_and_refuses_one_of_other_bytes(tiny, tmp_path):
+    run = tiny_run(
+        tiny,
+        tmp_path / "run",
+        recipe="gated-delta",
+        student=dict(cell_options={"window_factor": 0.9, "recall_cache": 3}),
+        lora=dict(enabled=False),
+        evaluate=dict(lengths=[64], passkey_trials=0, error_sequences=0, recall=False),
+    )
+    script = experiment("window_recall_split")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="holds 8 tokens per head and the run's 4:3 holds 7"):
+        script.main(["--run", str(run), "--splits", "4:3,5:3", "--lengths", "64", "--out", str(out)])
+    assert not out.exists()
+    script.main(
+        ["--run", str(run), "--splits", "4:3,6:1", "--lengths", "64", "--passkey-trials", "1"]
+        + ["--out", str(out)]
+    )
+    rows = json.loads((out / "window_recall_split.json").read_text())["rows"]
+    in_run = json.loads((run / "result.json").read_text())["long_context"]["by_length"]["64"]
+    own, other = (row["perplexity"]["64"] for row in rows)
+    assert own == pytest.approx(in_run["models"]["student"]["perplexity"], rel=1e-5)  # the run's own split
+    assert other != pytest.approx(own, rel=1e-4)  # a wider window and a smaller cache change the predictions
+    assert [row["passkey"]["64"][1] for row in rows] == [3, 3]  # one trial at each of the 3 depths
+    assert "| 6 | 1 |" in (out / "window_recall_split.md").read_text()
