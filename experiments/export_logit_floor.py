@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     models = {}
     for dtype in ("float32", "float64"):
         model, tokenizer, _ = load_converted(args.student, dtype=dtype, device="cpu")
-        export_model(model, work / f"exported-{dtype}", tokenizer=tokenizer)
+        # the converted layers alone: layer i of the export is layer i of dofla's model
+        export_model(model, work / f"exported-{dtype}", tokenizer=tokenizer, all_linear=True)
         plain = AutoModelForCausalLM.from_pretrained(work / f"exported-{dtype}", dtype=getattr(torch, dtype))
         models[dtype] = (model.eval(), plain.eval())
     ids = prompts(tokenizer, args.tokens, args.rows)

@@ -54,18 +54,26 @@ def run_without_dofla(folder: Path, ids: torch.Tensor, work: Path, dtype: str = 
 
 
 @pytest.mark.parametrize(
-    "family, overrides",
-    [("llama", {}), ("qwen2", {"tie_word_embeddings": True}), ("mistral", {})],
+    "family, overrides, all_linear",
+    [
+        ("llama", {}, False),
+        ("qwen2", {"tie_word_embeddings": True}, False),
+        ("mistral", {}, False),
+        ("llama", {}, True),
+    ],
 )
 def test_the_exported_checkpoint_runs_in_plain_transformers_with_the_same_logits_and_text(
-    tmp_path, family, overrides
+    tmp_path, family, overrides, all_linear
 ):
+    """By default the export ends with the all-zero attention layer, and transformers' generate runs with its
+    cache; --all-linear writes the converted layers alone, and generate runs without a cache."""
     model = portable_student(family, **overrides)
     save_converted(model, tmp_path / "student", tokenizer=build_tiny_tokenizer())
-    exported = export_folder(tmp_path / "student", tmp_path / "exported")
+    exported = export_folder(tmp_path / "student", tmp_path / "exported", all_linear=all_linear)
     config = json.loads((exported / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_text"
-    assert config["layer_types"] == ["linear_attention"] * 2
+    identity = [] if all_linear else ["full_attention"]
+    assert config["layer_types"] == ["linear_attention"] * 2 + identity
     assert config["tie_word_embeddings"] is bool(overrides.get("tie_word_embeddings", False))
     files = {path.name for path in exported.iterdir()}
     assert {"model.safetensors", "generation_config.json", "tokenizer.json"} <= files
@@ -73,6 +81,7 @@ def test_the_exported_checkpoint_runs_in_plain_transformers_with_the_same_logits
     ids = torch.randint(3, 100, (2, 37), generator=torch.Generator().manual_seed(2))
     result = run_without_dofla(exported, ids, tmp_path)
     assert result["model_class"] == "Qwen3_5ForCausalLM" and result["dofla_imported"] is False
+    assert result["used_cache"] is not all_linear
     with torch.no_grad():
         logits = model(ids, use_cache=False).logits
         continuation = model.generate(
@@ -192,4 +201,28 @@ def test_the_portable_recipe_trains_every_layer_as_the_cell_and_its_result_expor
     assert all(row["feature_map"] == "" and not row["feature_dim"] for row in result.plan_table)
     assert "modulo" not in result.report_path.read_text()
     exported = export_folder(result.out_dir, tmp_path / "exported")
-    assert json.loads((exported / "config.json").read_text())["layer_types"] == ["linear_attention"] * 2
+    layer_types = json.loads((exported / "config.json").read_text())["layer_types"]
+    assert layer_types == ["linear_attention"] * 2 + ["full_attention"]
+
+
+def test_the_identity_attention_layer_is_all_zero_and_adds_exact_zeros(tmp_path):
+    """The layer the export ends with: every weight zero, one head, and the logits of the export with it
+    equal, bit for bit, those of the export without it."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = portable_student("llama")
+    with_layer = export_model(model, tmp_path / "with")
+    without = export_model(model, tmp_path / "without", all_linear=True)
+    config = json.loads((with_layer / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (1, 1)
+    with safe_open(str(with_layer / "model.safetensors"), "pt") as stored:
+        identity = [name for name in stored.keys() if name.startswith("model.layers.2.")]
+        assert len(identity) >= 9 and all(not stored.get_tensor(name).any() for name in identity)
+    ids = torch.randint(3, 100, (2, 23), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = [
+            AutoModelForCausalLM.from_pretrained(folder)(ids, use_cache=False).logits
+            for folder in (with_layer, without)
+        ]
+    assert torch.equal(logits[0], logits[1])

@@ -7,10 +7,19 @@ the token mixer, RMSNorm, gated SiLU MLP, no biases; Llama, Qwen2, Qwen3 and Mis
 that Qwen3.5's RMSNorm multiplies by ``1 + weight`` where Llama's multiplies by ``weight`` (the exported
 norm weights are the teacher's minus 1) and the layer's ``out_proj`` is the teacher's ``o_proj``.
 
+By default the checkpoint ends with one more layer, a ``full_attention`` layer (one query and one key-value
+head) whose every weight is zero: it adds exact zeros to the residual stream (its attention reads zero
+values and its output and MLP projections are zero), so the logits are the converted model's, but it gives
+the serving software the one attention layer its Qwen3.5 cache expects: transformers 5.23's
+``generate`` then runs with its cache (it refuses a Qwen3.5 model without attention layers) and llama.cpp's
+runtime runs the GGUF (it aborts on one without). Its key-value cache holds 2 x head_dim values per token
+(the teacher's cache holds 2 x head_dim x key-value heads x layers). ``all_linear=True`` writes the
+converted layers alone (``layer_types`` all ``linear_attention``).
+
 The folder holds ``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer's
 files: ``AutoModelForCausalLM.from_pretrained`` opens it with transformers alone (its CPU path is pure
 PyTorch; on a GPU with flash-linear-attention it runs fla's kernels), and engines that serve Qwen3.5
-(vLLM, SGLang, llama.cpp's converter) read the same format.
+(vLLM, SGLang, llama.cpp) read the same format.
 """
 
 from __future__ import annotations
@@ -97,8 +106,9 @@ def _not_exportable(what: str) -> DoflaError:
     )
 
 
-def qwen3_5_config(model: nn.Module):
-    """The ``Qwen3_5TextConfig`` of a converted model whose layers are all the exported cell."""
+def qwen3_5_config(model: nn.Module, *, all_linear: bool = False):
+    """The ``Qwen3_5TextConfig`` of a converted model whose layers are all the exported cell: those layers,
+    then (unless ``all_linear``) the all-zero identity attention layer (one query and one key-value head)."""
     from transformers import Qwen3_5TextConfig
 
     from dofla.models.surgery import students
@@ -106,14 +116,16 @@ def qwen3_5_config(model: nn.Module):
     teacher = model.config.get_text_config(decoder=True)
     cells = students(model)
     first = cells[0]
+    layer_types = ["linear_attention"] * len(cells) + ([] if all_linear else ["full_attention"])
     return Qwen3_5TextConfig(
         vocab_size=int(teacher.vocab_size),
         hidden_size=int(teacher.hidden_size),
         intermediate_size=int(teacher.intermediate_size),
-        num_hidden_layers=len(cells),
-        num_attention_heads=first.num_heads,
-        num_key_value_heads=first.num_kv_heads,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=first.num_heads if all_linear else 1,
+        num_key_value_heads=first.num_kv_heads if all_linear else 1,
         head_dim=first.head_dim,
+        full_attention_interval=len(layer_types) + 1 if all_linear else len(layer_types),
         hidden_act="silu",
         max_position_embeddings=int(getattr(teacher, "max_position_embeddings", 2048) or 2048),
         rms_norm_eps=float(teacher.rms_norm_eps),
@@ -123,7 +135,7 @@ def qwen3_5_config(model: nn.Module):
         linear_value_head_dim=first.shape.head_v_dim,
         linear_num_key_heads=first.shape.num_k_heads,
         linear_num_value_heads=first.shape.num_v_heads,
-        layer_types=["linear_attention"] * len(cells),
+        layer_types=layer_types,
         bos_token_id=teacher.bos_token_id,
         eos_token_id=teacher.eos_token_id,
         pad_token_id=teacher.pad_token_id,
@@ -168,10 +180,13 @@ def check_export_folder(out_dir: str | Path, inputs=()) -> Path:
     return out_dir
 
 
-def export_model(model: nn.Module, out_dir: str | Path, *, tokenizer=None, inputs=()) -> Path:
+def export_model(
+    model: nn.Module, out_dir: str | Path, *, tokenizer=None, inputs=(), all_linear: bool = False
+) -> Path:
     """Write converted ``model`` to ``out_dir`` (new or empty) as a ``qwen3_5_text`` checkpoint, atomically
     (a temporary sibling folder renamed into place); anything that does not map exactly is refused in one
-    sentence with nothing written. Returns the folder."""
+    sentence with nothing written. ``all_linear``: without the identity attention layer (module docstring).
+    Returns the folder."""
     from transformers import Qwen3_5ForCausalLM
 
     from dofla.io import temporary_folder
@@ -190,11 +205,20 @@ def export_model(model: nn.Module, out_dir: str | Path, *, tokenizer=None, input
     if difference:
         raise _not_exportable(difference)
     check_finite_model(model)
-    config = qwen3_5_config(model)
+    config = qwen3_5_config(model, all_linear=all_linear)
     tensors = qwen3_5_weights(model)
     dtype = model.get_input_embeddings().weight.dtype
     with skipped_weight_initialisation():
         exported = Qwen3_5ForCausalLM(config).to(dtype)
+    if not all_linear:  # the identity attention layer: every weight zero
+        identity = f"model.layers.{config.num_hidden_layers - 1}."
+        tensors.update(
+            {
+                name: torch.zeros_like(t)
+                for name, t in exported.state_dict().items()
+                if name.startswith(identity)
+            }
+        )
     missing, unexpected = exported.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
@@ -223,7 +247,7 @@ def export_model(model: nn.Module, out_dir: str | Path, *, tokenizer=None, input
     return out_dir
 
 
-def export_folder(path: str | Path, out_dir: str | Path) -> Path:
+def export_folder(path: str | Path, out_dir: str | Path, *, all_linear: bool = False) -> Path:
     """``dofla export``: the converted folder ``path`` (saved by dofla) written to ``out_dir`` as a
     ``qwen3_5_text`` checkpoint (see :func:`export_model`). What cannot be exported is refused from the
     saved plan and config before the weights are read."""
@@ -238,4 +262,4 @@ def export_folder(path: str | Path, out_dir: str | Path) -> Path:
     if difference:
         raise _not_exportable(difference)
     model, tokenizer, _ = load_converted(path)
-    return export_model(model, out_dir, tokenizer=tokenizer, inputs=[path])
+    return export_model(model, out_dir, tokenizer=tokenizer, inputs=[path], all_linear=all_linear)

@@ -14,11 +14,19 @@ def register(subparsers) -> None:
         description="Write a folder saved by `dofla convert` or `dofla linearize` whose layers are all the "
         "gated_delta_net cell (recipe `portable`), on a Llama, Qwen2, Qwen3 or Mistral teacher, as a "
         "standard qwen3_5_text checkpoint (config, safetensors, tokenizer, generation config) that "
-        "transformers' AutoModelForCausalLM opens without dofla. Anything that does not map exactly is "
+        "transformers' AutoModelForCausalLM opens without dofla, ending with one all-zero attention layer "
+        "(an exact identity; see --all-linear). Anything that does not map exactly is "
         "refused, naming what differs, with nothing written.",
     )
     parser.add_argument("converted", help="folder written by `dofla convert` or `dofla linearize`")
     parser.add_argument("--out", required=True, help="new or empty folder for the exported checkpoint")
+    parser.add_argument(
+        "--all-linear",
+        action="store_true",
+        help="write the converted layers alone (layer_types all linear_attention), without the all-zero "
+        "attention layer the export otherwise ends with (an exact identity that lets transformers' generate "
+        "use its cache and llama.cpp's runtime run the model; neither runs an all-linear Qwen3.5 today)",
+    )
     add_threads_argument(parser)
     parser.set_defaults(func=run)
 
@@ -26,6 +34,6 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from dofla.export import export_folder
 
-    out = export_folder(args.converted, args.out)
+    out = export_folder(args.converted, args.out, all_linear=args.all_linear)
     print(f"exported {args.converted} as a qwen3_5_text checkpoint to {out}")
     return 0
