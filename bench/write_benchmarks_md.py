@@ -97,6 +97,13 @@ LATEST = [
         "replaced is in the file.",
     ),
     Benchmark(
+        "An exported student in llama.cpp: agreement with transformers, decode speed and state (CPU)",
+        "bench/results/llama_cpp.md",
+        "`python bench/bench_llama_cpp.py --student EXPORTED ...` (set up by `bench/llama_cpp/setup.sh`): the "
+        "`portable` student of the small-budget run, exported by `dofla export`, and its teacher, both converted "
+        "by llama.cpp's converter to float32 GGUF files and run by llama.cpp's CPU runtime in the same run.",
+    ),
+    Benchmark(
         "What a layer-wise allocation costs a layer: 32 and 96 features against 64 (one layer, CPU, 1 thread)",
         "bench/results/layer_allocation.md",
         "`python bench/bench_layer_step.py --cells ... --window 128 --allocation 32,96` (eager decode; prefill "

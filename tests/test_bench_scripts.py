@@ -542,3 +542,51 @@ def test_bench_speed_compiled_teacher_times_decode_rows_from_a_static_cache(tmp_
     ]
     compiled_row = next(r for r in rows if r["model"] == bench.TEACHER_COMPILED)
     assert compiled_row["tokens_per_second"] > 0 and compiled_row["steps"] == 2
+
+
+def test_the_llama_cpp_setup_marks_one_version_need_weak_and_the_library_still_loads(tmp_path):
+    """bench/llama_cpp/weak_glibc_2_38.py on a copy of one of Python's own extension libraries: the need of
+    the version named is marked weak, nothing else changes, and the library still loads."""
+    import ctypes
+    import shutil
+    import sysconfig
+
+    sys.path.insert(0, str(BENCH / "llama_cpp"))
+    try:
+        import weak_glibc_2_38 as weak
+    finally:
+        sys.path.remove(str(BENCH / "llama_cpp"))
+    folder = Path(sysconfig.get_config_var("DESTSHARED") or Path(ctypes._ctypes.__file__).parent)
+    libraries = [path for path in sorted(folder.glob("*.so")) if dict(weak.version_needs(str(path)))]
+    if not libraries:
+        pytest.skip(f"no extension library in {folder} needs a symbol version")
+    original = libraries[0]
+    copy = tmp_path / original.name
+    shutil.copy(original, copy)
+    before = weak.version_needs(str(copy))
+    name = before[0][0]
+    assert weak.mark_weak(str(copy), name) == sum(1 for item, _ in before if item == name) >= 1
+    after = weak.version_needs(str(copy))
+    assert after == [(item, flags | (weak.VER_FLG_WEAK if item == name else 0)) for item, flags in before]
+    changed = [
+        i for i, (a, b) in enumerate(zip(original.read_bytes(), copy.read_bytes(), strict=True)) if a != b
+    ]
+    assert len(changed) <= len(before)  # only flag bytes
+    assert weak.version_needs(str(original)) == before  # the original is untouched
+    ctypes.CDLL(str(copy))
+
+
+def test_bench_llama_cpp_refuses_a_runtime_folder_without_the_bindings(tmp_path):
+    script = bench_script("bench_llama_cpp")
+    arguments = [
+        "--student",
+        str(tmp_path),
+        "--converter",
+        str(tmp_path / "convert.py"),
+        "--work",
+        str(tmp_path),
+    ]
+    with pytest.raises(SystemExit, match="--runtime is needed"):
+        script.main(arguments)
+    with pytest.raises(SystemExit, match="holds no llama_cpp_py_sync package"):
+        script.main(arguments + ["--runtime", str(tmp_path)])
