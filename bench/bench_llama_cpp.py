@@ -60,20 +60,16 @@ def _worker(args: argparse.Namespace) -> None:
         rows = []
         for offset in range(0, len(tokens), 512):
             chunk = tokens[offset : offset + 512]
+            wanted = [i for i in range(len(chunk)) if all_logits or offset + i == len(tokens) - 1]
             batch = lib.llama_batch_init(len(chunk), 0, 1)
             try:
                 batch.n_tokens = len(chunk)
                 for i, token in enumerate(chunk):
                     batch.token[i], batch.pos[i] = token, start + offset + i
                     batch.n_seq_id[i], batch.seq_id[i][0] = 1, 0
-                    batch.logits[i] = 1 if all_logits or offset + i == len(tokens) - 1 else 0
+                    batch.logits[i] = 1 if i in wanted else 0
                 if lib.llama_decode(ctx, batch) != 0:
                     raise RuntimeError("llama_decode failed")
-                wanted = (
-                    range(len(chunk))
-                    if all_logits
-                    else ([len(chunk) - 1] if offset + len(chunk) == len(tokens) else [])
-                )
                 for i in wanted:
                     pointer = lib.llama_get_logits_ith(ctx, i)
                     rows.append(np.frombuffer(ffi.buffer(pointer, vocab * 4), dtype=np.float32).copy())

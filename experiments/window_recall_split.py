@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     run, out = Path(args.run), Path(args.out)
     config = load_config(run / CONFIG_FILE)
-    model, tokenizer, plan = load_converted(run / "model")
+    model, tokenizer, _ = load_converted(run / "model")
     layers = students(model)
     own = {(layer.window, layer.recall_budget) for layer in layers.values()}
     if len(own) != 1 or not next(iter(own))[1]:
