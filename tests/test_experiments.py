@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from dofla.models import save_tiny_model_folder
 
@@ -446,3 +448,41 @@ def test_window_recall_split_repeats_the_runs_own_split_and_refuses_one_of_other
     assert other != pytest.approx(own, rel=1e-4)  # a wider window and a smaller cache change the predictions
     assert [row["passkey"]["64"][1] for row in rows] == [3, 3]  # one trial at each of the 3 depths
     assert "| 6 | 1 |" in (out / "window_recall_split.md").read_text()
+
+
+def test_window_recall_split_by_need_keeps_the_total_and_follows_the_teachers_attention(tiny, tmp_path):
+    script = experiment("window_recall_split")
+    by_distance = torch.tensor([[0.5, 0.3, 0.1, 0.05, 0.0], [0.4, 0.2, 0.2, 0.2, 0.0]])
+    # from a floor of 1: distance 1 (0.3 against 0.2), then layer 1's 0.2, 0.2, 0.2 before layer 0's 0.1
+    assert script.windows_by_need(by_distance, 3, floor=1) == [2, 4]
+    assert script.windows_by_need(by_distance, 3, floor=3) == [3, 3]
+    with pytest.raises(SystemExit, match="more than the measured rows' 5 tokens"):
+        script.windows_by_need(by_distance, 6, floor=1)
+    teacher = AutoModelForCausalLM.from_pretrained(tiny[0], attn_implementation="eager")
+    rows = torch.randint(0, teacher.config.vocab_size, (2, 16))
+    whole = script.attention_by_distance(teacher, rows, sinks=0)
+    assert whole.shape == (teacher.config.num_hidden_layers, 16)
+    assert torch.allclose(whole.sum(-1), torch.ones(len(whole)), atol=1e-5)  # each query's weights sum to 1
+    beyond_sinks = script.attention_by_distance(teacher, rows, sinks=2)
+    assert (beyond_sinks.sum(-1) < whole.sum(-1) - 1e-3).all()
+    run = tiny_run(
+        tiny,
+        tmp_path / "run",
+        recipe="gated-delta",
+        student=dict(cell_options={"window_factor": 0.9, "recall_cache": 3}),
+        lora=dict(enabled=False),
+        evaluate=dict(lengths=[64], passkey_trials=0, error_sequences=0, recall=False),
+    )
+    out = tmp_path / "out"
+    arguments = ["--run", str(run), "--splits", "4:3,need:4:3", "--lengths", "64", "--min-window", "2"]
+    script.main(arguments + ["--passkey-lengths", "48", "--passkey-trials", "1", "--out", str(out)])
+    payload = json.loads((out / "window_recall_split.json").read_text())
+    uniform, by_need = payload["rows"]
+    layers = len(by_need["windows"])
+    assert sum(by_need["windows"]) == 4 * layers and min(by_need["windows"]) >= 2
+    measured = torch.tensor(payload["attention_by_distance"])  # the teacher's, on the run's first rows
+    assert measured.shape == (layers, 64)
+    assert by_need["windows"] == script.windows_by_need(measured, 4, floor=2)
+    assert (
+        list(by_need["passkey"]) == ["48"] and "pass key 48" in (out / "window_recall_split.md").read_text()
+    )
