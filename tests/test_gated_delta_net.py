@@ -251,3 +251,16 @@ def test_the_cell_refuses_a_window_projections_it_cannot_copy_and_a_call_without
     query = torch.zeros(1, cell.num_heads, 3, cell.head_dim)
     with pytest.raises(DoflaError, match="reads the hidden states entering its attention module"):
         cell(query, query[:, :2], query[:, :2])
+
+
+def test_the_projections_copied_from_the_teacher_train_at_their_own_multiple_of_the_rate():
+    default = students(converted_tiny())[0]
+    rates = {group["name"]: group["lr"] for group in default.parameter_groups(1e-2)}
+    assert rates == {"projections": pytest.approx(1e-3), "gates": pytest.approx(1e-2)}
+    model = build_tiny_model("llama")
+    convert(model, plan_for(model, kind="linear", cell="gated_delta_net", options={"projection_lr": 1.0}))
+    rates = {group["name"]: group["lr"] for group in students(model)[0].parameter_groups(1e-2)}
+    assert rates == {"projections": pytest.approx(1e-2), "gates": pytest.approx(1e-2)}
+    fresh = build_tiny_model("llama")
+    with pytest.raises(DoflaError, match="projection_lr must be positive, got 0.0"):
+        convert(fresh, plan_for(fresh, kind="linear", cell="gated_delta_net", options={"projection_lr": 0}))

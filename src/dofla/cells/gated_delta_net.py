@@ -90,10 +90,11 @@ class GatedDeltaNet(LinearAttention):
     Options: ``conv_size`` W (default 4), ``decay_memory`` (shortest, longest) initial memories in tokens
     (default 4, 64), ``conv_scale`` the convolution's initial tap on the token itself (default 4),
     ``gate_scale`` the factor on the teacher's value projection that starts ``in_proj_z`` (default 16),
-    ``output_scale`` the read-out norm's initial weight times ``gate_scale`` (default 0.1).
+    ``output_scale`` the read-out norm's initial weight times ``gate_scale`` (default 0.1), ``projection_lr``
+    the multiple of the base learning rate the projections copied from the teacher train at (default 0.1).
     """
 
-    CELL_OPTIONS = ("conv_size", "decay_memory", "conv_scale", "gate_scale", "output_scale")
+    CELL_OPTIONS = ("conv_size", "decay_memory", "conv_scale", "gate_scale", "output_scale", "projection_lr")
     uses_features = False
     reads_hidden_states = True  # the conversion's pre-hook hands it the layer's hidden states
 
@@ -122,6 +123,11 @@ class GatedDeltaNet(LinearAttention):
         self.A_log = nn.Parameter(torch.zeros(heads))
         self.dt_bias = nn.Parameter(torch.zeros(heads))
         self.norm = GatedRMSNorm(size, rms_norm_eps)
+        self.projection_lr = float(self.cell_options.get("projection_lr", PROJECTION_LR))
+        if not self.projection_lr > 0:
+            raise DoflaError(
+                f"layer {self.layer_index}: projection_lr must be positive, got {self.projection_lr}."
+            )
         self.pending_hidden_states: Tensor | None = None  # set and cleared by dofla.convert's hooks
         self._initialise_gates()
 
@@ -254,6 +260,6 @@ class GatedDeltaNet(LinearAttention):
         chosen = {id(parameter) for parameter in projections}
         rest = [parameter for parameter in self.parameters() if id(parameter) not in chosen]
         return [
-            {"params": projections, "lr": float(base_lr) * PROJECTION_LR, "name": "projections"},
+            {"params": projections, "lr": float(base_lr) * self.projection_lr, "name": "projections"},
             {"params": rest, "lr": float(base_lr), "name": "gates"},
         ]
