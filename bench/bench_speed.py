@@ -116,7 +116,7 @@ STUDENTS = {
     "gla recipe": (plan_for_arguments("gla"), None),
     "gated-delta-linear recipe": (plan_for_arguments("gated-delta-linear"), None),
     "gated-delta-retrieval recipe": (plan_for_arguments("gated-delta-retrieval"), None),
-    # the demo's recipe: the gated-delta cell beside a window of 64 + 4 sinks and a recall cache of 128 tokens
+    # the demo's recipe: the gated-delta cell beside a window of 160 + 4 sinks and a recall cache of 32 tokens
     # per head (the tokens its memory recalls worst, read in the window's softmax)
     "gated-delta-recall recipe": (plan_for_arguments("gated-delta-recall"), None),
     "gated_delta+window (3 softmax)": (

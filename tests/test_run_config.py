@@ -292,10 +292,10 @@ def test_the_demo_is_the_recall_recipe_sized_for_a_2_core_cpu():
         "projection",
         "hybrid",
     )
-    assert (demo.plan.window, demo.plan.sinks, demo.plan.budget, demo.student.recall_cache) == (64, 4, 64, 0)
+    assert (demo.plan.window, demo.plan.sinks, demo.plan.budget, demo.student.recall_cache) == (160, 4, 64, 0)
     assert demo.student.cell_options == {
         "window_factor": 0.999,
-        "recall_cache": 128,
+        "recall_cache": 32,
     }  # trained with the cache
     assert (
         demo.plan.position_period is None and demo.plan.sinks_at_edge is False
@@ -317,5 +317,5 @@ def test_the_demo_is_the_recall_recipe_sized_for_a_2_core_cpu():
     # the students benchmarks build from the recipe are the trained model's: the cache on
     assert plan_for_arguments("gated-delta-recall")["options"] == {
         "window_factor": 0.999,
-        "recall_cache": 128,
+        "recall_cache": 32,
     }
