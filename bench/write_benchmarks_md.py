@@ -91,7 +91,7 @@ LATEST = [
         "Generation with the recall cache: the demo's recipe against the teacher (CPU)",
         "bench/results/generation_recall_recipe.md",
         "`python bench/bench_generation.py --recipe gated-delta-recall --contexts 4096,16384 --new-tokens 32`: "
-        "the `gated-delta-recall` recipe's student (window 64 + 4 sinks, recall cache of 128 tokens per head, "
+        "the `gated-delta-recall` recipe's student (window 160 + 4 sinks, recall cache of 32 tokens per head, "
         "untrained weights: speed does not depend on them) decoding through `generate()`, the teacher in the "
         "same run. The cache's one-token step (`dofla.ops.recall_cache.step`) against the recurrent form it "
         "replaced is in the file.",
