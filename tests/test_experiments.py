@@ -423,15 +423,20 @@ def test_lora_baselines_at_length_repeat_the_runs_teacher_baseline_and_train_str
     assert "student / (teacher + LoRA)" in (tmp_path / "out" / "lora_baselines.md").read_text()
 
 
-def test_window_recall_split_repeats_the_runs_own_split_and_refuses_one_of_other_bytes(tiny, tmp_path):
-    run = tiny_run(
+def recall_cache_run(tiny, out: Path) -> Path:
+    """A finished tiny run whose every layer holds a window of 4 and a recall cache of 3 tokens per head."""
+    return tiny_run(
         tiny,
-        tmp_path / "run",
+        out,
         recipe="gated-delta",
         student=dict(cell_options={"window_factor": 0.9, "recall_cache": 3}),
         lora=dict(enabled=False),
         evaluate=dict(lengths=[64], passkey_trials=0, error_sequences=0, recall=False),
     )
+
+
+def test_window_recall_split_repeats_the_runs_own_split_and_refuses_one_of_other_bytes(tiny, tmp_path):
+    run = recall_cache_run(tiny, tmp_path / "run")
     script = experiment("window_recall_split")
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match="holds 8 tokens per head and the run's 4:3 holds 7"):
@@ -465,14 +470,7 @@ def test_window_recall_split_by_need_keeps_the_total_and_follows_the_teachers_at
     assert torch.allclose(whole.sum(-1), torch.ones(len(whole)), atol=1e-5)  # each query's weights sum to 1
     beyond_sinks = script.attention_by_distance(teacher, rows, sinks=2)
     assert (beyond_sinks.sum(-1) < whole.sum(-1) - 1e-3).all()
-    run = tiny_run(
-        tiny,
-        tmp_path / "run",
-        recipe="gated-delta",
-        student=dict(cell_options={"window_factor": 0.9, "recall_cache": 3}),
-        lora=dict(enabled=False),
-        evaluate=dict(lengths=[64], passkey_trials=0, error_sequences=0, recall=False),
-    )
+    run = recall_cache_run(tiny, tmp_path / "run")
     out = tmp_path / "out"
     arguments = ["--run", str(run), "--splits", "4:3,need:4:3", "--lengths", "64", "--min-window", "2"]
     script.main(arguments + ["--passkey-lengths", "48", "--passkey-trials", "1", "--out", str(out)])
