@@ -88,14 +88,14 @@ def windows_by_need(by_distance: torch.Tensor, mean_window: int, floor: int) -> 
     layers, length = by_distance.shape
     if not 1 <= floor <= mean_window:
         raise SystemExit(f"--min-window must be between 1 and the mean window {mean_window}; got {floor}.")
+    if mean_window > length:
+        raise SystemExit(
+            f"the mean window {mean_window} is more than the measured rows' {length} tokens can place."
+        )
     windows = [floor] * layers
     heap = [(-float(by_distance[layer, floor]), layer) for layer in range(layers) if floor < length]
     heapq.heapify(heap)
-    for _ in range((mean_window - floor) * layers):
-        if not heap:
-            raise SystemExit(
-                f"the mean window {mean_window} is more than the measured rows' {length} tokens can place."
-            )
+    for _ in range((mean_window - floor) * layers):  # no window outgrows the rows: mean_window <= length
         _, layer = heapq.heappop(heap)
         windows[layer] += 1
         if windows[layer] < length:
@@ -170,12 +170,13 @@ def main(argv=None) -> int:
         rows = data.heldout_by_length[lengths[0]][: args.need_rows]
         by_distance = attention_by_distance(loaded.model, rows, layers[min(layers)].sinks)
     del loaded
+    # every split's windows, before any is measured (a need split refused here costs no measuring)
+    windows_of = [windows_by_need(by_distance, w, args.min_window) if need else w for w, _, need in splits]
     trials = config.evaluate.passkey_trials if args.passkey_trials is None else args.passkey_trials
     from dofla.evaluation.passkey import passkey_retrieval
 
     rows = []
-    for window, recall, need in splits:
-        windows = windows_by_need(by_distance, window, args.min_window) if need else window
+    for (window, recall, need), windows in zip(splits, windows_of, strict=True):
         set_split(model, windows, recall)
         row = {"window": window, "recall_cache": recall, "by_need": need, "perplexity": {}, "passkey": {}}
         if need:
