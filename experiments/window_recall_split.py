@@ -14,8 +14,20 @@ the teacher's attention by query-key distance on the run's first held-out rows (
 and, from a floor of ``--min-window`` tokens, each further token of window to the layer whose attention at
 its next distance is largest (:func:`windows_by_need`): the same total, so the same state bytes.
 
-    .venv/bin/python experiments/window_recall_split.py --run RUN --splits 128:288,256:160,384:32,need:384:32 \\
+An ``induction:K:LONG:RECALL`` item gives the K layers whose heads copy most (:func:`induction_scores`: the
+teacher's attention, on random tokens repeated once, from each token of the copy to the token that followed
+its first occurrence) windows of LONG tokens, and every other layer an even share of what is left of the
+run's total (:func:`induction_windows`), all with a recall cache of RECALL: the same tokens in all once every
+window is full (at LONG + sinks tokens and beyond), fewer before.
+
+``--recall`` also measures, at each length, the loss on text repeated beyond the run's own window
+(:mod:`dofla.evaluation.recall`, the same rows and spans as the run's report), with the teacher's and that
+window's (+ sinks) losses once, and each split's share of the teacher's gain (``kept``).
+
+    .venv/bin/python experiments/window_recall_split.py --run RUN --splits 128:288,384:32,need:384:32 \\
         --lengths 2048,4096 --threads 2 --out OUT
+    .venv/bin/python experiments/window_recall_split.py --run RUN --splits 384:32,induction:2:3584:32 \\
+        --lengths 2048,4096 --recall --threads 2 --out OUT
 
 Writes ``window_recall_split.md`` and ``.json`` to ``--out``.
 """
@@ -29,11 +41,15 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from dofla.cells.recall_cache import switch_on_recall_cache
 from dofla.commands._common import integer_list
+from dofla.evaluation.logits import final_hidden_states
+from dofla.evaluation.recall import repeated_rows, row_scores
+from dofla.evaluation.window_baseline import window_restricted
 from dofla.io import write_text_atomic
 from dofla.loading import load_converted
 from dofla.models import load_teacher
@@ -43,18 +59,46 @@ from dofla.run_config import CONFIG_FILE, load_config
 from dofla.run_data import prepare_data
 
 
-def parse_splits(text: str) -> list[tuple[int, int, bool]]:
-    """``"128:288,need:384:32"`` -> [(128, 288, False), (384, 32, True)] (window, recall cache, split by
-    need); one sentence for anything else."""
+class Split(NamedTuple):
+    """One item of ``--splits``: ``kind`` "uniform", "need" or "induction"; ``window`` (the mean window for
+    need, the long one for induction), ``recall`` slots per head, ``long_layers`` (induction's K)."""
+
+    kind: str
+    window: int
+    recall: int
+    long_layers: int = 0
+
+    def label(self) -> str:
+        if self.kind == "need":
+            return f"{self.window} on average, by need"
+        if self.kind == "induction":
+            return f"{self.window} in the {self.long_layers} layers that copy most, the rest even"
+        return str(self.window)
+
+
+def split_of(row: dict) -> Split:
+    """The split a result row (of :func:`main`) measured."""
+    return Split(row["kind"], row["window"], row["recall_cache"], row["long_layers"])
+
+
+def parse_splits(text: str) -> list[Split]:
+    """``"128:288,need:384:32,induction:2:3584:32"`` -> Splits; one sentence for anything else."""
     splits = []
     for item in (part.strip() for part in text.split(",") if part.strip()):
-        need = item.startswith("need:")
-        window, _, recall = item.removeprefix("need:").partition(":")
-        if not (window.isdigit() and recall.isdigit()) or int(window) < 1 or int(recall) < 1:
+        fields = item.split(":")
+        kind = fields[0] if fields[0] in ("need", "induction") else "uniform"
+        numbers = fields[1:] if kind != "uniform" else fields
+        wanted = 3 if kind == "induction" else 2
+        if len(numbers) != wanted or not all(n.isdigit() and int(n) >= 1 for n in numbers):
             raise SystemExit(
-                f"--splits takes WINDOW:RECALL or need:WINDOW:RECALL items of whole numbers >= 1, got {item!r}."
+                "--splits takes WINDOW:RECALL, need:WINDOW:RECALL or induction:LAYERS:LONG:RECALL items of whole "
+                f"numbers >= 1, got {item!r}."
             )
-        splits.append((int(window), int(recall), need))
+        values = [int(n) for n in numbers]
+        if kind == "induction":
+            splits.append(Split(kind, values[1], values[2], values[0]))
+        else:
+            splits.append(Split(kind, values[0], values[1]))
     if not splits:
         raise SystemExit("--splits is empty; give WINDOW:RECALL items, e.g. 128:288,384:32.")
     return splits
@@ -103,6 +147,66 @@ def windows_by_need(by_distance: torch.Tensor, mean_window: int, floor: int) -> 
     return windows
 
 
+@torch.no_grad()
+def induction_scores(
+    model, kv_heads: int, *, period: int = 256, trials: int = 2, seed: int = 0
+) -> torch.Tensor:
+    """(layers,): per layer, the largest over its key-value heads of the attention weight (the mean over the
+    head's query heads and over the copy's tokens) from each token of a copy to the token that followed its
+    first occurrence, on ``trials`` rows of ``period`` random tokens written twice (model: eager attention).
+    A head near 1 copies (an induction head); a window shorter than the distance to the copy removes it."""
+    vocabulary = int(model.get_output_embeddings().weight.shape[0])
+    generator = torch.Generator().manual_seed(seed)
+    totals = None
+    for _ in range(trials):
+        tokens = torch.randint(0, vocabulary, (period,), generator=generator)
+        attentions = model(torch.cat([tokens, tokens])[None], output_attentions=True).attentions
+        queries = torch.arange(period, 2 * period - 1)  # the copy's tokens but its last
+        keys = queries - period + 1  # the token after each one's first occurrence
+        by_layer = torch.stack([weights[0, :, queries, keys].float().mean(-1) for weights in attentions])
+        totals = by_layer if totals is None else totals + by_layer  # (layers, heads)
+    per_kv_head = (totals / trials).view(totals.shape[0], kv_heads, -1).mean(-1)
+    return per_kv_head.amax(-1)
+
+
+def induction_windows(scores: torch.Tensor, long_layers: int, long_window: int, total: int) -> list[int]:
+    """Windows per layer summing to ``total``: ``long_window`` in the ``long_layers`` layers of highest
+    ``scores``, the rest shared evenly by the others (the first of them one more where it does not divide)."""
+    layers = len(scores)
+    if not 1 <= long_layers < layers:
+        raise SystemExit(
+            f"an induction split gives 1 to {layers - 1} layers the long window; got {long_layers}."
+        )
+    left = total - long_layers * long_window
+    if left < layers - long_layers:
+        raise SystemExit(
+            f"{long_layers} windows of {long_window} leave {left} tokens per head for the other "
+            f"{layers - long_layers} layers; give a shorter long window or fewer long layers."
+        )
+    chosen = set(scores.argsort(descending=True)[:long_layers].tolist())
+    share, extra = divmod(left, layers - long_layers)
+    windows, given = [], 0
+    for layer in range(layers):
+        if layer in chosen:
+            windows.append(long_window)
+        else:
+            windows.append(share + (given < extra))
+            given += 1
+    return windows
+
+
+@torch.no_grad()
+def recall_losses(model, rows: torch.Tensor, scored, batch_size: int) -> tuple[float, float]:
+    """(mean loss, top-1 accuracy) on the repeated tokens ``scored`` of ``rows`` (:func:`repeated_rows`)."""
+    loss = correct = count = 0.0
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        in_batch = [item for item in scored if start <= item[0] < start + len(batch)]
+        scores = row_scores(model, final_hidden_states(model, batch), in_batch, start)
+        loss, correct, count = loss + scores[0], correct + scores[1], count + scores[2]
+    return loss / count, correct / count
+
+
 def set_split(model, windows: int | list[int], recall: int) -> None:
     """Every converted layer of ``model`` (and its plan) with a window of ``windows`` tokens (one per layer in
     order, or one for all) and a recall cache of ``recall`` tokens per head."""
@@ -124,6 +228,7 @@ def main(argv=None) -> int:
     parser.add_argument("--passkey-trials", type=int, default=None, help="default: the run's")
     parser.add_argument("--min-window", type=int, default=16, help="each layer's least window in need: items")
     parser.add_argument("--need-rows", type=int, default=2, help="held-out rows the need is measured on")
+    parser.add_argument("--recall", action="store_true", help="also measure recall of repeated text")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -144,11 +249,18 @@ def main(argv=None) -> int:
     if len(own) != 1 or not next(iter(own))[1]:
         raise SystemExit(f"{run} is not a run whose every layer holds one window and a recall cache: {own}.")
     own_window, own_recall = next(iter(own))
-    for window, recall, _ in splits:
-        if window + recall != own_window + own_recall:
+    sinks = layers[min(layers)].sinks
+    for split in splits:
+        if split.kind != "induction" and split.window + split.recall != own_window + own_recall:
             raise SystemExit(
-                f"the split {window}:{recall} holds {window + recall} tokens per head and the run's "
-                f"{own_window}:{own_recall} holds {own_window + own_recall}; give splits that sum to it."
+                f"the split {split.window}:{split.recall} holds {split.window + split.recall} tokens per head "
+                f"and the run's {own_window}:{own_recall} holds {own_window + own_recall}; give splits that "
+                "sum to it."
+            )
+        if split.kind == "induction" and split.recall >= own_window + own_recall:
+            raise SystemExit(
+                f"the recall cache of {split.recall} leaves no window in the run's {own_window + own_recall} "
+                "tokens per head; give a smaller one."
             )
     command = "experiments/window_recall_split.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     started = time.time()
@@ -165,25 +277,51 @@ def main(argv=None) -> int:
         raise SystemExit(
             f"the run has no held-out rows of {missing} tokens; it has {sorted(data.heldout_by_length)}."
         )
-    by_distance = None
-    if any(need for *_, need in splits):  # the teacher's attention by distance on the run's first rows
+    kinds = {split.kind for split in splits}
+    by_distance = copying = None
+    if "need" in kinds:  # the teacher's attention by distance on the run's first rows
         rows = data.heldout_by_length[lengths[0]][: args.need_rows]
-        by_distance = attention_by_distance(loaded.model, rows, layers[min(layers)].sinks)
-    del loaded
-    # every split's windows, before any is measured (a need split refused here costs no measuring)
-    windows_of = [windows_by_need(by_distance, w, args.min_window) if need else w for w, _, need in splits]
+        by_distance = attention_by_distance(loaded.model, rows, sinks)
+    if "induction" in kinds:
+        copying = induction_scores(loaded.model, loaded.model.config.num_key_value_heads, seed=config.seed)
+    teacher = loaded.model
+    # every split's windows, before any is measured (a split refused here costs no measuring)
+    windows_of = []
+    for split in splits:
+        if split.kind == "need":
+            windows_of.append(windows_by_need(by_distance, split.window, args.min_window))
+        elif split.kind == "induction":
+            total = len(layers) * (own_window + own_recall - split.recall)
+            windows_of.append(induction_windows(copying, split.long_layers, split.window, total))
+        else:
+            windows_of.append(split.window)
     trials = config.evaluate.passkey_trials if args.passkey_trials is None else args.passkey_trials
     from dofla.evaluation.passkey import passkey_retrieval
 
+    repeated, references = {}, {}
+    if args.recall:  # the run's own spans and references: the teacher and its window of the run's size
+        for length in lengths:
+            repeated[length] = repeated_rows(data.heldout_by_length[length], own_window)
+            teacher_loss = recall_losses(teacher, *repeated[length], config.distill.batch_size)
+            with window_restricted(teacher, own_window, sinks):
+                window_loss = recall_losses(teacher, *repeated[length], config.distill.batch_size)
+            references[length] = {"teacher": teacher_loss, "window": window_loss}
+    del loaded, teacher
     rows = []
-    for (window, recall, need), windows in zip(splits, windows_of, strict=True):
-        set_split(model, windows, recall)
-        row = {"window": window, "recall_cache": recall, "by_need": need, "perplexity": {}, "passkey": {}}
-        if need:
+    for split, windows in zip(splits, windows_of, strict=True):
+        set_split(model, windows, split.recall)
+        row = {"kind": split.kind, "window": split.window, "recall_cache": split.recall}
+        row.update(long_layers=split.long_layers, perplexity={}, passkey={}, recall={})
+        if not isinstance(windows, int):
             row["windows"] = windows
         for length in lengths:
             sequences = data.heldout_by_length[length]
             row["perplexity"][length] = perplexity(model, sequences, config.distill.batch_size)
+            if args.recall:
+                loss, accuracy = recall_losses(model, *repeated[length], config.distill.batch_size)
+                (teacher_loss, _), (window_loss, _) = references[length].values()
+                kept = (window_loss - loss) / (window_loss - teacher_loss)
+                row["recall"][length] = {"loss": loss, "accuracy": accuracy, "kept": kept}
         if trials:
             results = passkey_retrieval(model, tokenizer, context_lengths=passkey_lengths, trials=trials)
             for length in passkey_lengths:
@@ -196,28 +334,58 @@ def main(argv=None) -> int:
         "# The run's student with its window and recall cache split differently, no training",
         "",
         f"Command: `{command}` ({seconds:.0f} s, {torch.get_num_threads()} threads). Run: `{run}`, trained "
-        f"with window {own_window} + {layers[min(layers)].sinks} sinks and a recall cache of {own_recall}; "
-        "every split holds the same tokens per head (the same state bytes). Held-out rows as the run made them.",
+        f"with window {own_window} + {sinks} sinks and a recall cache of {own_recall}; every split holds the "
+        "same tokens per head (the same state bytes) once its windows are full. Held-out rows as the run made "
+        "them.",
         "",
         "| window | recall cache | "
         + " | ".join(f"ppl {n}" for n in lengths)
+        + (" | " + " | ".join(f"recall kept {n}" for n in lengths) if args.recall else "")
         + (" | " + " | ".join(f"pass key {n}" for n in passkey_lengths) if trials else "")
         + " |",
-        "|---|---|" + "---|" * (len(lengths) + (len(passkey_lengths) if trials else 0)),
+        "|---|---|"
+        + "---|" * (len(lengths) * (2 if args.recall else 1) + (len(passkey_lengths) if trials else 0)),
     ]
     for row in rows:
         cells = [f"{row['perplexity'][n]:.3f}" for n in lengths]
+        if args.recall:
+            cells += [f"{row['recall'][n]['kept']:.2f}" for n in lengths]
         if trials:
             cells += [f"{sum(row['passkey'][n][0])}/{row['passkey'][n][1]}" for n in passkey_lengths]
-        window = f"{row['window']} on average, by need" if row["by_need"] else str(row["window"])
-        lines.append(f"| {window} | {row['recall_cache']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {split_of(row).label()} | {row['recall_cache']} | " + " | ".join(cells) + " |")
+    if args.recall:
+        lines += [
+            "",
+            f"Recall: loss (nats per token) on text repeated at least {own_window} tokens after its first "
+            "occurrence (the run report's spans); kept = (window - split) / (window - teacher):",
+            "",
+            "| model | " + " | ".join(str(n) for n in lengths) + " |",
+            "|---|" + "---|" * len(lengths),
+            "| teacher | " + " | ".join(f"{references[n]['teacher'][0]:.3f}" for n in lengths) + " |",
+            f"| window {own_window} + {sinks} sinks | "
+            + " | ".join(f"{references[n]['window'][0]:.3f}" for n in lengths)
+            + " |",
+        ]
+        for row in rows:
+            lines.append(
+                f"| {split_of(row).label()}, recall cache {row['recall_cache']} | "
+                + " | ".join(f"{row['recall'][n]['loss']:.3f}" for n in lengths)
+                + " |"
+            )
     for row in rows:
-        if row["by_need"]:
-            lines += ["", f"Windows by need (mean {row['window']}), layer 0 first: {row['windows']}."]
+        if "windows" in row:
+            lines += [
+                "",
+                f"Windows of the split `{row['kind']}` {row['window']}, layer 0 first: {row['windows']}.",
+            ]
     out.mkdir(parents=True, exist_ok=True)
     payload = dict(command=command, seconds=seconds, run=str(run), rows=rows)
     if by_distance is not None:
         payload["attention_by_distance"] = by_distance.tolist()
+    if copying is not None:
+        payload["induction_scores"] = copying.tolist()
+    if references:
+        payload["recall_references"] = references
     write_text_atomic(out / "window_recall_split.md", "\n".join(lines) + "\n")
     write_text_atomic(out / "window_recall_split.json", json.dumps(payload, indent=2, default=str))
     print("\n".join(lines))

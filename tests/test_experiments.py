@@ -484,3 +484,42 @@ def test_window_recall_split_by_need_keeps_the_total_and_follows_the_teachers_at
     assert (
         list(by_need["passkey"]) == ["48"] and "pass key 48" in (out / "window_recall_split.md").read_text()
     )
+
+
+def test_window_recall_split_by_induction_gives_the_copying_layer_the_long_window_and_measures_recall(
+    tiny, tmp_path
+):
+    script = experiment("window_recall_split")
+    scores = torch.tensor([0.1, 0.9, 0.3])
+    assert script.induction_windows(scores, 1, 10, 14) == [2, 10, 2]
+    assert script.induction_windows(scores, 1, 10, 15) == [3, 10, 2]  # the remainder to the first
+    assert script.induction_windows(scores, 2, 5, 14) == [4, 5, 5]
+    with pytest.raises(SystemExit, match="leave 1 tokens per head for the other 2 layers"):
+        script.induction_windows(scores, 1, 10, 11)
+    teacher = AutoModelForCausalLM.from_pretrained(tiny[0], attn_implementation="eager")
+    measured = script.induction_scores(teacher, kv_heads=2, period=16, trials=1, seed=3)
+    tokens = torch.randint(0, teacher.config.vocab_size, (16,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        attentions = teacher(torch.cat([tokens, tokens])[None], output_attentions=True).attentions
+    for layer, weights in enumerate(attentions):  # each query head's weight on the token after the first
+        per_head = [[float(weights[0, h, 16 + i, i + 1]) for i in range(15)] for h in range(4)]
+        per_kv_head = [sum(sum(per_head[h]) / 15 for h in group) / 2 for group in ((0, 1), (2, 3))]
+        assert float(measured[layer]) == pytest.approx(max(per_kv_head), abs=1e-6)
+    run = recall_cache_run(tiny, tmp_path / "run")  # window 4 and 3 recalled: 7 tokens per head and layer
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="leaves no window"):
+        script.main(["--run", str(run), "--splits", "induction:1:4:7", "--lengths", "64", "--out", str(out)])
+    arguments = ["--run", str(run), "--splits", "4:3,induction:1:10:1", "--lengths", "64", "--recall"]
+    script.main(arguments + ["--passkey-trials", "0", "--out", str(out)])
+    payload = json.loads((out / "window_recall_split.json").read_text())
+    uniform, copying = payload["rows"]
+    first = max(range(2), key=lambda layer: payload["induction_scores"][layer])
+    assert copying["windows"][first] == 10 and sum(copying["windows"]) == 2 * (7 - 1)
+    teacher_loss, window_loss = (
+        payload["recall_references"]["64"][name][0] for name in ("teacher", "window")
+    )
+    for row in (uniform, copying):
+        recall = row["recall"]["64"]
+        assert recall["kept"] == pytest.approx((window_loss - recall["loss"]) / (window_loss - teacher_loss))
+    assert uniform["recall"]["64"]["loss"] != pytest.approx(copying["recall"]["64"]["loss"], rel=1e-4)
+    assert "recall kept 64" in (out / "window_recall_split.md").read_text()
