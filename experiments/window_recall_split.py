@@ -285,6 +285,7 @@ def main(argv=None) -> int:
     if "induction" in kinds:
         copying = induction_scores(loaded.model, loaded.model.config.num_key_value_heads, seed=config.seed)
     teacher = loaded.model
+    teacher.set_attn_implementation("sdpa")  # eager only to read the attention weights above
     # every split's windows, before any is measured (a split refused here costs no measuring)
     windows_of = []
     for split in splits:
