@@ -523,3 +523,20 @@ def test_window_recall_split_by_induction_gives_the_copying_layer_the_long_windo
         assert recall["kept"] == pytest.approx((window_loss - recall["loss"]) / (window_loss - teacher_loss))
     assert uniform["recall"]["64"]["loss"] != pytest.approx(copying["recall"]["64"]["loss"], rel=1e-4)
     assert "recall kept 64" in (out / "window_recall_split.md").read_text()
+
+
+def test_student_layer_blocks_repeats_the_runs_own_losses_and_restores_the_teacher(tiny, tmp_path):
+    run = tiny_run(tiny, tmp_path / "run", lora=dict(enabled=False), evaluate=dict(lengths=[32]))
+    script = experiment("student_layer_blocks")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="layers below 2"):
+        script.main(["--run", str(run), "--blocks", "0-2", "--out", str(out)])
+    script.main(["--run", str(run), "--blocks", "0,all", "--layers", "1", "--rows", "3", "--out", str(out)])
+    payload = json.loads((out / "student_layer_blocks.json").read_text())
+    result = json.loads((run / "result.json").read_text())
+    assert payload["rows"] == [3, 32]  # every held-out row of the run, at its training length
+    assert math.exp(payload["teacher_loss"]) == pytest.approx(result["teacher_ppl"], rel=1e-4)
+    assert math.exp(payload["blocks"]["all"]) == pytest.approx(result["student_ppl"], rel=1e-4)
+    assert payload["blocks"]["0"] != pytest.approx(payload["blocks"]["all"], rel=1e-4)
+    assert 0 < payload["layers"]["1"]["relative_error"]
+    assert "| 0 |" in (out / "student_layer_blocks.md").read_text()
