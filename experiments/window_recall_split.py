@@ -171,7 +171,7 @@ def induction_scores(
 
 def induction_windows(scores: torch.Tensor, long_layers: int, long_window: int, total: int) -> list[int]:
     """Windows per layer summing to ``total``: ``long_window`` in the ``long_layers`` layers of highest
-    ``scores``, the rest shared evenly by the others (the first of them one more where it does not divide)."""
+    ``scores``, the rest shared evenly by the others (where it does not divide, the first ones get one more)."""
     layers = len(scores)
     if not 1 <= long_layers < layers:
         raise SystemExit(
