@@ -48,7 +48,7 @@ import torch
 from dofla.cells.recall_cache import switch_on_recall_cache
 from dofla.commands._common import integer_list
 from dofla.evaluation.logits import final_hidden_states
-from dofla.evaluation.recall import repeated_rows, row_scores
+from dofla.evaluation.recall import repeated_rows, summed_scores
 from dofla.evaluation.window_baseline import window_restricted
 from dofla.io import write_text_atomic
 from dofla.loading import load_converted
@@ -198,12 +198,9 @@ def induction_windows(scores: torch.Tensor, long_layers: int, long_window: int, 
 @torch.no_grad()
 def recall_losses(model, rows: torch.Tensor, scored, batch_size: int) -> tuple[float, float]:
     """(mean loss, top-1 accuracy) on the repeated tokens ``scored`` of ``rows`` (:func:`repeated_rows`)."""
-    loss = correct = count = 0.0
-    for start in range(0, len(rows), batch_size):
-        batch = rows[start : start + batch_size]
-        in_batch = [item for item in scored if start <= item[0] < start + len(batch)]
-        scores = row_scores(model, final_hidden_states(model, batch), in_batch, start)
-        loss, correct, count = loss + scores[0], correct + scores[1], count + scores[2]
+    loss, correct, count = summed_scores(
+        lambda batch: (model, final_hidden_states(model, batch)), rows, scored, batch_size
+    )
     return loss / count, correct / count
 
 

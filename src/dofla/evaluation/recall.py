@@ -61,6 +61,19 @@ def row_scores(model, hidden: torch.Tensor, scored, offset: int) -> tuple[float,
     return loss, correct, count
 
 
+def summed_scores(hidden_of, rows: torch.Tensor, scored, batch_size: int) -> tuple[float, float, int]:
+    """:func:`row_scores` summed over ``rows`` (N, T) of :func:`repeated_rows`, ``batch_size`` rows at a time:
+    ``hidden_of(batch)`` gives (the model whose output head reads, its final hidden states (B, T, E))."""
+    loss, correct, count = 0.0, 0.0, 0
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        in_batch = [item for item in scored if start <= item[0] < start + len(batch)]
+        model, hidden = hidden_of(batch)
+        scores = row_scores(model, hidden, in_batch, start)
+        loss, correct, count = loss + scores[0], correct + scores[1], count + scores[2]
+    return loss, correct, count
+
+
 @torch.no_grad()
 def recall_beyond_window(
     teacher: torch.nn.Module,
@@ -109,18 +122,17 @@ def recall_beyond_window(
         state[name] = baseline_bytes(teacher, baseline.tokens, length, restricted)
     if student is not None:
         labels["student"] = "student"
-    totals = {name: [0.0, 0.0, 0] for name in labels}
-    for start in range(0, len(rows), batch_size):
-        batch = rows[start : start + batch_size]
-        in_batch = [item for item in scored if start <= item[0] < start + len(batch)]
-        for name in labels:
-            if name in bounded:
-                with bounded[name].applied(teacher, restricted):
-                    model, hidden = teacher, final_hidden_states(teacher, batch)
-            else:
-                model, hidden = row_hidden_states(name, teacher, student, batch, window, sinks, restricted)
-            for index, value in enumerate(row_scores(model, hidden, in_batch, start)):
-                totals[name][index] += value
+
+    def hidden_of(name: str):
+        def bounded_teacher(batch):
+            with bounded[name].applied(teacher, restricted):
+                return teacher, final_hidden_states(teacher, batch)
+
+        if name in bounded:
+            return bounded_teacher
+        return lambda batch: row_hidden_states(name, teacher, student, batch, window, sinks, restricted)
+
+    totals = {name: summed_scores(hidden_of(name), rows, scored, batch_size) for name in labels}
     models = {}
     for name, (loss, correct, count) in totals.items():
         nll = loss / count
