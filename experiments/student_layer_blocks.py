@@ -26,6 +26,8 @@ import json
 import shlex
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -40,6 +42,7 @@ from dofla.models import load_teacher
 from dofla.models.surgery import architecture
 from dofla.run_config import CONFIG_FILE, load_config
 from dofla.run_data import prepare_data
+from dofla.saving import is_student_key
 
 BEST = "best/"  # the checkpoint's prefix of the best students' tensors
 
@@ -67,49 +70,44 @@ def heldout_loss(model, rows: torch.Tensor) -> float:
     return perplexity(model, rows, batch_size=1)["nll"]
 
 
-@torch.no_grad()
-def attention_output(model, layer: int, rows: torch.Tensor) -> torch.Tensor:
-    """The output of ``layer``'s attention module (after its output projection) on rows (N, T, E)."""
-    module = architecture(model).attention_modules[layer]
-    outputs = []
-    handle = module.register_forward_hook(
-        lambda _, args, output: outputs.append(output[0] if isinstance(output, tuple) else output)
-    )
+@contextmanager
+def attention_outputs(model, layers: list[int]) -> Iterator[dict[int, list[torch.Tensor]]]:
+    """Within the block, every forward's output of ``layers``' attention modules (after the output
+    projection), appended by layer."""
+    modules = architecture(model).attention_modules
+    outputs: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+
+    def hook(layer: int):
+        return lambda _, args, output: outputs[layer].append(
+            output[0] if isinstance(output, tuple) else output
+        )
+
+    handles = [modules[layer].register_forward_hook(hook(layer)) for layer in layers]
     try:
-        for row in rows:
-            model(row[None], use_cache=False)
+        yield outputs
     finally:
-        handle.remove()
-    return torch.cat(outputs)
+        for handle in handles:
+            handle.remove()
 
 
-class Converted:
-    """The teacher with only some of the plan's layers converted, the run's distilled students loaded."""
-
-    def __init__(self, model, plan: ConversionPlan, students: dict[str, torch.Tensor]) -> None:
-        self.model, self.plan, self.students = model, plan, students
-
-    def __call__(self, layers: list[int]):
-        chosen = set(layers)
-        kept = [
-            layer if index in chosen else LayerPlan(kind="softmax")
-            for index, layer in enumerate(self.plan.layers)
-        ]
-        convert(self.model, dataclasses.replace(self.plan, layers=kept))
-        state = self.model.state_dict()
-        expected = {name for name in state if ".dofla_student." in name}
-        given = {name: tensor for name, tensor in self.students.items() if name in expected}
-        if set(given) != expected:
-            unconvert(self.model)
-            raise SystemExit(f"the checkpoint lacks {len(expected - set(given))} of the students' tensors.")
-        self.model.load_state_dict(given, strict=False)
-        return self
-
-    def __enter__(self):
-        return self.model
-
-    def __exit__(self, *_):
-        unconvert(self.model)
+@contextmanager
+def only_converted(model, plan: ConversionPlan, students: dict[str, torch.Tensor], layers: list[int]):
+    """The teacher ``model`` with only ``layers`` of ``plan`` converted and their distilled ``students``
+    loaded, the teacher again after the block."""
+    chosen = set(layers)
+    kept = [
+        layer if index in chosen else LayerPlan(kind="softmax") for index, layer in enumerate(plan.layers)
+    ]
+    convert(model, dataclasses.replace(plan, layers=kept))
+    try:
+        expected = {name for name in model.state_dict() if is_student_key(name)}
+        missing = expected - set(students)
+        if missing:
+            raise SystemExit(f"the checkpoint lacks {len(missing)} of the students' tensors.")
+        model.load_state_dict({name: students[name] for name in expected}, strict=False)
+        yield model
+    finally:
+        unconvert(model)
 
 
 def main(argv=None) -> int:
@@ -146,19 +144,22 @@ def main(argv=None) -> int:
     model = loaded.model
     data = prepare_data(config, model, loaded.tokenizer, None, out / "data_cache")
     rows = data.heldout[: args.rows]
-    converted = Converted(model, plan, students)
-    teacher_loss = heldout_loss(model, rows)
+    with attention_outputs(model, singles) as outputs:  # the teacher's, read in the same forwards
+        teacher_loss = heldout_loss(model, rows)
+    references = {layer: torch.cat(outputs[layer]) for layer in singles}
     by_block = {}
     for name, layers in blocks.items():
-        with converted(layers) as student:
+        with only_converted(model, plan, students, layers) as student:
             by_block[name] = heldout_loss(student, rows)
         print(json.dumps({"block": name, "loss": by_block[name]}), flush=True)
     by_layer = {}
     for layer in singles:
-        reference = attention_output(model, layer, rows)
-        with converted([layer]) as student:
-            output = attention_output(student, layer, rows)
+        with (
+            only_converted(model, plan, students, [layer]) as student,
+            attention_outputs(student, [layer]) as outputs,
+        ):
             loss = heldout_loss(student, rows)
+        output, reference = torch.cat(outputs[layer]), references[layer]
         error = float((output - reference).pow(2).sum() / reference.pow(2).sum())
         by_layer[layer] = {"loss": loss, "relative_error": error}
         print(json.dumps({"layer": layer, **by_layer[layer]}), flush=True)
