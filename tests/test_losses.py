@@ -172,7 +172,8 @@ def test_long_sequence_fits_in_chunks(monkeypatch):
 
 def test_kernel_loss_rejects_unknown_and_non_kernel_kinds():
     with pytest.raises(
-        DoflaError, match="unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax, split_mse"
+        DoflaError,
+        match="unknown loss 'kl'; choose one of: direct, l2, output_mse, projected_mse, softmax, split_mse",
     ):
         kernel_loss("kl", **inputs(), scaling=SCALING)
     with pytest.raises(DoflaError, match="'output_mse' is not a kernel loss; kernel losses are softmax, l2"):
@@ -263,6 +264,48 @@ def test_split_mse_is_the_output_error_plus_its_mix_and_memory_halves_brute_forc
     assert {"window_factor_logit", "decay.bias", "write.bias", "feature_map.weight"} <= trained
     if mix == "adaptive":
         assert {"mix_lse_weight", "mix_value_weight"} <= trained
+
+
+@pytest.mark.parametrize("projection", ["o_proj", "c_proj"])
+def test_projected_mse_is_the_output_error_after_the_output_projection_brute_force(projection):
+    """Llama's nn.Linear and GPT-2's transposed Conv1D: the mean square of W (student - teacher) per hidden
+    element, the bias gone; padded positions left out; the gradient reaches the student, not the teacher."""
+    from dataclasses import replace
+
+    from transformers.pytorch_utils import Conv1D
+
+    student, call = _hybrid_delta_call()
+    hidden = 5
+    module = torch.nn.Module()
+    if projection == "o_proj":
+        module.o_proj = torch.nn.Linear(4 * 8, hidden).double()
+        weight = module.o_proj.weight  # (hidden, H * Dv)
+    else:
+        module.c_proj = Conv1D(hidden, 4 * 8).double()
+        weight = module.c_proj.weight.T  # Conv1D keeps (H * Dv, hidden)
+    torch.nn.init.normal_(getattr(module, projection).bias)
+    for parameter in module.parameters():
+        parameter.requires_grad_(False)
+    call = replace(call, module=module)
+    output = student(call.query, call.key, call.value, scaling=call.scaling)  # (B, T, H, Dv)
+    error = (output - call.output).flatten(2) @ weight.T  # (B, T, hidden)
+    loss = losses.layer_loss("projected_mse", student, call)
+    torch.testing.assert_close(loss, error.pow(2).mean().float(), rtol=1e-6, atol=1e-12)
+    key_mask = torch.ones(2, 12, dtype=torch.bool)
+    key_mask[1, :4] = False
+    masked = losses.projected_mse_layer_loss(student, call, key_mask=key_mask)
+    torch.testing.assert_close(masked, error[key_mask].pow(2).mean().float(), rtol=1e-6, atol=1e-12)
+    loss.backward()
+    projection_weight = getattr(module, projection).weight
+    assert student.feature_map.weight.grad is not None and projection_weight.grad is None
+
+
+def test_projected_mse_names_what_it_needs_where_the_module_has_no_output_projection():
+    from dataclasses import replace
+
+    student, call = _hybrid_delta_call()
+    with pytest.raises(DoflaError, match="has none of the output projections o_proj, c_proj, dense"):
+        losses.layer_loss("projected_mse", student, replace(call, module=torch.nn.Module()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

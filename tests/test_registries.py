@@ -38,7 +38,8 @@ def test_unknown_names_list_the_registered_ones_and_names_are_taken_once():
         registry["blue"]
     assert registry.get("blue") is None  # plain dict lookups keep their meaning
     with pytest.raises(
-        DoflaError, match="unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax, split_mse"
+        DoflaError,
+        match="unknown loss 'kl'; choose one of: direct, l2, output_mse, projected_mse, softmax, split_mse",
     ):
         DistillSettings(loss="kl").validate()
     with pytest.raises(

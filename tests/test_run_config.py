@@ -221,7 +221,7 @@ def test_a_config_file_with_a_mistake_is_one_sentence(tmp_path, text, message):
         (dict(student=dict(feature_map="nope")), "unknown feature map 'nope'; choose one of:"),
         (
             dict(distill=dict(loss="kl")),
-            "unknown loss 'kl'; choose one of: direct, l2, output_mse, softmax, split_mse.",
+            "unknown loss 'kl'; choose one of: direct, l2, output_mse, projected_mse, softmax, split_mse.",
         ),
         (dict(plan=dict(measure="nope")), "unknown measure 'nope'"),
         (dict(data=dict(heldout_fraction=1.0)), "the held-out fraction must lie in (0, 1), got 1.0"),

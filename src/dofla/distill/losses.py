@@ -15,6 +15,8 @@ Every loss is registered in :data:`LOSSES` by name, at one of three scopes:
   teacher's row entropy, so the value is not 0 at a perfect fit); ``l2``: ``sum_j (P_ij - A_ij)^2``.
 * ``layer`` (a function of one student and its teacher-forced attention call):
   ``output_mse``: mean squared error of the attention outputs before the output projection;
+  ``projected_mse``: that error after the teacher's output projection (what the layer adds to the residual
+  stream), so each direction of the error counts as much as the projection makes it count;
   ``split_mse``: that, plus its mix and memory halves trained apart (hybrid ``gated_delta`` layers).
 * ``model`` (the whole model end to end): ``direct``: next-token cross-entropy, optionally + KL to the
   teacher's logits.
@@ -40,6 +42,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from dofla.errors import DoflaError
+from dofla.models.adapters import output_projection
 from dofla.ops._checks import soft_cap
 from dofla.ops.window.chunked import takes_fused_lse
 from dofla.registry import Registry
@@ -345,6 +348,23 @@ def output_mse_layer_loss(
         call.query, call.key, call.value, call.attention_mask, scaling=call.scaling
     )  # (B, T, H, Dv)
     return output_mse_loss(output, call.output, key_mask)
+
+
+@register_loss("projected_mse", scope="layer")
+def projected_mse_layer_loss(
+    student, call, *, key_mask: Tensor | None = None, query_chunk: int = DEFAULT_QUERY_CHUNK
+) -> Tensor:
+    """The mean squared error, per element of the hidden size, of the student's attention output against
+    the teacher's after the teacher's output projection (its bias cancels in the difference). Two outputs
+    as far apart before the projection can be far apart by different amounts after it: this loss weighs
+    the error as the residual stream receives it. Padded positions are left out, as in ``output_mse``."""
+    output = student(
+        call.query, call.key, call.value, call.attention_mask, scaling=call.scaling
+    )  # (B, T, H, Dv)
+    projection = output_projection(call.module)
+    dtype = next(projection.parameters()).dtype
+    difference = projection(output.flatten(2).to(dtype)) - projection(call.output.flatten(2).to(dtype))
+    return _mean_square(difference[..., None], key_mask)  # (B, T, hidden, 1)
 
 
 @torch.no_grad()

@@ -62,6 +62,24 @@ CACHE_ARGUMENTS: tuple[str, ...] = tuple(dict.fromkeys(family.cache_argument for
 """Every keyword a supported family's attention takes its cache under."""
 
 
+OUTPUT_PROJECTIONS: tuple[str, ...] = tuple(
+    dict.fromkeys(family.lora_targets[-1] for family in FAMILIES.values())
+)
+"""The name of the attention module's output projection in every supported family (the last LoRA target)."""
+
+
+def output_projection(attention: nn.Module) -> nn.Module:
+    """The output projection of a supported family's attention module (``o_proj``, ``c_proj``, ``dense``)."""
+    for name in OUTPUT_PROJECTIONS:
+        found = getattr(attention, name, None)
+        if isinstance(found, nn.Module):
+            return found
+    raise DoflaError(
+        f"{type(attention).__name__} has none of the output projections {', '.join(OUTPUT_PROJECTIONS)}; "
+        "use the output_mse loss, which compares the outputs before it."
+    )
+
+
 def supported_model_types() -> str:
     return ", ".join(f"{family.name} ({model_type})" for model_type, family in FAMILIES.items())
 
