@@ -24,12 +24,12 @@ lines = [
     "",
     "Sum over layers of the fitted error at Fix (32 everywhere): "
     f"{sum(curves.error(layer, 32) for layer in layers):.4f}; at the measured allocation: "
-    f"{sum(curves.error(layer, d) for layer, d in zip(layers, measured.layer_dims)):.4f}.",
+    f"{sum(curves.error(layer, d) for layer, d in zip(layers, measured.layer_dims, strict=True)):.4f}.",
     "",
     "| layer | " + " | ".join(f"error at {d}" for d in curves.dims) + " | fitted at 32 | measured dim |",
     "|---|" + "---|" * (len(curves.dims) + 2),
 ]
-for layer, row in zip(layers, curves.errors):
+for layer, row in zip(layers, curves.errors, strict=True):
     lines.append(
         f"| {layer} | " + " | ".join(f"{value:.4g}" for value in row)
         + f" | {curves.error(layer, 32):.4g} | {measured.layer_dims[layer]} |"
