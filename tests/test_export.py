@@ -193,7 +193,7 @@ def test_the_portable_recipe_trains_every_layer_as_the_cell_and_its_result_expor
     result = linearize(settings, teacher=tiny_teacher(), sequences=sequences())
     saved = json.loads((tmp_path / "run" / "result.json").read_text())["config"]
     assert saved["student"]["cell"] == "gated_delta_net" and saved["plan"]["kind"] == "linear"
-    assert saved["lora"]["train_students"] is True
+    assert saved["lora"]["train_students"] is True and saved["distill"]["loss"] == "projected_mse"
     # the cell reads no rotary positions and has no feature map: no position period, none in the plan table
     from dofla.loading import load_converted
 
