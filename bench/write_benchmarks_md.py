@@ -100,7 +100,8 @@ LATEST = [
         "An exported student in llama.cpp: agreement with transformers, decode speed and state (CPU)",
         "bench/results/llama_cpp.md",
         "`python bench/bench_llama_cpp.py --student EXPORTED ...` (set up by `bench/llama_cpp/setup.sh`): the "
-        "`portable` student of the small-budget run, exported by `dofla export`, and its teacher, both converted "
+        "`portable` student trained on the projected output error (2.52x the teacher's perplexity), exported by "
+        "`dofla export`, and its teacher, both converted "
         "by llama.cpp's converter to float32 GGUF files and run by llama.cpp's CPU runtime in the same run.",
     ),
     Benchmark(
@@ -152,6 +153,11 @@ LATEST = [
 
 # Runs a later one superseded, and one-off comparisons: listed in docs/results/LOG.md, oldest first.
 HISTORY = [
+    (
+        "An exported student in llama.cpp, the barely trained student of the small-budget portable run",
+        "bench/results/llama_cpp_portable_run.md",
+        "the same agreement; its greedy text a repeated dash",
+    ),
     ("Whole-model generation on one H100, SmolLM2-135M shape", "bench/results/gpu_generation_smollm2.md", ""),
     ("Attention-transfer training throughput on one H100", "docs/results/distill/bench_distill_h100.txt", ""),
     (
