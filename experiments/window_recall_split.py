@@ -20,6 +20,13 @@ its first occurrence) windows of LONG tokens, and every other layer an even shar
 run's total (:func:`induction_windows`), all with a recall cache of RECALL: the same tokens in all once every
 window is full (at LONG + sinks tokens and beyond), fewer before.
 
+``--score attention`` keeps, in place of the tokens the memory recalls worst, those that drew the most
+attention while in the window (:func:`attention_mass_scores`: the weight every query head gave the token in
+the window's softmax, sinks included, summed over the window's queries, fixed when the token leaves): the
+heavy hitters of H2O, chosen at the same age for every token. The cells score so only in one call over a
+whole sequence: the pass key then decodes greedily by running the prompt and the tokens so far again for
+each new token (:func:`greedy_without_cache`, the same tokens as decoding through a cache would give).
+
 ``--recall`` also measures, at each length, the loss on text repeated beyond the run's own window
 (:mod:`dofla.evaluation.recall`, the same rows and spans as the run's report), with the teacher's and that
 window's (+ sinks) losses once, and each split's share of the teacher's gain (``kept``).
@@ -35,6 +42,7 @@ Writes ``window_recall_split.md`` and ``.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import json
 import shlex
@@ -45,8 +53,11 @@ from typing import NamedTuple
 
 import torch
 
+from dofla.cells import delta as delta_cells
 from dofla.cells.recall_cache import switch_on_recall_cache
+from dofla.cells.window import window_part
 from dofla.commands._common import integer_list
+from dofla.evaluation import passkey
 from dofla.evaluation.logits import final_hidden_states
 from dofla.evaluation.recall import repeated_rows, summed_scores
 from dofla.evaluation.window_baseline import window_restricted
@@ -54,6 +65,8 @@ from dofla.io import write_text_atomic
 from dofla.loading import load_converted
 from dofla.models import load_teacher
 from dofla.models.surgery import students
+from dofla.ops._checks import soft_cap
+from dofla.ops.recall_cache import RecallCache, leaving_tokens, merge_softmax_parts, recall_cache_attention
 from dofla.pipeline import perplexity
 from dofla.run_config import CONFIG_FILE, load_config
 from dofla.run_data import prepare_data
@@ -204,6 +217,111 @@ def recall_losses(model, rows: torch.Tensor, scored, batch_size: int) -> tuple[f
     return loss / count, correct / count
 
 
+def attention_mass_scores(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scaling: float,
+    window: int,
+    sinks: int,
+    softcap: float | None = None,
+    block: int = 256,
+) -> torch.Tensor:
+    """Each step's leaving token scored by the attention it drew while in the window, for one call that
+    starts its sequence: query (B, H, T, D), keys (B, Hs, T, D), lse (B, H, T) each query's log-sum-exp over
+    the window and sinks -> (B, Hs, T) float32, at step t the summed weight queries t - W .. t - 1 of every
+    query head of the state head gave token t - W; -inf where no token leaves (t < W, or a sink)."""
+    batch, heads, length, head_dim = keys.shape
+    group = query.shape[1] // heads
+    queries = query.float().view(batch, heads, group, length, head_dim)
+    lse = lse.float().view(batch, heads, group, length)
+    mass = torch.zeros(batch, heads, length)
+    for start in range(0, length, block):  # keys start .. stop-1, seen by queries start .. stop+W-2
+        stop, last = min(length, start + block), min(length, start + block + window - 1)
+        logits = soft_cap(
+            scaling * (queries[:, :, :, start:last] @ keys.float()[:, :, None, start:stop].transpose(-1, -2)),
+            softcap,
+        )
+        distance = torch.arange(start, last)[:, None] - torch.arange(start, stop)[None, :]  # (Q, C)
+        seen = (distance >= 0) & (distance < window)
+        weights = torch.exp(logits - lse[:, :, :, start:last, None]).masked_fill(~seen, 0.0)
+        mass[:, :, start:stop] = weights.sum((2, 3))
+    leaving = torch.arange(length) - window
+    valid = leaving >= sinks
+    return mass[:, :, leaving.clamp_min(0)].masked_fill(~valid, float("-inf"))
+
+
+def window_with_attention_cache(
+    cell, form, inputs, memory_keys, log_decay, beta, memory_state, window_state, cache
+):
+    """The cells' ``window_with_recall_cache`` with the cache kept by :func:`attention_mass_scores`: chunked form,
+    one call per sequence."""
+    if form != "chunked" or window_state is not None or cache is not None:
+        raise SystemExit("--score attention scores whole sequences in one call, without a cache.")
+    keys, values = cell.state_heads_view(inputs.key), inputs.values
+    window, window_lse, new_window = window_part(cell, form, inputs, None, return_lse=True)
+    leaving_key, leaving_value, positions, valid = leaving_tokens(keys, values, None, cell.window, cell.sinks)
+    with torch.no_grad():
+        scores = attention_mass_scores(
+            inputs.query,
+            keys,
+            window_lse,
+            scaling=inputs.scaling,
+            window=cell.window,
+            sinks=cell.sinks,
+            softcap=cell.softcap,
+        ).to(keys.device)
+    kept, kept_lse, cache = recall_cache_attention(
+        inputs.query,
+        leaving_key,
+        leaving_value,
+        scores,
+        positions,
+        RecallCache.empty(keys, values, cell.recall_budget),
+        scaling=inputs.scaling,
+        softcap=cell.softcap,
+    )
+    out, lse = merge_softmax_parts(window.to(kept.dtype), window_lse.to(kept.dtype), kept, kept_lse)
+    return out, lse, new_window, cache
+
+
+def greedy_without_cache(model, prompt: torch.Tensor, max_new_tokens: int, stop=None) -> list[int]:
+    """``dofla.evaluation.passkey.greedy_tokens`` with each token from one call over the prompt and the tokens
+    so far, no cache."""
+    generated: list[int] = []
+    for step in range(max_new_tokens):
+        ids = torch.cat([prompt, torch.tensor([generated], dtype=prompt.dtype, device=prompt.device)], dim=1)
+        generated.append(int(model(input_ids=ids, use_cache=False).logits[0, -1].argmax()))
+        if step + 1 == max_new_tokens or (stop is not None and stop(generated)):
+            break
+    return generated
+
+
+SCORE_WORDS = {
+    "recall": "its memory recalls worst",
+    "attention": "that drew the most attention while in the window",
+}
+
+
+@contextlib.contextmanager
+def cache_scored_by(score: str):
+    """The recall caches of every converted layer keep the tokens ``score`` ranks highest: "recall" (the
+    cells' own, the memory's worst recalled) or "attention" (:func:`window_with_attention_cache`)."""
+    if score == "recall":
+        yield
+        return
+    own, own_greedy = delta_cells.window_with_recall_cache, passkey.greedy_tokens
+    delta_cells.window_with_recall_cache, passkey.greedy_tokens = (
+        window_with_attention_cache,
+        greedy_without_cache,
+    )
+    try:
+        yield
+    finally:
+        delta_cells.window_with_recall_cache, passkey.greedy_tokens = own, own_greedy
+
+
 def set_split(model, windows: int | list[int], recall: int) -> None:
     """Every converted layer of ``model`` (and its plan) with a window of ``windows`` tokens (one per layer in
     order, or one for all) and a recall cache of ``recall`` tokens per head."""
@@ -226,6 +344,9 @@ def main(argv=None) -> int:
     parser.add_argument("--min-window", type=int, default=16, help="each layer's least window in need: items")
     parser.add_argument("--need-rows", type=int, default=2, help="held-out rows the need is measured on")
     parser.add_argument("--recall", action="store_true", help="also measure recall of repeated text")
+    parser.add_argument(
+        "--score", choices=("recall", "attention"), default="recall", help="what the cache keeps (see above)"
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -259,6 +380,7 @@ def main(argv=None) -> int:
                 f"the recall cache of {split.recall} leaves no window in the run's {own_window + own_recall} "
                 "tokens per head; give a smaller one."
             )
+    trials = config.evaluate.passkey_trials if args.passkey_trials is None else args.passkey_trials
     command = "experiments/window_recall_split.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     started = time.time()
     torch.manual_seed(config.seed)  # as the run: its rows draw from this
@@ -293,9 +415,6 @@ def main(argv=None) -> int:
             windows_of.append(induction_windows(copying, split.long_layers, split.window, total))
         else:
             windows_of.append(split.window)
-    trials = config.evaluate.passkey_trials if args.passkey_trials is None else args.passkey_trials
-    from dofla.evaluation.passkey import passkey_retrieval
-
     repeated, references = {}, {}
     if args.recall:  # the run's own spans and references: the teacher and its window of the run's size
         for length in lengths:
@@ -306,27 +425,30 @@ def main(argv=None) -> int:
             references[length] = {"teacher": teacher_loss, "window": window_loss}
     del loaded, teacher
     rows = []
-    for split, windows in zip(splits, windows_of, strict=True):
-        set_split(model, windows, split.recall)
-        row = {"kind": split.kind, "window": split.window, "recall_cache": split.recall}
-        row.update(long_layers=split.long_layers, perplexity={}, passkey={}, recall={})
-        if not isinstance(windows, int):
-            row["windows"] = windows
-        for length in lengths:
-            sequences = data.heldout_by_length[length]
-            row["perplexity"][length] = perplexity(model, sequences, config.distill.batch_size)
-            if args.recall:
-                loss, accuracy = recall_losses(model, *repeated[length], config.distill.batch_size)
-                (teacher_loss, _), (window_loss, _) = references[length].values()
-                kept = (window_loss - loss) / (window_loss - teacher_loss)
-                row["recall"][length] = {"loss": loss, "accuracy": accuracy, "kept": kept}
-        if trials:
-            results = passkey_retrieval(model, tokenizer, context_lengths=passkey_lengths, trials=trials)
-            for length in passkey_lengths:
-                at = [r for r in results if r.context_tokens == length]
-                row["passkey"][length] = [round(r.accuracy * r.trials) for r in at], trials * len(at)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    with cache_scored_by(args.score):
+        for split, windows in zip(splits, windows_of, strict=True):
+            set_split(model, windows, split.recall)
+            row = {"kind": split.kind, "window": split.window, "recall_cache": split.recall}
+            row.update(long_layers=split.long_layers, perplexity={}, passkey={}, recall={})
+            if not isinstance(windows, int):
+                row["windows"] = windows
+            for length in lengths:
+                sequences = data.heldout_by_length[length]
+                row["perplexity"][length] = perplexity(model, sequences, config.distill.batch_size)
+                if args.recall:
+                    loss, accuracy = recall_losses(model, *repeated[length], config.distill.batch_size)
+                    (teacher_loss, _), (window_loss, _) = references[length].values()
+                    kept = (window_loss - loss) / (window_loss - teacher_loss)
+                    row["recall"][length] = {"loss": loss, "accuracy": accuracy, "kept": kept}
+            if trials:
+                results = passkey.passkey_retrieval(
+                    model, tokenizer, context_lengths=passkey_lengths, trials=trials
+                )
+                for length in passkey_lengths:
+                    at = [r for r in results if r.context_tokens == length]
+                    row["passkey"][length] = [round(r.accuracy * r.trials) for r in at], trials * len(at)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     seconds = time.time() - started
     lines = [
         "# The run's student with its window and recall cache split differently, no training",
@@ -334,7 +456,7 @@ def main(argv=None) -> int:
         f"Command: `{command}` ({seconds:.0f} s, {torch.get_num_threads()} threads). Run: `{run}`, trained "
         f"with window {own_window} + {sinks} sinks and a recall cache of {own_recall}; every split holds the "
         "same tokens per head (the same state bytes) once its windows are full. Held-out rows as the run made "
-        "them.",
+        f"them. The recall cache keeps the tokens {SCORE_WORDS[args.score]}.",
         "",
         "| window | recall cache | "
         + " | ".join(f"ppl {n}" for n in lengths)
@@ -377,7 +499,7 @@ def main(argv=None) -> int:
                 f"Windows of the split `{row['kind']}` {row['window']}, layer 0 first: {row['windows']}.",
             ]
     out.mkdir(parents=True, exist_ok=True)
-    payload = dict(command=command, seconds=seconds, run=str(run), rows=rows)
+    payload = dict(command=command, seconds=seconds, run=str(run), score=args.score, rows=rows)
     if by_distance is not None:
         payload["attention_by_distance"] = by_distance.tolist()
     if copying is not None:
