@@ -20,12 +20,9 @@ its first occurrence) windows of LONG tokens, and every other layer an even shar
 run's total (:func:`induction_windows`), all with a recall cache of RECALL: the same tokens in all once every
 window is full (at LONG + sinks tokens and beyond), fewer before.
 
-``--score attention`` keeps, in place of the tokens the memory recalls worst, those that drew the most
-attention while in the window (:func:`attention_mass_scores`: the weight every query head gave the token in
-the window's softmax, sinks included, summed over the window's queries, fixed when the token leaves): the
-heavy hitters of H2O, chosen at the same age for every token. The cells score so only in one call over a
-whole sequence: the pass key then decodes greedily by running the prompt and the tokens so far again for
-each new token (:func:`greedy_without_cache`, the same tokens as decoding through a cache would give).
+A ``WINDOW:RECALL:HEAVY`` item keeps, beside the RECALL tokens the memory recalls worst, the HEAVY tokens
+that drew the most attention while in the window (the cell option ``heavy_hitters``,
+:mod:`dofla.ops.recall_cache.attention`); RECALL may then be 0.
 
 ``--recall`` also measures, at each length, the loss on text repeated beyond the run's own window
 (:mod:`dofla.evaluation.recall`, the same rows and spans as the run's report), with the teacher's and that
@@ -42,7 +39,6 @@ Writes ``window_recall_split.md`` and ``.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import heapq
 import json
 import shlex
@@ -53,20 +49,16 @@ from typing import NamedTuple
 
 import torch
 
-from dofla.cells import delta as delta_cells
 from dofla.cells.recall_cache import switch_on_recall_cache
-from dofla.cells.window import window_part
 from dofla.commands._common import integer_list
-from dofla.evaluation import passkey
 from dofla.evaluation.logits import final_hidden_states
+from dofla.evaluation.passkey import passkey_retrieval
 from dofla.evaluation.recall import repeated_rows, summed_scores
 from dofla.evaluation.window_baseline import window_restricted
 from dofla.io import write_text_atomic
 from dofla.loading import load_converted
 from dofla.models import load_teacher
 from dofla.models.surgery import students
-from dofla.ops._checks import soft_cap
-from dofla.ops.recall_cache import RecallCache, leaving_tokens, merge_softmax_parts, recall_cache_attention
 from dofla.pipeline import perplexity
 from dofla.run_config import CONFIG_FILE, load_config
 from dofla.run_data import prepare_data
@@ -74,12 +66,14 @@ from dofla.run_data import prepare_data
 
 class Split(NamedTuple):
     """One item of ``--splits``: ``kind`` "uniform", "need" or "induction"; ``window`` (the mean window for
-    need, the long one for induction), ``recall`` slots per head, ``long_layers`` (induction's K)."""
+    need, the long one for induction), ``recall`` slots per head, ``long_layers`` (induction's K),
+    ``heavy`` heavy-hitter slots per head."""
 
     kind: str
     window: int
     recall: int
     long_layers: int = 0
+    heavy: int = 0
 
     def label(self) -> str:
         if self.kind == "need":
@@ -91,7 +85,7 @@ class Split(NamedTuple):
 
 def split_of(row: dict) -> Split:
     """The split a result row (of :func:`main`) measured."""
-    return Split(row["kind"], row["window"], row["recall_cache"], row["long_layers"])
+    return Split(row["kind"], row["window"], row["recall_cache"], row["long_layers"], row["heavy_hitters"])
 
 
 def parse_splits(text: str) -> list[Split]:
@@ -101,17 +95,21 @@ def parse_splits(text: str) -> list[Split]:
         fields = item.split(":")
         kind = fields[0] if fields[0] in ("need", "induction") else "uniform"
         numbers = fields[1:] if kind != "uniform" else fields
-        wanted = 3 if kind == "induction" else 2
-        if len(numbers) != wanted or not all(n.isdigit() and int(n) >= 1 for n in numbers):
+        wanted = {"induction": (3,), "need": (2,), "uniform": (2, 3)}[kind]
+        heavy = len(numbers) == 3 and kind == "uniform"
+        whole = all(
+            n.isdigit() and (int(n) >= 1 or (heavy and index == 1)) for index, n in enumerate(numbers)
+        )
+        if len(numbers) not in wanted or not whole or (heavy and int(numbers[2]) < 1):
             raise SystemExit(
-                "--splits takes WINDOW:RECALL, need:WINDOW:RECALL or induction:LAYERS:LONG:RECALL items of whole "
-                f"numbers >= 1, got {item!r}."
+                "--splits takes WINDOW:RECALL, WINDOW:RECALL:HEAVY, need:WINDOW:RECALL or "
+                f"induction:LAYERS:LONG:RECALL items of whole numbers >= 1 (RECALL 0 with HEAVY), got {item!r}."
             )
         values = [int(n) for n in numbers]
         if kind == "induction":
             splits.append(Split(kind, values[1], values[2], values[0]))
         else:
-            splits.append(Split(kind, values[0], values[1]))
+            splits.append(Split(kind, values[0], values[1], 0, values[2] if heavy else 0))
     if not splits:
         raise SystemExit("--splits is empty; give WINDOW:RECALL items, e.g. 128:288,384:32.")
     return splits
@@ -217,115 +215,11 @@ def recall_losses(model, rows: torch.Tensor, scored, batch_size: int) -> tuple[f
     return loss / count, correct / count
 
 
-def attention_mass_scores(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    scaling: float,
-    window: int,
-    sinks: int,
-    softcap: float | None = None,
-    block: int = 256,
-) -> torch.Tensor:
-    """Each step's leaving token scored by the attention it drew while in the window, for one call that
-    starts its sequence: query (B, H, T, D), keys (B, Hs, T, D), lse (B, H, T) each query's log-sum-exp over
-    the window and sinks -> (B, Hs, T) float32, at step t the summed weight queries t - W .. t - 1 of every
-    query head of the state head gave token t - W; -inf where no token leaves (t < W, or a sink)."""
-    batch, heads, length, head_dim = keys.shape
-    group = query.shape[1] // heads
-    queries = query.float().view(batch, heads, group, length, head_dim)
-    lse = lse.float().view(batch, heads, group, length)
-    mass = torch.zeros(batch, heads, length)
-    for start in range(0, length, block):  # keys start .. stop-1, seen by queries start .. stop+W-2
-        stop, last = min(length, start + block), min(length, start + block + window - 1)
-        logits = soft_cap(
-            scaling * (queries[:, :, :, start:last] @ keys.float()[:, :, None, start:stop].transpose(-1, -2)),
-            softcap,
-        )
-        distance = torch.arange(start, last)[:, None] - torch.arange(start, stop)[None, :]  # (Q, C)
-        seen = (distance >= 0) & (distance < window)
-        weights = torch.exp(logits - lse[:, :, :, start:last, None]).masked_fill(~seen, 0.0)
-        mass[:, :, start:stop] = weights.sum((2, 3))
-    leaving = torch.arange(length) - window
-    valid = leaving >= sinks
-    return mass[:, :, leaving.clamp_min(0)].masked_fill(~valid, float("-inf"))
-
-
-def window_with_attention_cache(
-    cell, form, inputs, memory_keys, log_decay, beta, memory_state, window_state, cache
-):
-    """The cells' ``window_with_recall_cache`` with the cache kept by :func:`attention_mass_scores`: chunked form,
-    one call per sequence."""
-    if form != "chunked" or window_state is not None or cache is not None:
-        raise SystemExit("--score attention scores whole sequences in one call, without a cache.")
-    keys, values = cell.state_heads_view(inputs.key), inputs.values
-    window, window_lse, new_window = window_part(cell, form, inputs, None, return_lse=True)
-    leaving_key, leaving_value, positions, valid = leaving_tokens(keys, values, None, cell.window, cell.sinks)
-    with torch.no_grad():
-        scores = attention_mass_scores(
-            inputs.query,
-            keys,
-            window_lse,
-            scaling=inputs.scaling,
-            window=cell.window,
-            sinks=cell.sinks,
-            softcap=cell.softcap,
-        ).to(keys.device)
-    kept, kept_lse, cache = recall_cache_attention(
-        inputs.query,
-        leaving_key,
-        leaving_value,
-        scores,
-        positions,
-        RecallCache.empty(keys, values, cell.recall_budget),
-        scaling=inputs.scaling,
-        softcap=cell.softcap,
-    )
-    out, lse = merge_softmax_parts(window.to(kept.dtype), window_lse.to(kept.dtype), kept, kept_lse)
-    return out, lse, new_window, cache
-
-
-def greedy_without_cache(model, prompt: torch.Tensor, max_new_tokens: int, stop=None) -> list[int]:
-    """``dofla.evaluation.passkey.greedy_tokens`` with each token from one call over the prompt and the tokens
-    so far, no cache."""
-    generated: list[int] = []
-    for step in range(max_new_tokens):
-        ids = torch.cat([prompt, torch.tensor([generated], dtype=prompt.dtype, device=prompt.device)], dim=1)
-        generated.append(int(model(input_ids=ids, use_cache=False).logits[0, -1].argmax()))
-        if step + 1 == max_new_tokens or (stop is not None and stop(generated)):
-            break
-    return generated
-
-
-SCORE_WORDS = {
-    "recall": "its memory recalls worst",
-    "attention": "that drew the most attention while in the window",
-}
-
-
-@contextlib.contextmanager
-def cache_scored_by(score: str):
-    """The recall caches of every converted layer keep the tokens ``score`` ranks highest: "recall" (the
-    cells' own, the memory's worst recalled) or "attention" (:func:`window_with_attention_cache`)."""
-    if score == "recall":
-        yield
-        return
-    own, own_greedy = delta_cells.window_with_recall_cache, passkey.greedy_tokens
-    delta_cells.window_with_recall_cache, passkey.greedy_tokens = (
-        window_with_attention_cache,
-        greedy_without_cache,
-    )
-    try:
-        yield
-    finally:
-        delta_cells.window_with_recall_cache, passkey.greedy_tokens = own, own_greedy
-
-
-def set_split(model, windows: int | list[int], recall: int) -> None:
+def set_split(model, windows: int | list[int], recall: int, heavy: int = 0) -> None:
     """Every converted layer of ``model`` (and its plan) with a window of ``windows`` tokens (one per layer in
-    order, or one for all) and a recall cache of ``recall`` tokens per head."""
-    switch_on_recall_cache(model, recall)
+    order, or one for all), a recall cache of ``recall`` tokens per head its memory recalls worst and
+    ``heavy`` that drew the most attention."""
+    switch_on_recall_cache(model, recall, heavy)
     for order, (index, student) in enumerate(sorted(students(model).items())):
         window = windows if isinstance(windows, int) else windows[order]
         student.window = window
@@ -344,9 +238,6 @@ def main(argv=None) -> int:
     parser.add_argument("--min-window", type=int, default=16, help="each layer's least window in need: items")
     parser.add_argument("--need-rows", type=int, default=2, help="held-out rows the need is measured on")
     parser.add_argument("--recall", action="store_true", help="also measure recall of repeated text")
-    parser.add_argument(
-        "--score", choices=("recall", "attention"), default="recall", help="what the cache keeps (see above)"
-    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -369,9 +260,10 @@ def main(argv=None) -> int:
     own_window, own_recall = next(iter(own))
     sinks = layers[min(layers)].sinks
     for split in splits:
-        if split.kind != "induction" and split.window + split.recall != own_window + own_recall:
+        held = split.window + split.recall + split.heavy
+        if split.kind != "induction" and held != own_window + own_recall:
             raise SystemExit(
-                f"the split {split.window}:{split.recall} holds {split.window + split.recall} tokens per head "
+                f"the split {split.window}:{split.recall} holds {held} tokens per head "
                 f"and the run's {own_window}:{own_recall} holds {own_window + own_recall}; give splits that "
                 "sum to it."
             )
@@ -425,30 +317,32 @@ def main(argv=None) -> int:
             references[length] = {"teacher": teacher_loss, "window": window_loss}
     del loaded, teacher
     rows = []
-    with cache_scored_by(args.score):
-        for split, windows in zip(splits, windows_of, strict=True):
-            set_split(model, windows, split.recall)
-            row = {"kind": split.kind, "window": split.window, "recall_cache": split.recall}
-            row.update(long_layers=split.long_layers, perplexity={}, passkey={}, recall={})
-            if not isinstance(windows, int):
-                row["windows"] = windows
-            for length in lengths:
-                sequences = data.heldout_by_length[length]
-                row["perplexity"][length] = perplexity(model, sequences, config.distill.batch_size)
-                if args.recall:
-                    loss, accuracy = recall_losses(model, *repeated[length], config.distill.batch_size)
-                    (teacher_loss, _), (window_loss, _) = references[length].values()
-                    kept = (window_loss - loss) / (window_loss - teacher_loss)
-                    row["recall"][length] = {"loss": loss, "accuracy": accuracy, "kept": kept}
-            if trials:
-                results = passkey.passkey_retrieval(
-                    model, tokenizer, context_lengths=passkey_lengths, trials=trials
-                )
-                for length in passkey_lengths:
-                    at = [r for r in results if r.context_tokens == length]
-                    row["passkey"][length] = [round(r.accuracy * r.trials) for r in at], trials * len(at)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for split, windows in zip(splits, windows_of, strict=True):
+        set_split(model, windows, split.recall, split.heavy)
+        row = {
+            "kind": split.kind,
+            "window": split.window,
+            "recall_cache": split.recall,
+            "heavy_hitters": split.heavy,
+        }
+        row.update(long_layers=split.long_layers, perplexity={}, passkey={}, recall={})
+        if not isinstance(windows, int):
+            row["windows"] = windows
+        for length in lengths:
+            sequences = data.heldout_by_length[length]
+            row["perplexity"][length] = perplexity(model, sequences, config.distill.batch_size)
+            if args.recall:
+                loss, accuracy = recall_losses(model, *repeated[length], config.distill.batch_size)
+                (teacher_loss, _), (window_loss, _) = references[length].values()
+                kept = (window_loss - loss) / (window_loss - teacher_loss)
+                row["recall"][length] = {"loss": loss, "accuracy": accuracy, "kept": kept}
+        if trials:
+            results = passkey_retrieval(model, tokenizer, context_lengths=passkey_lengths, trials=trials)
+            for length in passkey_lengths:
+                at = [r for r in results if r.context_tokens == length]
+                row["passkey"][length] = [round(r.accuracy * r.trials) for r in at], trials * len(at)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     seconds = time.time() - started
     lines = [
         "# The run's student with its window and recall cache split differently, no training",
@@ -456,14 +350,15 @@ def main(argv=None) -> int:
         f"Command: `{command}` ({seconds:.0f} s, {torch.get_num_threads()} threads). Run: `{run}`, trained "
         f"with window {own_window} + {sinks} sinks and a recall cache of {own_recall}; every split holds the "
         "same tokens per head (the same state bytes) once its windows are full. Held-out rows as the run made "
-        f"them. The recall cache keeps the tokens {SCORE_WORDS[args.score]}.",
+        "them. Recall cache: the tokens the memory recalls worst; heavy hitters: those that drew the most "
+        "attention while in the window.",
         "",
-        "| window | recall cache | "
+        "| window | recall cache | heavy hitters | "
         + " | ".join(f"ppl {n}" for n in lengths)
         + (" | " + " | ".join(f"recall kept {n}" for n in lengths) if args.recall else "")
         + (" | " + " | ".join(f"pass key {n}" for n in passkey_lengths) if trials else "")
         + " |",
-        "|---|---|"
+        "|---|---|---|"
         + "---|" * (len(lengths) * (2 if args.recall else 1) + (len(passkey_lengths) if trials else 0)),
     ]
     for row in rows:
@@ -472,7 +367,11 @@ def main(argv=None) -> int:
             cells += [f"{row['recall'][n]['kept']:.2f}" for n in lengths]
         if trials:
             cells += [f"{sum(row['passkey'][n][0])}/{row['passkey'][n][1]}" for n in passkey_lengths]
-        lines.append(f"| {split_of(row).label()} | {row['recall_cache']} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {split_of(row).label()} | {row['recall_cache']} | {row['heavy_hitters']} | "
+            + " | ".join(cells)
+            + " |"
+        )
     if args.recall:
         lines += [
             "",
@@ -488,7 +387,7 @@ def main(argv=None) -> int:
         ]
         for row in rows:
             lines.append(
-                f"| {split_of(row).label()}, recall cache {row['recall_cache']} | "
+                f"| {split_of(row).label()}, recall cache {row['recall_cache']}, heavy hitters {row['heavy_hitters']} | "
                 + " | ".join(f"{row['recall'][n]['loss']:.3f}" for n in lengths)
                 + " |"
             )
@@ -499,7 +398,7 @@ def main(argv=None) -> int:
                 f"Windows of the split `{row['kind']}` {row['window']}, layer 0 first: {row['windows']}.",
             ]
     out.mkdir(parents=True, exist_ok=True)
-    payload = dict(command=command, seconds=seconds, run=str(run), score=args.score, rows=rows)
+    payload = dict(command=command, seconds=seconds, run=str(run), rows=rows)
     if by_distance is not None:
         payload["attention_by_distance"] = by_distance.tolist()
     if copying is not None:

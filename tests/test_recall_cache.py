@@ -14,6 +14,7 @@ from dofla.ops import (
 )
 from dofla.ops.recall_cache import (
     RecallCache,
+    attention_scores_naive,
     insert_recall_candidate,
     leaving_tokens,
     merge_softmax_parts,
@@ -21,7 +22,9 @@ from dofla.ops.recall_cache import (
     recall_cache_window_attention,
     recall_errors,
     recall_scores_naive,
+    window_attention_scores,
 )
+from dofla.ops.window.naive import window_attention
 
 WINDOW, SINKS, BUDGET, LENGTH = 5, 2, 3, 23
 
@@ -72,6 +75,38 @@ def test_recall_errors_match_the_token_loop():
     assert steps.sum() == LENGTH - WINDOW - SINKS
     torch.testing.assert_close(scores[..., steps], reference[..., positions[steps]], rtol=1e-6, atol=1e-6)
     assert torch.isinf(scores[..., ~steps]).all()
+
+
+@pytest.mark.parametrize("cuts", [(), (9,), (3, 4, 11, 12, 13)])
+def test_attention_scores_match_the_query_loop_however_the_calls_split(cuts):
+    inputs = draw(seed=4)
+    query, key = inputs["query"].detach(), inputs["key"].detach()
+    scaling = 0.5
+    options = WindowOptions(scaling, WINDOW, SINKS, None)
+    _, lse = window_attention(WindowInputs(query, key, inputs["value"].detach()), options, return_lse=True)
+    by_token = attention_scores_naive(query, key, lse, scaling=scaling, window=WINDOW, sinks=SINKS)
+    assert torch.isfinite(by_token[..., SINKS : LENGTH - WINDOW]).all()
+    assert torch.isinf(by_token[..., :SINKS]).all() and torch.isinf(by_token[..., LENGTH - WINDOW :]).all()
+    pending, pieces = torch.zeros(2, 2, WINDOW), []
+    for start, stop in zip((0, *cuts), (*cuts, LENGTH), strict=True):
+        held = min(start, WINDOW)
+        scores, pending = window_attention_scores(
+            query[:, :, start:stop],
+            key[:, :, start - held : stop],
+            lse[:, :, start:stop],
+            pending,
+            start,
+            scaling=scaling,
+            window=WINDOW,
+            sinks=SINKS,
+            block=3,
+        )
+        pieces.append(scores)
+    by_step = torch.cat(pieces, dim=-1)
+    torch.testing.assert_close(by_step[..., WINDOW:], by_token[..., : LENGTH - WINDOW])
+    assert torch.isinf(by_step[..., :WINDOW]).all()
+    # each query's weights sum to at most 1, so a token seen by W queries of G heads scores at most G * W
+    assert float(by_token[..., SINKS : LENGTH - WINDOW].max()) <= 2 * WINDOW
 
 
 def fast_window_with_cache(
@@ -146,12 +181,13 @@ def test_two_calls_equal_one():
     assert state[1].scores.isfinite().sum() == state[1].scores.numel()  # every slot filled by then
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_the_one_token_insertion_keeps_the_cache_of_the_chunked_form(tied):
+@pytest.mark.parametrize("tied, budgets", [(False, None), (True, None), (False, (1, 2)), (True, (2, 1))])
+def test_the_one_token_insertion_keeps_the_cache_of_the_chunked_form(tied, budgets):
     """``insert_recall_candidate`` (the cells' decoding step) against ``recall_cache_attention`` on chunks of
     one: the same cache, tensor for tensor, while it fills, when a token is not kept and when one gives
-    way; ``tied`` draws scores from three values, so ties are decided by age. (The decoding step's
-    outputs: tests/test_decode_steps.py.)"""
+    way; ``tied`` draws scores from three values, so ties are decided by age; ``budgets``: two scores, the
+    second the first reversed, each keeping its own number of tokens. (The decoding step's outputs:
+    tests/test_decode_steps.py.)"""
     inputs = draw(seed=4)
     query, key, value = (inputs[name].detach() for name in ("query", "key", "value"))
     *leaving, scores, _ = fast_scores(key, value, inputs["log_decay"], inputs["beta"])
@@ -160,23 +196,27 @@ def test_the_one_token_insertion_keeps_the_cache_of_the_chunked_form(tied):
         generator = torch.Generator().manual_seed(7)
         drawn = torch.randint(0, 3, scores.shape, generator=generator).to(scores.dtype)
         scores = torch.where(torch.isfinite(scores), drawn, scores)
-    slow = fast = RecallCache.empty(key, value, BUDGET)
+    if budgets:  # a second score that ranks the tokens the other way
+        scores = torch.stack(
+            [scores, -scores.nan_to_num(neginf=0.0).masked_fill(~torch.isfinite(scores), float("-inf"))], -1
+        )
+    slow = fast = RecallCache.empty(key, value, BUDGET, kinds=2 if budgets else 1)
     gave_way = refused = 0
     for t in range(LENGTH):
         step = slice(t, t + 1)
         *_, slow = recall_cache_attention(
             query[:, :, step], leaving_key[:, :, step], leaving_value[:, :, step], scores[:, :, step],
-            positions[step], slow, scaling=0.5, chunk_size=1,
+            positions[step], slow, scaling=0.5, chunk_size=1, budgets=budgets,
         )  # fmt: skip
         if positions[t] < SINKS:  # no token leaves: the step leaves the cache as it is
             continue
         before = fast
         fast = insert_recall_candidate(
-            fast, leaving_key[:, :, t], leaving_value[:, :, t], scores[:, :, t], int(positions[t])
+            fast, leaving_key[:, :, t], leaving_value[:, :, t], scores[:, :, t], int(positions[t]), budgets
         )
         for got, want in zip(fast.tensors(), slow.tensors(), strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-        full = torch.isfinite(before.scores).all(-1)
+        full = torch.isfinite(before.scores[..., 0]).all(-1)
         gave_way += int((full & torch.isin(fast.positions, positions[t]).any(-1)).sum())
         refused += int((full & ~torch.isin(fast.positions, positions[t]).any(-1)).sum())
     assert gave_way > 0 and refused > 0  # full caches both took tokens and turned them away
@@ -222,17 +262,35 @@ def cell_inputs(length=17, seed=3):
     return normal(4), normal(2), normal(2)
 
 
-@pytest.mark.parametrize("options", [{}, {"mix": "adaptive"}, {"output_gate": True}])
+BY_ATTENTION = {"recall_cache": 0, "heavy_hitters": 3}  # the heavy hitters alone
+BOTH = {"recall_cache": 2, "heavy_hitters": 2}  # the union of the two
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"mix": "adaptive"}, {"output_gate": True}, BY_ATTENTION, BOTH, {**BOTH, "mix": "adaptive"}],
+)
 def test_cell_forms_agree_with_the_recall_cache(options):
     student = recall_cell(**options)
     output, _ = assert_student_forms_agree(student, *cell_inputs())
-    without = recall_cell(budget=0, **options)
+    without = recall_cell(budget=0, **{k: v for k, v in options.items() if k not in BOTH})
     without.load_state_dict(student.state_dict())
     assert (without(*cell_inputs(), form="naive") - output).abs().max() > 1e-4  # the cache is read
 
 
-def test_cell_prefill_then_decode_equals_one_pass():
-    student = recall_cell()
+def test_the_heavy_hitters_keep_other_tokens_than_the_worst_recalled():
+    by_error, by_attention, both = recall_cell(), recall_cell(**BY_ATTENTION), recall_cell(**BOTH)
+    by_attention.load_state_dict(by_error.state_dict())
+    both.load_state_dict(by_error.state_dict())
+    inputs = cell_inputs()
+    outputs = [cell(*inputs) for cell in (by_error, by_attention, both)]
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        assert (outputs[a] - outputs[b]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("options", [{}, BY_ATTENTION, BOTH])
+def test_cell_prefill_then_decode_equals_one_pass(options):
+    student = recall_cell(**options)
     query, key, value = (tensor.detach() for tensor in cell_inputs(length=19))
     full = student(query, key, value)
     layer, pieces = RecurrentCacheLayer(), []
@@ -242,7 +300,14 @@ def test_cell_prefill_then_decode_equals_one_pass():
         pieces.append(student(query[:, :, start:stop], key[:, :, start:stop], value[:, :, start:stop]))
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-10, atol=1e-12)
     kept = layer.state.recall
-    assert kept.keys.shape == (2, 2, 3, 8) and bool(kept.scores.isfinite().all())
+    filled = kept.scores[..., 0].isfinite().sum(-1)
+    if options == BOTH:  # 2 + 2 slots: a token best by both scores takes one, and leaves one empty
+        assert kept.keys.shape[2] == 4 and bool(((filled >= 2) & (filled <= 4)).all())
+    else:
+        assert kept.keys.shape[2] == 3 and bool((filled == 3).all())
+    assert (kept.attention is None) == (options == {})
+    if kept.attention is not None:  # the sums of the tokens in the window, held as state
+        assert kept.attention.shape == (2, 2, 4) and bool((kept.attention > 0).all())
     assert layer.nbytes() >= kept.nbytes()
 
 
@@ -253,6 +318,8 @@ def test_cell_prefill_then_decode_equals_one_pass():
         ("hybrid", {"recall_cache": 2.5}, "whole number"),
         ("linear", {"recall_cache": 4}, "needs kind hybrid"),
         ("hybrid", {"recall_cache": 4, "short_conv": 3}, "without short_conv"),
+        ("hybrid", {"heavy_hitters": -2}, "heavy_hitters is the number of tokens"),
+        ("linear", {"heavy_hitters": 4}, "needs kind hybrid"),
     ],
 )
 def test_bad_recall_budgets_are_refused(kind, options, message):
@@ -261,7 +328,10 @@ def test_bad_recall_budgets_are_refused(kind, options, message):
         build_student(plan, **CELL_SHAPE)
 
 
-def test_a_converted_model_with_the_recall_cache_decodes_as_it_runs_whole(monkeypatch):
+@pytest.mark.parametrize(
+    "kept", [{"recall_cache": 3}, {"heavy_hitters": 3}, {"recall_cache": 1, "heavy_hitters": 2}]
+)
+def test_a_converted_model_with_the_recall_cache_decodes_as_it_runs_whole(monkeypatch, kept):
     """Token by token through the cells' decoding step (``window_step_with_recall_cache``, counted), the
     logits of one pass over the whole sequence."""
     from transformers import DynamicCache
@@ -272,7 +342,7 @@ def test_a_converted_model_with_the_recall_cache_decodes_as_it_runs_whole(monkey
 
     model = build_tiny_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8, seed=0)
     tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(1))
-    options = {"recall_cache": 3, "window_factor": 0.9}
+    options = {"window_factor": 0.9, **kept}
     convert(
         model,
         plan_for(

@@ -41,6 +41,7 @@ from dofla.cells.gated import DEFAULT_DECAY_MEMORY, TokenGate, initial_gate_logi
 from dofla.cells.recall_cache import (
     check_recall_call,
     recall_budget,
+    recall_kinds,
     window_step_with_recall_cache,
     window_with_recall_cache,
 )
@@ -108,7 +109,16 @@ class GatedDeltaAttention(LinearAttention):
     from the token's value scales the memory's read-out (default false).
     """
 
-    CELL_OPTIONS = ("decay_memory", "beta", "mix", "mix_lr", "short_conv", "output_gate", "recall_cache")
+    CELL_OPTIONS = (
+        "decay_memory",
+        "beta",
+        "mix",
+        "mix_lr",
+        "short_conv",
+        "output_gate",
+        "recall_cache",
+        "heavy_hitters",
+    )
     requires_nonnegative_features = False
     default_window_factor = DEFAULT_DELTA_WINDOW_FACTOR
 
@@ -135,6 +145,7 @@ class GatedDeltaAttention(LinearAttention):
             )
         self.adaptive_mix = mix == "adaptive"
         self.recall_budget = recall_budget(self, self.cell_options)  # dofla.cells.recall_cache; 0: none
+        self.recall_kinds, self.recall_budgets = recall_kinds(self.cell_options)
         self.mix_lr = float(self.cell_options.get("mix_lr", 1.0))
         if not self.mix_lr > 0:
             raise DoflaError(f"layer {self.layer_index}: mix_lr must be positive, got {self.mix_lr}.")

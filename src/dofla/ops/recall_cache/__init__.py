@@ -9,11 +9,19 @@ the lowest kept one. The cache's keys join the window's softmax: the window part
 merged by their log-sum-exps, which is one softmax over both key sets. Per token the cost is constant in
 the context: ``budget`` keys read and one more memory read (the leaving token's recall).
 
+With a second score, the attention each token drew while in the window (``attention``: the heavy hitters
+of H2O), the cache keeps for each score its own number of best tokens, and a query sees their union.
+
 ``naive`` (references, tests only), ``chunked`` (every form of the cells: chunks of queries carry the cache
 from one to the next; the recurrent form is chunks of one token), ``step`` (the cells' decoding step: one
 token joins the cache in O(budget), the cache equal to the chunked form's).
 """
 
+from dofla.ops.recall_cache.attention import (
+    attention_scores_naive,
+    ring_attention_weights,
+    window_attention_scores,
+)
 from dofla.ops.recall_cache.chunked import (
     RecallCache,
     leaving_tokens,
@@ -26,6 +34,7 @@ from dofla.ops.recall_cache.step import insert_recall_candidate
 
 __all__ = [
     "RecallCache",
+    "attention_scores_naive",
     "insert_recall_candidate",
     "leaving_tokens",
     "merge_softmax_parts",
@@ -33,4 +42,6 @@ __all__ = [
     "recall_cache_window_attention",
     "recall_errors",
     "recall_scores_naive",
+    "ring_attention_weights",
+    "window_attention_scores",
 ]

@@ -22,28 +22,41 @@ class RecallCache(BatchedState):
     """The kept tokens of one layer, ``budget`` slots per state head.
 
     keys (B, Hs, K, D), values (B, Hs, K, Dv): the kept tokens' keys (after rotary) and values, input dtype;
-    scores (B, Hs, K) float32: their recall errors, -inf in empty slots; positions (B, Hs, K) int64: their
-    token positions (ties go to the older token), ``EMPTY_POSITION`` in empty slots.
+    scores (B, Hs, K, S) float32: their S scores (the recall error, the attention they drew:
+    ``dofla.ops.recall_cache.attention``), -inf in empty slots; positions (B, Hs, K) int64: their token
+    positions (ties go to the older token), ``EMPTY_POSITION`` in empty slots. attention (B, Hs, W) float32:
+    for a cache with an attention score, the attention sums so far of the tokens in the window (token p in
+    slot p % W); else None.
     """
 
     keys: Tensor
     values: Tensor
     scores: Tensor
     positions: Tensor
+    attention: Tensor | None = None
+
+    @property
+    def slots(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The kept tokens' tensors: keys, values, scores, positions."""
+        return self.keys, self.values, self.scores, self.positions
 
     @property
     def budget(self) -> int:
         return self.keys.shape[2]
 
     @classmethod
-    def empty(cls, key: Tensor, value: Tensor, budget: int) -> RecallCache:
-        """A cache with every slot empty, in the dtype and device of key (B, Hs, T, D) and value (B, Hs, T, Dv)."""
+    def empty(
+        cls, key: Tensor, value: Tensor, budget: int, window: int | None = None, kinds: int = 1
+    ) -> RecallCache:
+        """A cache with every slot empty for ``kinds`` scores, in the dtype and device of key (B, Hs, T, D)
+        and value (B, Hs, T, Dv); with ``window``, with attention sums (zero)."""
         batch, heads = key.shape[:2]
         return cls(
             keys=key.new_zeros(batch, heads, int(budget), key.shape[-1]),
             values=value.new_zeros(batch, heads, int(budget), value.shape[-1]),
-            scores=torch.full((batch, heads, int(budget)), float("-inf"), device=key.device),
+            scores=torch.full((batch, heads, int(budget), int(kinds)), float("-inf"), device=key.device),
             positions=torch.full((batch, heads, int(budget)), EMPTY_POSITION, device=key.device),
+            attention=None if window is None else torch.zeros(batch, heads, int(window), device=key.device),
         )
 
 
@@ -119,15 +132,55 @@ def _take(tensor: Tensor, order: Tensor) -> Tensor:
 
 def kept_candidates(candidates: RecallCache, kept: Tensor, budget: int) -> RecallCache:
     """The cache of ``budget`` slots the kept candidates make: candidates (N >= budget slots) and kept
-    (B, Hs, N) bool, at most ``budget`` per head; the kept ones first in candidate order, then empty slots."""
+    (B, Hs, N) bool, at most ``budget`` per head; the kept ones first in candidate order, then empty slots.
+    The attention sums are the candidates' (the caller moves them on)."""
     order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)[..., :budget]  # kept ones first
     kept = kept.gather(-1, order)
     return RecallCache(
         keys=_take(candidates.keys, order),
         values=_take(candidates.values, order),
-        scores=_take(candidates.scores, order).masked_fill(~kept, float("-inf")),
+        scores=_take(candidates.scores, order).masked_fill(~kept[..., None], float("-inf")),
         positions=_take(candidates.positions, order).masked_fill(~kept, EMPTY_POSITION),
+        attention=candidates.attention,
     )
+
+
+def score_columns(scores: Tensor, budgets, budget: int) -> tuple[Tensor, tuple[int, ...]]:
+    """scores (B, Hs, T) of one kind or (B, Hs, T, S) -> (B, Hs, T, S) float32, and the slots each kind
+    keeps (``budgets``; None: one kind with all ``budget`` slots), which must sum to ``budget``."""
+    scores = scores[..., None] if scores.dim() == 3 else scores
+    budgets = (int(budget),) if budgets is None else tuple(int(b) for b in budgets)
+    if len(budgets) != scores.shape[-1] or sum(budgets) != int(budget):
+        raise ValueError(f"{scores.shape[-1]} scores with budgets {budgets} for a cache of {budget} slots")
+    return scores.float(), budgets
+
+
+def kept_by_rank(
+    scores: Tensor, positions: Tensor, budgets: tuple[int, ...], held: int, steps: int
+) -> Tensor:
+    """Which candidates each of ``steps`` queries sees: scores (B, Hs, N, S) (-inf: no candidate) and
+    positions (B, Hs, N) of the ``held`` tokens a cache holds, then one new candidate per step. A candidate
+    is seen from the step it arrives when, for some kind s, fewer than ``budgets[s]`` candidates that have
+    arrived rank above it by score s (a higher score, or as high and older). -> (B, Hs, steps, N) bool.
+    Ranks among the held tokens and the new ones are ranks among every token that ever left: a token
+    outside the cache ranks below ``budgets[s]`` others by every score."""
+    valid = torch.isfinite(scores[..., 0])  # (B, Hs, N)
+    step = torch.arange(steps, device=scores.device)
+    left = torch.cat(
+        [torch.ones(steps, held, dtype=torch.bool, device=scores.device), step[None, :] <= step[:, None]],
+        dim=-1,
+    )  # (C, N)
+    chosen = torch.zeros(*valid.shape[:2], steps, valid.shape[-1], dtype=torch.bool, device=scores.device)
+    position_i, position_j = positions[..., :, None], positions[..., None, :]
+    for kind, budget in enumerate(budgets):
+        score_i, score_j = scores[..., kind, None], scores[..., None, :, kind]
+        # beats[i, j]: candidate i ranks above candidate j
+        beats = valid[..., :, None] & (
+            (score_i > score_j) | ((score_i == score_j) & (position_i < position_j))
+        )
+        rank = beats[:, :, :held].sum(2)[:, :, None, :] + beats[:, :, held:].cumsum(2)  # (B, Hs, C, N)
+        chosen |= rank < budget
+    return valid[:, :, None, :] & left & chosen
 
 
 def recall_cache_attention(
@@ -141,20 +194,24 @@ def recall_cache_attention(
     scaling: float,
     softcap: float | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    budgets=None,
 ) -> tuple[Tensor, Tensor, RecallCache]:
     """The cache part of the window's softmax for T queries, the cache updated as tokens leave the window.
 
-    query (B, H, T, D); leaving_keys (B, Hs, T, D), leaving_values (B, Hs, T, Dv), scores (B, Hs, T) (-inf:
-    no token leaves at that step) and positions (T,) from ``leaving_tokens`` and ``recall_errors``; cache
-    before the call. Query t sees the ``budget`` best-scored tokens that left the window at steps <= t
-    (ties: the older token). Returns out (B, H, T, Dv) and the log-sum-exp (B, H, T) (0 and -inf where the
-    cache is empty) in the compute dtype, and the cache after the call. The same for any ``chunk_size``.
+    query (B, H, T, D); leaving_keys (B, Hs, T, D), leaving_values (B, Hs, T, Dv), scores (B, Hs, T) or
+    (B, Hs, T, S) (-inf: no token leaves at that step) and positions (T,) from ``leaving_tokens`` and the
+    scores' functions; cache before the call. Query t sees the ``budget`` best-scored tokens that left the
+    window at steps <= t (ties: the older token); with S scores, the union of the ``budgets[s]`` best by
+    each (``kept_by_rank``). Returns out (B, H, T, Dv) and the log-sum-exp (B, H, T) (0 and -inf where the
+    cache is empty) in the compute dtype, and the cache after the call (its attention sums as given). The
+    same for any ``chunk_size``.
     """
     batch, heads, length, head_dim = leaving_keys.shape
     group = query.shape[1] // heads
     dtype = compute_dtype(query, leaving_keys, leaving_values)
     queries = query.to(dtype).view(batch, heads, group, length, head_dim)  # (B, Hs, G, T, D)
     budget = cache.budget
+    scores, budgets = score_columns(scores, budgets, budget)
     outs, lses = [], []
     for start in range(0, length, int(chunk_size)):
         stop = min(length, start + int(chunk_size))
@@ -163,32 +220,18 @@ def recall_cache_attention(
             [cache.keys, leaving_keys[:, :, start:stop].to(cache.keys.dtype)], dim=2
         )  # (B, Hs, N, D)
         values = torch.cat([cache.values, leaving_values[:, :, start:stop].to(cache.values.dtype)], dim=2)
-        candidate_scores = torch.cat([cache.scores, scores[:, :, start:stop].float()], dim=-1)  # (B, Hs, N)
+        candidate_scores = torch.cat([cache.scores, scores[:, :, start:stop]], dim=2)  # (B, Hs, N, S)
         candidate_positions = torch.cat(
             [cache.positions, positions[start:stop].expand(batch, heads, steps)], dim=-1
         )
-        valid = torch.isfinite(candidate_scores)
-        score_i, score_j = candidate_scores[..., :, None], candidate_scores[..., None, :]
-        position_i, position_j = candidate_positions[..., :, None], candidate_positions[..., None, :]
-        # beats[i, j]: candidate i ranks above candidate j (a higher error, or as high and older)
-        beats = valid[..., :, None] & (
-            (score_i > score_j) | ((score_i == score_j) & (position_i < position_j))
-        )
-        # rank of j at step t: the candidates above it among those that have left by t (the cache's all did)
-        rank = beats[:, :, :budget].sum(2)[:, :, None, :] + beats[:, :, budget:].cumsum(2)  # (B, Hs, C, N)
-        step = torch.arange(steps, device=keys.device)
-        left = torch.cat(
-            [torch.ones(steps, budget, dtype=torch.bool, device=keys.device), step[None, :] <= step[:, None]],
-            dim=-1,
-        )  # (C, N)
-        visible = valid[:, :, None, :] & left & (rank < budget)  # (B, Hs, C, N)
+        visible = kept_by_rank(candidate_scores, candidate_positions, budgets, budget, steps)  # (B, Hs, C, N)
         logits = soft_cap(
             scaling * (queries[:, :, :, start:stop] @ keys.to(dtype)[:, :, None].transpose(-1, -2)), softcap
         )
         out, lse = masked_softmax_read(logits, visible[:, :, None], values.to(dtype)[:, :, None])
         outs.append(out)  # (B, Hs, G, C, Dv)
         lses.append(lse)
-        candidates = RecallCache(keys, values, candidate_scores, candidate_positions)
+        candidates = RecallCache(keys, values, candidate_scores, candidate_positions, cache.attention)
         cache = kept_candidates(candidates, visible[:, :, -1], budget)  # at most ``budget`` kept
     out = torch.cat(outs, dim=3).reshape(batch, heads * group, length, -1)
     lse = torch.cat(lses, dim=3).reshape(batch, heads * group, length)

@@ -33,11 +33,15 @@ def recall_scores_naive(
     return scores
 
 
-def kept_tokens(scores: Tensor, query_index: int, *, window: int, sinks: int, budget: int) -> list[int]:
+def kept_tokens(scores: Tensor, query_index: int, *, window: int, sinks: int, budgets) -> list[int]:
     """The tokens the cache holds for query ``query_index`` of one head: of those that have left the window
-    (sinks excepted), the ``budget`` best by (score descending, position ascending). scores (T,) by token."""
-    left = [j for j in range(sinks, query_index - window + 1) if torch.isfinite(scores[j])]
-    return sorted(left, key=lambda j: (-float(scores[j]), j))[:budget]
+    (sinks excepted), for each score s the ``budgets[s]`` best by (score descending, position ascending),
+    together. scores (T, S) by token."""
+    left = [j for j in range(sinks, query_index - window + 1) if torch.isfinite(scores[j, 0])]
+    kept = set()
+    for kind, budget in enumerate(budgets):
+        kept.update(sorted(left, key=lambda j: (-float(scores[j, kind]), j))[:budget])
+    return sorted(kept)
 
 
 def recall_cache_window_attention(
@@ -52,11 +56,16 @@ def recall_cache_window_attention(
     budget: int,
     softcap: float | None = None,
     return_lse: bool = False,
+    budgets=None,
 ):
     """The window's softmax over its last ``window`` keys, the first ``sinks`` tokens and the recall cache's
     kept tokens, as one dense mask: query (B, H, T, D), key (B, Hs, T, D), value (B, Hs, T, Dv),
-    token_scores (B, Hs, T) each token's recall error (``recall_scores_naive``) -> (B, H, T, Dv) in value's
-    dtype (with ``return_lse`` also the log-sum-exp (B, H, T))."""
+    token_scores (B, Hs, T) each token's recall error (``recall_scores_naive``), or (B, Hs, T, S) S scores
+    each keeping ``budgets[s]`` tokens -> (B, H, T, Dv) in value's dtype (with ``return_lse`` also the
+    log-sum-exp (B, H, T))."""
+    token_scores = token_scores.detach()
+    token_scores = token_scores[..., None] if token_scores.dim() == 3 else token_scores
+    budgets = (budget,) if budgets is None else tuple(budgets)
     batch, heads, length, _ = key.shape
     group = query.shape[1] // heads
     dtype = compute_dtype(query, key, value)
@@ -68,7 +77,7 @@ def recall_cache_window_attention(
                     visible[b, h, t, j] = True
                 for j in range(min(sinks, t + 1)):
                     visible[b, h, t, j] = True
-                for j in kept_tokens(token_scores[b, h], t, window=window, sinks=sinks, budget=budget):
+                for j in kept_tokens(token_scores[b, h], t, window=window, sinks=sinks, budgets=budgets):
                     visible[b, h, t, j] = True
     visible = visible.repeat_interleave(group, dim=1)
     keys = key.to(dtype).repeat_interleave(group, dim=1)
