@@ -51,6 +51,7 @@ import torch
 
 from dofla.cells.recall_cache import switch_on_recall_cache
 from dofla.commands._common import integer_list
+from dofla.evaluation.cache_baselines import held_state_bytes
 from dofla.evaluation.logits import final_hidden_states
 from dofla.evaluation.passkey import passkey_retrieval
 from dofla.evaluation.recall import repeated_rows, summed_scores
@@ -328,6 +329,7 @@ def main(argv=None) -> int:
         row.update(long_layers=split.long_layers, perplexity={}, passkey={}, recall={})
         if not isinstance(windows, int):
             row["windows"] = windows
+        row["state_bytes"] = held_state_bytes(model, data.heldout_by_length[max(lengths)][:1])
         for length in lengths:
             sequences = data.heldout_by_length[length]
             row["perplexity"][length] = perplexity(model, sequences, config.distill.batch_size)
@@ -349,16 +351,16 @@ def main(argv=None) -> int:
         "",
         f"Command: `{command}` ({seconds:.0f} s, {torch.get_num_threads()} threads). Run: `{run}`, trained "
         f"with window {own_window} + {sinks} sinks and a recall cache of {own_recall}; every split holds the "
-        "same tokens per head (the same state bytes) once its windows are full. Held-out rows as the run made "
-        "them. Recall cache: the tokens the memory recalls worst; heavy hitters: those that drew the most "
-        "attention while in the window.",
+        "same tokens per head once its windows are full. Held-out rows as the run made them. Recall cache: the "
+        "tokens the memory recalls worst; heavy hitters: those that drew the most attention while in the window. "
+        f"State: the storage the model's cache holds after a prefill of {max(lengths)} tokens.",
         "",
-        "| window | recall cache | heavy hitters | "
+        "| window | recall cache | heavy hitters | state MiB | "
         + " | ".join(f"ppl {n}" for n in lengths)
         + (" | " + " | ".join(f"recall kept {n}" for n in lengths) if args.recall else "")
         + (" | " + " | ".join(f"pass key {n}" for n in passkey_lengths) if trials else "")
         + " |",
-        "|---|---|---|"
+        "|---|---|---|---|"
         + "---|" * (len(lengths) * (2 if args.recall else 1) + (len(passkey_lengths) if trials else 0)),
     ]
     for row in rows:
@@ -369,8 +371,7 @@ def main(argv=None) -> int:
             cells += [f"{sum(row['passkey'][n][0])}/{row['passkey'][n][1]}" for n in passkey_lengths]
         lines.append(
             f"| {split_of(row).label()} | {row['recall_cache']} | {row['heavy_hitters']} | "
-            + " | ".join(cells)
-            + " |"
+            f"{row['state_bytes'] / 2**20:.2f} | " + " | ".join(cells) + " |"
         )
     if args.recall:
         lines += [

@@ -567,5 +567,7 @@ def test_window_recall_split_keeps_heavy_hitters_beside_the_worst_recalled(tiny,
     assert [row["heavy_hitters"] for row in rows] == [0, 3, 2]
     assert all(row["passkey"]["64"][1] == 3 for row in rows)  # one trial at each depth, decoded
     assert "| 4 | 1 | 2 |" in (out / "window_recall_split.md").read_text()
+    # the heavy hitters' scores and sums are state too: more bytes than the same slots by recall error
+    assert rows[2]["state_bytes"] > rows[0]["state_bytes"] > 0
     model = load_converted(run / "model")[0]  # the run's own model is left as it was saved
     assert {layer.recall_budgets for layer in students(model).values()} == {(3,)}

@@ -121,7 +121,7 @@ def check_step_memory(config: LinearizeConfig, model, free: int, device) -> None
 
 
 def check_recall_cache_size(config: LinearizeConfig, model) -> None:
-    """Refuse a recall cache (``--recall-cache``, or the cell option ``recall_cache``) that keeps more tokens
+    """Refuse a recall cache (``--recall-cache``, or the cell options ``recall_cache``, ``heavy_hitters``) that keeps more tokens
     per head than the teacher's context: its keys and values are allocated whole for every sequence."""
     from dofla.data import context_length
 
@@ -129,6 +129,7 @@ def check_recall_cache_size(config: LinearizeConfig, model) -> None:
     for name, slots in (
         ("--recall-cache", config.student.recall_cache),
         ("the cell option recall_cache", config.student.cell_options.get("recall_cache")),
+        ("the cell option heavy_hitters", config.student.cell_options.get("heavy_hitters")),
     ):
         if limit is not None and isinstance(slots, int | float) and slots > limit:
             raise DoflaError(
