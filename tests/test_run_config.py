@@ -248,7 +248,7 @@ def test_a_config_file_with_a_mistake_is_one_sentence(tmp_path, text, message):
         ),
         (
             dict(recipe="gated-delta", student=dict(recall_cache=64, cell_options={"recall_cache": 8})),
-            "the cell option recall_cache trains with it; give one of the two",
+            "the cell options recall_cache and heavy_hitters train with it; give one of the two",
         ),
         (
             dict(recipe="gated-delta", student=dict(recall_cache=64), plan=dict(position_period=512)),
