@@ -988,3 +988,18 @@ def test_a_recall_cache_beyond_the_context_is_refused_before_training(world, tmp
     error = capsys.readouterr().err
     assert "--recall-cache 1000000000 keeps more tokens per head than the teacher's context of 512" in error
     assert not (tmp_path / "run" / "distill").exists()
+
+
+def test_recall_cache_options_that_add_up_beyond_the_context_are_refused_before_training(
+    world, tmp_path, capsys
+):
+    run = ["linearize", str(world["teacher"]), "--data", str(world["text"]), *RUN, "--tokens", "128"]
+    run += ["--cell", "gated_delta", "--kind", "hybrid", "--window", "8", "--loss", "output_mse"]
+    run += ["--cell-options", "recall_cache=300,heavy_hitters=300"]  # each within the context of 512
+    assert main([*run, "--out", str(tmp_path / "run")]) == 1
+    error = capsys.readouterr().err
+    assert (
+        "the cell options recall_cache + heavy_hitters 600 keeps more tokens per head than the teacher's"
+        in error
+    )
+    assert not (tmp_path / "run" / "distill").exists()

@@ -121,16 +121,17 @@ def check_step_memory(config: LinearizeConfig, model, free: int, device) -> None
 
 
 def check_recall_cache_size(config: LinearizeConfig, model) -> None:
-    """Refuse a recall cache (``--recall-cache``, or the cell options ``recall_cache``, ``heavy_hitters``) that keeps more tokens
-    per head than the teacher's context: its keys and values are allocated whole for every sequence."""
+    """Refuse a recall cache (``--recall-cache``, or the cell options ``recall_cache`` and ``heavy_hitters``,
+    whose slots add up) that keeps more tokens per head than the teacher's context: its keys and values are
+    allocated whole for every sequence."""
+    from dofla.cells.recall_cache import RECALL_OPTIONS
     from dofla.data import context_length
 
     limit = context_length(model)
-    for name, slots in (
-        ("--recall-cache", config.student.recall_cache),
-        ("the cell option recall_cache", config.student.cell_options.get("recall_cache")),
-        ("the cell option heavy_hitters", config.student.cell_options.get("heavy_hitters")),
-    ):
+    options = config.student.cell_options
+    given = {name: options[name] for name in RECALL_OPTIONS if isinstance(options.get(name), int | float)}
+    in_cell = ("the cell option " if len(given) == 1 else "the cell options ") + " + ".join(given)
+    for name, slots in (("--recall-cache", config.student.recall_cache), (in_cell, sum(given.values()))):
         if limit is not None and isinstance(slots, int | float) and slots > limit:
             raise DoflaError(
                 f"{name} {slots} keeps more tokens per head than the teacher's context of {limit} tokens; use "

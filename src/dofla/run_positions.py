@@ -50,15 +50,14 @@ def apply_position_period(config: LinearizeConfig, model) -> None:
     with fixed frequencies (measured at 8 times the training length: it removed the pure-linear student's
     collapse and gained 5% for the constant-memory hybrid, 1% beside kept softmax layers); none where the
     recall cache is on (``student.recall_cache`` after training or the cell options ``recall_cache`` and
-    ``heavy_hitters`` during it: it reads the true positions), and where no converted layer reads rotary positions (windows alone, cells
-    with their own projections such as ``gated_delta_net``)."""
+    ``heavy_hitters`` during it: it reads the true positions), and where no converted layer reads rotary
+    positions (windows alone, cells with their own projections such as ``gated_delta_net``)."""
+    from dofla.cells.recall_cache import RECALL_OPTIONS
     from dofla.models.surgery import students
 
     period = config.plan.position_period
-    options = config.student.cell_options
-    if period is None and (
-        config.student.recall_cache or options.get("recall_cache") or options.get("heavy_hitters")
-    ):
+    in_cell = any(config.student.cell_options.get(name) for name in RECALL_OPTIONS)
+    if period is None and (config.student.recall_cache or in_cell):
         return
     if period is None and not any(student.uses_features for student in students(model).values()):
         return

@@ -319,11 +319,8 @@ def window_step_with_recall_cache(
                 columns.append(cache.attention[:, :, tokens % cell.window])
         score = torch.stack(columns, dim=-1)  # (B, Hs, S)
         cache = insert_recall_candidate(cache, key, value, score, position, cell.recall_budgets)
-    extra = (
-        cache.keys,
-        cache.values,
-        torch.isfinite(cache.scores[..., 0]),
-    )  # read in the window's own softmax
+    kept = torch.isfinite(cache.scores[..., 0])
+    extra = (cache.keys, cache.values, kept)  # read in the window's own softmax
     if return_lse:
         out, lse, ring = ring_window_step(*ring_inputs, return_lse=True, extra=extra, **ring_options)
     else:
