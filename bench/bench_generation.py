@@ -51,12 +51,31 @@ def recipe_plan_options(args: argparse.Namespace) -> dict:
     """With ``--recipe``: its plan's kind, cell, window, sinks and cell options for ``plan_for`` (and its
     feature map and budget into ``args``); without, {} (the flags' plan)."""
     if args.recipe is None:
+        if args.window is not None or args.cell_option:
+            raise SystemExit("--window and --cell-option change a recipe's students: give --recipe too.")
         return {}
     options = plan_for_arguments(args.recipe)
     options.pop("keep_softmax", None)  # --softmax-layers names the kept layers
     args.feature_map = options.pop("feature_map", args.feature_map)
     args.feature_dim = options.pop("feature_dim", args.feature_dim)
+    if args.window is not None:
+        options["window"] = args.window
+    for item in args.cell_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--cell-option takes KEY=VALUE (e.g. heavy_hitters=80), not {item!r}.")
+        options["options"][key] = _option_value(value)
     return options
+
+
+def _option_value(text: str):
+    """A --cell-option value: an int, a float, true/false, else the text."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def student_plan(model, args: argparse.Namespace, plan_options: dict):
@@ -237,6 +256,16 @@ def main() -> int:
         default=None,
         choices=sorted(RECIPES),
         help="a recipe's students (its kind, cell, feature map, budget, window, sinks and cell options)",
+    )
+    parser.add_argument(
+        "--window", type=int, default=None, help="with --recipe: its students' window instead"
+    )
+    parser.add_argument(
+        "--cell-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --recipe: set one of its cell options (repeatable), e.g. heavy_hitters=80",
     )
     parser.add_argument(
         "--softmax-layers",
