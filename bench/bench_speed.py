@@ -116,8 +116,8 @@ STUDENTS = {
     "gla recipe": (plan_for_arguments("gla"), None),
     "gated-delta-linear recipe": (plan_for_arguments("gated-delta-linear"), None),
     "gated-delta-retrieval recipe": (plan_for_arguments("gated-delta-retrieval"), None),
-    # the demo's recipe: the gated-delta cell beside a window of 160 + 4 sinks and a recall cache of 32 tokens
-    # per head (the tokens its memory recalls worst, read in the window's softmax)
+    # the demo's recipe: the gated-delta cell beside a window of 96 + 4 sinks and a cache of 96 tokens per head
+    # read in the window's softmax (the 32 its memory recalls worst, the 64 that drew the most attention)
     "gated-delta-recall recipe": (plan_for_arguments("gated-delta-recall"), None),
     "gated_delta+window (3 softmax)": (
         dict(kind="hybrid", cell="gated_delta", sinks=4, keep_softmax=3),

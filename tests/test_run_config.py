@@ -292,10 +292,11 @@ def test_the_demo_is_the_recall_recipe_sized_for_a_2_core_cpu():
         "projection",
         "hybrid",
     )
-    assert (demo.plan.window, demo.plan.sinks, demo.plan.budget, demo.student.recall_cache) == (160, 4, 64, 0)
+    assert (demo.plan.window, demo.plan.sinks, demo.plan.budget, demo.student.recall_cache) == (96, 4, 64, 0)
     assert demo.student.cell_options == {
         "window_factor": 0.999,
         "recall_cache": 32,
+        "heavy_hitters": 64,
     }  # trained with the cache
     assert (
         demo.plan.position_period is None and demo.plan.sinks_at_edge is False
@@ -318,4 +319,5 @@ def test_the_demo_is_the_recall_recipe_sized_for_a_2_core_cpu():
     assert plan_for_arguments("gated-delta-recall")["options"] == {
         "window_factor": 0.999,
         "recall_cache": 32,
+        "heavy_hitters": 64,
     }

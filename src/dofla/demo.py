@@ -16,9 +16,9 @@ DEMO_HELDOUT_TEXT = DEMO_TEXT / "wikipedia_heldout.txt"  # 3 Wikipedia articles 
 def demo_config(out_dir: str | Path) -> LinearizeConfig:
     """The ``make demo`` run, sized to finish within 15 minutes on an idle 2-core CPU: the embedded
     SmolLM2-135M with every layer converted to the :data:`DEMO_RECIPE` recipe's cell (the gated delta rule
-    over 64-dimensional learned keys beside a 160-token window of the teacher's own softmax that keeps 4 sink
-    tokens) and a recall cache of 32 tokens per head (the tokens its memory recalls worst, read in the
-    window's softmax), trained with the cache in the loop: attention-output MSE on 4k tokens of 1,024-token
+    over 64-dimensional learned keys beside a 96-token window of the teacher's own softmax that keeps 4 sink
+    tokens) and a cache of 96 tokens per head read in the window's softmax (the 32 its memory recalls worst
+    and the 64 that drew the most attention while in the window), trained with the cache in the loop: attention-output MSE on 4k tokens of 1,024-token
     rows, then LoRA (lr 3e-3, KL 1 to the teacher) on 6k tokens of 512-token rows, and the same LoRA stage on
     the unconverted teacher for reference. Measured at 1,024 tokens beside the teacher and its no-training caches
     (the window with and without sinks; StreamingLLM and heavy hitters holding as many bytes as the student's
