@@ -91,10 +91,11 @@ LATEST = [
         "Generation with the recall cache: the demo's recipe against the teacher (CPU)",
         "bench/results/generation_recall_recipe.md",
         "`python bench/bench_generation.py --recipe gated-delta-recall --contexts 4096,16384 --new-tokens 32`: "
-        "the `gated-delta-recall` recipe's student (window 160 + 4 sinks, recall cache of 32 tokens per head, "
-        "untrained weights: speed does not depend on them) decoding through `generate()`, the teacher in the "
-        "same run. The cache's one-token step (`dofla.ops.recall_cache.step`) against the recurrent form it "
-        "replaced is in the file.",
+        "the `gated-delta-recall` recipe's student (window 96 + 4 sinks, a cache of 32 worst-recalled and 64 "
+        "heavy-hitter tokens per head, untrained weights: speed does not depend on them) decoding through "
+        "`generate()`, the teacher in the same run. The recipe's earlier splits (160 + 32 without heavy hitters, "
+        "64 + 128) and the cache's one-token step (`dofla.ops.recall_cache.step`) against the recurrent form it "
+        "replaced are in the file.",
     ),
     Benchmark(
         "An exported student in llama.cpp: agreement with transformers, decode speed and state (CPU)",
