@@ -435,7 +435,9 @@ def test_bench_generation_measures_the_contexts_that_fit_and_says_which_did_not(
     rows = generation.measure_rows(None, [64, 4096], args, "teacher (static cache)", static=True)
     assert rows == [{"context": 64, "static": True}, None]
     assert "teacher (static cache) at 4096 tokens, batch 2: out of memory" in capsys.readouterr().err
-    args = argparse.Namespace(recipe="gated-delta-linear", feature_map="learnable_prf", feature_dim=32)
+    args = argparse.Namespace(
+        recipe="gated-delta-linear", feature_map="learnable_prf", feature_dim=32, window=None, cell_option=[]
+    )
     options = generation.recipe_plan_options(args)
     assert (
         options["kind"] == "linear" and options["cell"] == "gated_delta" and options["options"]["short_conv"]
@@ -444,7 +446,12 @@ def test_bench_generation_measures_the_contexts_that_fit_and_says_which_did_not(
     from dofla.models import build_tiny_model
 
     args = argparse.Namespace(
-        recipe="gated-delta-retrieval", feature_map="learnable_prf", feature_dim=32, softmax_layers="1"
+        recipe="gated-delta-retrieval",
+        feature_map="learnable_prf",
+        feature_dim=32,
+        softmax_layers="1",
+        window=None,
+        cell_option=[],
     )
     plan, kept = generation.student_plan(
         build_tiny_model("llama"), args, generation.recipe_plan_options(args)
@@ -455,6 +462,36 @@ def test_bench_generation_measures_the_contexts_that_fit_and_says_which_did_not(
 
     assert plan_for_arguments("gated-delta-retrieval")["keep_softmax"] == 4
     assert "keep_softmax" not in plan_for_arguments("gated-delta")
+
+
+def test_bench_generation_changes_a_recipes_window_and_cell_options_and_refuses_them_alone():
+    generation = bench_script("bench_generation")
+
+    def arguments(recipe, window=None, *items):
+        return argparse.Namespace(
+            recipe=recipe, feature_map="learnable_prf", feature_dim=32, window=window, cell_option=list(items)
+        )
+
+    options = generation.recipe_plan_options(
+        arguments("gated-delta-recall", 48, "heavy_hitters=8", "recall_cache=4", "mix=adaptive")
+    )
+    assert options["window"] == 48
+    assert options["options"] == {
+        "window_factor": 0.999,
+        "recall_cache": 4,
+        "heavy_hitters": 8,
+        "mix": "adaptive",
+    }
+    assert (
+        generation.recipe_plan_options(arguments("gated-delta-linear", None, "output_gate=false"))["options"][
+            "output_gate"
+        ]
+        is False
+    )
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        generation.recipe_plan_options(arguments("gated-delta-recall", None, "heavy_hitters"))
+    with pytest.raises(SystemExit, match="give --recipe too"):
+        generation.recipe_plan_options(arguments(None, 48))
 
 
 def test_bench_generation_times_the_static_cache_teachers_decoding_steps_without_its_prefill(monkeypatch):
