@@ -18,10 +18,10 @@ def demo_config(out_dir: str | Path) -> LinearizeConfig:
     SmolLM2-135M with every layer converted to the :data:`DEMO_RECIPE` recipe's cell (the gated delta rule
     over 64-dimensional learned keys beside a 96-token window of the teacher's own softmax that keeps 4 sink
     tokens) and a cache of 96 tokens per head read in the window's softmax (the 32 its memory recalls worst
-    and the 64 that drew the most attention while in the window), trained with the cache in the loop: attention-output MSE on 4k tokens of 1,024-token
-    rows, then LoRA (lr 3e-3, KL 1 to the teacher) on 6k tokens of 512-token rows, and the same LoRA stage on
-    the unconverted teacher for reference. Measured at 1,024 tokens beside the teacher and its no-training caches
-    (the window with and without sinks; StreamingLLM and heavy hitters holding as many bytes as the student's
+    and the 64 that drew the most attention while in the window), trained with the cache in the loop:
+    attention-output MSE on 4k tokens of 1,024-token rows, then LoRA (lr 3e-3, KL 1 to the teacher) on 6k
+    tokens of 512-token rows, and the same LoRA stage on the unconverted teacher for reference. Measured at
+    1,024 tokens beside the teacher and its no-training caches (the window with and without sinks; StreamingLLM and heavy hitters holding as many bytes as the student's
     state), and the pass key at 2,048 and 4,096 tokens (depths 0.1/0.5/0.9, one trial each). Data: real text
     shipped with dofla, of two sources: it trains on web text (:data:`DEMO_TRAIN_TEXT`) and is measured on 16
     held-out rows of 1,024 tokens of encyclopedia text it never saw (:data:`DEMO_HELDOUT_TEXT`)."""
