@@ -21,7 +21,9 @@ import torch
 from timing import time_prefill
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from dofla.commands._config_flags import key_values
 from dofla.convert import convert, plan_for
+from dofla.errors import DoflaError
 from dofla.evaluation.speed import measure_generation, random_prompt
 from dofla.recipes import RECIPES, plan_for_arguments
 
@@ -51,8 +53,8 @@ def recipe_plan_options(args: argparse.Namespace) -> dict:
     """With ``--recipe``: its plan's kind, cell, window, sinks and cell options for ``plan_for`` (and its
     feature map and budget into ``args``); without, {} (the flags' plan)."""
     if args.recipe is None:
-        if args.window is not None or args.cell_option:
-            raise SystemExit("--window and --cell-option change a recipe's students: give --recipe too.")
+        if args.window is not None or args.cell_options:
+            raise SystemExit("--window and --cell-options change a recipe's students: give --recipe too.")
         return {}
     options = plan_for_arguments(args.recipe)
     options.pop("keep_softmax", None)  # --softmax-layers names the kept layers
@@ -60,22 +62,11 @@ def recipe_plan_options(args: argparse.Namespace) -> dict:
     args.feature_dim = options.pop("feature_dim", args.feature_dim)
     if args.window is not None:
         options["window"] = args.window
-    for item in args.cell_option:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--cell-option takes KEY=VALUE (e.g. heavy_hitters=80), not {item!r}.")
-        options["options"][key] = _option_value(value)
+    try:  # the syntax of dofla's own --cell-options
+        options["options"].update(key_values("--cell-options", args.cell_options or ""))
+    except DoflaError as error:
+        raise SystemExit(str(error)) from None
     return options
-
-
-def _option_value(text: str):
-    """A --cell-option value: an int, a float, true/false, else the text."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def student_plan(model, args: argparse.Namespace, plan_options: dict):
@@ -261,11 +252,10 @@ def main() -> int:
         "--window", type=int, default=None, help="with --recipe: its students' window instead"
     )
     parser.add_argument(
-        "--cell-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="with --recipe: set one of its cell options (repeatable), e.g. heavy_hitters=80",
+        "--cell-options",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="with --recipe: set some of its cell options, as dofla's --cell-options (e.g. heavy_hitters=80)",
     )
     parser.add_argument(
         "--softmax-layers",

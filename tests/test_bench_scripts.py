@@ -436,7 +436,11 @@ def test_bench_generation_measures_the_contexts_that_fit_and_says_which_did_not(
     assert rows == [{"context": 64, "static": True}, None]
     assert "teacher (static cache) at 4096 tokens, batch 2: out of memory" in capsys.readouterr().err
     args = argparse.Namespace(
-        recipe="gated-delta-linear", feature_map="learnable_prf", feature_dim=32, window=None, cell_option=[]
+        recipe="gated-delta-linear",
+        feature_map="learnable_prf",
+        feature_dim=32,
+        window=None,
+        cell_options=None,
     )
     options = generation.recipe_plan_options(args)
     assert (
@@ -451,7 +455,7 @@ def test_bench_generation_measures_the_contexts_that_fit_and_says_which_did_not(
         feature_dim=32,
         softmax_layers="1",
         window=None,
-        cell_option=[],
+        cell_options=None,
     )
     plan, kept = generation.student_plan(
         build_tiny_model("llama"), args, generation.recipe_plan_options(args)
@@ -467,13 +471,13 @@ def test_bench_generation_measures_the_contexts_that_fit_and_says_which_did_not(
 def test_bench_generation_changes_a_recipes_window_and_cell_options_and_refuses_them_alone():
     generation = bench_script("bench_generation")
 
-    def arguments(recipe, window=None, *items):
+    def arguments(recipe, window=None, options=None):
         return argparse.Namespace(
-            recipe=recipe, feature_map="learnable_prf", feature_dim=32, window=window, cell_option=list(items)
+            recipe=recipe, feature_map="learnable_prf", feature_dim=32, window=window, cell_options=options
         )
 
     options = generation.recipe_plan_options(
-        arguments("gated-delta-recall", 48, "heavy_hitters=8", "recall_cache=4", "mix=adaptive")
+        arguments("gated-delta-recall", 48, "heavy_hitters=8,recall_cache=4,mix=adaptive")
     )
     assert options["window"] == 48
     assert options["options"] == {
