@@ -21,10 +21,11 @@ def demo_config(out_dir: str | Path) -> LinearizeConfig:
     and the 64 that drew the most attention while in the window), trained with the cache in the loop:
     attention-output MSE on 4k tokens of 1,024-token rows, then LoRA (lr 3e-3, KL 1 to the teacher) on 6k
     tokens of 512-token rows, and the same LoRA stage on the unconverted teacher for reference. Measured at
-    1,024 tokens beside the teacher and its no-training caches (the window with and without sinks; StreamingLLM and heavy hitters holding as many bytes as the student's
-    state), and the pass key at 2,048 and 4,096 tokens (depths 0.1/0.5/0.9, one trial each). Data: real text
-    shipped with dofla, of two sources: it trains on web text (:data:`DEMO_TRAIN_TEXT`) and is measured on 16
-    held-out rows of 1,024 tokens of encyclopedia text it never saw (:data:`DEMO_HELDOUT_TEXT`)."""
+    1,024 tokens beside the teacher and its no-training caches (the window with and without sinks;
+    StreamingLLM and heavy hitters holding as many bytes as the student's state), and the pass key at 2,048
+    and 4,096 tokens (depths 0.1/0.5/0.9, one trial each). Data: real text shipped with dofla, of two
+    sources: it trains on web text (:data:`DEMO_TRAIN_TEXT`) and is measured on 16 held-out rows of 1,024
+    tokens of encyclopedia text it never saw (:data:`DEMO_HELDOUT_TEXT`)."""
     return LinearizeConfig.from_dict(
         dict(
             out_dir=str(out_dir),
